@@ -1,0 +1,381 @@
+"""Configuration: the Mooncake connection and mooncake-span's own options.
+
+Two frozen dataclasses, each validated when it is built:
+
+``MooncakeSettings`` -- how to reach the Mooncake cluster. It is read exactly
+the way sglang's built-in ``MooncakeStore`` reads it, so an existing deployment
+can switch backends without touching its config:
+
+1. ``--hicache-storage-backend-extra-config`` keys, used when they contain
+   ``master_server_address`` (or ``client_server_address``);
+2. else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``;
+3. else ``MOONCAKE_*`` environment variables (``MOONCAKE_MASTER`` required).
+
+Within one source, missing keys take sglang's defaults. ``local_hostname``
+follows upstream: ``MOONCAKE_LOCAL_HOSTNAME`` or ``LOCAL_HOSTNAME`` from the
+process environment win over the chosen source, so one shared extra-config can
+serve many hosts. Sizes accept ints and strings such as ``"4gb"``.
+
+``SpanOptions`` -- mooncake-span's own knobs. Precedence: extra-config keys,
+then ``MOONCAKE_SPAN_<NAME>`` environment variables, then defaults. Its keys
+are ``storage_page_size`` plus every key starting with ``span_``; an unknown
+key in that namespace is an error (a typo must not silently fall back to a
+default).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from mooncake_span.errors import ConfigError
+from mooncake_span.units import parse_size_bytes
+
+logger = logging.getLogger(__name__)
+
+CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
+SPAN_ENV_PREFIX = "MOONCAKE_SPAN_"
+
+# sglang's defaults for MOONCAKE_* (sglang/srt/environ.py, 0.5.23).
+_DEFAULT_LOCAL_HOSTNAME = "localhost"
+_DEFAULT_METADATA_SERVER = "P2PHANDSHAKE"
+_DEFAULT_GLOBAL_SEGMENT = "4gb"
+_DEFAULT_PROTOCOL = "rdma"
+_DEFAULT_LOCAL_BUFFER_BYTES = 16 * 1024 * 1024
+
+KNOWN_PROTOCOLS = ("tcp", "rdma", "efa", "nvlink", "nvlink_intra", "cxl", "ascend", "hip", "barex")
+
+# Keys other components read from the same extra-config dict (sglang's
+# factory and controller, upstream MooncakeStore). They are not ours to reject.
+FOREIGN_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "allocator",
+        "tp_lcm_size",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "extra_backend_tag",
+        "enable_group_semantics",
+        "master_metrics_port",
+        "check_server",
+        "standalone_storage",
+        "client_server_address",
+        "enable_ssd_offload",
+        "ssd_offload_path",
+        "tenant_id",
+        "local_hostname",
+        "metadata_server",
+        "global_segment_size",
+        "protocol",
+        "device_name",
+        "master_server_address",
+    }
+)
+
+_HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+
+def _check_host_port(value: str, what: str) -> None:
+    if not _HOST_PORT.match(value) or not 0 < int(value.rsplit(":", 1)[1]) < 65536:
+        raise ConfigError(f"{what} must look like host:port, got {value!r}")
+
+
+def validate_metadata_server(value: str) -> str:
+    """Reject metadata URLs the native client would choke on.
+
+    An unknown scheme makes Mooncake abort the whole process (LOG(FATAL)), so
+    the check has to happen here, before ``setup``.
+    """
+    if value == "P2PHANDSHAKE":
+        return value
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        # No scheme means etcd to Mooncake.
+        for endpoint in value.split(","):
+            _check_host_port(endpoint, "metadata_server (etcd endpoint)")
+        return value
+    if scheme in ("http", "https"):
+        hostport = rest.split("/", 1)[0]
+        _check_host_port(hostport, "metadata_server (HTTP)")
+        return value
+    if scheme in ("etcd", "redis"):
+        for endpoint in rest.split(","):
+            _check_host_port(endpoint, f"metadata_server ({scheme})")
+        return value
+    raise ConfigError(
+        f"metadata_server {value!r} has an unsupported scheme {scheme!r}; use "
+        "'P2PHANDSHAKE', 'http://host:port/metadata', 'etcd://host:port' or 'redis://host:port'"
+    )
+
+
+def validate_master_address(value: str) -> str:
+    if value.startswith("etcd://"):
+        for endpoint in value[len("etcd://") :].split(","):
+            _check_host_port(endpoint, "master_server_address (etcd endpoint)")
+        return value
+    _check_host_port(value, "master_server_address")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class MooncakeSettings:
+    """Arguments of ``MooncakeDistributedStore.setup`` plus where they came from."""
+
+    master_server_address: str
+    metadata_server: str = _DEFAULT_METADATA_SERVER
+    local_hostname: str = _DEFAULT_LOCAL_HOSTNAME
+    global_segment_size_bytes: int = parse_size_bytes(_DEFAULT_GLOBAL_SEGMENT)
+    local_buffer_size_bytes: int = _DEFAULT_LOCAL_BUFFER_BYTES
+    protocol: str = _DEFAULT_PROTOCOL
+    device_name: str = ""
+    source: str = "explicit"
+
+    def __post_init__(self) -> None:
+        validate_master_address(self.master_server_address)
+        validate_metadata_server(self.metadata_server)
+        if not self.local_hostname:
+            raise ConfigError("local_hostname must not be empty")
+        if self.global_segment_size_bytes < 0:
+            raise ConfigError(
+                f"global_segment_size must be >= 0 bytes, got {self.global_segment_size_bytes}"
+            )
+        if self.local_buffer_size_bytes <= 0:
+            raise ConfigError(
+                f"local_buffer_size must be > 0 bytes, got {self.local_buffer_size_bytes}"
+            )
+        if self.protocol not in KNOWN_PROTOCOLS:
+            raise ConfigError(
+                f"protocol {self.protocol!r} is not one Mooncake supports; "
+                f"choose one of {', '.join(KNOWN_PROTOCOLS)}"
+            )
+
+    def etcd_endpoints(self) -> list[str]:
+        """host:port of every etcd endpoint setup would contact (master and metadata)."""
+        endpoints: list[str] = []
+        if self.master_server_address.startswith("etcd://"):
+            endpoints += self.master_server_address[len("etcd://") :].split(",")
+        md = self.metadata_server
+        if md.startswith("etcd://"):
+            endpoints += md[len("etcd://") :].split(",")
+        elif md != "P2PHANDSHAKE" and "://" not in md:
+            endpoints += md.split(",")
+        return endpoints
+
+
+def _size(value: Any, key: str) -> int:
+    try:
+        return parse_size_bytes(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+
+
+def _resolve_local_hostname(environ: Mapping[str, str], source: Mapping[str, Any]) -> str:
+    # Process environment first: a shared extra-config must not pin every host
+    # to the same name (same rule as upstream MooncakeStore).
+    for name in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):
+        if environ.get(name):
+            return environ[name]
+    return str(source.get("local_hostname") or _DEFAULT_LOCAL_HOSTNAME)
+
+
+def _settings_from_mapping(
+    values: Mapping[str, Any], environ: Mapping[str, str], source: str
+) -> MooncakeSettings:
+    if values.get("standalone_storage"):
+        raise ConfigError(
+            "standalone_storage=True (a separate mooncake_client owning the segment) is not "
+            "supported by mooncake-span; run the store client in-process "
+            "(global_segment_size=0 for a pure client) and dedicated storage nodes instead"
+        )
+    if not values.get("master_server_address"):
+        raise ConfigError(f"master_server_address is required ({source})")
+    return MooncakeSettings(
+        master_server_address=str(values["master_server_address"]),
+        metadata_server=str(values.get("metadata_server", _DEFAULT_METADATA_SERVER)),
+        local_hostname=_resolve_local_hostname(environ, values),
+        global_segment_size_bytes=_size(
+            values.get("global_segment_size", _DEFAULT_GLOBAL_SEGMENT), "global_segment_size"
+        ),
+        local_buffer_size_bytes=_size(
+            values.get("local_buffer_size", _DEFAULT_LOCAL_BUFFER_BYTES), "local_buffer_size"
+        ),
+        protocol=str(values.get("protocol", environ.get("MOONCAKE_PROTOCOL", _DEFAULT_PROTOCOL))),
+        device_name=str(values.get("device_name", "")),
+        source=source,
+    )
+
+
+def load_mooncake_settings(
+    extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> MooncakeSettings:
+    """Resolve the Mooncake connection with upstream MooncakeStore's precedence."""
+    environ = os.environ if environ is None else environ
+    extra = extra_config or {}
+    if extra.get("master_server_address") is not None or extra.get("client_server_address"):
+        return _settings_from_mapping(extra, environ, "extra_config")
+    path = environ.get(CONFIG_PATH_ENV)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                values = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {CONFIG_PATH_ENV}={path!r}: {exc}") from exc
+        if not isinstance(values, dict):
+            raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} must hold a JSON object")
+        return _settings_from_mapping(values, environ, f"file {path}")
+    if not environ.get("MOONCAKE_MASTER"):
+        raise ConfigError(
+            "no Mooncake master configured: set master_server_address in "
+            f"--hicache-storage-backend-extra-config, or {CONFIG_PATH_ENV}, or MOONCAKE_MASTER"
+        )
+    return _settings_from_mapping(
+        {
+            "master_server_address": environ["MOONCAKE_MASTER"],
+            "metadata_server": environ.get("MOONCAKE_TE_META_DATA_SERVER", _DEFAULT_METADATA_SERVER),
+            "global_segment_size": environ.get(
+                "MOONCAKE_GLOBAL_SEGMENT_SIZE", _DEFAULT_GLOBAL_SEGMENT
+            ),
+            "protocol": environ.get("MOONCAKE_PROTOCOL", _DEFAULT_PROTOCOL),
+            "device_name": environ.get("MOONCAKE_DEVICE", ""),
+            "standalone_storage": environ.get("MOONCAKE_STANDALONE_STORAGE", "").lower()
+            in ("1", "true", "yes"),
+        },
+        environ,
+        "environment",
+    )
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(value: Any, key: str) -> bool:
+    """Strict boolean: an unrecognised string is an error, never truthy."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{key} must be a boolean (true/false/1/0), got {value!r}")
+
+
+LAYOUT_GUARD_MODES = ("off", "store", "etcd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpanOptions:
+    """mooncake-span's own options (see the module docstring for precedence)."""
+
+    # Tokens per storage key; None means "the host page size" (K=1) unless
+    # sglang's storage_config carries storage_page_size (span-aware builds).
+    storage_page_size: int | None = None
+    # Over TCP a call carrying more than 2048 buffers to one peer fails partly
+    # (-800, "TCP lane queue-full"): calls are split below this budget.
+    max_buffers_per_call: int = 2048
+    # Consecutive whole-call transport failures before the breaker opens.
+    breaker_failures: int = 3
+    breaker_probe_interval_s: float = 2.0
+    # Bound for one stalled transfer (MC_TCP_STATUS_TIMEOUT_SEC, default 30 s).
+    transfer_timeout_s: int = 5
+    replica_num: int = 1
+    # One Mooncake group id per storage key so eviction keeps its objects together.
+    group_ids: bool = True
+    # Where the cluster-wide span geometry of this namespace is published.
+    layout_guard: str = "store"
+    layout_guard_etcd: str | None = None
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.storage_page_size is not None and self.storage_page_size < 0:
+            raise ConfigError(
+                f"storage_page_size must be >= 0 tokens (0 = host page size), got {self.storage_page_size}"
+            )
+        if not 1 <= self.max_buffers_per_call <= 1 << 20:
+            raise ConfigError(
+                f"span_max_buffers_per_call must be in 1..1048576, got {self.max_buffers_per_call}"
+            )
+        if self.breaker_failures < 1:
+            raise ConfigError(f"span_breaker_failures must be >= 1, got {self.breaker_failures}")
+        if self.breaker_probe_interval_s <= 0:
+            raise ConfigError(
+                f"span_breaker_probe_interval_s must be > 0, got {self.breaker_probe_interval_s}"
+            )
+        if not 1 <= self.transfer_timeout_s <= 3600:
+            raise ConfigError(
+                f"span_transfer_timeout_s must be in 1..3600 seconds, got {self.transfer_timeout_s}"
+            )
+        if self.replica_num < 1:
+            raise ConfigError(f"span_replica_num must be >= 1, got {self.replica_num}")
+        if self.layout_guard not in LAYOUT_GUARD_MODES:
+            raise ConfigError(
+                f"span_layout_guard must be one of {LAYOUT_GUARD_MODES}, got {self.layout_guard!r}"
+            )
+        if self.layout_guard == "etcd" and not self.layout_guard_etcd:
+            raise ConfigError("span_layout_guard='etcd' needs span_layout_guard_etcd=host:port")
+        if self.layout_guard_etcd:
+            _check_host_port(self.layout_guard_etcd, "span_layout_guard_etcd")
+
+
+# extra-config key -> (dataclass field, parser)
+_SPAN_KEYS: dict[str, tuple[str, Any]] = {
+    "storage_page_size": ("storage_page_size", int),
+    "span_max_buffers_per_call": ("max_buffers_per_call", int),
+    "span_breaker_failures": ("breaker_failures", int),
+    "span_breaker_probe_interval_s": ("breaker_probe_interval_s", float),
+    "span_transfer_timeout_s": ("transfer_timeout_s", int),
+    "span_replica_num": ("replica_num", int),
+    "span_group_ids": ("group_ids", parse_bool),
+    "span_layout_guard": ("layout_guard", str),
+    "span_layout_guard_etcd": ("layout_guard_etcd", str),
+}
+assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
+
+
+def _is_our_key(key: str) -> bool:
+    return key == "storage_page_size" or key.startswith("span_")
+
+
+def load_span_options(
+    extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> SpanOptions:
+    """extra-config > MOONCAKE_SPAN_* env > defaults; unknown ``span_*`` keys are errors."""
+    environ = os.environ if environ is None else environ
+    extra = dict(extra_config or {})
+    unknown = sorted(k for k in extra if _is_our_key(k) and k not in _SPAN_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"unknown mooncake-span option(s) {unknown}; known: {sorted(_SPAN_KEYS)}"
+        )
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, (field_name, parse) in _SPAN_KEYS.items():
+        env_name = SPAN_ENV_PREFIX + key.removeprefix("span_").upper()
+        if key in extra and extra[key] is not None:
+            raw, origin = extra[key], "extra_config"
+        elif environ.get(env_name):
+            raw, origin = environ[env_name], env_name
+        else:
+            continue
+        try:
+            values[field_name] = parse(raw) if parse is not parse_bool else parse(raw, key)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{key} ({origin}) is invalid: {raw!r} ({exc})") from exc
+        sources[field_name] = origin
+    strays = sorted(k for k in extra if not _is_our_key(k) and k not in FOREIGN_KEYS)
+    if strays:
+        logger.warning("ignoring extra-config keys no component reads: %s", strays)
+    return SpanOptions(**values, sources=sources)

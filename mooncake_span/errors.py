@@ -1,0 +1,99 @@
+"""Exception hierarchy and the Mooncake return codes mooncake-span acts on.
+
+Per-key misses are data (a ``False`` in a result list), never exceptions. The
+exceptions below are for whole-call failures, bad configuration and bad input;
+each subclasses a builtin so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class MooncakeSpanError(Exception):
+    """Base class of every error raised by mooncake-span."""
+
+
+class ConfigError(MooncakeSpanError, ValueError):
+    """A configuration value is missing, unknown or malformed."""
+
+
+class GeometryError(MooncakeSpanError, ValueError):
+    """A transfer does not fit the span geometry (stride, page alignment, sizes)."""
+
+
+class RegistrationError(MooncakeSpanError, ValueError):
+    """A host pool cannot be served (unknown pool, unsupported layout, bad span factor)."""
+
+
+class SetupError(MooncakeSpanError, RuntimeError):
+    """The Mooncake client could not be set up or a buffer could not be registered."""
+
+
+class StoreClosedError(MooncakeSpanError, RuntimeError):
+    """A call arrived after ``close()``; the native client is never touched then."""
+
+
+class TransportError(MooncakeSpanError, RuntimeError):
+    """A whole Mooncake call failed (RPC or transfer failure, breaker open)."""
+
+
+class LayoutConflictError(MooncakeSpanError, RuntimeError):
+    """Another node published a different span geometry for the same key namespace."""
+
+
+class ErrorCode(enum.IntEnum):
+    """The subset of Mooncake's ``ErrorCode`` (mooncake-store types.h) we classify."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    BUFFER_OVERFLOW = -10
+    SEGMENT_NOT_FOUND = -101
+    CLIENT_NOT_FOUND = -103
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_KEY = -400
+    WRITE_FAIL = -500
+    INVALID_PARAMS = -600
+    ILLEGAL_CLIENT = -601
+    INVALID_WRITE = -700
+    INVALID_READ = -701
+    INVALID_REPLICA = -702
+    REPLICA_IS_NOT_READY = -703
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    REPLICA_IS_GONE = -712
+    TRANSFER_FAIL = -800
+    CHECKSUM_MISMATCH = -801
+    RPC_FAIL = -900
+    RPC_TIMEOUT = -901
+    ETCD_OPERATION_ERROR = -1000
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+
+
+# Codes that mean "the cluster (master, network, a peer) did not answer", as
+# opposed to "this object is missing" or "this request was wrong". Only these
+# feed the circuit breaker.
+TRANSPORT_CODES = frozenset(
+    {
+        ErrorCode.INTERNAL_ERROR,
+        ErrorCode.TRANSFER_FAIL,
+        ErrorCode.RPC_FAIL,
+        ErrorCode.RPC_TIMEOUT,
+        ErrorCode.ETCD_OPERATION_ERROR,
+        ErrorCode.UNAVAILABLE_IN_CURRENT_STATUS,
+    }
+)
+
+
+def code_name(code: int) -> str:
+    """A stable label for a native return code, known or not (for counters and logs)."""
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return f"CODE_{code}"
+
+
+def is_transport_failure(code: int) -> bool:
+    return code in TRANSPORT_CODES

@@ -1,0 +1,172 @@
+"""An in-memory stand-in for ``mooncake.store.MooncakeDistributedStore``.
+
+It implements the subset of the native API that ``client.MooncakeClient`` uses,
+with the native return-code conventions (0 / bytes read on success, negative
+``ErrorCode`` values on failure) and the behaviours we rely on: a put of an
+existing key keeps the old value and reports success, a get must name buffers
+whose sizes sum exactly to the object size, empty keys and 0-byte objects are
+rejected. ``tests/contract`` runs the same suite against this class and the
+real client, which is what entitles unit tests to use it.
+
+Several ``FakeStore`` instances built on one ``FakeCluster`` share objects,
+like clients of one Mooncake cluster. ``FakeCluster.inject`` makes the next
+calls of an operation fail with a given code, for fault tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import threading
+from dataclasses import dataclass, field
+
+from mooncake_span.errors import ErrorCode
+
+
+@dataclass
+class FakeReplicateConfig:
+    replica_num: int = 1
+    group_ids: list[str] = field(default_factory=list)
+
+
+class FakeCluster:
+    def __init__(self, capacity_bytes: int = 1 << 40) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.objects: dict[str, bytes] = {}
+        self.groups: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self._faults: dict[str, list[int]] = {}
+        self.calls: list[tuple[str, int]] = []
+
+    def inject(self, op: str, code: int, times: int = 1) -> None:
+        """The next ``times`` calls of ``op`` answer ``code`` for every key."""
+        self._faults.setdefault(op, []).extend([code] * times)
+
+    def _take_fault(self, op: str) -> int | None:
+        queue = self._faults.get(op)
+        return queue.pop(0) if queue else None
+
+    def used_bytes(self) -> int:
+        return sum(len(v) for v in self.objects.values())
+
+    def drop(self, key: str) -> bool:
+        """Forget one object, as eviction would."""
+        with self.lock:
+            return self.objects.pop(key, None) is not None
+
+
+class FakeStore:
+    def __init__(self, cluster: FakeCluster | None = None) -> None:
+        self._cluster = cluster or FakeCluster()
+        self._closed = False
+
+    def _check(self) -> None:
+        if self._closed:
+            # The real client segfaults here; the fake makes the misuse visible.
+            raise RuntimeError("FakeStore used after close()")
+
+    def setup(self, *args: object, **kwargs: object) -> int:
+        self._check()
+        return 0
+
+    def register_buffer(self, ptr: int, size: int) -> int:
+        self._check()
+        return 0 if size > 0 else int(ErrorCode.INVALID_PARAMS)
+
+    def close(self) -> int:
+        self._closed = True
+        return 0
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self._check()
+        c = self._cluster
+        c.calls.append(("batch_is_exist", len(keys)))
+        fault = c._take_fault("batch_is_exist")
+        if fault is not None:
+            return [fault] * len(keys)
+        with c.lock:
+            return [1 if k in c.objects else 0 for k in keys]
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        all_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: FakeReplicateConfig | None = None,
+    ) -> list[int]:
+        self._check()
+        c = self._cluster
+        c.calls.append(("batch_put_from_multi_buffers", sum(len(p) for p in all_ptrs)))
+        fault = c._take_fault("batch_put_from_multi_buffers")
+        if fault is not None:
+            return [fault] * len(keys)
+        out = []
+        groups = list(getattr(config, "group_ids", None) or [])
+        with c.lock:
+            for index, (key, ptrs, sizes) in enumerate(zip(keys, all_ptrs, all_sizes)):
+                total = sum(sizes)
+                if not key or total <= 0 or any(s <= 0 for s in sizes):
+                    out.append(int(ErrorCode.INVALID_PARAMS))
+                    continue
+                if key in c.objects:
+                    out.append(0)
+                    continue
+                if c.used_bytes() + total > c.capacity_bytes:
+                    out.append(int(ErrorCode.NO_AVAILABLE_HANDLE))
+                    continue
+                c.objects[key] = b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))
+                if index < len(groups):
+                    c.groups[key] = groups[index]
+                out.append(0)
+        return out
+
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], all_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]:
+        self._check()
+        c = self._cluster
+        c.calls.append(("batch_get_into_multi_buffers", sum(len(p) for p in all_ptrs)))
+        fault = c._take_fault("batch_get_into_multi_buffers")
+        if fault is not None:
+            return [fault] * len(keys)
+        out = []
+        with c.lock:
+            for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes):
+                value = c.objects.get(key)
+                if value is None:
+                    out.append(int(ErrorCode.OBJECT_NOT_FOUND))
+                    continue
+                if sum(sizes) != len(value):
+                    out.append(int(ErrorCode.TRANSFER_FAIL))
+                    continue
+                offset = 0
+                for ptr, size in zip(ptrs, sizes):
+                    ctypes.memmove(ptr, value[offset : offset + size], size)
+                    offset += size
+                out.append(len(value))
+        return out
+
+    def remove(self, key: str, force: bool = False) -> int:
+        self._check()
+        return 0 if self._cluster.drop(key) else int(ErrorCode.OBJECT_NOT_FOUND)
+
+    def remove_all(self, force: bool = False) -> int:
+        self._check()
+        with self._cluster.lock:
+            count = len(self._cluster.objects)
+            self._cluster.objects.clear()
+        return count
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        self._check()
+        regex = re.compile(pattern)
+        with self._cluster.lock:
+            doomed = [k for k in self._cluster.objects if regex.search(k)]
+            for key in doomed:
+                del self._cluster.objects[key]
+        return len(doomed)
+
+    def get_size(self, key: str) -> int:
+        self._check()
+        value = self._cluster.objects.get(key)
+        return len(value) if value is not None else int(ErrorCode.OBJECT_NOT_FOUND)

@@ -1,0 +1,144 @@
+"""Hit-prefix math for ``batch_exists_v2``. Pure.
+
+Pages here are storage pages (keys): in span mode one key is K host pages, and
+sglang multiplies by ``storage_page_size`` itself.
+
+Rules (identical to sglang 0.5.23's MooncakeStore and HiCacheFile for the first
+two policies):
+
+* ``kv_pages`` is the leading run of keys whose KV objects all exist.
+* Every prefix length ``1..kv_pages`` starts out restorable. Each pool
+  transfer, in order, removes the lengths it cannot serve:
+
+  - ALL_PAGES: every page before the stop point must exist for the pool;
+  - TRAILING_PAGES with window n: the n pages ending at the stop point must
+    exist -- the surviving set may have holes (checkpoints sit at node ends),
+    which is why the whole set is returned and not only its maximum;
+  - BLOCK_GROUPS: reports its own verdict (pages covered by its leading
+    complete groups) and never gates the KV hit, so it removes nothing.
+
+* ``kv_hit_pages = max(restorable)``; per-pool boundaries go to
+  ``pool_hit_pages`` (with ``kv`` -> raw KV prefix, as sglang expects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+ALL_PAGES = "all_pages"
+TRAILING_PAGES = "trailing_pages"
+BLOCK_GROUPS = "block_groups"
+HIT_POLICIES = (ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS)
+
+
+def leading_run(flags: Sequence[bool]) -> int:
+    """Number of leading True values."""
+    for index, flag in enumerate(flags):
+        if not flag:
+            return index
+    return len(flags)
+
+
+def clamp_after_first_failure(flags: Sequence[bool]) -> list[bool]:
+    """Per-key results never report True after a failure of the same pool."""
+    run = leading_run(flags)
+    return [True] * run + [False] * (len(flags) - run)
+
+
+@dataclass(frozen=True)
+class PoolHitQuery:
+    """One pool's existence flags for pages ``0..kv_pages-1`` plus its policy."""
+
+    name: str
+    policy: str
+    page_exists: Sequence[bool]
+    window_pages: int = 1
+    block_pages: int = 0
+    group_pages: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in HIT_POLICIES:
+            raise ValueError(f"pool {self.name!r}: unsupported hit policy {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class HitResult:
+    kv_hit_pages: int
+    pool_hit_pages: dict[str, int] = field(default_factory=dict)
+    restorable_prefix_pages: list[int] = field(default_factory=list)
+
+
+def trailing_restorable(page_exists: Sequence[bool], window_pages: int) -> list[int]:
+    """Stop points L (1-based) whose window ``[L-n, L)`` exists entirely."""
+    window = max(1, window_pages)
+    restorable = []
+    missing_before = 0
+    # prefix count of missing pages lets each window be checked in O(1)
+    missing_prefix = [0]
+    for exists in page_exists:
+        missing_before += 0 if exists else 1
+        missing_prefix.append(missing_before)
+    for stop in range(1, len(page_exists) + 1):
+        start = max(0, stop - window)
+        if missing_prefix[stop] - missing_prefix[start] == 0:
+            restorable.append(stop)
+    return restorable
+
+
+def block_group_pages(
+    page_exists: Sequence[bool], block_pages: int, group_pages: int
+) -> int:
+    """Pages covered by the leading complete groups.
+
+    Groups of ``group_pages`` keys start at every block boundary (a block is
+    ``block_pages`` pages; 0 means one block spanning the query) and are cut at
+    the next boundary. A group cut short by the end of the query is not whole
+    and does not count.
+    """
+    total = len(page_exists)
+    group = max(1, group_pages)
+    block = block_pages if block_pages > 0 else max(total, 1)
+    covered = 0
+    block_start = 0
+    while block_start < total:
+        block_end = block_start + block
+        start = block_start
+        while start < block_end:
+            end = min(start + group, block_end)
+            if end > total or not all(page_exists[start:end]):
+                return covered
+            covered = end
+            start = end
+        block_start = block_end
+    return covered
+
+
+def compute_hits(kv_pages: int, pools: Sequence[PoolHitQuery], kv_name: str = "kv") -> HitResult:
+    hits: dict[str, int] = {kv_name: kv_pages} if kv_pages else {}
+    restorable = list(range(1, kv_pages + 1))
+    for pool in pools:
+        if not restorable:
+            break
+        exists = list(pool.page_exists[:kv_pages])
+        if len(exists) < kv_pages:
+            exists += [False] * (kv_pages - len(exists))
+        if pool.policy == ALL_PAGES:
+            boundary = leading_run(exists)
+            allowed = set(range(1, boundary + 1))
+        elif pool.policy == TRAILING_PAGES:
+            stops = trailing_restorable(exists, pool.window_pages)
+            boundary = stops[-1] if stops else 0
+            allowed = set(stops)
+        else:
+            boundary = block_group_pages(exists, pool.block_pages, pool.group_pages)
+            allowed = None
+        if boundary:
+            hits[pool.name] = boundary
+        if allowed is not None:
+            restorable = [stop for stop in restorable if stop in allowed]
+    return HitResult(
+        kv_hit_pages=restorable[-1] if restorable else 0,
+        pool_hit_pages=hits,
+        restorable_prefix_pages=restorable,
+    )

@@ -1,0 +1,163 @@
+"""Object-key schema. Pure. Key strings are a persistent format: change them only
+with a version bump (``KEY_SCHEMA_VERSION``) and the golden tests.
+
+An object key is ``{prefix}_{page_key}_{rank}_{component}``, i.e. upstream
+MooncakeStore's suffix grammar (``{hash}__k`` for MLA without PP,
+``{hash}_{tp}_k`` / ``_v`` for MHA, ``_{tp}_temporal`` / ``_{tp}_conv_{i}`` for
+Mamba, ``__indexer`` ...) behind a prefix that makes incompatible deployments
+disjoint::
+
+    ms1[_{tag}]_{model}_h{host_page}x{K}_{layout}_{kv_dtype}
+
+The prefix carries the span geometry, so a K=4 span object of 4x64 tokens and a
+native 256-token-page object of the same page hash never share a key, and it
+carries the host layout and KV dtype, which change an object's bytes.
+
+Page keys come from sglang (chained SHA-256 hex digests) and are opaque: never
+re-hashed, only validated.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from mooncake_span.errors import GeometryError
+
+KEY_SCHEMA_VERSION = "ms1"
+MAX_PAGE_KEY_CHARS = 512
+
+_LAYOUT_CODES = {
+    "page_first": "pf",
+    "page_first_direct": "pfd",
+    "layer_first": "lf",
+    "page_head": "ph",
+    "page_first_kv_split": "pfkv",
+}
+_UNSAFE = re.compile(r"[^A-Za-z0-9.\-]+")
+# Whitespace and control characters make keys ambiguous in logs and in
+# Mooncake's metadata dumps; Mooncake itself refuses only the empty key.
+_BAD_PAGE_KEY_CHARS = re.compile(r"[\x00-\x20\x7f]")
+
+
+def sanitize_token(value: str) -> str:
+    """Collapse anything outside [A-Za-z0-9.-] so prefix fields stay unambiguous."""
+    token = _UNSAFE.sub("-", value).strip("-")
+    return token or "none"
+
+
+def layout_code(layout: str) -> str:
+    return _LAYOUT_CODES.get(layout, sanitize_token(layout))
+
+
+class RankScope(enum.Enum):
+    """Which rank coordinate distinguishes a component's objects.
+
+    REPLICATED: identical on every TP rank (MLA KV, DSA indexer, DSv4 pools);
+    one writer, every rank reads the same object. SHARDED: each TP rank holds
+    its own slice (MHA heads, Mamba state even under MLA).
+    """
+
+    REPLICATED = "replicated"
+    SHARDED = "sharded"
+
+
+@dataclass(frozen=True)
+class RankTags:
+    """The rank part of object keys, built from HiCacheStorageConfig fields."""
+
+    replicated: str
+    sharded: str
+
+    @classmethod
+    def from_ranks(
+        cls,
+        *,
+        tp_rank: int,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        attn_cp_rank: int = 0,
+        attn_cp_size: int = 1,
+        dcp_rank: int = 0,
+        dcp_size: int = 1,
+    ) -> RankTags:
+        pp = f"_{pp_rank}" if pp_size > 1 else ""
+        if dcp_size > 1:
+            replicated = f"dcp{dcp_rank}_cp{attn_cp_rank}{pp}"
+        else:
+            # Upstream leaves the CP rank out; layer-split CP ranks then collide
+            # on one key (sglang #37122), so it is added whenever CP > 1.
+            parts = [f"cp{attn_cp_rank}"] if attn_cp_size > 1 else []
+            parts += [str(pp_rank)] if pp_size > 1 else []
+            replicated = "_".join(parts)
+        cp = f"_cp{attn_cp_rank}" if attn_cp_size > 1 else ""
+        return cls(replicated=replicated, sharded=f"{tp_rank}{pp}{cp}")
+
+    def for_scope(self, scope: RankScope) -> str:
+        return self.replicated if scope is RankScope.REPLICATED else self.sharded
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    """One object per storage key: its name (``k``, ``v``, ``indexer``, ``conv_0`` ...)."""
+
+    name: str
+    scope: RankScope
+
+
+@dataclass(frozen=True)
+class KeySchema:
+    model: str
+    host_page_tokens: int
+    pages_per_span: int
+    layout: str
+    kv_dtype: str
+    ranks: RankTags
+    tag: str | None = None
+
+    @property
+    def prefix(self) -> str:
+        parts = [KEY_SCHEMA_VERSION]
+        if self.tag:
+            parts.append(sanitize_token(self.tag))
+        parts += [
+            sanitize_token(self.model),
+            f"h{self.host_page_tokens}x{self.pages_per_span}",
+            layout_code(self.layout),
+            sanitize_token(self.kv_dtype),
+        ]
+        return "_".join(parts)
+
+    def suffix(self, component: ComponentSpec) -> str:
+        return f"_{self.ranks.for_scope(component.scope)}_{component.name}"
+
+    def object_keys(
+        self, page_keys: list[str], components: tuple[ComponentSpec, ...]
+    ) -> list[str]:
+        """Key-major, component-minor: ``[k0c0, k0c1, k1c0, ...]``."""
+        prefix = self.prefix
+        suffixes = [self.suffix(c) for c in components]
+        return [f"{prefix}_{key}{suffix}" for key in page_keys for suffix in suffixes]
+
+    def group_id(self, page_key: str) -> str:
+        """Mooncake eviction group of every object of one storage key."""
+        return f"{self.prefix}_{page_key}"
+
+
+def check_page_keys(page_keys: object) -> list[str]:
+    """Validate sglang page keys; GeometryError names the first bad one."""
+    if page_keys is None:
+        raise GeometryError("keys is None")
+    if not isinstance(page_keys, (list, tuple)):
+        raise GeometryError(f"keys must be a list of str, got {type(page_keys).__name__}")
+    for index, key in enumerate(page_keys):
+        if not isinstance(key, str) or not key:
+            raise GeometryError(f"key #{index} must be a non-empty str, got {key!r}")
+        if len(key) > MAX_PAGE_KEY_CHARS:
+            raise GeometryError(
+                f"key #{index} is {len(key)} chars long; the limit is {MAX_PAGE_KEY_CHARS}"
+            )
+        if _BAD_PAGE_KEY_CHARS.search(key):
+            raise GeometryError(f"key #{index} {key[:40]!r} contains whitespace or control characters")
+    return list(page_keys)

@@ -1,0 +1,206 @@
+"""Turn an sglang host pool into what the pure planner needs.
+
+For each registered pool this works out, once at registration:
+
+* its stored components and their key suffixes (upstream MooncakeStore's
+  table: MLA ``k``; MHA ``k``/``v``; Mamba ``temporal`` + ``conv_i``;
+  ``indexer``; ``swa`` ...), with the rank scope of each;
+* an affine address model ``ptr(page, slot) = base + page * stride`` fitted to
+  ``get_page_buffer_meta`` on sample pages and checked on others, so per-call
+  pointer planning needs no Python loop over sglang's per-page code;
+* the buffers to register with Mooncake.
+
+Zero-byte slots and components are dropped from both keys and pointers
+(Mooncake rejects 0-byte buffers and objects).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mooncake_span.errors import RegistrationError
+from mooncake_span.geometry import KV_DERIVED_POOLS, KV_POOL
+from mooncake_span.keys import ComponentSpec, RankScope
+from mooncake_span.plan import PageLayout
+
+R = RankScope.REPLICATED
+S = RankScope.SHARDED
+
+
+def pool_name_str(name: Any) -> str:
+    """sglang's PoolName / PoolHitPolicy are str enums; accept either form."""
+    return str(getattr(name, "value", name))
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    page_tokens: int
+    components: tuple[ComponentSpec, ...]
+    layout: PageLayout | None
+    buffers: tuple[tuple[int, int], ...]
+    # True when the pool has no zero-copy pointers for its layout (e.g. the DSA
+    # indexer in layer_first): pages are then copied through a staging buffer
+    # with get_data_page / set_from_flat_data_page, and ``layout`` describes
+    # one flat page.
+    staged: bool = False
+
+
+def _is_instance(pool: Any, module: str, cls: str) -> bool:
+    import importlib
+
+    try:
+        return isinstance(pool, getattr(importlib.import_module(module), cls))
+    except (ImportError, AttributeError):
+        return False
+
+
+def _is_mla_pool(pool: Any) -> bool:
+    return _is_instance(pool, "sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost")
+
+
+def _is_mha_pool(pool: Any) -> bool:
+    return _is_instance(pool, "sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost")
+
+
+def _is_dsv4_pool(pool: Any) -> bool:
+    return _is_instance(pool, "sglang.srt.mem_cache.memory_pool_host", "DeepSeekV4PagedHostPool")
+
+
+def component_specs(name: str, pool: Any, *, is_mla: bool) -> tuple[ComponentSpec, ...]:
+    if name == KV_POOL:
+        return (ComponentSpec("k", R),) if is_mla else (ComponentSpec("k", S), ComponentSpec("v", S))
+    if name == "mamba":
+        convs = len(getattr(pool, "conv_buffer", None) or [])
+        specs = [ComponentSpec(f"conv_{i}", S) for i in range(convs)]
+        if getattr(pool, "temporal_state_elem_size", 1) > 0:
+            specs.insert(0, ComponentSpec("temporal", S))
+        return tuple(specs)
+    if name == "draft":
+        if _is_mla_pool(pool):
+            return (ComponentSpec("draft_k", R),)
+        return (ComponentSpec("draft_k", S), ComponentSpec("draft_v", S))
+    if name == "draft_swa":
+        if _is_mla_pool(pool) or _is_dsv4_pool(pool):
+            return (ComponentSpec("draft_swa", R),)
+        if _is_mha_pool(pool):
+            return (ComponentSpec("draft_swa_k", S), ComponentSpec("draft_swa_v", S))
+    if name == "swa":
+        if not is_mla and hasattr(pool, "v_buffer"):
+            return (ComponentSpec("swa_k", S), ComponentSpec("swa_v", S))
+        if is_mla:
+            return (ComponentSpec("swa", R),)
+    if name in KV_DERIVED_POOLS or name.startswith("deepseek_v4_"):
+        return (ComponentSpec(name, R),)
+    raise RegistrationError(
+        f"pool {name!r} ({type(pool).__name__}) has no Mooncake object layout in mooncake-span "
+        "(supported: kv, indexer, draft, draft_indexer, draft_swa, swa, mamba, deepseek_v4_*)"
+    )
+
+
+def _page_meta(pool: Any, page: int, page_tokens: int) -> tuple[list[int], list[int]]:
+    indices = torch.arange(page * page_tokens, (page + 1) * page_tokens, dtype=torch.int64)
+    ptrs, sizes = pool.get_page_buffer_meta(indices)
+    return [int(p) for p in ptrs], [int(s) for s in sizes]
+
+
+def fit_page_layout(name: str, pool: Any, page_tokens: int, num_components: int) -> PageLayout:
+    """Fit ``ptr = base + page * stride`` per slot and verify it on more pages."""
+    num_pages = int(getattr(pool, "size", 0)) // page_tokens
+    if num_pages < 1:
+        raise RegistrationError(f"pool {name!r} has no host pages (size {getattr(pool, 'size', None)})")
+    try:
+        base, sizes = _page_meta(pool, 0, page_tokens)
+        samples = sorted({1, num_pages // 2, num_pages - 1} - {0})
+        metas = {p: _page_meta(pool, p, page_tokens) for p in samples if p < num_pages}
+    except (NotImplementedError, ValueError, AssertionError, AttributeError) as exc:
+        raise RegistrationError(
+            f"pool {name!r} ({type(pool).__name__}, layout {getattr(pool, 'layout', '?')}) "
+            f"offers no zero-copy page pointers: {exc}"
+        ) from exc
+    if not base:
+        raise RegistrationError(f"pool {name!r}: get_page_buffer_meta returned no buffers")
+    strides = [0] * len(base)
+    if 1 in metas:
+        strides = [p1 - p0 for p0, p1 in zip(base, metas[1][0])]
+    for page, (ptrs, page_sizes) in metas.items():
+        predicted = [b + page * s for b, s in zip(base, strides)]
+        if page_sizes != sizes or ptrs != predicted:
+            raise RegistrationError(
+                f"pool {name!r}: page pointers are not an affine function of the page index "
+                f"(page {page}); this host pool layout is not supported"
+            )
+    if len(base) % num_components:
+        raise RegistrationError(
+            f"pool {name!r}: {len(base)} buffers per page cannot be split into "
+            f"{num_components} components"
+        )
+    # sglang emits per page [c0, c1, ...] per layer (MHA layer_first: K0,V0,K1,V1):
+    # component c owns every num_components-th buffer.
+    components = tuple(
+        tuple(b for b in range(c, len(base), num_components) if sizes[b] > 0)
+        for c in range(num_components)
+    )
+    return PageLayout(
+        base_ptrs=tuple(base),
+        page_stride_bytes=tuple(strides),
+        slot_bytes=tuple(sizes),
+        components=components,
+        num_pages=num_pages,
+    )
+
+
+def _flat_page_layout(pool: Any, page_tokens: int) -> PageLayout:
+    dummy = pool.get_dummy_flat_data_page()
+    flat_bytes = dummy.numel() * dummy.element_size()
+    return PageLayout(
+        base_ptrs=(0,),
+        page_stride_bytes=(flat_bytes,),
+        slot_bytes=(flat_bytes,),
+        components=((0,),),
+        num_pages=int(getattr(pool, "size", 0)) // page_tokens,
+    )
+
+
+def _registration_buffers(pool: Any) -> tuple[tuple[int, int], ...]:
+    try:
+        tensors = list(pool.get_hybrid_pool_buffer())
+    except (AttributeError, NotImplementedError):
+        tensors = [getattr(pool, "kv_buffer", None)]
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > 0:
+            seen[tensor.data_ptr()] = max(nbytes, seen.get(tensor.data_ptr(), 0))
+    return tuple(seen.items())
+
+
+def describe_pool(name: str, pool: Any, *, is_mla: bool) -> PoolShape:
+    page_tokens = int(getattr(pool, "page_size", 0) or 1)
+    specs = component_specs(name, pool, is_mla=is_mla)
+    if name == KV_POOL and getattr(pool, "kv_buffer", None) is None:
+        # DeepSeek-V4's logical anchor: indices only, the sidecars hold the bytes.
+        return PoolShape(page_tokens, specs, None, ())
+    try:
+        layout = fit_page_layout(name, pool, page_tokens, len(specs))
+    except RegistrationError:
+        if len(specs) != 1 or not hasattr(pool, "get_dummy_flat_data_page"):
+            raise
+        return PoolShape(page_tokens, specs, _flat_page_layout(pool, page_tokens), (), staged=True)
+    kept = [i for i, slots in enumerate(layout.components) if slots]
+    if len(kept) != len(specs):
+        layout = PageLayout(
+            base_ptrs=layout.base_ptrs,
+            page_stride_bytes=layout.page_stride_bytes,
+            slot_bytes=layout.slot_bytes,
+            components=tuple(layout.components[i] for i in kept),
+            num_pages=layout.num_pages,
+        )
+        specs = tuple(specs[i] for i in kept)
+    if not specs:
+        raise RegistrationError(f"pool {name!r} has only 0-byte components")
+    return PoolShape(page_tokens, specs, layout, _registration_buffers(pool))
