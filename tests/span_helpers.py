@@ -1,0 +1,46 @@
+"""Small helpers shared by unit and integration tests (no fixtures here)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+
+def make_storage_config(
+    extra_config: dict[str, Any],
+    *,
+    is_mla: bool = True,
+    model_name: str = "test-model",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> Any:
+    """An sglang 0.5.23 HiCacheStorageConfig as the controller would build it."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=is_mla,
+        enable_storage_metrics=True,
+        is_page_first_layout=True,
+        model_name=model_name,
+        extra_config=dict(extra_config),
+    )
+
+
+def scattered_pages(total_pages: int, count: int, seed: int) -> list[int]:
+    """``count`` distinct host pages in a shuffled (non-monotonic) order."""
+    pages = list(range(total_pages))
+    random.Random(seed).shuffle(pages)
+    return pages[:count]
+
+
+def slots_of(pages: list[int], page_tokens: int) -> torch.Tensor:
+    """Token slots of ``pages`` in the given order, as sglang passes host_indices."""
+    return torch.cat([torch.arange(p * page_tokens, (p + 1) * page_tokens) for p in pages])
