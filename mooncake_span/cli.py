@@ -1,0 +1,350 @@
+"""The ``mooncake-span`` command line.
+
+Each subcommand is a ``_register_<name>(subparsers)`` function that adds its
+parser and sets ``func``; ``main()`` only parses and dispatches via
+``args.func(args)``, so new subcommands (``demo``, ``bench``) plug in by adding
+one registration call to ``build_parser()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import signal
+import sys
+import threading
+from typing import TYPE_CHECKING
+
+from mooncake_span.units import parse_size_bytes
+
+if TYPE_CHECKING:
+    from mooncake_span.cluster import LocalCluster
+
+logger = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 1.0
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_int_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------
+# cluster
+
+
+def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
+    cluster = subparsers.add_parser(
+        "cluster",
+        help="run a local Mooncake cluster",
+        description="Run a local Mooncake cluster (master, metadata, storage nodes).",
+    )
+    actions = cluster.add_subparsers(dest="cluster_command", metavar="ACTION", required=True)
+    up = actions.add_parser(
+        "up",
+        help="start a cluster in the foreground until Ctrl-C or SIGTERM",
+        description=(
+            "Start a local Mooncake cluster in the foreground, print its addresses, a "
+            "ready-to-paste SGLang extra-config JSON and the client environment, and keep it "
+            "running until Ctrl-C or SIGTERM; then stop every process it started."
+        ),
+    )
+    up.add_argument(
+        "--storage-nodes",
+        type=_non_negative_int_arg,
+        default=1,
+        metavar="N",
+        help="number of storage-only processes contributing memory (default: 1)",
+    )
+    up.add_argument(
+        "--segment-size",
+        type=_size_arg,
+        default=parse_size_bytes("1gb"),
+        metavar="SIZE",
+        help="memory each storage node contributes, e.g. 1gb, 512mb or bytes (default: 1gb)",
+    )
+    up.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="IPv4 address every process binds and advertises (default: 127.0.0.1)",
+    )
+    up.add_argument(
+        "--etcd",
+        action="store_true",
+        help="also run etcd (required for --ha-masters > 1)",
+    )
+    up.add_argument(
+        "--standalone-metadata",
+        action="store_true",
+        help="run mooncake_http_metadata_server instead of the master's embedded metadata server",
+    )
+    up.add_argument(
+        "--ha-masters",
+        type=_positive_int_arg,
+        default=1,
+        metavar="N",
+        help="number of masters; > 1 runs them in etcd-backed HA mode (needs --etcd) (default: 1)",
+    )
+    up.add_argument(
+        "--enable-oplog",
+        action="store_true",
+        help="replicate object metadata between HA masters so keys survive a failover",
+    )
+    up.add_argument(
+        "--lease-ttl-ms",
+        type=_positive_int_arg,
+        default=None,
+        metavar="MS",
+        help="master's default_kv_lease_ttl in milliseconds (default: Mooncake's, 10000)",
+    )
+    up.add_argument(
+        "--client-ttl-s",
+        type=_positive_int_arg,
+        default=None,
+        metavar="S",
+        help="seconds before the master drops a silent client's segments (default: Mooncake's, 10)",
+    )
+    up.add_argument(
+        "--eviction-high-watermark-ratio",
+        type=float,
+        default=None,
+        metavar="RATIO",
+        help="memory usage ratio in (0, 1] that triggers eviction (default: Mooncake's, 0.9)",
+    )
+    up.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="directory for the processes' logs (default: a new temporary directory)",
+    )
+    up.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="give up if the cluster is not ready after this many seconds (default: 60)",
+    )
+    up.set_defaults(func=cluster_up)
+
+
+class _StopRequested(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    # One-shot: a second Ctrl-C must not interrupt the teardown half-way.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise _StopRequested(signal.Signals(signum).name)
+
+
+def cluster_up(args: argparse.Namespace) -> int:
+    """``mooncake-span cluster up``: run a LocalCluster until SIGINT/SIGTERM."""
+    from mooncake_span.cluster import ClusterSpec, ClusterStartError, LocalCluster
+
+    try:
+        spec = ClusterSpec(
+            host=args.host,
+            storage_nodes=args.storage_nodes,
+            storage_node_segment_bytes=args.segment_size,
+            etcd=args.etcd,
+            standalone_metadata=args.standalone_metadata,
+            ha_masters=args.ha_masters,
+            enable_oplog=args.enable_oplog,
+            lease_ttl_ms=args.lease_ttl_ms,
+            client_ttl_s=args.client_ttl_s,
+            eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
+            log_dir=args.log_dir,
+            start_timeout_s=args.start_timeout_s,
+        )
+    except ValueError as exc:
+        print(f"mooncake-span cluster up: {exc}", file=sys.stderr)
+        return 2
+
+    cluster = LocalCluster(spec)
+    # SIGTERM gets the same treatment as Ctrl-C: unwind and tear down.
+    previous_handlers = {
+        sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        try:
+            cluster.start()
+            _print_ready(cluster)
+            _watch_until_signal(cluster)
+        finally:
+            for sig in previous_handlers:
+                signal.signal(sig, signal.SIG_IGN)
+            if cluster.started:
+                print("stopping the cluster...", flush=True)
+            cluster.stop()
+    except _StopRequested:
+        print("cluster stopped", flush=True)
+        return 0
+    except (ClusterStartError, FileNotFoundError) as exc:
+        print(f"mooncake-span cluster up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _watch_until_signal(cluster: LocalCluster) -> None:
+    """Block until a stop signal; report cluster processes that die meanwhile."""
+    expected = set(cluster.pids())
+    reported: set[str] = set()
+    idle = threading.Event()
+    while True:
+        # The signal handler raises out of this wait.
+        idle.wait(_WATCH_INTERVAL_S)
+        for name in sorted(expected - reported - set(cluster.pids())):
+            reported.add(name)
+            print(
+                f"warning: {name} exited unexpectedly; see {cluster.log_dir / (name + '.log')}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _print_ready(cluster: LocalCluster) -> None:
+    spec = cluster.spec
+    lines = [
+        f"mooncake cluster is up: {spec.ha_masters} master(s), {spec.storage_nodes} storage "
+        f"node(s) of {spec.storage_node_segment_bytes} bytes",
+        f"master_address:  {cluster.master_address}",
+        f"metadata_server: {cluster.metadata_server}",
+        f"metrics_url:     {cluster.metrics_url}",
+    ]
+    if cluster.etcd_endpoint is not None:
+        lines.append(f"etcd_endpoint:   {cluster.etcd_endpoint}")
+    lines += [
+        f"log_dir:         {cluster.log_dir}",
+        f"pids:            {json.dumps(cluster.pids())}",
+        "",
+        "# SGLang --hicache-storage-backend-extra-config (merge with your backend keys):",
+        json.dumps(cluster.client_config()),
+        "",
+        "# environment for client processes:",
+        *(f"export {name}={shlex.quote(value)}" for name, value in cluster.client_env().items()),
+        "",
+        "ready; press Ctrl-C to stop",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------
+# demo
+
+
+def _register_demo(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser(
+        "demo",
+        help="back up and restore a compressed hybrid DSA model's KV cache through Mooncake",
+        description=(
+            "Start an embedded local Mooncake cluster (or use --master/--metadata), build real "
+            "sglang host pools shaped like a compressed hybrid DSA model (MLA KV + DSA indexer + "
+            "Mamba, 64-token host pages, 256-token storage pages, K=4), back up random requests, "
+            "wipe the host pools, restore through batch_exists_v2 / batch_get_v1 / batch_get_v2 "
+            "and verify every byte. Exits 1 if anything is missing or differs."
+        ),
+    )
+    demo.add_argument("--requests", type=_positive_int_arg, default=8, help="requests to back up (default 8)")
+    demo.add_argument(
+        "--keys-per-request", type=_positive_int_arg, default=8,
+        help="storage pages (256 tokens each) per request (default 8)",
+    )
+    demo.add_argument(
+        "--layout", choices=("page_first", "page_first_direct", "layer_first"), default="page_first",
+        help="host pool layout (default page_first)",
+    )
+    demo.add_argument("--layers", type=_positive_int_arg, default=4, help="model layers (default 4)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed for tokens and page contents")
+    demo.add_argument(
+        "--master", default=None, metavar="HOST:PORT",
+        help="use this running Mooncake master instead of an embedded cluster (needs --metadata)",
+    )
+    demo.add_argument(
+        "--metadata", default=None, metavar="URL",
+        help="metadata server of that cluster, e.g. http://HOST:PORT/metadata",
+    )
+    demo.add_argument(
+        "--storage-node-size", type=_size_arg, default="1gb",
+        help="memory of the embedded cluster's storage node (default 1gb)",
+    )
+    demo.set_defaults(func=run_demo_command)
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    # sglang is imported only here, so `cluster up` works without it.
+    from mooncake_span.sglang_backend.demo import DemoConfig, run_demo
+
+    try:
+        config = DemoConfig(
+            requests=args.requests, keys_per_request=args.keys_per_request, layout=args.layout,
+            layers=args.layers, seed=args.seed, master_server_address=args.master,
+            metadata_server=args.metadata, storage_node_bytes=args.storage_node_size,
+        )
+    except ValueError as exc:
+        print(f"mooncake-span demo: {exc}", file=sys.stderr)
+        return 2
+    report = run_demo(config)
+    print("demo OK" if report.ok else "demo FAILED", flush=True)
+    return 0 if report.ok else 1
+
+
+# ---------------------------------------------------------------------------
+# entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mooncake-span",
+        description="Tools for mooncake-span, the SGLang HiCache backend on Mooncake.",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log more (-v: info, -vv: debug)",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _register_cluster(subparsers)
+    _register_demo(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

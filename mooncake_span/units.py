@@ -1,0 +1,83 @@
+"""Parsing of human-readable sizes ("4gb", "512mb", 1024) into byte counts.
+
+Pure: no I/O, no imports beyond the standard library, so config and CLI code
+can share one definition of what "1gb" means.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["parse_size_bytes"]
+
+# Binary multiples: Mooncake's own config treats "1GB" as 1 << 30, and segment
+# sizes are compared against page sizes that are powers of two.
+_UNIT_BYTES = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+
+_SIZE_RE = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)$")
+
+
+def parse_size_bytes(value: str | int) -> int:
+    """Return the number of bytes that ``value`` denotes.
+
+    Accepts non-negative ints and strings such as ``"1024"``, ``"64kb"``,
+    ``"512MB"``, ``"4gb"`` or ``"1.5GiB"`` (units are case-insensitive and
+    binary: 1 kb = 1024 bytes). A fractional number is allowed only when it
+    yields a whole number of bytes.
+
+    Raises:
+        ValueError: ``value`` is negative, empty, not a size, or has an
+            unknown unit; the message repeats the offending value.
+    """
+    # bool is an int subclass; "True bytes" is always a caller bug.
+    if isinstance(value, bool):
+        raise ValueError(f"invalid size {value!r}: expected bytes as an int or a string like '4gb'")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"invalid size {value!r}: sizes must be >= 0 bytes")
+        return value
+    if not isinstance(value, str):
+        raise ValueError(
+            f"invalid size {value!r}: expected an int or a string like '512mb', "
+            f"got {type(value).__name__}"
+        )
+
+    text = value.strip().lower()
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ValueError(
+            f"invalid size {value!r}: expected a non-negative number with an optional unit "
+            f"(b, kb, mb, gb, tb), e.g. '4gb', '512mb' or '1024'"
+        )
+    unit = match.group("unit")
+    if unit not in _UNIT_BYTES:
+        raise ValueError(
+            f"invalid size {value!r}: unknown unit {unit!r}; use one of b, kb, mb, gb, tb"
+        )
+    number = match.group("number")
+    multiplier = _UNIT_BYTES[unit]
+    if "." not in number:
+        return int(number) * multiplier
+
+    whole, frac = number.split(".")
+    # Exact rational arithmetic: float rounding must not turn "1.1kb" into a size.
+    numerator = int(whole + frac) * multiplier
+    denominator = 10 ** len(frac)
+    if numerator % denominator:
+        raise ValueError(f"invalid size {value!r}: it is not a whole number of bytes")
+    return numerator // denominator

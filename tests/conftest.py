@@ -1,0 +1,182 @@
+"""Shared fixtures: a real Mooncake cluster for the integration tests.
+
+By default ``mooncake_cluster`` starts a private cluster for the session:
+one master with the embedded HTTP metadata server and one storage node of
+512 MB, so stored data lives outside the test process. Point the tests at an
+existing deployment instead with
+
+    pytest --mooncake-master HOST:PORT --mooncake-metadata URL
+    # or MOONCAKE_SPAN_TEST_MASTER / MOONCAKE_SPAN_TEST_METADATA
+
+Tests marked ``integration`` are skipped when Mooncake (``mooncake_master``
+and ``mooncake.store``) is missing, except when ``CI`` is set: there they fail,
+because CI must never pass by skipping.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from mooncake_span.cluster import ClusterSpec, ExternalCluster, LocalCluster, find_executable
+
+_MASTER_ENV = "MOONCAKE_SPAN_TEST_MASTER"
+_METADATA_ENV = "MOONCAKE_SPAN_TEST_METADATA"
+_SESSION_SEGMENT_BYTES = 512 << 20
+_CLIENT_LOCAL_BUFFER_BYTES = 64 << 20
+_EXTERNAL_KEY = pytest.StashKey["ExternalCluster | None"]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("mooncake", "Mooncake integration tests")
+    group.addoption(
+        "--mooncake-master",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"use this running Mooncake master instead of starting one (env {_MASTER_ENV})",
+    )
+    group.addoption(
+        "--mooncake-metadata",
+        default=None,
+        metavar="URL",
+        help=f"metadata server of that external cluster, e.g. http://HOST:PORT/metadata "
+        f"(env {_METADATA_ENV})",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The transfer engine otherwise advertises the first non-loopback
+    # interface, which loopback-only clusters cannot reach.
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    # Parse the external-cluster options once, so a bad value stops the run
+    # with a usage error instead of erroring every integration test.
+    config.stash[_EXTERNAL_KEY] = _external_cluster(config)
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@functools.cache
+def _missing_mooncake(need_binaries: bool) -> str | None:
+    """Why Mooncake cannot be used here, or None if it can."""
+    try:
+        has_store = importlib.util.find_spec("mooncake.store") is not None
+    except ModuleNotFoundError:
+        has_store = False
+    if not has_store:
+        return "the mooncake.store module is not importable (pip install 'mooncake-span[cpu]')"
+    if need_binaries:
+        try:
+            find_executable("mooncake_master")
+        except FileNotFoundError as exc:
+            return str(exc)
+    return None
+
+
+def require_mooncake(*, need_binaries: bool = True) -> None:
+    """Skip the calling test when Mooncake is missing; fail instead under CI."""
+    reason = _missing_mooncake(need_binaries)
+    if reason is None:
+        return
+    if _in_ci():
+        pytest.fail(f"{reason}; CI is set, so integration tests must not be skipped", pytrace=False)
+    pytest.skip(reason)
+
+
+def _external_cluster(config: pytest.Config) -> ExternalCluster | None:
+    master = config.getoption("--mooncake-master") or os.environ.get(_MASTER_ENV)
+    metadata = config.getoption("--mooncake-metadata") or os.environ.get(_METADATA_ENV)
+    if not master and not metadata:
+        return None
+    if not master or not metadata:
+        raise pytest.UsageError(
+            "an external Mooncake cluster needs both --mooncake-master and --mooncake-metadata "
+            f"(or {_MASTER_ENV} and {_METADATA_ENV})"
+        )
+    try:
+        return ExternalCluster(master_address=master, metadata_server=metadata)
+    except ValueError as exc:
+        raise pytest.UsageError(f"bad external Mooncake cluster: {exc}") from None
+
+
+@pytest.fixture(autouse=True)
+def _require_mooncake_for_integration(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("integration") is not None:
+        require_mooncake(need_binaries=request.config.stash[_EXTERNAL_KEY] is None)
+
+
+@pytest.fixture(scope="session")
+def mooncake_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster | ExternalCluster]:
+    """A running cluster; offers ``client_config()`` and ``client_env()``.
+
+    A ``LocalCluster`` (master + embedded metadata + one 512 MB storage node,
+    default lease) unless an external cluster was configured, in which case an
+    ``ExternalCluster`` with the same client-facing API.
+    """
+    external = request.config.stash[_EXTERNAL_KEY]
+    if external is not None:
+        require_mooncake(need_binaries=False)
+        yield external
+        return
+    require_mooncake(need_binaries=True)
+    spec = ClusterSpec(
+        storage_nodes=1,
+        storage_node_segment_bytes=_SESSION_SEGMENT_BYTES,
+        log_dir=tmp_path_factory.mktemp("mooncake-cluster"),
+    )
+    with LocalCluster(spec) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def key_namespace() -> str:
+    """A key prefix unique to this test, e.g. ``t-1a2b3c4d``."""
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def mooncake_store_factory(
+    mooncake_cluster: LocalCluster | ExternalCluster,
+) -> Iterator[Callable[..., object]]:
+    """Make ``MooncakeDistributedStore`` clients of ``mooncake_cluster``.
+
+    ``factory(global_segment_size_bytes=0, local_buffer_size_bytes=64 MiB)``
+    returns a set-up store. Each is closed exactly once after the test; do not
+    close them yourself (any call after close() segfaults).
+    """
+    from mooncake.store import MooncakeDistributedStore
+
+    for name, value in mooncake_cluster.client_env().items():
+        os.environ.setdefault(name, value)
+    stores: list[object] = []
+
+    def factory(
+        global_segment_size_bytes: int = 0,
+        local_buffer_size_bytes: int = _CLIENT_LOCAL_BUFFER_BYTES,
+    ) -> object:
+        config = mooncake_cluster.client_config(global_segment_size_bytes)
+        store = MooncakeDistributedStore()
+        rc = store.setup(
+            config["local_hostname"],
+            config["metadata_server"],
+            config["global_segment_size"],
+            local_buffer_size_bytes,
+            config["protocol"],
+            "",
+            config["master_server_address"],
+        )
+        assert rc == 0, f"MooncakeDistributedStore.setup returned {rc} for {config}"
+        stores.append(store)
+        return store
+
+    yield factory
+    for store in stores:
+        store.close()

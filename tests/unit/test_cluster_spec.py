@@ -1,0 +1,157 @@
+"""ClusterSpec validation and address checks; starts no process."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mooncake_span.cluster import (
+    ClusterSpec,
+    ExternalCluster,
+    LocalCluster,
+    validate_master_address,
+    validate_metadata_server,
+)
+
+
+def test_defaults_are_a_single_embedded_master():
+    spec = ClusterSpec()
+    assert spec.host == "127.0.0.1"
+    assert spec.storage_nodes == 0
+    assert spec.ha_masters == 1 and not spec.ha
+    assert spec.metadata_mode == "embedded"
+    assert spec.lease_ttl_ms is None and spec.client_ttl_s is None
+
+
+def test_sizes_accept_strings_and_are_stored_as_ints():
+    spec = ClusterSpec(storage_nodes=1, storage_node_segment_bytes="512mb")
+    assert spec.storage_node_segment_bytes == 512 << 20
+
+
+def test_spec_is_frozen_and_env_is_read_only():
+    env = {"MC_TCP_STATUS_TIMEOUT_SEC": "5"}
+    spec = ClusterSpec(env_overrides=env)
+    env["LATER"] = "x"
+    assert dict(spec.env_overrides) == {"MC_TCP_STATUS_TIMEOUT_SEC": "5"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.storage_nodes = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        spec.env_overrides["X"] = "y"  # type: ignore[index]
+    assert hash(spec) == hash(ClusterSpec(env_overrides={"OTHER": "1"}))
+
+
+def test_metadata_mode_follows_ha_and_standalone():
+    assert ClusterSpec(etcd=True, ha_masters=2).metadata_mode == "etcd"
+    assert ClusterSpec(etcd=True).metadata_mode == "embedded"
+    assert ClusterSpec(standalone_metadata=True).metadata_mode == "standalone"
+    assert (
+        ClusterSpec(etcd=True, ha_masters=3, standalone_metadata=True).metadata_mode == "standalone"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ha_masters": 2}, "needs etcd"),
+        ({"ha_masters": 0}, "ha_masters"),
+        ({"enable_oplog": True, "etcd": True}, "ha_masters >= 2"),
+        ({"storage_nodes": -1}, "storage_nodes"),
+        ({"storage_nodes": 1.5}, "storage_nodes"),
+        ({"storage_nodes": True}, "storage_nodes"),
+        ({"storage_nodes": 1, "storage_node_segment_bytes": 0}, "must be > 0"),
+        ({"storage_node_segment_bytes": "lots"}, "'lots'"),
+        ({"storage_node_segment_bytes": -5}, "-5"),
+        ({"host": "localhost"}, "not an IP address"),
+        ({"host": "::1"}, "IPv4"),
+        ({"lease_ttl_ms": 0}, "lease_ttl_ms"),
+        ({"client_ttl_s": -1}, "client_ttl_s"),
+        ({"eviction_high_watermark_ratio": 0}, "eviction_high_watermark_ratio"),
+        ({"eviction_high_watermark_ratio": 1.5}, "eviction_high_watermark_ratio"),
+        ({"master_extra_args": "--foo=1"}, "master_extra_args"),
+        ({"master_extra_args": ("foo",)}, "master_extra_args"),
+        ({"env_overrides": {"A=B": "x"}}, "env_overrides"),
+        ({"env_overrides": {"A": 1}}, "env_overrides"),
+        ({"start_timeout_s": 0}, "start_timeout_s"),
+        ({"stop_timeout_s": -1}, "stop_timeout_s"),
+    ],
+)
+def test_invalid_specs_raise_actionable_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterSpec(**kwargs)
+
+
+def test_valid_ha_spec():
+    spec = ClusterSpec(etcd=True, ha_masters=2, enable_oplog=True, log_dir=Path("/tmp/x"))
+    assert spec.ha
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:50051", "etcd://127.0.0.1:2379", "etcd://10.0.0.1:2379;10.0.0.2:2379"]
+)
+def test_valid_master_addresses(address):
+    assert validate_master_address(address) == address
+
+
+@pytest.mark.parametrize(
+    "address", ["", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:x", "http://127.0.0.1:1", ":50051"]
+)
+def test_invalid_master_addresses(address):
+    with pytest.raises(ValueError, match="master address"):
+        validate_master_address(address)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:8080/metadata",
+        "https://meta.example:443/metadata",
+        "etcd://127.0.0.1:2379",
+        "127.0.0.1:2379",
+        "P2PHANDSHAKE",
+    ],
+)
+def test_valid_metadata_servers(url):
+    assert validate_metadata_server(url) == url
+
+
+@pytest.mark.parametrize(
+    "url", ["", "foo://127.0.0.1:1", "redis://h:1", "http://nohost/metadata", "p2phandshake"]
+)
+def test_invalid_metadata_servers_are_rejected_before_native_setup(url):
+    with pytest.raises(ValueError, match="metadata server"):
+        validate_metadata_server(url)
+
+
+def test_external_cluster_has_the_client_api():
+    cluster = ExternalCluster("10.0.0.5:50051", "http://10.0.0.5:8080/metadata", host="10.0.0.9")
+    assert cluster.client_config(global_segment_size_bytes="1gb") == {
+        "master_server_address": "10.0.0.5:50051",
+        "metadata_server": "http://10.0.0.5:8080/metadata",
+        "protocol": "tcp",
+        "local_hostname": "10.0.0.9",
+        "global_segment_size": 1 << 30,
+    }
+    assert cluster.client_env() == {"MC_TCP_BIND_ADDRESS": "10.0.0.9"}
+    with pytest.raises(ValueError):
+        ExternalCluster("10.0.0.5:50051", "foo://x")
+
+
+def test_unstarted_cluster_has_no_addresses():
+    cluster = LocalCluster()
+    assert not cluster.started
+    with pytest.raises(RuntimeError, match="start"):
+        _ = cluster.master_address
+    assert cluster.pids() == {}
+
+
+def test_storage_node_rejects_bad_urls_before_touching_mooncake(capsys):
+    from mooncake_span import storage_node
+
+    with pytest.raises(SystemExit) as excinfo:
+        storage_node.main(
+            ["--master=127.0.0.1:5", "--metadata=foo://127.0.0.1:1", "--segment-bytes=1mb"]
+        )
+    assert excinfo.value.code == 2
+    assert "scheme 'foo' is not supported" in capsys.readouterr().err
