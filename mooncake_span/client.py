@@ -27,6 +27,7 @@ defaults unless the operator already set them.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import os
 import re
@@ -365,6 +366,23 @@ class MooncakeClient:
         pattern = "^" + re.escape(prefix)
         with self._native("remove_by_regex") as store:
             return int(store.remove_by_regex(pattern, True))
+
+    def create_blob(self, key: str, data: bytes) -> bool:
+        """Store ``data`` under ``key`` unless the key exists; True if this call wrote it."""
+        if self.exists([key])[0]:
+            return False
+        buffer = ctypes.create_string_buffer(data, len(data))
+        return self.put([key], [ObjectPlan([ctypes.addressof(buffer)], [len(data)])])[0]
+
+    def read_blob(self, key: str) -> bytes | None:
+        with self._native("get_size") as store:
+            size = int(store.get_size(key))
+        if size <= 0:
+            return None
+        buffer = ctypes.create_string_buffer(size)
+        if not self.get([key], [ObjectPlan([ctypes.addressof(buffer)], [size])])[0]:
+            return None
+        return buffer.raw
 
     def stats(self) -> dict[str, Any]:
         snapshot: BreakerSnapshot = self._breaker.snapshot()

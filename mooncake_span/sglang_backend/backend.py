@@ -51,6 +51,7 @@ from mooncake_span.config import MooncakeSettings, SpanOptions, load_mooncake_se
 from mooncake_span.errors import GeometryError, MooncakeSpanError, RegistrationError
 from mooncake_span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool, derive_slots_per_key
 from mooncake_span.hits import PoolHitQuery, clamp_after_first_failure, compute_hits, leading_run
+from mooncake_span.layout_guard import EtcdRegistry, GeometryRecord, PoolGeometry, check_or_publish, namespace_key
 from mooncake_span.keys import ComponentSpec, KeySchema, RankScope, RankTags, check_page_keys
 from mooncake_span.plan import ObjectPlan, PageLayout, plan_objects, plan_objects_from_flat
 from mooncake_span.sglang_backend.pool_model import describe_pool, pool_name_str
@@ -237,6 +238,7 @@ class MooncakeSpanStore(HiCacheStorage):
     def on_host_pools_registered(self) -> None:
         if self.key_schema is None:
             raise RegistrationError("on_host_pools_registered() before register_mem_pool_host()")
+        self.layout_guard_result = self._check_layout_guard()
         logger.info(
             "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages, pools %s",
             self.key_schema.prefix,
@@ -244,6 +246,40 @@ class MooncakeSpanStore(HiCacheStorage):
             self.geometry.pages_per_span,
             self.geometry.host_page_tokens,
             {n: [c.name for c in b.components] for n, b in self._bindings.items()},
+        )
+
+    def geometry_record(self) -> GeometryRecord:
+        pools = {}
+        for name, binding in sorted(self._bindings.items()):
+            layout = binding.layout
+            pools[name] = PoolGeometry(
+                components=tuple(c.name for c in binding.components),
+                bytes_per_page=tuple(layout.page_bytes(c) for c in range(len(layout.components))) if layout else (),
+                page_tokens=binding.page_tokens,
+            )
+        return GeometryRecord(
+            host_page_tokens=self.geometry.host_page_tokens,
+            storage_page_tokens=self.geometry.storage_page_tokens,
+            layout=self.key_schema.layout,
+            kv_dtype=self.key_schema.kv_dtype,
+            pools=pools,
+        )
+
+    def _check_layout_guard(self) -> str:
+        mode = self.options.layout_guard
+        if mode == "off":
+            return "off"
+        key = namespace_key(self.key_schema.model, self.key_schema.tag)
+        if mode == "etcd":
+            registry = EtcdRegistry(self.options.layout_guard_etcd)
+            return check_or_publish(self.geometry_record(), key, registry.read, registry.create)
+
+        def read(k: str) -> str | None:
+            blob = self.client.read_blob(k)
+            return None if blob is None else blob.decode()
+
+        return check_or_publish(
+            self.geometry_record(), key, read, lambda k, v: self.client.create_blob(k, v.encode())
         )
 
     def _bind(self, name: str, host_pool: Any) -> None:

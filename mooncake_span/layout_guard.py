@@ -1,0 +1,140 @@
+"""Cluster-wide layout guard: nodes sharing a key namespace must agree on geometry.
+
+The object-key prefix already separates host page, K, layout and KV dtype, so
+two nodes that disagree there simply never share objects. What the prefix does
+not carry -- bytes per page of each pool component (layer count, head dims,
+indexer shape), the pool set -- would make a reader fetch objects whose size
+or meaning differs from its own pools. Worse than a miss, that is a silent
+waste of the whole L3. So every node publishes the geometry of its namespace
+(model name + backend tag) once, and a node whose geometry differs from the
+published one refuses to start, printing both sides.
+
+Backends: ``store`` keeps the record as a small Mooncake object (hard-pinned
+where the wheel supports it); ``etcd`` keeps it in etcd through its gRPC
+gateway (``etcd3gw``), atomically created so two racing nodes cannot both win.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mooncake_span.errors import LayoutConflictError
+from mooncake_span.keys import KEY_SCHEMA_VERSION, sanitize_token
+
+logger = logging.getLogger(__name__)
+
+RECORD_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    components: tuple[str, ...]
+    bytes_per_page: tuple[int, ...]
+    page_tokens: int
+
+
+@dataclass(frozen=True)
+class GeometryRecord:
+    host_page_tokens: int
+    storage_page_tokens: int
+    layout: str
+    kv_dtype: str
+    pools: dict[str, PoolGeometry] = field(default_factory=dict)
+    version: int = RECORD_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> GeometryRecord:
+        raw = json.loads(text)
+        pools = {
+            name: PoolGeometry(tuple(p["components"]), tuple(p["bytes_per_page"]), int(p["page_tokens"]))
+            for name, p in raw.get("pools", {}).items()
+        }
+        return cls(
+            host_page_tokens=int(raw["host_page_tokens"]),
+            storage_page_tokens=int(raw["storage_page_tokens"]),
+            layout=str(raw["layout"]),
+            kv_dtype=str(raw["kv_dtype"]),
+            pools=pools,
+            version=int(raw.get("version", RECORD_VERSION)),
+        )
+
+    def differences(self, other: GeometryRecord) -> list[str]:
+        """Human-readable 'field: ours vs theirs' lines (empty when compatible)."""
+        lines = []
+        for name in ("host_page_tokens", "storage_page_tokens", "layout", "kv_dtype"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                lines.append(f"{name}: this node {mine!r} vs published {theirs!r}")
+        for pool in sorted(set(self.pools) & set(other.pools)):
+            if self.pools[pool] != other.pools[pool]:
+                lines.append(
+                    f"pool {pool}: this node {asdict(self.pools[pool])} vs published {asdict(other.pools[pool])}"
+                )
+        return lines
+
+
+def namespace_key(model: str, tag: str | None) -> str:
+    parts = [KEY_SCHEMA_VERSION] + ([sanitize_token(tag)] if tag else []) + [sanitize_token(model)]
+    return "_".join(parts) + "__geometry"
+
+
+def check_or_publish(
+    record: GeometryRecord,
+    key: str,
+    read: Callable[[str], str | None],
+    create: Callable[[str, str], bool],
+) -> str:
+    """Publish ``record`` under ``key`` unless another geometry is there.
+
+    ``create`` must be create-if-absent (returns False when the key exists).
+    Returns "published" or "matched"; raises LayoutConflictError otherwise.
+    """
+    ours = record.to_json()
+    if create(key, ours):
+        published = read(key)
+        if published is None or published == ours:
+            logger.info("mooncake-span layout guard: published geometry under %s", key)
+            return "published"
+    else:
+        published = read(key)
+        if published is None:
+            raise LayoutConflictError(f"layout guard: {key} exists but cannot be read back")
+    theirs = GeometryRecord.from_json(published)
+    diffs = record.differences(theirs)
+    if diffs:
+        raise LayoutConflictError(
+            f"layout guard: this node's span geometry conflicts with the one published for "
+            f"namespace {key}:\n  " + "\n  ".join(diffs)
+            + "\nUse another model name or extra_backend_tag for this deployment, or make the "
+            "nodes agree (same host page, storage_page_size, layout, dtype and model shape)."
+        )
+    logger.info("mooncake-span layout guard: geometry matches the published record %s", key)
+    return "matched"
+
+
+class EtcdRegistry:
+    """create-if-absent and read on etcd through ``etcd3gw`` (HTTP gateway)."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0) -> None:
+        try:
+            import etcd3gw
+        except ImportError as exc:
+            raise LayoutConflictError(
+                "span_layout_guard='etcd' needs etcd3gw: pip install 'mooncake-span[etcd]'"
+            ) from exc
+        host, _, port = endpoint.rpartition(":")
+        self._client: Any = etcd3gw.client(host=host, port=int(port), timeout=timeout_s)
+
+    def read(self, key: str) -> str | None:
+        values = self._client.get(key)
+        return values[0].decode() if values else None
+
+    def create(self, key: str, value: str) -> bool:
+        return bool(self._client.create(key, value))
