@@ -531,17 +531,11 @@ class MooncakeSpanStore(HiCacheStorage):
 
     # ---- hits -----------------------------------------------------------------------------------
 
-    def _component_exists(self, binding: PoolBinding, page_keys: list[str]) -> list[bool]:
-        object_keys = self.key_schema.object_keys(page_keys, binding.components)
-        flags = self.client.exists(object_keys)
-        ncomp = len(binding.components)
-        return [all(flags[i * ncomp : (i + 1) * ncomp]) for i in range(len(page_keys))]
-
     def _kv_prefix(self, keys: list[str]) -> int:
         kv = self._bindings[KV_POOL]
         if kv.layout is None:
             return 0
-        return leading_run(self._component_exists(kv, keys))
+        return leading_run(self._exists_many([kv], keys)[0])
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         try:
@@ -563,30 +557,33 @@ class MooncakeSpanStore(HiCacheStorage):
             self._require_ready()
             page_keys = check_page_keys(keys)
             kv = self._bindings[KV_POOL]
+            transfers = list(pool_transfers or [])
+            bindings = []
+            for transfer in transfers:
+                name = pool_name_str(transfer.name)
+                binding = self._bindings.get(name)
+                if binding is None:
+                    raise GeometryError(f"hit query names unregistered pool {name!r}")
+                bindings.append(binding)
+            # One existence RPC for KV and every pool: the pools' flags past the
+            # KV prefix are wasted, but a second round trip costs more.
+            groups = ([kv] if kv.layout is not None else []) + bindings
+            flags = self._exists_many(groups, page_keys)
             # A logical anchor (DeepSeek-V4) stores no KV bytes: the sidecars decide.
-            kv_pages = len(page_keys) if kv.layout is None else self._kv_prefix(page_keys)
-            queries = []
-            if kv_pages:
-                candidates = page_keys[:kv_pages]
-                for transfer in pool_transfers or []:
-                    name = pool_name_str(transfer.name)
-                    binding = self._bindings.get(name)
-                    if binding is None:
-                        raise GeometryError(f"hit query names unregistered pool {name!r}")
-                    policy = pool_name_str(transfer.hit_policy)
-                    window = len(transfer.keys) if transfer.keys else 1
-                    queries.append(
-                        PoolHitQuery(
-                            name=name,
-                            policy=policy,
-                            page_exists=self._component_exists(binding, candidates),
-                            window_pages=window,
-                            block_pages=int(getattr(transfer, "block_pages", 0) or 0),
-                            group_pages=int(getattr(transfer, "group_pages", 0) or 0),
-                        )
-                    )
+            kv_pages = leading_run(flags.pop(0)) if kv.layout is not None else len(page_keys)
+            queries = [
+                PoolHitQuery(
+                    name=pool_name_str(transfer.name),
+                    policy=pool_name_str(transfer.hit_policy),
+                    page_exists=page_exists[:kv_pages],
+                    window_pages=len(transfer.keys) if transfer.keys else 1,
+                    block_pages=int(getattr(transfer, "block_pages", 0) or 0),
+                    group_pages=int(getattr(transfer, "group_pages", 0) or 0),
+                )
+                for transfer, page_exists in zip(transfers, flags)
+            ]
             hit = compute_hits(kv_pages, queries)
-            names = {pool_name_str(t.name): t.name for t in pool_transfers or []}
+            names = {pool_name_str(t.name): t.name for t in transfers}
             pool_hits = {names.get(n, PoolName.KV): v for n, v in hit.pool_hit_pages.items()}
             return PoolTransferResult(hit.kv_hit_pages, pool_hits, hit.restorable_prefix_pages)
         except (MooncakeSpanError, ValueError) as exc:
@@ -594,6 +591,18 @@ class MooncakeSpanStore(HiCacheStorage):
         except Exception:
             logger.exception("mooncake-span batch_exists_v2 failed unexpectedly")
         return PoolTransferResult(0, {}, [])
+
+    def _exists_many(self, bindings: list[PoolBinding], page_keys: list[str]) -> list[list[bool]]:
+        """Per binding, per key: do all of the key's component objects exist?"""
+        object_keys = [self.key_schema.object_keys(page_keys, b.components) for b in bindings]
+        flat = self.client.exists([k for group in object_keys for k in group]) if page_keys else []
+        out, offset = [], 0
+        for binding, group in zip(bindings, object_keys):
+            ncomp = len(binding.components)
+            chunk = flat[offset : offset + len(group)]
+            offset += len(group)
+            out.append([all(chunk[i * ncomp : (i + 1) * ncomp]) for i in range(len(page_keys))])
+        return out
 
     # ---- generic (non zero-copy) API: flat page tensors -------------------------------------
 
