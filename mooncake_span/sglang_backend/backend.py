@@ -141,9 +141,17 @@ class SpanStorageMetrics(StorageMetrics):
 
 
 def _read_storage_page_tokens(storage_config: Any, options: SpanOptions) -> int | None:
-    # Span-aware sglang builds carry storage_page_size on the config (0 = host
-    # page); 0.5.23 does not have the field, so extra_config supplies it.
-    value = getattr(storage_config, "storage_page_size", 0) or options.storage_page_size
+    """Tokens per storage key, or None for "the host page" (K=1).
+
+    Span-aware sglang builds carry ``storage_page_size`` on the config and the
+    controller slices host indices by it, so when the field exists it wins,
+    0 included (0 = host page). sglang 0.5.23 has no such field; then the
+    extra-config option applies.
+    """
+    if hasattr(storage_config, "storage_page_size"):
+        value = storage_config.storage_page_size
+    else:
+        value = options.storage_page_size
     return int(value) if value else None
 
 
@@ -230,8 +238,9 @@ class MooncakeSpanStore(HiCacheStorage):
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
         name = pool_name_str(host_pool_name)
         if name == KV_POOL:
+            # The anchor arrives through register_mem_pool_host (as upstream).
             if host_pool is not self.mem_pool_host:
-                raise RegistrationError("pool 'kv' registered twice with different host pools")
+                logger.warning("mooncake-span: ignoring a 'kv' v2 registration that is not the anchor pool")
             return
         self._bind(name, host_pool)
 

@@ -267,3 +267,27 @@ def test_dead_etcd_fails_fast_instead_of_blocking_minutes():
             {},
         )
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    ("config_field", "extra", "expected_k"),
+    [
+        (None, {"storage_page_size": 256}, 4),  # sglang 0.5.23: no field, extra-config applies
+        (256, {}, 4),  # span-aware build: the field wins
+        (0, {"storage_page_size": 256}, 1),  # field present and 0 = host page, authoritative
+        (None, {}, 1),
+    ],
+)
+def test_span_factor_source(monkeypatch, config_field, extra, expected_k):
+    from mooncake_span.sglang_backend import MooncakeSpanStore
+
+    monkeypatch.setattr("mooncake_span.client._probe_tcp", lambda *a: None)
+    binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
+    config = make_storage_config({**CLIENT, **extra})
+    if config_field is not None:
+        config.storage_page_size = config_field
+    store = MooncakeSpanStore(config, {}, binding=binding)
+    store.register_mem_pool_host(P.build_mla_host("page_first", layers=1, host_pages=4))
+    assert store.geometry.pages_per_span == expected_k
+    assert f"h64x{expected_k}" in store.key_schema.prefix
+    store.close()
