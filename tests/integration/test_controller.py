@@ -1,0 +1,78 @@
+"""sglang 0.5.23's real HybridCacheController on CPU with MooncakeSpanStore as
+the dynamic backend and a real Mooncake master + storage node.
+
+Backup -> hit query -> prefetch, as the controller's own threads run them,
+must restore every pool byte for byte: MLA KV + DSA indexer, MHA KV + SWA +
+Mamba, generic and zero-copy (interface_v1) KV paths, and the compressed
+hybrid DSA set with 256-token storage pages (K=4).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_span.sglang_backend.pools import KV_LAYOUTS
+from tests.harness.controller import build_compressed_dsa_harness, build_dsa_harness, build_mamba_swa_harness
+
+pytestmark = pytest.mark.integration
+
+HARNESSES = {"dsa": build_dsa_harness, "mamba_swa": build_mamba_swa_harness}
+
+
+def _config(cluster, *, interface_v1: bool, **extra):
+    return {
+        "backend_name": "mooncake_span",
+        "module_path": "mooncake_span.sglang_backend",
+        "class_name": "MooncakeSpanStore",
+        **({"interface_v1": 1} if interface_v1 else {}),
+        **cluster.client_config(),
+        **extra,
+    }
+
+
+@pytest.mark.parametrize("interface_v1", [False, True], ids=["generic", "v1"])
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+@pytest.mark.parametrize("pool_set", sorted(HARNESSES))
+def test_controller_round_trip(mooncake_cluster, key_namespace, pool_set, layout, interface_v1):
+    from mooncake_span.sglang_backend import MooncakeSpanStore
+
+    config = _config(mooncake_cluster, interface_v1=interface_v1)
+    with HARNESSES[pool_set](config, layout=layout, model_name=key_namespace) as harness:
+        assert type(harness.backend) is MooncakeSpanStore
+        backup = harness.backup(3, seed=5)
+        assert backup.completed_tokens == 3 * harness.page_tokens
+        query = harness.hit_query(list(backup.token_ids) + harness.fresh_tokens(1))
+        assert query.hit_pages == 3
+        restored = harness.prefetch(query)
+        assert restored.completed_tokens == 3 * harness.page_tokens
+        assert harness.mismatches(restored, backup) == []
+        stats = harness.backend.get_stats()
+        assert sum(stats.backup_pgs) >= 3 and sum(stats.prefetch_pgs) >= 3
+        assert stats.rejected_calls == {}
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_controller_compressed_dsa_span_mode(mooncake_cluster, key_namespace, layout):
+    """Storage page 256 = 4 host pages of 64: KV + DSA indexer + Mamba."""
+    config = _config(mooncake_cluster, interface_v1=True)
+    with build_compressed_dsa_harness(config, layout=layout, model_name=key_namespace) as harness:
+        assert harness.backend.geometry.pages_per_span == 4
+        backup = harness.backup(3, seed=9)
+        assert backup.completed_tokens == 3 * 256
+        restored = harness.prefetch(harness.hit_query(list(backup.token_ids)))
+        assert restored.completed_tokens == 3 * 256
+        assert harness.mismatches(restored, backup) == []
+        stats = harness.backend.get_stats()
+        assert stats.backup_tokens >= 3 * 256 and stats.prefetch_tokens >= 3 * 256
+
+
+def test_controller_chained_requests_share_prefix(mooncake_cluster, key_namespace):
+    """A second request extending the first restores as one prefix."""
+    config = _config(mooncake_cluster, interface_v1=True)
+    with build_dsa_harness(config, model_name=key_namespace) as harness:
+        first = harness.backup(2, seed=1)
+        second = harness.backup(token_ids=harness.fresh_tokens(2), last_hash=first.keys[-1], seed=2)
+        tokens = list(first.token_ids + second.token_ids)
+        restored = harness.prefetch(harness.hit_query(tokens))
+        assert restored.completed_tokens == 4 * harness.page_tokens
+        assert harness.mismatches(restored, first, second) == []
