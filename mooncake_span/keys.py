@@ -38,7 +38,7 @@ _LAYOUT_CODES = {
 _UNSAFE = re.compile(r"[^A-Za-z0-9.\-]+")
 # Whitespace and control characters make keys ambiguous in logs and in
 # Mooncake's metadata dumps; Mooncake itself refuses only the empty key.
-_BAD_PAGE_KEY_CHARS = re.compile(r"[\x00-\x20\x7f]")
+_BAD_PAGE_KEY_CHARS = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028\u2029\ufeff]")
 
 
 def sanitize_token(value: str) -> str:
