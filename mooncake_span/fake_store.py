@@ -136,7 +136,12 @@ class FakeStore:
                 if value is None:
                     out.append(int(ErrorCode.OBJECT_NOT_FOUND))
                     continue
-                if sum(sizes) != len(value):
+                # Measured on the real client: buffers too small for the
+                # object are INVALID_PARAMS, too large a TRANSFER_FAIL.
+                if sum(sizes) < len(value):
+                    out.append(int(ErrorCode.INVALID_PARAMS))
+                    continue
+                if sum(sizes) > len(value):
                     out.append(int(ErrorCode.TRANSFER_FAIL))
                     continue
                 offset = 0
