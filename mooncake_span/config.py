@@ -255,6 +255,19 @@ def load_mooncake_settings(
     )
 
 
+def parse_int(value: Any, key: str) -> int:
+    """Whole numbers only: 2.7 or True is a mistake, not 2 or 1."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
+        return int(value)
+    raise ConfigError(f"{key} must be an integer, got {value!r}")
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -332,12 +345,12 @@ class SpanOptions:
 
 # extra-config key -> (dataclass field, parser)
 _SPAN_KEYS: dict[str, tuple[str, Any]] = {
-    "storage_page_size": ("storage_page_size", int),
-    "span_max_buffers_per_call": ("max_buffers_per_call", int),
-    "span_breaker_failures": ("breaker_failures", int),
+    "storage_page_size": ("storage_page_size", parse_int),
+    "span_max_buffers_per_call": ("max_buffers_per_call", parse_int),
+    "span_breaker_failures": ("breaker_failures", parse_int),
     "span_breaker_probe_interval_s": ("breaker_probe_interval_s", float),
-    "span_transfer_timeout_s": ("transfer_timeout_s", int),
-    "span_replica_num": ("replica_num", int),
+    "span_transfer_timeout_s": ("transfer_timeout_s", parse_int),
+    "span_replica_num": ("replica_num", parse_int),
     "span_group_ids": ("group_ids", parse_bool),
     "span_layout_guard": ("layout_guard", str),
     "span_layout_guard_etcd": ("layout_guard_etcd", str),
@@ -371,7 +384,7 @@ def load_span_options(
         else:
             continue
         try:
-            values[field_name] = parse(raw) if parse is not parse_bool else parse(raw, key)
+            values[field_name] = parse(raw, key) if parse in (parse_bool, parse_int) else parse(raw)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{key} ({origin}) is invalid: {raw!r} ({exc})") from exc
         sources[field_name] = origin

@@ -92,13 +92,13 @@ def block_group_pages(
     """Pages covered by the leading complete groups.
 
     Groups of ``group_pages`` keys start at every block boundary (a block is
-    ``block_pages`` pages; 0 means one block spanning the query) and are cut at
-    the next boundary. A group cut short by the end of the query is not whole
-    and does not count.
+    ``block_pages`` pages; 0 means no block boundaries) and a block's last group
+    may be shorter. A group cut short by the end of the query is not whole and
+    does not count.
     """
     total = len(page_exists)
     group = max(1, group_pages)
-    block = block_pages if block_pages > 0 else max(total, 1)
+    block = block_pages if block_pages > 0 else total + group
     covered = 0
     block_start = 0
     while block_start < total:

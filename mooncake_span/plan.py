@@ -167,7 +167,7 @@ def split_calls(buffer_counts: Sequence[int], max_buffers_per_call: int) -> list
     start = 0
     running = 0
     for index, count in enumerate(buffer_counts):
-        if running and running + count > max_buffers_per_call:
+        if index > start and running + count > max_buffers_per_call:
             calls.append(range(start, index))
             start, running = index, 0
         running += count

@@ -1,0 +1,566 @@
+"""Configuration loading (mooncake_span.config).
+
+Every test passes its own ``environ`` dict: the loaders must never need (or
+touch) the real process environment to be tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mooncake_span.config import (
+    CONFIG_PATH_ENV,
+    MooncakeSettings,
+    SpanOptions,
+    load_mooncake_settings,
+    load_span_options,
+    parse_bool,
+    validate_metadata_server,
+)
+from mooncake_span.errors import ConfigError
+
+EXTRA_MASTER = "10.0.0.1:50051"
+FILE_MASTER = "10.0.0.2:50051"
+ENV_MASTER = "10.0.0.3:50051"
+
+
+@pytest.fixture
+def config_file(tmp_path: Path):
+    def write(values: object) -> str:
+        path = tmp_path / "mooncake.json"
+        path.write_text(json.dumps(values), encoding="utf-8")
+        return str(path)
+
+    return write
+
+
+@pytest.fixture(autouse=True)
+def _os_environ_untouched():
+    # The loaders get environ= dicts; the real environment must stay as it was.
+    def snapshot() -> dict[str, str]:
+        # pytest rewrites PYTEST_CURRENT_TEST on every phase; that one is not ours.
+        return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+    before = snapshot()
+    yield
+    assert snapshot() == before
+
+
+# ---------------------------------------------------------------------------
+# load_mooncake_settings: which source wins
+
+
+@pytest.mark.parametrize("use_extra", [True, False])
+@pytest.mark.parametrize("use_file", [True, False])
+@pytest.mark.parametrize("use_env", [True, False])
+def test_source_precedence_matrix(config_file, use_extra, use_file, use_env):
+    extra = {"master_server_address": EXTRA_MASTER, "protocol": "tcp"} if use_extra else {}
+    environ: dict[str, str] = {}
+    if use_file:
+        environ[CONFIG_PATH_ENV] = config_file(
+            {"master_server_address": FILE_MASTER, "protocol": "tcp"}
+        )
+    if use_env:
+        environ["MOONCAKE_MASTER"] = ENV_MASTER
+        environ["MOONCAKE_PROTOCOL"] = "tcp"
+    if not (use_extra or use_file or use_env):
+        with pytest.raises(ConfigError, match="MOONCAKE_MASTER"):
+            load_mooncake_settings(extra, environ=environ)
+        return
+    settings_ = load_mooncake_settings(extra, environ=environ)
+    if use_extra:
+        assert (settings_.master_server_address, settings_.source) == (EXTRA_MASTER, "extra_config")
+    elif use_file:
+        assert settings_.master_server_address == FILE_MASTER
+        assert settings_.source == f"file {environ[CONFIG_PATH_ENV]}"
+    else:
+        assert (settings_.master_server_address, settings_.source) == (ENV_MASTER, "environment")
+
+
+def test_extra_config_without_master_falls_through_to_the_file(config_file):
+    # Our own span_* keys alone do not make extra-config a Mooncake source.
+    environ = {CONFIG_PATH_ENV: config_file({"master_server_address": FILE_MASTER})}
+    got = load_mooncake_settings({"span_replica_num": 2, "protocol": "tcp"}, environ=environ)
+    assert got.master_server_address == FILE_MASTER
+    # ... and the file source does not pick up extra-config's protocol.
+    assert got.protocol == "rdma"
+
+
+def test_none_extra_config_is_no_extra_config():
+    got = load_mooncake_settings(None, environ={"MOONCAKE_MASTER": ENV_MASTER})
+    assert got.source == "environment"
+
+
+def test_extra_config_values_and_defaults():
+    got = load_mooncake_settings(
+        {
+            "master_server_address": EXTRA_MASTER,
+            "metadata_server": "http://10.0.0.1:8080/metadata",
+            "global_segment_size": "4gb",
+            "local_buffer_size": "64mb",
+            "protocol": "tcp",
+            "device_name": "mlx5_0",
+            "local_hostname": "node-7",
+        },
+        environ={},
+    )
+    assert got == MooncakeSettings(
+        master_server_address=EXTRA_MASTER,
+        metadata_server="http://10.0.0.1:8080/metadata",
+        local_hostname="node-7",
+        global_segment_size_bytes=4 << 30,
+        local_buffer_size_bytes=64 << 20,
+        protocol="tcp",
+        device_name="mlx5_0",
+        source="extra_config",
+    )
+
+
+def test_missing_keys_take_sglang_defaults():
+    got = load_mooncake_settings({"master_server_address": EXTRA_MASTER}, environ={})
+    assert got.metadata_server == "P2PHANDSHAKE"
+    assert got.local_hostname == "localhost"
+    assert got.global_segment_size_bytes == 4 << 30
+    assert got.local_buffer_size_bytes == 16 << 20
+    assert got.protocol == "rdma"
+    assert got.device_name == ""
+
+
+def test_environment_source_reads_every_mooncake_variable():
+    got = load_mooncake_settings(
+        {},
+        environ={
+            "MOONCAKE_MASTER": ENV_MASTER,
+            "MOONCAKE_TE_META_DATA_SERVER": "etcd://10.0.0.9:2379",
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE": "512mb",
+            "MOONCAKE_PROTOCOL": "tcp",
+            "MOONCAKE_DEVICE": "erdma_0",
+        },
+    )
+    assert (got.metadata_server, got.global_segment_size_bytes, got.protocol, got.device_name) == (
+        "etcd://10.0.0.9:2379",
+        512 << 20,
+        "tcp",
+        "erdma_0",
+    )
+
+
+def test_file_source_parses_sizes_and_types(config_file):
+    path = config_file(
+        {
+            "master_server_address": FILE_MASTER,
+            "global_segment_size": "1.5gb",
+            "local_buffer_size": 1 << 20,
+            "protocol": "tcp",
+        }
+    )
+    got = load_mooncake_settings({}, environ={CONFIG_PATH_ENV: path})
+    assert got.global_segment_size_bytes == 3 << 29
+    assert got.local_buffer_size_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("source", ["extra", "file"])
+def test_missing_protocol_falls_back_to_mooncake_protocol_env(config_file, source):
+    # Upstream MooncakeStore reads protocol=config.get("protocol", MOONCAKE_PROTOCOL)
+    # for its file and extra-config sources alike; a drop-in backend must too.
+    values = {"master_server_address": EXTRA_MASTER}
+    environ = {"MOONCAKE_PROTOCOL": "tcp"}
+    extra = values if source == "extra" else {}
+    if source == "file":
+        environ[CONFIG_PATH_ENV] = config_file(values)
+    assert load_mooncake_settings(extra, environ=environ).protocol == "tcp"
+    # An explicit value in the source still wins over the variable.
+    values["protocol"] = "efa"
+    if source == "file":
+        environ[CONFIG_PATH_ENV] = config_file(values)
+    assert load_mooncake_settings(extra, environ=environ).protocol == "efa"
+
+
+@pytest.mark.parametrize("source", ["extra", "file", "env"])
+@pytest.mark.parametrize(
+    ("host_env", "expected"),
+    [
+        ({}, "from-source"),
+        ({"LOCAL_HOSTNAME": "by-local"}, "by-local"),
+        ({"MOONCAKE_LOCAL_HOSTNAME": "by-mooncake"}, "by-mooncake"),
+        ({"MOONCAKE_LOCAL_HOSTNAME": "by-mooncake", "LOCAL_HOSTNAME": "by-local"}, "by-mooncake"),
+        # Empty variables do not count as set.
+        ({"MOONCAKE_LOCAL_HOSTNAME": "", "LOCAL_HOSTNAME": "by-local"}, "by-local"),
+    ],
+)
+def test_local_hostname_environment_wins_over_every_source(config_file, source, host_env, expected):
+    values = {"master_server_address": EXTRA_MASTER, "local_hostname": "from-source"}
+    environ = dict(host_env)
+    extra: dict = {}
+    if source == "extra":
+        extra = values
+    elif source == "file":
+        environ[CONFIG_PATH_ENV] = config_file(values)
+    else:
+        environ["MOONCAKE_MASTER"] = EXTRA_MASTER
+        # The env source has no local_hostname of its own: the default stands in.
+        expected = "localhost" if expected == "from-source" else expected
+    assert load_mooncake_settings(extra, environ=environ).local_hostname == expected
+
+
+# ---------------------------------------------------------------------------
+# load_mooncake_settings: rejections
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ({"protocol": "carrier-pigeon"}, ["'carrier-pigeon'", "tcp", "rdma"]),
+        ({"metadata_server": "foo://x"}, ["'foo'", "foo://x"]),
+        ({"metadata_server": "http://no-port/metadata"}, ["host:port", "no-port"]),
+        ({"metadata_server": "etcd://a:2379,b"}, ["host:port", "'b'"]),
+        ({"master_server_address": "localhost"}, ["master_server_address", "'localhost'"]),
+        ({"master_server_address": "host:99999"}, ["master_server_address", "'host:99999'"]),
+        ({"master_server_address": "host:0"}, ["master_server_address", "'host:0'"]),
+        ({"master_server_address": "etcd://e1:2379,bad"}, ["etcd endpoint", "'bad'"]),
+        ({"global_segment_size": -1}, ["global_segment_size", "-1"]),
+        ({"global_segment_size": "-4gb"}, ["global_segment_size", "'-4gb'"]),
+        ({"global_segment_size": "4 bananas"}, ["global_segment_size", "'4 bananas'"]),
+        ({"local_buffer_size": 0}, ["local_buffer_size", "0"]),
+        ({"local_buffer_size": "-1mb"}, ["local_buffer_size", "'-1mb'"]),
+        ({"standalone_storage": True}, ["standalone_storage"]),
+        ({"master_server_address": ""}, ["master_server_address is required"]),
+    ],
+)
+def test_bad_extra_config_raises_config_error(override, fragments):
+    extra = {"master_server_address": EXTRA_MASTER, "protocol": "tcp", **override}
+    with pytest.raises(ConfigError) as excinfo:
+        load_mooncake_settings(extra, environ={})
+    for fragment in fragments:
+        assert fragment in str(excinfo.value)
+
+
+def test_client_server_address_alone_selects_extra_config_and_demands_a_master():
+    with pytest.raises(ConfigError, match=r"master_server_address is required \(extra_config\)"):
+        load_mooncake_settings(
+            {"client_server_address": "10.0.0.1:50052"}, environ={"MOONCAKE_MASTER": ENV_MASTER}
+        )
+
+
+def test_unreadable_file(tmp_path):
+    path = str(tmp_path / "does-not-exist.json")
+    with pytest.raises(ConfigError) as excinfo:
+        load_mooncake_settings({}, environ={CONFIG_PATH_ENV: path, "MOONCAKE_MASTER": ENV_MASTER})
+    assert CONFIG_PATH_ENV in str(excinfo.value) and path in str(excinfo.value)
+
+
+def test_file_with_bad_json(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text("{not json", encoding="utf-8")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_mooncake_settings({}, environ={CONFIG_PATH_ENV: str(path)})
+
+
+def test_file_holding_a_list(config_file):
+    path = config_file([1, 2])
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_mooncake_settings({}, environ={CONFIG_PATH_ENV: path})
+
+
+def test_file_without_master(config_file):
+    path = config_file({"protocol": "tcp"})
+    with pytest.raises(ConfigError, match="master_server_address is required") as excinfo:
+        load_mooncake_settings({}, environ={CONFIG_PATH_ENV: path})
+    assert path in str(excinfo.value)
+
+
+def test_env_standalone_storage_is_rejected():
+    with pytest.raises(ConfigError, match="standalone_storage"):
+        load_mooncake_settings(
+            {}, environ={"MOONCAKE_MASTER": ENV_MASTER, "MOONCAKE_STANDALONE_STORAGE": "true"}
+        )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "P2PHANDSHAKE",
+        "http://m:8080/metadata",
+        "https://m:443/x",
+        "etcd://a:2379,b:2379",
+        "redis://r:6379",
+        "a:2379,b:2379",
+    ],
+)
+def test_valid_metadata_servers(value):
+    assert validate_metadata_server(value) == value
+
+
+@pytest.mark.parametrize("value", ["foo://x", "p2phandshake", "", "http://", "file:///tmp/x"])
+def test_invalid_metadata_servers(value):
+    with pytest.raises(ConfigError):
+        validate_metadata_server(value)
+
+
+def test_mooncake_settings_is_frozen():
+    got = MooncakeSettings(master_server_address=EXTRA_MASTER)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.protocol = "tcp"  # type: ignore[misc]
+
+
+def test_mooncake_settings_validates_when_built_directly():
+    with pytest.raises(ConfigError, match="-5"):
+        MooncakeSettings(master_server_address=EXTRA_MASTER, global_segment_size_bytes=-5)
+    with pytest.raises(ConfigError, match="local_hostname"):
+        MooncakeSettings(master_server_address=EXTRA_MASTER, local_hostname="")
+
+
+def test_etcd_endpoints():
+    got = MooncakeSettings(
+        master_server_address="etcd://e1:2379,e2:2379",
+        metadata_server="etcd://e3:2379",
+        protocol="tcp",
+    )
+    assert got.etcd_endpoints() == ["e1:2379", "e2:2379", "e3:2379"]
+    bare = MooncakeSettings(master_server_address=EXTRA_MASTER, metadata_server="e4:2379,e5:2379")
+    assert bare.etcd_endpoints() == ["e4:2379", "e5:2379"]
+    assert MooncakeSettings(master_server_address=EXTRA_MASTER).etcd_endpoints() == []
+    http = MooncakeSettings(
+        master_server_address=EXTRA_MASTER, metadata_server="http://m:8080/metadata"
+    )
+    assert http.etcd_endpoints() == []
+
+
+# ---------------------------------------------------------------------------
+# load_span_options
+
+
+def test_span_defaults():
+    options = load_span_options({}, environ={})
+    assert options == SpanOptions()
+    assert options.sources == {}
+    assert (
+        options.storage_page_size,
+        options.max_buffers_per_call,
+        options.group_ids,
+        options.layout_guard,
+    ) == (
+        None,
+        2048,
+        True,
+        "store",
+    )
+
+
+# (extra-config key, env variable, extra value, env value, field, parsed extra, parsed env)
+SPAN_CASES = [
+    (
+        "storage_page_size",
+        "MOONCAKE_SPAN_STORAGE_PAGE_SIZE",
+        256,
+        "512",
+        "storage_page_size",
+        256,
+        512,
+    ),
+    (
+        "span_max_buffers_per_call",
+        "MOONCAKE_SPAN_MAX_BUFFERS_PER_CALL",
+        "64",
+        "128",
+        "max_buffers_per_call",
+        64,
+        128,
+    ),
+    ("span_breaker_failures", "MOONCAKE_SPAN_BREAKER_FAILURES", 5, "7", "breaker_failures", 5, 7),
+    (
+        "span_breaker_probe_interval_s",
+        "MOONCAKE_SPAN_BREAKER_PROBE_INTERVAL_S",
+        "0.5",
+        "3",
+        "breaker_probe_interval_s",
+        0.5,
+        3.0,
+    ),
+    (
+        "span_transfer_timeout_s",
+        "MOONCAKE_SPAN_TRANSFER_TIMEOUT_S",
+        9,
+        "11",
+        "transfer_timeout_s",
+        9,
+        11,
+    ),
+    ("span_replica_num", "MOONCAKE_SPAN_REPLICA_NUM", 2, "3", "replica_num", 2, 3),
+    ("span_group_ids", "MOONCAKE_SPAN_GROUP_IDS", False, "no", "group_ids", False, False),
+    (
+        "span_layout_guard",
+        "MOONCAKE_SPAN_LAYOUT_GUARD",
+        "off",
+        "store",
+        "layout_guard",
+        "off",
+        "store",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", SPAN_CASES, ids=[c[0] for c in SPAN_CASES])
+@pytest.mark.parametrize("where", ["extra", "env", "both", "neither"])
+def test_span_option_precedence(case, where):
+    key, env_name, extra_value, env_value, field, parsed_extra, parsed_env = case
+    extra = {key: extra_value} if where in ("extra", "both") else {}
+    environ = {env_name: env_value} if where in ("env", "both") else {}
+    options = load_span_options(extra, environ=environ)
+    default = getattr(SpanOptions(), field)
+    expected, origin = {
+        "extra": (parsed_extra, "extra_config"),
+        "both": (parsed_extra, "extra_config"),
+        "env": (parsed_env, env_name),
+        "neither": (default, None),
+    }[where]
+    assert getattr(options, field) == expected
+    assert type(getattr(options, field)) is type(expected)
+    assert options.sources.get(field) == origin
+
+
+def test_sources_record_every_origin():
+    options = load_span_options(
+        {"span_replica_num": 2, "span_layout_guard": "etcd", "span_layout_guard_etcd": "e1:2379"},
+        environ={"MOONCAKE_SPAN_BREAKER_FAILURES": "4", "MOONCAKE_SPAN_REPLICA_NUM": "9"},
+    )
+    assert options.sources == {
+        "replica_num": "extra_config",
+        "layout_guard": "extra_config",
+        "layout_guard_etcd": "extra_config",
+        "breaker_failures": "MOONCAKE_SPAN_BREAKER_FAILURES",
+    }
+    assert (options.replica_num, options.breaker_failures) == (2, 4)
+
+
+def test_none_in_extra_falls_back_to_env():
+    options = load_span_options(
+        {"span_replica_num": None}, environ={"MOONCAKE_SPAN_REPLICA_NUM": "3"}
+    )
+    assert (options.replica_num, options.sources["replica_num"]) == (3, "MOONCAKE_SPAN_REPLICA_NUM")
+
+
+def test_empty_env_value_is_unset():
+    options = load_span_options({}, environ={"MOONCAKE_SPAN_REPLICA_NUM": ""})
+    assert options.replica_num == 1 and "replica_num" not in options.sources
+
+
+@pytest.mark.parametrize("key", ["span_max_buffer_per_call", "span_", "span_groupids"])
+def test_unknown_span_key_is_an_error_naming_it(key):
+    with pytest.raises(ConfigError) as excinfo:
+        load_span_options({key: 1}, environ={})
+    message = str(excinfo.value)
+    assert repr(key) in message
+    # The message lists the valid keys so the typo is easy to fix.
+    assert "span_max_buffers_per_call" in message
+
+
+def test_foreign_keys_are_ignored_and_strays_only_warned(caplog):
+    with caplog.at_level(logging.WARNING, logger="mooncake_span.config"):
+        options = load_span_options(
+            {
+                "master_server_address": EXTRA_MASTER,
+                "prefetch_threshold": 256,
+                "totally_unknown": 1,
+            },
+            environ={},
+        )
+    assert options == SpanOptions()
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("totally_unknown" in w for w in warnings)
+    assert not any("prefetch_threshold" in w or "master_server_address" in w for w in warnings)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (True, True),
+        (False, False),
+        (1, True),
+        (0, False),
+        ("1", True),
+        ("0", False),
+        ("true", True),
+        ("FALSE", False),
+        (" Yes ", True),
+        ("no", False),
+        ("on", True),
+        ("off", False),
+    ],
+)
+def test_parse_bool_accepts(raw, expected):
+    assert parse_bool(raw, "k") is expected
+
+
+@pytest.mark.parametrize("raw", ["maybe", "", "2", 2, -1, "tru", 1.0, None, "y"])
+def test_parse_bool_is_strict(raw):
+    with pytest.raises(ConfigError) as excinfo:
+        parse_bool(raw, "span_group_ids")
+    assert "span_group_ids" in str(excinfo.value) and repr(raw) in str(excinfo.value)
+
+
+@pytest.mark.parametrize("where", ["extra", "env"])
+def test_group_ids_rejects_a_non_boolean(where):
+    extra = {"span_group_ids": "maybe"} if where == "extra" else {}
+    environ = {"MOONCAKE_SPAN_GROUP_IDS": "maybe"} if where == "env" else {}
+    with pytest.raises(ConfigError, match="span_group_ids.*'maybe'"):
+        load_span_options(extra, environ=environ)
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"span_max_buffers_per_call": "lots"}, "span_max_buffers_per_call"),
+        ({"span_max_buffers_per_call": 0}, "span_max_buffers_per_call"),
+        ({"span_max_buffers_per_call": (1 << 20) + 1}, "1048576"),
+        ({"storage_page_size": -64}, "storage_page_size"),
+        ({"span_breaker_failures": 0}, "span_breaker_failures"),
+        ({"span_breaker_probe_interval_s": 0}, "span_breaker_probe_interval_s"),
+        ({"span_transfer_timeout_s": 0}, "span_transfer_timeout_s"),
+        ({"span_transfer_timeout_s": 3601}, "span_transfer_timeout_s"),
+        ({"span_replica_num": 0}, "span_replica_num"),
+        ({"span_layout_guard": "zookeeper"}, "'zookeeper'"),
+        ({"span_layout_guard": "etcd"}, "span_layout_guard_etcd"),
+        ({"span_layout_guard_etcd": "no-port"}, "'no-port'"),
+    ],
+)
+def test_bad_span_values(extra, fragment):
+    with pytest.raises(ConfigError) as excinfo:
+        load_span_options(extra, environ={})
+    assert fragment in str(excinfo.value)
+
+
+def test_bad_env_value_names_the_variable():
+    with pytest.raises(ConfigError, match="MOONCAKE_SPAN_REPLICA_NUM"):
+        load_span_options({}, environ={"MOONCAKE_SPAN_REPLICA_NUM": "two"})
+
+
+def test_span_options_is_frozen_and_sources_do_not_affect_equality():
+    options = load_span_options({"span_replica_num": 2}, environ={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.replica_num = 3  # type: ignore[misc]
+    assert options == SpanOptions(replica_num=2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 1 << 20), st.one_of(st.none(), st.integers(1, 1 << 20)))
+def test_max_buffers_extra_beats_env(extra_value, env_value):
+    environ = {} if env_value is None else {"MOONCAKE_SPAN_MAX_BUFFERS_PER_CALL": str(env_value)}
+    options = load_span_options({"span_max_buffers_per_call": extra_value}, environ=environ)
+    assert options.max_buffers_per_call == extra_value
+
+
+@pytest.mark.parametrize("bad", [2.7, True, "3.5", "ten"])
+def test_integer_options_reject_non_integers(bad):
+    from mooncake_span.config import load_span_options
+
+    with pytest.raises(ConfigError, match="span_transfer_timeout_s"):
+        load_span_options({"span_transfer_timeout_s": bad}, environ={})
