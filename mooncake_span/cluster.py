@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from mooncake_span.config import validate_master_address, validate_metadata_server
 from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
@@ -69,68 +70,10 @@ _POLL_INTERVAL_S = 0.05
 _HTTP_PROBE_TIMEOUT_S = 1.0
 _LOG_TAIL_LINES = 40
 _READY_PREFIX = "READY "
-_METADATA_SCHEMES = ("http", "https", "etcd")
 
 
 class ClusterStartError(RuntimeError):
     """A cluster component did not become ready; the message carries its log tail."""
-
-
-# ---------------------------------------------------------------------------
-# address validation (shared with storage_node and the test fixtures)
-
-
-def _check_host_port(text: str, what: str) -> None:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"invalid {what} {text!r}: expected HOST:PORT with a port in 1..65535")
-
-
-def validate_master_address(address: str) -> str:
-    """Check a master address (``HOST:PORT`` or ``etcd://HOST:PORT``); return it unchanged."""
-    if not isinstance(address, str) or not address:
-        raise ValueError(f"invalid master address {address!r}: expected HOST:PORT")
-    if address.startswith("etcd://"):
-        for endpoint in address[len("etcd://") :].split(";"):
-            _check_host_port(endpoint, "master address (etcd endpoint)")
-        return address
-    if "://" in address:
-        raise ValueError(
-            f"invalid master address {address!r}: use HOST:PORT, or etcd://HOST:PORT for HA masters"
-        )
-    _check_host_port(address, "master address")
-    return address
-
-
-def validate_metadata_server(url: str) -> str:
-    """Check a metadata-server string before it reaches the native client.
-
-    The native ``setup()`` aborts the whole process (SIGABRT) on an unknown
-    URL scheme, so reject anything but ``http(s)://HOST:PORT/...``,
-    ``etcd://HOST:PORT``, a bare ``HOST:PORT`` (etcd) and ``P2PHANDSHAKE``.
-    """
-    if not isinstance(url, str) or not url:
-        raise ValueError(
-            f"invalid metadata server {url!r}: expected e.g. http://HOST:PORT/metadata"
-        )
-    if url == "P2PHANDSHAKE":
-        return url
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        _check_host_port(url, "metadata server (bare etcd endpoint)")
-        return url
-    if scheme not in _METADATA_SCHEMES:
-        raise ValueError(
-            f"invalid metadata server {url!r}: scheme {scheme!r} is not supported; use "
-            f"http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE"
-        )
-    authority = rest.split("/", 1)[0]
-    if scheme == "etcd":
-        for endpoint in authority.split(";"):
-            _check_host_port(endpoint, "metadata server (etcd endpoint)")
-    else:
-        _check_host_port(authority, "metadata server")
-    return url
 
 
 def find_executable(name: str) -> str:

@@ -82,49 +82,65 @@ FOREIGN_KEYS = frozenset(
     }
 )
 
-_HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+_HOST = re.compile(r"^(?:[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\])$")
 
 
-def _check_host_port(value: str, what: str) -> None:
-    if not _HOST_PORT.match(value) or not 0 < int(value.rsplit(":", 1)[1]) < 65536:
-        raise ConfigError(f"{what} must look like host:port, got {value!r}")
+def _check_host_port(text: str, what: str) -> None:
+    host, sep, port = text.rpartition(":")
+    if not sep or not _HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"invalid {what} {text!r}: must look like host:port with a port in 1..65535")
+
+
+# Mooncake separates several etcd endpoints with ';' (etcd://h1:p1;h2:p2).
+def _etcd_endpoints(text: str) -> list[str]:
+    return text.split(";")
+
+
+def validate_master_address(value: str) -> str:
+    """``HOST:PORT``, or ``etcd://HOST:PORT[;HOST:PORT...]`` for HA masters."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"invalid master address (master_server_address) {value!r}: expected HOST:PORT")
+    if value.startswith("etcd://"):
+        for endpoint in _etcd_endpoints(value[len("etcd://") :]):
+            _check_host_port(endpoint, "master address (etcd endpoint)")
+        return value
+    if "://" in value:
+        raise ConfigError(
+            f"invalid master address (master_server_address) {value!r}: use HOST:PORT, "
+            "or etcd://HOST:PORT for HA masters"
+        )
+    _check_host_port(value, "master address (master_server_address)")
+    return value
 
 
 def validate_metadata_server(value: str) -> str:
     """Reject metadata URLs the native client would choke on.
 
     An unknown scheme makes Mooncake abort the whole process (LOG(FATAL)), so
-    the check has to happen here, before ``setup``.
+    the check has to happen here, before ``setup``. Only the back-ends measured
+    with this wheel are accepted: the HTTP metadata server, etcd, P2PHANDSHAKE.
     """
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"invalid metadata server (metadata_server) {value!r}: expected e.g. http://HOST:PORT/metadata")
     if value == "P2PHANDSHAKE":
         return value
     scheme, sep, rest = value.partition("://")
     if not sep:
         # No scheme means etcd to Mooncake.
-        for endpoint in value.split(","):
-            _check_host_port(endpoint, "metadata_server (etcd endpoint)")
+        for endpoint in _etcd_endpoints(value):
+            _check_host_port(endpoint, "metadata server (bare etcd endpoint)")
         return value
     if scheme in ("http", "https"):
-        hostport = rest.split("/", 1)[0]
-        _check_host_port(hostport, "metadata_server (HTTP)")
+        _check_host_port(rest.split("/", 1)[0], "metadata server (metadata_server)")
         return value
-    if scheme in ("etcd", "redis"):
-        for endpoint in rest.split(","):
-            _check_host_port(endpoint, f"metadata_server ({scheme})")
+    if scheme == "etcd":
+        for endpoint in _etcd_endpoints(rest.split("/", 1)[0]):
+            _check_host_port(endpoint, "metadata server (etcd endpoint)")
         return value
     raise ConfigError(
-        f"metadata_server {value!r} has an unsupported scheme {scheme!r}; use "
-        "'P2PHANDSHAKE', 'http://host:port/metadata', 'etcd://host:port' or 'redis://host:port'"
+        f"invalid metadata server (metadata_server) {value!r}: scheme {scheme!r} is not supported; "
+        "use 'P2PHANDSHAKE', 'http://HOST:PORT/metadata' or 'etcd://HOST:PORT'"
     )
-
-
-def validate_master_address(value: str) -> str:
-    if value.startswith("etcd://"):
-        for endpoint in value[len("etcd://") :].split(","):
-            _check_host_port(endpoint, "master_server_address (etcd endpoint)")
-        return value
-    _check_host_port(value, "master_server_address")
-    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,12 +179,12 @@ class MooncakeSettings:
         """host:port of every etcd endpoint setup would contact (master and metadata)."""
         endpoints: list[str] = []
         if self.master_server_address.startswith("etcd://"):
-            endpoints += self.master_server_address[len("etcd://") :].split(",")
+            endpoints += _etcd_endpoints(self.master_server_address[len("etcd://") :])
         md = self.metadata_server
         if md.startswith("etcd://"):
-            endpoints += md[len("etcd://") :].split(",")
+            endpoints += _etcd_endpoints(md[len("etcd://") :].split("/", 1)[0])
         elif md != "P2PHANDSHAKE" and "://" not in md:
-            endpoints += md.split(",")
+            endpoints += _etcd_endpoints(md)
         return endpoints
 
 
@@ -340,7 +356,7 @@ class SpanOptions:
         if self.layout_guard == "etcd" and not self.layout_guard_etcd:
             raise ConfigError("span_layout_guard='etcd' needs span_layout_guard_etcd=host:port")
         if self.layout_guard_etcd:
-            _check_host_port(self.layout_guard_etcd, "span_layout_guard_etcd")
+            _check_host_port(self.layout_guard_etcd, "etcd endpoint (span_layout_guard_etcd)")
 
 
 # extra-config key -> (dataclass field, parser)

@@ -220,7 +220,7 @@ def test_unsupported_pool_is_refused_at_registration(rig):
         ({"global_segment_size": "4xb"}, ConfigError, "global_segment_size"),
         ({"global_segment_size": -1}, ConfigError, "global_segment_size"),
         ({"protocol": "carrier-pigeon"}, ConfigError, "protocol 'carrier-pigeon'"),
-        ({"metadata_server": "foo://x:1"}, ConfigError, "unsupported scheme 'foo'"),
+        ({"metadata_server": "foo://x:1"}, ConfigError, "scheme 'foo' is not supported"),
         ({"master_server_address": "no-port"}, ConfigError, "host:port"),
         ({"span_colour": "blue"}, ConfigError, "span_colour"),
         ({"storage_page_size": -64}, ConfigError, "storage_page_size"),

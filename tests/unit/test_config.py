@@ -221,11 +221,11 @@ def test_local_hostname_environment_wins_over_every_source(config_file, source, 
         ({"protocol": "carrier-pigeon"}, ["'carrier-pigeon'", "tcp", "rdma"]),
         ({"metadata_server": "foo://x"}, ["'foo'", "foo://x"]),
         ({"metadata_server": "http://no-port/metadata"}, ["host:port", "no-port"]),
-        ({"metadata_server": "etcd://a:2379,b"}, ["host:port", "'b'"]),
+        ({"metadata_server": "etcd://a:2379;b"}, ["host:port", "'b'"]),
         ({"master_server_address": "localhost"}, ["master_server_address", "'localhost'"]),
         ({"master_server_address": "host:99999"}, ["master_server_address", "'host:99999'"]),
         ({"master_server_address": "host:0"}, ["master_server_address", "'host:0'"]),
-        ({"master_server_address": "etcd://e1:2379,bad"}, ["etcd endpoint", "'bad'"]),
+        ({"master_server_address": "etcd://e1:2379;bad"}, ["etcd endpoint", "'bad'"]),
         ({"global_segment_size": -1}, ["global_segment_size", "-1"]),
         ({"global_segment_size": "-4gb"}, ["global_segment_size", "'-4gb'"]),
         ({"global_segment_size": "4 bananas"}, ["global_segment_size", "'4 bananas'"]),
@@ -290,16 +290,17 @@ def test_env_standalone_storage_is_rejected():
         "P2PHANDSHAKE",
         "http://m:8080/metadata",
         "https://m:443/x",
-        "etcd://a:2379,b:2379",
-        "redis://r:6379",
-        "a:2379,b:2379",
+        "etcd://a:2379;b:2379",
+        "a:2379;b:2379",
     ],
 )
 def test_valid_metadata_servers(value):
     assert validate_metadata_server(value) == value
 
 
-@pytest.mark.parametrize("value", ["foo://x", "p2phandshake", "", "http://", "file:///tmp/x"])
+@pytest.mark.parametrize(
+    "value", ["foo://x", "p2phandshake", "", "http://", "file:///tmp/x", "redis://r:6379", "etcd://a:2379,b:2379"]
+)
 def test_invalid_metadata_servers(value):
     with pytest.raises(ConfigError):
         validate_metadata_server(value)
@@ -320,12 +321,12 @@ def test_mooncake_settings_validates_when_built_directly():
 
 def test_etcd_endpoints():
     got = MooncakeSettings(
-        master_server_address="etcd://e1:2379,e2:2379",
+        master_server_address="etcd://e1:2379;e2:2379",
         metadata_server="etcd://e3:2379",
         protocol="tcp",
     )
     assert got.etcd_endpoints() == ["e1:2379", "e2:2379", "e3:2379"]
-    bare = MooncakeSettings(master_server_address=EXTRA_MASTER, metadata_server="e4:2379,e5:2379")
+    bare = MooncakeSettings(master_server_address=EXTRA_MASTER, metadata_server="e4:2379;e5:2379")
     assert bare.etcd_endpoints() == ["e4:2379", "e5:2379"]
     assert MooncakeSettings(master_server_address=EXTRA_MASTER).etcd_endpoints() == []
     http = MooncakeSettings(
