@@ -185,7 +185,8 @@ class MooncakeSpanStore(HiCacheStorage):
         self._log = _RateLimitedLog()
         self._counters = _Counters()
         self._bindings: dict[str, PoolBinding] = {}
-        self._learned_kv_derived: set[str] = set()
+        # Rebound, never mutated: worker threads read it without a lock.
+        self._learned_kv_derived: frozenset[str] = frozenset()
         self.mem_pool_host = None
         self.geometry: SpanGeometry | None = None
         self.key_schema: KeySchema | None = None
@@ -332,9 +333,9 @@ class MooncakeSpanStore(HiCacheStorage):
             raise GeometryError(f"pool {name!r}: host_indices must be integers, got {host_indices.dtype}")
         if binding.layout is None:
             return _Op(binding, page_keys, np.zeros((len(page_keys), 0), dtype=np.int64))
-        if kv_derived_hint and binding.kind is PoolKind.STATE:
-            self._learned_kv_derived.add(name)
-        kind = classify_pool(name, frozenset(self._learned_kv_derived))
+        if kv_derived_hint and binding.kind is PoolKind.STATE and name not in self._learned_kv_derived:
+            self._learned_kv_derived = self._learned_kv_derived | {name}
+        kind = classify_pool(name, self._learned_kv_derived)
         slots = host_indices.reshape(-1).to(torch.int64)
         per_key = derive_slots_per_key(
             pool_name=name,
