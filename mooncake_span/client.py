@@ -287,12 +287,18 @@ class MooncakeClient:
         for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
             chunk = list(keys[start : start + _EXISTS_KEYS_PER_CALL])
             codes = self._invoke("batch_is_exist", lambda s: s.batch_is_exist(chunk), len(chunk))
+            if all(is_transport_failure(code) for code in codes):
+                # Nothing answered: a caller must not read this as "absent" and
+                # follow up with a put that would wait just as long.
+                raise TransportError(f"batch_is_exist: every key failed ({code_name(codes[0])})")
             out += [code == 1 for code in codes]
         return out
 
-    def _replicate_config(self, group_ids: Sequence[str] | None) -> Any:
+    def _replicate_config(self, group_ids: Sequence[str] | None, hard_pin: bool = False) -> Any:
         config = self._binding.replicate_config_factory()
         config.replica_num = self.options.replica_num
+        if hard_pin and hasattr(config, "with_hard_pin"):
+            config.with_hard_pin = True
         if group_ids is not None and self.options.group_ids:
             if self._supports_group_ids is None:
                 self._supports_group_ids = hasattr(config, "group_ids")
@@ -305,16 +311,18 @@ class MooncakeClient:
         keys: Sequence[str],
         plans: Sequence[ObjectPlan],
         group_ids: Sequence[str] | None = None,
+        hard_pin: bool = False,
     ) -> list[bool]:
         """Write objects that do not exist yet. Mooncake keeps the old value of an
-        existing key and reports success, so callers check existence first."""
+        existing key and reports success, so callers check existence first.
+        ``hard_pin`` exempts the objects from eviction (small metadata only)."""
         ok = [False] * len(keys)
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         for call in split_calls([len(plans[i].ptrs) for i in unique], self.options.max_buffers_per_call):
             idx = [unique[j] for j in call]
             call_keys = [keys[i] for i in idx]
-            config = self._replicate_config([group_ids[i] for i in idx] if group_ids else None)
+            config = self._replicate_config([group_ids[i] for i in idx] if group_ids else None, hard_pin)
             codes = self._invoke(
                 "batch_put_from_multi_buffers",
                 lambda s: s.batch_put_from_multi_buffers(
@@ -372,7 +380,7 @@ class MooncakeClient:
         if self.exists([key])[0]:
             return False
         buffer = ctypes.create_string_buffer(data, len(data))
-        return self.put([key], [ObjectPlan([ctypes.addressof(buffer)], [len(data)])])[0]
+        return self.put([key], [ObjectPlan([ctypes.addressof(buffer)], [len(data)])], hard_pin=True)[0]
 
     def read_blob(self, key: str) -> bytes | None:
         with self._native("get_size") as store:

@@ -76,6 +76,7 @@ FOREIGN_KEYS = frozenset(
         "local_hostname",
         "metadata_server",
         "global_segment_size",
+        "local_buffer_size",
         "protocol",
         "device_name",
         "master_server_address",

@@ -27,6 +27,7 @@ from mooncake_span.errors import ErrorCode
 class FakeReplicateConfig:
     replica_num: int = 1
     group_ids: list[str] = field(default_factory=list)
+    with_hard_pin: bool = False
 
 
 class FakeCluster:
