@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 from mooncake_span.errors import GeometryError
 
@@ -116,7 +117,7 @@ class KeySchema:
     ranks: RankTags
     tag: str | None = None
 
-    @property
+    @cached_property
     def prefix(self) -> str:
         parts = [KEY_SCHEMA_VERSION]
         if self.tag:
@@ -144,6 +145,11 @@ class KeySchema:
         """Mooncake eviction group of every object of one storage key."""
         return f"{self.prefix}_{page_key}"
 
+    def group_ids(self, page_keys: list[str], num_components: int) -> list[str]:
+        """Group id of every object of ``object_keys(page_keys, ...)``, in the same order."""
+        prefix = self.prefix
+        return [f"{prefix}_{key}" for key in page_keys for _ in range(num_components)]
+
 
 def check_page_keys(page_keys: object) -> list[str]:
     """Validate sglang page keys; GeometryError names the first bad one."""
@@ -151,6 +157,16 @@ def check_page_keys(page_keys: object) -> list[str]:
         raise GeometryError("keys is None")
     if not isinstance(page_keys, (list, tuple)):
         raise GeometryError(f"keys must be a list of str, got {type(page_keys).__name__}")
+    # Fast path for the common, valid case: one regex over all keys at once.
+    if all(type(key) is str for key in page_keys) and (
+        not page_keys
+        or (
+            min(map(len, page_keys)) > 0
+            and max(map(len, page_keys)) <= MAX_PAGE_KEY_CHARS
+            and not _BAD_PAGE_KEY_CHARS.search("".join(page_keys))
+        )
+    ):
+        return list(page_keys)
     for index, key in enumerate(page_keys):
         if not isinstance(key, str) or not key:
             raise GeometryError(f"key #{index} must be a non-empty str, got {key!r}")

@@ -77,23 +77,29 @@ class ObjectPlan:
 def _coalesce_rows(ptrs: np.ndarray, sizes: np.ndarray) -> list[ObjectPlan]:
     """Merge buffers whose bytes are adjacent in memory, row by row.
 
-    ``ptrs`` is (rows, m); ``sizes`` is (m,) and shared by every row.
+    ``ptrs`` is (rows, m); ``sizes`` is (m,) and shared by every row. Plans
+    share one sizes list where they can: nothing mutates them.
     """
     size_list = sizes.tolist()
     if ptrs.shape[1] == 1:
-        return [ObjectPlan([p], list(size_list)) for p in ptrs[:, 0].tolist()]
+        return [ObjectPlan([p], size_list) for p in ptrs[:, 0].tolist()]
     joins = ptrs[:, :-1] + sizes[:-1] == ptrs[:, 1:]
-    if not joins.any():
-        return [ObjectPlan(row, list(size_list)) for row in ptrs.tolist()]
+    row_joins = joins.any(axis=1)
+    if not row_joins.any():
+        return [ObjectPlan(row, size_list) for row in ptrs.tolist()]
+    if joins.all():
+        # every row is one contiguous run (consecutive host pages)
+        total = [int(sizes.sum())]
+        return [ObjectPlan([p], total) for p in ptrs[:, 0].tolist()]
     csum = np.concatenate(([0], np.cumsum(sizes)))
     plans = []
-    for row, row_joins in zip(ptrs, joins):
-        if not row_joins.any():
-            plans.append(ObjectPlan(row.tolist(), list(size_list)))
+    for index, (row, has_join) in enumerate(zip(ptrs.tolist(), row_joins.tolist())):
+        if not has_join:
+            plans.append(ObjectPlan(row, size_list))
             continue
-        starts = np.flatnonzero(np.concatenate(([True], ~row_joins)))
+        starts = np.flatnonzero(np.concatenate(([True], ~joins[index])))
         ends = np.concatenate((starts[1:], [len(sizes)]))
-        plans.append(ObjectPlan(row[starts].tolist(), (csum[ends] - csum[starts]).tolist()))
+        plans.append(ObjectPlan(ptrs[index, starts].tolist(), (csum[ends] - csum[starts]).tolist()))
     return plans
 
 

@@ -386,7 +386,17 @@ class MooncakeSpanStore(HiCacheStorage):
         offset = 0
         for op in physical:
             ncomp = len(op.binding.components)
-            flags = existing[offset : offset + len(op.object_keys)]
+            count = len(op.object_keys)
+            flags = existing[offset : offset + count]
+            if not any(flags):
+                # Nothing stored yet (every get, most puts): all objects go.
+                io_keys += op.object_keys
+                io_plans += self._plan(op, list(range(len(op.page_keys))), is_set)
+                if is_set:
+                    io_groups += self.key_schema.group_ids(op.page_keys, ncomp)
+                io_slots += range(offset, offset + count)
+                offset += count
+                continue
             need = [i for i in range(len(op.page_keys)) if not all(flags[i * ncomp : (i + 1) * ncomp])]
             if need:
                 plans = self._plan(op, need, is_set)
@@ -399,7 +409,7 @@ class MooncakeSpanStore(HiCacheStorage):
                         io_plans.append(plans[row * ncomp + c])
                         io_groups.append(self.key_schema.group_id(op.page_keys[key_index]))
                         io_slots.append(offset + obj)
-            offset += len(op.object_keys)
+            offset += count
         done = list(existing)
         if io_keys:
             results = (
