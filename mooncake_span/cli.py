@@ -318,6 +318,129 @@ def run_demo_command(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------
+# bench
+
+
+def _register_bench(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser(
+        "bench",
+        help="transfer benchmark: span mode vs upstream MooncakeStore, raw Mooncake and memcpy",
+        description=(
+            "Move the same host pages of real sglang host pools (compressed hybrid DSA, MLA, MHA; "
+            "page_first and layer_first; 64 KiB and 2.5 MiB pages) with MooncakeSpanStore at "
+            "K=1/2/4/8, sglang's own MooncakeStore, raw Mooncake batch calls and single-thread "
+            "memcpy, in one process (local memcpy path) and over TCP to a storage node. Every get "
+            "is verified byte for byte. Prints a table and the target ratios; exits 1 if a get "
+            "was not byte-exact or an unexpected transfer failed. See docs/benchmarks.md."
+        ),
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="small sizes and few repetitions (< 1 minute)"
+    )
+    bench.add_argument(
+        "--reps", type=_positive_int_arg, default=None,
+        help="timed repetitions per contender (default 3, --quick 2), after one warm-up",
+    )
+    bench.add_argument(
+        "--topology", default="same,tcp", metavar="LIST",
+        help="comma list of same (one process, local segment) and tcp (client -> storage "
+        "node) (default both)",
+    )
+    bench.add_argument(
+        "--sections", default="grid,batch,coalesce,chunks", metavar="LIST",
+        help="comma list of grid, batch (batch-size sweep), coalesce (layer_first consecutive vs "
+        "scattered), chunks (span_max_buffers_per_call sweep over TCP) (default all)",
+    )
+    bench.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    bench.add_argument("--plot", default=None, metavar="PATH", help="write a PNG summary plot")
+    bench.add_argument("--markdown", default=None, metavar="PATH", help="write Markdown tables")
+    bench.add_argument(
+        "--protocol", choices=("tcp", "rdma"), default="tcp",
+        help="transfer protocol; rdma needs --master/--metadata of a cluster whose storage "
+        "nodes use RDMA",
+    )
+    bench.add_argument(
+        "--device", default="", help="RDMA device name(s) for --protocol rdma, e.g. mlx5_0"
+    )
+    bench.add_argument(
+        "--master", default=None, metavar="HOST:PORT",
+        help="use this running master instead of embedded clusters (topology remote)",
+    )
+    bench.add_argument(
+        "--metadata", default=None, metavar="URL", help="metadata server of that cluster"
+    )
+    bench.add_argument(
+        "--segment-size", type=_size_arg, default="1536mb",
+        help="global segment of the in-process client / the storage node (default 1536mb)",
+    )
+    bench.add_argument(
+        "--seed", type=int, default=0, help="random seed for page placement and contents"
+    )
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    bench.add_argument(
+        "--native-log", default=None, metavar="PATH",
+        help="file for Mooncake's native log lines (default: a temporary file; '-' leaves "
+        "them on stderr)",
+    )
+    bench.set_defaults(func=run_bench_command)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+
+    # The native library reads its log level once, when it is loaded.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    from mooncake_span.sglang_backend.bench import (
+        BenchConfig,
+        format_markdown,
+        format_table,
+        run_bench,
+        write_plot,
+    )
+
+    def split(text: str) -> tuple[str, ...]:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+
+    try:
+        config = BenchConfig(
+            quick=args.quick,
+            reps=args.reps or (2 if args.quick else 3),
+            topologies=split(args.topology),
+            sections=split(args.sections),
+            protocol=args.protocol,
+            device=args.device,
+            master_server_address=args.master,
+            metadata_server=args.metadata,
+            segment_bytes=args.segment_size,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+    except ValueError as exc:
+        print(f"mooncake-span bench: {exc}", file=sys.stderr)
+        return 2
+    native_log = args.native_log
+    if native_log is None:
+        native_log = os.path.join(tempfile.mkdtemp(prefix="mooncake-span-bench-"), "native.log")
+    result = run_bench(config, native_log=None if native_log == "-" else native_log)
+    print(format_table(result), flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {args.json}", flush=True)
+    if args.plot:
+        write_plot(result, args.plot)
+        print(f"wrote {args.plot}", flush=True)
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as fh:
+            fh.write(format_markdown(result))
+        print(f"wrote {args.markdown}", flush=True)
+    if native_log != "-":
+        print(f"native log: {native_log}", file=sys.stderr, flush=True)
+    ok = result["verified_byte_exact"] and result["all_complete_except_expected"]
+    return 0 if ok else 1
+
+# ---------------------------------------------------------------------------
 # entry point
 
 
@@ -336,6 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _register_cluster(subparsers)
     _register_demo(subparsers)
+    _register_bench(subparsers)
     return parser
 
 
