@@ -151,6 +151,14 @@ class KeySchema:
         return [f"{prefix}_{key}" for key in page_keys for _ in range(num_components)]
 
 
+def _clean(text: str) -> bool:
+    # str.isprintable is C-speed and, for ASCII, already excludes the control
+    # characters; the regex is only needed for non-ASCII keys.
+    if text.isascii():
+        return text.isprintable() and " " not in text
+    return not _BAD_PAGE_KEY_CHARS.search(text)
+
+
 def check_page_keys(page_keys: object) -> list[str]:
     """Validate sglang page keys; GeometryError names the first bad one."""
     if page_keys is None:
@@ -163,7 +171,7 @@ def check_page_keys(page_keys: object) -> list[str]:
         or (
             min(map(len, page_keys)) > 0
             and max(map(len, page_keys)) <= MAX_PAGE_KEY_CHARS
-            and not _BAD_PAGE_KEY_CHARS.search("".join(page_keys))
+            and _clean("".join(page_keys))
         )
     ):
         return list(page_keys)

@@ -621,7 +621,10 @@ class MooncakeSpanStore(HiCacheStorage):
             ncomp = len(binding.components)
             chunk = flat[offset : offset + len(group)]
             offset += len(group)
-            out.append([all(chunk[i * ncomp : (i + 1) * ncomp]) for i in range(len(page_keys))])
+            if ncomp == 1:
+                out.append(chunk)
+            else:
+                out.append([all(chunk[i * ncomp : (i + 1) * ncomp]) for i in range(len(page_keys))])
         return out
 
     # ---- generic (non zero-copy) API: flat page tensors -------------------------------------
