@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 _REACHABILITY_TIMEOUT_S = 2.0
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
 _EXISTS_KEYS_PER_CALL = 4096
+# Mooncake's TCP transport queues 1024 transfers per peer plus 1024 pending admissions.
+_TCP_QUEUE_BUFFERS = 2048
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,19 @@ class MooncakeClient:
             if name not in os.environ:
                 os.environ[name] = value
                 logger.info("mooncake-span: %s=%s (set it yourself to override)", name, value)
+        if (
+            self.settings.protocol == "tcp"
+            and self.options.max_buffers_per_call > _TCP_QUEUE_BUFFERS
+            and "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER" not in os.environ
+        ):
+            # Past the queue a TCP call does not just slow down: it stalls for
+            # Mooncake's 60 s transfer wait and every key in it fails.
+            logger.warning(
+                "mooncake-span: span_max_buffers_per_call=%d exceeds the TCP transport's %d queued "
+                "transfers per peer; raise MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER or lower the option",
+                self.options.max_buffers_per_call,
+                _TCP_QUEUE_BUFFERS,
+            )
         endpoints = self.settings.etcd_endpoints()
         if not self.settings.master_server_address.startswith("etcd://"):
             endpoints.append(self.settings.master_server_address)
