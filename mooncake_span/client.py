@@ -301,7 +301,9 @@ class MooncakeClient:
         out: list[bool] = []
         for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
             chunk = list(keys[start : start + _EXISTS_KEYS_PER_CALL])
-            codes = self._invoke("batch_is_exist", lambda s: s.batch_is_exist(chunk), len(chunk))
+            codes = self._invoke(
+                "batch_is_exist", lambda s, keys=chunk: s.batch_is_exist(keys), len(chunk)
+            )
             if all(is_transport_failure(code) for code in codes):
                 # Nothing answered: a caller must not read this as "absent" and
                 # follow up with a put that would wait just as long.
@@ -340,8 +342,8 @@ class MooncakeClient:
             config = self._replicate_config([group_ids[i] for i in idx] if group_ids else None, hard_pin)
             codes = self._invoke(
                 "batch_put_from_multi_buffers",
-                lambda s: s.batch_put_from_multi_buffers(
-                    call_keys, [plans[i].ptrs for i in idx], [plans[i].sizes for i in idx], config
+                lambda s, keys=call_keys, idx=idx, config=config: s.batch_put_from_multi_buffers(
+                    keys, [plans[i].ptrs for i in idx], [plans[i].sizes for i in idx], config
                 ),
                 len(idx),
             )
@@ -359,8 +361,8 @@ class MooncakeClient:
                 call_keys = [keys[i] for i in idx]
                 codes = self._invoke(
                     "batch_get_into_multi_buffers",
-                    lambda s: s.batch_get_into_multi_buffers(
-                        call_keys, [plans[i].ptrs for i in idx], [plans[i].sizes for i in idx]
+                    lambda s, keys=call_keys, idx=idx: s.batch_get_into_multi_buffers(
+                        keys, [plans[i].ptrs for i in idx], [plans[i].sizes for i in idx]
                     ),
                     len(idx),
                 )

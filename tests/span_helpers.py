@@ -17,20 +17,10 @@ def make_storage_config(
     tp_size: int = 1,
 ) -> Any:
     """An sglang 0.5.23 HiCacheStorageConfig as the controller would build it."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from mooncake_span.sglang_backend.pools import single_rank_storage_config
 
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=is_mla,
-        enable_storage_metrics=True,
-        is_page_first_layout=True,
-        model_name=model_name,
-        extra_config=dict(extra_config),
+    return single_rank_storage_config(
+        extra_config, model_name=model_name, is_mla=is_mla, tp_rank=tp_rank, tp_size=tp_size
     )
 
 

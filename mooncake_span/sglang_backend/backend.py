@@ -52,7 +52,7 @@ from mooncake_span.errors import GeometryError, MooncakeSpanError, RegistrationE
 from mooncake_span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool, derive_slots_per_key
 from mooncake_span.hits import PoolHitQuery, clamp_after_first_failure, compute_hits, leading_run
 from mooncake_span.layout_guard import EtcdRegistry, GeometryRecord, PoolGeometry, check_or_publish, namespace_key
-from mooncake_span.keys import ComponentSpec, KeySchema, RankScope, RankTags, check_page_keys
+from mooncake_span.keys import ComponentSpec, KeySchema, RankTags, check_page_keys
 from mooncake_span.plan import ObjectPlan, PageLayout, plan_objects, plan_objects_from_flat
 from mooncake_span.sglang_backend.pool_model import describe_pool, pool_name_str
 

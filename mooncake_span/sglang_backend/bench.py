@@ -62,7 +62,6 @@ from unittest import mock
 import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorageConfig,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
@@ -766,19 +765,9 @@ class PreparedRun:
     dst: np.ndarray
 
 
-def _storage_config(model: ModelShape, extra: dict[str, Any], name: str) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=model.is_mla,
-        enable_storage_metrics=False,
-        is_page_first_layout=True,
-        model_name=name,
-        extra_config=dict(extra),
+def _storage_config(model: ModelShape, extra: dict[str, Any], name: str) -> Any:
+    return P.single_rank_storage_config(
+        extra, model_name=name, is_mla=model.is_mla, enable_storage_metrics=False
     )
 
 

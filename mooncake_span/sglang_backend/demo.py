@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
     STORAGE_BATCH_SIZE,
-    HiCacheStorageConfig,
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
@@ -39,6 +38,7 @@ from mooncake_span.sglang_backend.backend import MooncakeSpanStore
 logger = logging.getLogger(__name__)
 
 HOST_PAGE_TOKENS = 64
+DEMO_MODEL = "demo/glm-5.3-flash-like"
 INDEX_KPOOL = 4
 
 
@@ -79,14 +79,6 @@ class DemoReport:
         return self.hit_keys == self.keys and self.mismatched_pages == 0
 
 
-def _storage_config(extra: dict[str, Any]) -> HiCacheStorageConfig:
-    return HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=True, enable_storage_metrics=True, is_page_first_layout=True,
-        model_name="demo/glm-5.3-flash-like", extra_config=extra,
-    )
-
-
 def _slots(pages: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(p * HOST_PAGE_TOKENS, (p + 1) * HOST_PAGE_TOKENS) for p in pages])
 
@@ -123,7 +115,7 @@ def _run(config: DemoConfig, client_config: dict[str, Any], say: Callable[[str],
     kv, indexer, mamba = pools[PoolName.KV], pools[PoolName.INDEXER], pools[PoolName.MAMBA]
     storage_page = pools.storage_page_tokens
     extra = {**client_config, "storage_page_size": storage_page}
-    store = MooncakeSpanStore(_storage_config(extra), {})
+    store = MooncakeSpanStore(P.single_rank_storage_config(extra, model_name=DEMO_MODEL), {})
     try:
         store.register_mem_pool_host(kv)
         for name, pool in pools.pools.items():

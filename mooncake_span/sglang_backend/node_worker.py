@@ -451,23 +451,12 @@ class Node:
 
         Raises LayoutConflictError when the layout guard refuses this node.
         """
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
         from mooncake_span.sglang_backend.backend import MooncakeSpanStore
+        from mooncake_span.sglang_backend.pools import single_rank_storage_config
 
         started = time.perf_counter()
-        storage_config = HiCacheStorageConfig(
-            tp_rank=0,
-            tp_size=1,
-            pp_rank=0,
-            pp_size=1,
-            attn_cp_rank=0,
-            attn_cp_size=1,
-            is_mla_model=True,
-            enable_storage_metrics=True,
-            is_page_first_layout=True,
-            model_name=self.config.geometry.model,
-            extra_config=self.config.extra_config(),
+        storage_config = single_rank_storage_config(
+            self.config.extra_config(), model_name=self.config.geometry.model
         )
         store = MooncakeSpanStore(storage_config, {})
         self.store = store

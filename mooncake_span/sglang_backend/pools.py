@@ -725,6 +725,39 @@ def build_compressed_hybrid_dsa(
 
 
 # ---------------------------------------------------------------------------
+# storage config
+
+
+def single_rank_storage_config(
+    extra_config: Mapping[str, Any],
+    *,
+    model_name: str,
+    is_mla: bool = True,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    enable_storage_metrics: bool = True,
+) -> Any:
+    """The ``HiCacheStorageConfig`` sglang's controller builds for one rank with no
+    PP/CP/DCP, for tools (demo, bench, node worker) and tests that drive the
+    backend without a controller."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=is_mla,
+        enable_storage_metrics=enable_storage_metrics,
+        is_page_first_layout=True,
+        model_name=model_name,
+        extra_config=dict(extra_config),
+    )
+
+
+# ---------------------------------------------------------------------------
 # page bytes
 # ---------------------------------------------------------------------------
 
