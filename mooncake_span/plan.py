@@ -55,6 +55,11 @@ class PageLayout:
     def page_bytes(self, component: int) -> int:
         return sum(self.slot_bytes[b] for b in self.components[component])
 
+    @property
+    def flat_page_bytes(self) -> int:
+        """Bytes of one host page over all stored components (sglang's flat page)."""
+        return sum(self.page_bytes(c) for c in range(len(self.components)))
+
     def pointer_matrix(self, pages: np.ndarray) -> np.ndarray:
         """int64 pointers, shape ``pages.shape + (B,)``."""
         base = np.asarray(self.base_ptrs, dtype=np.int64)
@@ -152,7 +157,7 @@ def plan_objects_from_flat(
 ) -> list[ObjectPlan]:
     """Object buffers inside flat tensors holding K consecutive flat pages per key."""
     offsets = flat_page_offsets(layout)
-    flat_page = sum(layout.page_bytes(c) for c in range(len(layout.components)))
+    flat_page = layout.flat_page_bytes
     plans = []
     for base in base_ptrs:
         for c, slots in enumerate(layout.components):

@@ -443,14 +443,12 @@ class MooncakeSpanStore(HiCacheStorage):
         pool = op.binding.host_pool
         pages_per_key = op.key_pages.shape[1]
         flat_bytes = op.binding.layout.slot_bytes[0]
-        dummy = pool.get_dummy_flat_data_page()
         op.staging = torch.empty((len(op.page_keys), pages_per_key, flat_bytes), dtype=torch.uint8)
         if is_set:
             for i in need:
                 for j, page in enumerate(op.key_pages[i].tolist()):
                     data = pool.get_data_page(page * op.binding.page_tokens, flat=True)
                     op.staging[i, j].copy_(data.contiguous().view(torch.uint8).reshape(-1))
-        del dummy
         row_bytes = pages_per_key * flat_bytes
         base = op.staging.data_ptr()
         return plan_objects_from_flat(op.binding.layout, [base + i * row_bytes for i in need], pages_per_key)
@@ -468,7 +466,7 @@ class MooncakeSpanStore(HiCacheStorage):
         layout = op.binding.layout
         if layout is None:
             return 0
-        per_key = sum(layout.page_bytes(c) for c in range(len(layout.components))) * op.key_pages.shape[1]
+        per_key = layout.flat_page_bytes * op.key_pages.shape[1]
         return per_key * sum(results)
 
     def _account(self, is_set: bool, op: _Op, results: list[bool], elapsed_s: float) -> None:
@@ -629,21 +627,18 @@ class MooncakeSpanStore(HiCacheStorage):
 
     # ---- generic (non zero-copy) API: flat page tensors -------------------------------------
 
-    def _flat_plans(self, tensors: Sequence[torch.Tensor]) -> tuple[list[ObjectPlan], int]:
-        kv = self._bindings[KV_POOL]
-        layout = kv.layout
-        flat_page = sum(layout.page_bytes(c) for c in range(len(layout.components)))
-        span_bytes = flat_page * self.geometry.pages_per_span
+    def _flat_plans(self, tensors: Sequence[torch.Tensor]) -> list[ObjectPlan]:
+        layout = self._bindings[KV_POOL].layout
+        span_bytes = layout.flat_page_bytes * self.geometry.pages_per_span
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
                 raise GeometryError(f"generic value #{i} must be a contiguous CPU tensor")
             if t.numel() * t.element_size() != span_bytes:
                 raise GeometryError(
                     f"generic value #{i} holds {t.numel() * t.element_size()} bytes; a storage page "
-                    f"is {span_bytes} bytes ({self.geometry.pages_per_span} x {flat_page})"
+                    f"is {span_bytes} bytes ({self.geometry.pages_per_span} x {layout.flat_page_bytes})"
                 )
-        plans = plan_objects_from_flat(layout, [t.data_ptr() for t in tensors], self.geometry.pages_per_span)
-        return plans, span_bytes
+        return plan_objects_from_flat(layout, [t.data_ptr() for t in tensors], self.geometry.pages_per_span)
 
     def _generic(self, keys: list[str], tensors: list[torch.Tensor], is_set: bool) -> list[bool]:
         self._require_ready()
@@ -653,7 +648,7 @@ class MooncakeSpanStore(HiCacheStorage):
             raise GeometryError(f"{len(page_keys)} keys but {len(tensors)} tensors")
         if kv.layout is None:
             return [True] * len(page_keys)
-        plans, _ = self._flat_plans(tensors)
+        plans = self._flat_plans(tensors)
         object_keys = self.key_schema.object_keys(page_keys, kv.components)
         ncomp = len(kv.components)
         if is_set:
@@ -670,8 +665,7 @@ class MooncakeSpanStore(HiCacheStorage):
         )
 
     def _span_dummy(self) -> torch.Tensor:
-        kv = self._bindings[KV_POOL]
-        flat_page = sum(kv.layout.page_bytes(c) for c in range(len(kv.layout.components)))
+        flat_page = self._bindings[KV_POOL].layout.flat_page_bytes
         return torch.empty(flat_page * self.geometry.pages_per_span, dtype=torch.uint8)
 
     def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:

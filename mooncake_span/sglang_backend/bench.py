@@ -591,7 +591,7 @@ class PoolPart:
 
     @property
     def page_bytes(self) -> int:
-        return sum(self.layout.page_bytes(c) for c in range(len(self.layout.components)))
+        return self.layout.flat_page_bytes
 
 
 def _slot_views(layout: PageLayout) -> list[np.ndarray]:
