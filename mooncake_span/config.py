@@ -89,7 +89,9 @@ _HOST = re.compile(r"^(?:[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\])$")
 def _check_host_port(text: str, what: str) -> None:
     host, sep, port = text.rpartition(":")
     if not sep or not _HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"invalid {what} {text!r}: must look like host:port with a port in 1..65535")
+        raise ConfigError(
+            f"invalid {what} {text!r}: must look like host:port with a port in 1..65535"
+        )
 
 
 # Mooncake separates several etcd endpoints with ';' (etcd://h1:p1;h2:p2).
@@ -100,7 +102,9 @@ def _etcd_endpoints(text: str) -> list[str]:
 def validate_master_address(value: str) -> str:
     """``HOST:PORT``, or ``etcd://HOST:PORT[;HOST:PORT...]`` for HA masters."""
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"invalid master address (master_server_address) {value!r}: expected HOST:PORT")
+        raise ConfigError(
+            f"invalid master address (master_server_address) {value!r}: expected HOST:PORT"
+        )
     if value.startswith("etcd://"):
         for endpoint in _etcd_endpoints(value[len("etcd://") :]):
             _check_host_port(endpoint, "master address (etcd endpoint)")
@@ -122,7 +126,9 @@ def validate_metadata_server(value: str) -> str:
     with this wheel are accepted: the HTTP metadata server, etcd, P2PHANDSHAKE.
     """
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"invalid metadata server (metadata_server) {value!r}: expected e.g. http://HOST:PORT/metadata")
+        raise ConfigError(
+            f"invalid metadata server (metadata_server) {value!r}: expected e.g. http://HOST:PORT/metadata"
+        )
     if value == "P2PHANDSHAKE":
         return value
     scheme, sep, rest = value.partition("://")
@@ -258,7 +264,9 @@ def load_mooncake_settings(
     return _settings_from_mapping(
         {
             "master_server_address": environ["MOONCAKE_MASTER"],
-            "metadata_server": environ.get("MOONCAKE_TE_META_DATA_SERVER", _DEFAULT_METADATA_SERVER),
+            "metadata_server": environ.get(
+                "MOONCAKE_TE_META_DATA_SERVER", _DEFAULT_METADATA_SERVER
+            ),
             "global_segment_size": environ.get(
                 "MOONCAKE_GLOBAL_SEGMENT_SIZE", _DEFAULT_GLOBAL_SEGMENT
             ),
@@ -332,7 +340,8 @@ class SpanOptions:
     def __post_init__(self) -> None:
         if self.storage_page_size is not None and self.storage_page_size < 0:
             raise ConfigError(
-                f"storage_page_size must be >= 0 tokens (0 = host page size), got {self.storage_page_size}"
+                "storage_page_size must be >= 0 tokens (0 = host page size), "
+                f"got {self.storage_page_size}"
             )
         if not 1 <= self.max_buffers_per_call <= 1 << 20:
             raise ConfigError(
@@ -387,9 +396,7 @@ def load_span_options(
     extra = dict(extra_config or {})
     unknown = sorted(k for k in extra if _is_our_key(k) and k not in _SPAN_KEYS)
     if unknown:
-        raise ConfigError(
-            f"unknown mooncake-span option(s) {unknown}; known: {sorted(_SPAN_KEYS)}"
-        )
+        raise ConfigError(f"unknown mooncake-span option(s) {unknown}; known: {sorted(_SPAN_KEYS)}")
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key, (field_name, parse) in _SPAN_KEYS.items():

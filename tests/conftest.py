@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from mooncake_span.cluster import ClusterSpec, ExternalCluster, LocalCluster, find_executable
+from mooncake_span.ops.cluster import ClusterSpec, ExternalCluster, LocalCluster, find_executable
 
 _MASTER_ENV = "MOONCAKE_SPAN_TEST_MASTER"
 _METADATA_ENV = "MOONCAKE_SPAN_TEST_METADATA"

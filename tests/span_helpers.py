@@ -17,7 +17,7 @@ def make_storage_config(
     tp_size: int = 1,
 ) -> Any:
     """An sglang 0.5.23 HiCacheStorageConfig as the controller would build it."""
-    from mooncake_span.sglang_backend.pools import single_rank_storage_config
+    from mooncake_span.bench.pools import single_rank_storage_config
 
     return single_rank_storage_config(
         extra_config, model_name=model_name, is_mla=is_mla, tp_rank=tp_rank, tp_size=tp_size

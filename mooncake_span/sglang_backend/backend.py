@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -46,15 +45,37 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
-from mooncake_span.client import MooncakeClient, NativeBinding
-from mooncake_span.config import MooncakeSettings, SpanOptions, load_mooncake_settings, load_span_options
+from mooncake_span.config import (
+    MooncakeSettings,
+    SpanOptions,
+    load_mooncake_settings,
+    load_span_options,
+)
 from mooncake_span.errors import GeometryError, MooncakeSpanError, RegistrationError
-from mooncake_span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool, derive_slots_per_key
-from mooncake_span.hits import PoolHitQuery, clamp_after_first_failure, compute_hits, leading_run
-from mooncake_span.layout_guard import EtcdRegistry, GeometryRecord, PoolGeometry, check_or_publish, namespace_key
-from mooncake_span.keys import ComponentSpec, KeySchema, RankTags, check_page_keys
-from mooncake_span.plan import ObjectPlan, PageLayout, plan_objects, plan_objects_from_flat
-from mooncake_span.sglang_backend.pool_model import describe_pool, pool_name_str
+from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
+from mooncake_span.span.geometry import (
+    KV_POOL,
+    PoolKind,
+    SpanGeometry,
+    classify_pool,
+    derive_slots_per_key,
+)
+from mooncake_span.span.hits import (
+    PoolHitQuery,
+    clamp_after_first_failure,
+    compute_hits,
+    leading_run,
+)
+from mooncake_span.span.keys import ComponentSpec, KeySchema, RankTags, check_page_keys
+from mooncake_span.span.plan import ObjectPlan, PageLayout, plan_objects, plan_objects_from_flat
+from mooncake_span.store.client import MooncakeClient, NativeBinding
+from mooncake_span.store.layout_guard import (
+    EtcdRegistry,
+    GeometryRecord,
+    PoolGeometry,
+    check_or_publish,
+    namespace_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +201,9 @@ class MooncakeSpanStore(HiCacheStorage):
             )
         # The built-in "mooncake" path passes the host pool here; sglang still
         # calls register_mem_pool_host() right after, so only remember it.
-        self._constructor_host_pool = None if isinstance(kwargs_or_host_pool, dict) else kwargs_or_host_pool
+        self._constructor_host_pool = (
+            None if isinstance(kwargs_or_host_pool, dict) else kwargs_or_host_pool
+        )
         self._extra_tag = extra.get("extra_backend_tag")
         self._log = _RateLimitedLog()
         self._counters = _Counters()
@@ -241,7 +264,9 @@ class MooncakeSpanStore(HiCacheStorage):
         if name == KV_POOL:
             # The anchor arrives through register_mem_pool_host (as upstream).
             if host_pool is not self.mem_pool_host:
-                logger.warning("mooncake-span: ignoring a 'kv' v2 registration that is not the anchor pool")
+                logger.warning(
+                    "mooncake-span: ignoring a 'kv' v2 registration that is not the anchor pool"
+                )
             return
         self._bind(name, host_pool)
 
@@ -250,7 +275,8 @@ class MooncakeSpanStore(HiCacheStorage):
             raise RegistrationError("on_host_pools_registered() before register_mem_pool_host()")
         self.layout_guard_result = self._check_layout_guard()
         logger.info(
-            "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages, pools %s",
+            "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages, "
+            "pools %s",
             self.key_schema.prefix,
             self.geometry.storage_page_tokens,
             self.geometry.pages_per_span,
@@ -264,7 +290,9 @@ class MooncakeSpanStore(HiCacheStorage):
             layout = binding.layout
             pools[name] = PoolGeometry(
                 components=tuple(c.name for c in binding.components),
-                bytes_per_page=tuple(layout.page_bytes(c) for c in range(len(layout.components))) if layout else (),
+                bytes_per_page=tuple(layout.page_bytes(c) for c in range(len(layout.components)))
+                if layout
+                else (),
                 page_tokens=binding.page_tokens,
             )
         return GeometryRecord(
@@ -314,26 +342,42 @@ class MooncakeSpanStore(HiCacheStorage):
 
     def _require_ready(self) -> None:
         if self.key_schema is None or self.geometry is None:
-            raise RegistrationError("no host pool registered yet (register_mem_pool_host was not called)")
+            raise RegistrationError(
+                "no host pool registered yet (register_mem_pool_host was not called)"
+            )
 
-    def _prepare(self, name: str, keys: Any, host_indices: Any, *, kv_derived_hint: bool = False) -> _Op:
+    def _prepare(
+        self, name: str, keys: Any, host_indices: Any, *, kv_derived_hint: bool = False
+    ) -> _Op:
         binding = self._bindings.get(name)
         if binding is None:
-            raise GeometryError(f"pool {name!r} is not registered (registered: {sorted(self._bindings)})")
+            raise GeometryError(
+                f"pool {name!r} is not registered (registered: {sorted(self._bindings)})"
+            )
         page_keys = check_page_keys(keys)
         if not page_keys:
             raise GeometryError(f"pool {name!r}: transfer has no keys")
         if host_indices is None:
             raise GeometryError(f"pool {name!r}: host_indices is None")
         if not isinstance(host_indices, torch.Tensor):
-            raise GeometryError(f"pool {name!r}: host_indices must be a tensor, got {type(host_indices).__name__}")
+            raise GeometryError(
+                f"pool {name!r}: host_indices must be a tensor, got {type(host_indices).__name__}"
+            )
         if host_indices.device.type != "cpu":
-            raise GeometryError(f"pool {name!r}: host_indices must be on the CPU, got {host_indices.device}")
+            raise GeometryError(
+                f"pool {name!r}: host_indices must be on the CPU, got {host_indices.device}"
+            )
         if host_indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise GeometryError(f"pool {name!r}: host_indices must be integers, got {host_indices.dtype}")
+            raise GeometryError(
+                f"pool {name!r}: host_indices must be integers, got {host_indices.dtype}"
+            )
         if binding.layout is None:
             return _Op(binding, page_keys, np.zeros((len(page_keys), 0), dtype=np.int64))
-        if kv_derived_hint and binding.kind is PoolKind.STATE and name not in self._learned_kv_derived:
+        if (
+            kv_derived_hint
+            and binding.kind is PoolKind.STATE
+            and name not in self._learned_kv_derived
+        ):
             self._learned_kv_derived = self._learned_kv_derived | {name}
         kind = classify_pool(name, self._learned_kv_derived)
         slots = host_indices.reshape(-1).to(torch.int64)
@@ -349,11 +393,10 @@ class MooncakeSpanStore(HiCacheStorage):
         by_page = slots.view(-1, page)
         starts = by_page[:, 0]
         if bool((starts % page != 0).any()) or (
-            page > 1 and not torch.equal(by_page - starts[:, None], torch.arange(page).expand_as(by_page))
+            page > 1
+            and not torch.equal(by_page - starts[:, None], torch.arange(page).expand_as(by_page))
         ):
-            raise GeometryError(
-                f"pool {name!r}: host indices are not whole {page}-slot host pages"
-            )
+            raise GeometryError(f"pool {name!r}: host indices are not whole {page}-slot host pages")
         pages = (starts // page).numpy().reshape(len(page_keys), per_key // page)
         if pages.min() < 0 or pages.max() >= binding.layout.num_pages:
             raise GeometryError(
@@ -368,7 +411,13 @@ class MooncakeSpanStore(HiCacheStorage):
         with self._counters.lock:
             label = type(exc).__name__
             self._counters.rejected_calls[label] = self._counters.rejected_calls.get(label, 0) + 1
-        self._log.error(f"{op_name}:{pool}:{type(exc).__name__}", "mooncake-span %s rejected for pool %s: %s", op_name, pool, exc)
+        self._log.error(
+            f"{op_name}:{pool}:{type(exc).__name__}",
+            "mooncake-span %s rejected for pool %s: %s",
+            op_name,
+            pool,
+            exc,
+        )
 
     # ---- I/O core -------------------------------------------------------------------------
 
@@ -397,7 +446,9 @@ class MooncakeSpanStore(HiCacheStorage):
                 io_slots += range(offset, offset + count)
                 offset += count
                 continue
-            need = [i for i in range(len(op.page_keys)) if not all(flags[i * ncomp : (i + 1) * ncomp])]
+            need = [
+                i for i in range(len(op.page_keys)) if not all(flags[i * ncomp : (i + 1) * ncomp])
+            ]
             if need:
                 plans = self._plan(op, need, is_set)
                 for row, key_index in enumerate(need):
@@ -417,7 +468,7 @@ class MooncakeSpanStore(HiCacheStorage):
                 if is_set
                 else self.client.get(io_keys, io_plans)
             )
-            for slot, ok in zip(io_slots, results):
+            for slot, ok in zip(io_slots, results, strict=False):
                 done[slot] = ok
         out: list[list[bool]] = []
         offset = 0
@@ -451,7 +502,9 @@ class MooncakeSpanStore(HiCacheStorage):
                     op.staging[i, j].copy_(data.contiguous().view(torch.uint8).reshape(-1))
         row_bytes = pages_per_key * flat_bytes
         base = op.staging.data_ptr()
-        return plan_objects_from_flat(op.binding.layout, [base + i * row_bytes for i in need], pages_per_key)
+        return plan_objects_from_flat(
+            op.binding.layout, [base + i * row_bytes for i in need], pages_per_key
+        )
 
     def _unstage(self, op: _Op, per_key: list[bool]) -> None:
         pool = op.binding.host_pool
@@ -460,7 +513,9 @@ class MooncakeSpanStore(HiCacheStorage):
             if not ok:
                 break
             for j, page in enumerate(op.key_pages[i].tolist()):
-                pool.set_from_flat_data_page(page * op.binding.page_tokens, op.staging[i, j].view(dtype))
+                pool.set_from_flat_data_page(
+                    page * op.binding.page_tokens, op.staging[i, j].view(dtype)
+                )
 
     def _moved_bytes(self, op: _Op, results: list[bool]) -> int:
         layout = op.binding.layout
@@ -506,7 +561,11 @@ class MooncakeSpanStore(HiCacheStorage):
         try:
             transfers = list(transfers or [])
         except TypeError:
-            self._reject(op_name, "?", GeometryError(f"transfers must be a list, got {type(transfers).__name__}"))
+            self._reject(
+                op_name,
+                "?",
+                GeometryError(f"transfers must be a list, got {type(transfers).__name__}"),
+            )
             return results
         ops: list[tuple[Any, _Op]] = []
         for transfer in transfers:
@@ -516,7 +575,12 @@ class MooncakeSpanStore(HiCacheStorage):
             try:
                 self._require_ready()
                 hint = pool_name_str(getattr(transfer, "indices_from_pool", None)) == KV_POOL
-                ops.append((transfer.name, self._prepare(name, keys, transfer.host_indices, kv_derived_hint=hint)))
+                ops.append(
+                    (
+                        transfer.name,
+                        self._prepare(name, keys, transfer.host_indices, kv_derived_hint=hint),
+                    )
+                )
             except MooncakeSpanError as exc:
                 self._reject(op_name, name, exc)
         if not ops:
@@ -529,22 +593,36 @@ class MooncakeSpanStore(HiCacheStorage):
         except Exception:
             logger.exception("mooncake-span %s failed unexpectedly", op_name)
             return results
-        for (key, _), flags in zip(ops, outcome):
+        for (key, _), flags in zip(ops, outcome, strict=False):
             results[key] = flags
         return results
 
     # ---- zero-copy API ------------------------------------------------------------------------
 
-    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         return self._v1("batch_get_v1", keys, host_indices, is_set=False)
 
-    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
         return self._v1("batch_set_v1", keys, host_indices, is_set=True)
 
-    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[Any, list[bool]]:
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[Any, list[bool]]:
         return self._v2("batch_get_v2", transfers, is_set=False)
 
-    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[Any, list[bool]]:
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[Any, list[bool]]:
         return self._v2("batch_set_v2", transfers, is_set=True)
 
     # ---- hits -----------------------------------------------------------------------------------
@@ -555,7 +633,9 @@ class MooncakeSpanStore(HiCacheStorage):
             return 0
         return leading_run(self._exists_many([kv], keys)[0])
 
-    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
         try:
             self._require_ready()
             return self._kv_prefix(check_page_keys(keys))
@@ -598,7 +678,7 @@ class MooncakeSpanStore(HiCacheStorage):
                     block_pages=int(getattr(transfer, "block_pages", 0) or 0),
                     group_pages=int(getattr(transfer, "group_pages", 0) or 0),
                 )
-                for transfer, page_exists in zip(transfers, flags)
+                for transfer, page_exists in zip(transfers, flags, strict=False)
             ]
             hit = compute_hits(kv_pages, queries)
             names = {pool_name_str(t.name): t.name for t in transfers}
@@ -615,7 +695,7 @@ class MooncakeSpanStore(HiCacheStorage):
         object_keys = [self.key_schema.object_keys(page_keys, b.components) for b in bindings]
         flat = self.client.exists([k for group in object_keys for k in group]) if page_keys else []
         out, offset = [], 0
-        for binding, group in zip(bindings, object_keys):
+        for binding, group in zip(bindings, object_keys, strict=False):
             ncomp = len(binding.components)
             chunk = flat[offset : offset + len(group)]
             offset += len(group)
@@ -635,10 +715,13 @@ class MooncakeSpanStore(HiCacheStorage):
                 raise GeometryError(f"generic value #{i} must be a contiguous CPU tensor")
             if t.numel() * t.element_size() != span_bytes:
                 raise GeometryError(
-                    f"generic value #{i} holds {t.numel() * t.element_size()} bytes; a storage page "
-                    f"is {span_bytes} bytes ({self.geometry.pages_per_span} x {layout.flat_page_bytes})"
+                    f"generic value #{i} holds {t.numel() * t.element_size()} bytes; "
+                    f"a storage page is {span_bytes} bytes "
+                    f"({self.geometry.pages_per_span} x {layout.flat_page_bytes})"
                 )
-        return plan_objects_from_flat(layout, [t.data_ptr() for t in tensors], self.geometry.pages_per_span)
+        return plan_objects_from_flat(
+            layout, [t.data_ptr() for t in tensors], self.geometry.pages_per_span
+        )
 
     def _generic(self, keys: list[str], tensors: list[torch.Tensor], is_set: bool) -> list[bool]:
         self._require_ready()
@@ -656,7 +739,13 @@ class MooncakeSpanStore(HiCacheStorage):
             todo = [i for i, f in enumerate(flags) if not f]
             if todo:
                 groups = [self.key_schema.group_id(page_keys[i // ncomp]) for i in todo]
-                for i, ok in zip(todo, self.client.put([object_keys[i] for i in todo], [plans[i] for i in todo], groups)):
+                for i, ok in zip(
+                    todo,
+                    self.client.put(
+                        [object_keys[i] for i in todo], [plans[i] for i in todo], groups
+                    ),
+                    strict=False,
+                ):
                     flags[i] = ok
         else:
             flags = self.client.get(object_keys, plans)
@@ -668,22 +757,34 @@ class MooncakeSpanStore(HiCacheStorage):
         flat_page = self._bindings[KV_POOL].layout.flat_page_bytes
         return torch.empty(flat_page * self.geometry.pages_per_span, dtype=torch.uint8)
 
-    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
         n = len(keys) if isinstance(keys, (list, tuple)) else 0
         try:
             self._require_ready()
-            targets = list(target_locations) if target_locations is not None else [self._span_dummy() for _ in range(n)]
+            targets = (
+                list(target_locations)
+                if target_locations is not None
+                else [self._span_dummy() for _ in range(n)]
+            )
             started = time.perf_counter()
             ok = self._generic(keys, targets, is_set=False)
             self._account_generic(False, ok, time.perf_counter() - started)
-            return [t if good else None for t, good in zip(targets, ok)]
+            return [t if good else None for t, good in zip(targets, ok, strict=False)]
         except MooncakeSpanError as exc:
             self._reject("batch_get", KV_POOL, exc)
         except Exception:
             logger.exception("mooncake-span batch_get failed unexpectedly")
         return [None] * n
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
         try:
             if values is None:
                 raise GeometryError("batch_set needs values (flat page tensors)")
@@ -703,10 +804,14 @@ class MooncakeSpanStore(HiCacheStorage):
         op = _Op(kv, [], np.zeros((len(ok), self.geometry.pages_per_span), dtype=np.int64))
         self._account(is_set, op, ok, elapsed_s)
 
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
         return self.batch_get([key], None if target_location is None else [target_location])[0]
 
-    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
         return self.batch_set([key], None if value is None else [value])
 
     def exists(self, key: str) -> bool:
@@ -720,7 +825,9 @@ class MooncakeSpanStore(HiCacheStorage):
             return
         try:
             removed = self.client.remove_prefix(self.key_schema.prefix + "_")
-            logger.info("mooncake-span clear: removed %d objects under %s", removed, self.key_schema.prefix)
+            logger.info(
+                "mooncake-span clear: removed %d objects under %s", removed, self.key_schema.prefix
+            )
         except MooncakeSpanError as exc:
             self._reject("clear", "*", exc)
 
@@ -752,4 +859,3 @@ class MooncakeSpanStore(HiCacheStorage):
 
     def close(self) -> None:
         self.client.close()
-

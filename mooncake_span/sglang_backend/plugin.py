@@ -41,4 +41,9 @@ def register() -> None:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     StorageBackendFactory.register_backend(BACKEND_NAME, MODULE_PATH, CLASS_NAME)
-    logger.info("mooncake-span serves --hicache-storage-backend %s (%s.%s)", BACKEND_NAME, MODULE_PATH, CLASS_NAME)
+    logger.info(
+        "mooncake-span serves --hicache-storage-backend %s (%s.%s)",
+        BACKEND_NAME,
+        MODULE_PATH,
+        CLASS_NAME,
+    )

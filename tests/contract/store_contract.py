@@ -1,4 +1,4 @@
-"""The native store API as ``mooncake_span.client.MooncakeClient`` uses it.
+"""The native store API as ``mooncake_span.store.client.MooncakeClient`` uses it.
 
 ``StoreContract`` is run twice: against ``FakeStore`` (tests/unit) and against
 a real Mooncake cluster (tests/integration). Passing both is what entitles the
@@ -26,10 +26,10 @@ import ctypes
 import numpy as np
 import pytest
 
-from mooncake_span.client import MooncakeClient
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import StoreClosedError
-from mooncake_span.plan import ObjectPlan
+from mooncake_span.span.plan import ObjectPlan
+from mooncake_span.store.client import MooncakeClient
 
 # Varied, not page-aligned sizes catch offset and length mix-ups.
 _SLICE_SIZES = (4096, 1000, 777, 12_288, 64)

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from mooncake_span.cluster import ClusterSpec, LocalCluster
+from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from tests.span_helpers import make_storage_config
 
 FIGURES_DIR_ENV = "MOONCAKE_SPAN_FIGURES_DIR"
@@ -185,7 +185,7 @@ class SpanOracle:
     def __init__(self, store: Any, pools: Any, pages_per_key: int, log: CallLog) -> None:
         from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
-        from mooncake_span.sglang_backend import pools as P
+        from mooncake_span.bench import pools as P
 
         self._P = P
         self._PoolName = PoolName
@@ -355,7 +355,7 @@ def build_dsa_pools(
     kv_lora_rank: int = 32,
     rope_dim: int = 16,
 ) -> Any:
-    from mooncake_span.sglang_backend import pools as P
+    from mooncake_span.bench import pools as P
 
     return P.build_dsa_pools(
         "page_first",
@@ -440,7 +440,7 @@ def oracle_factory() -> Iterator[Callable[..., SpanOracle]]:
 
 @functools.cache
 def _netns_reason() -> str | None:
-    from mooncake_span.netns import netns_unavailable_reason
+    from mooncake_span.lab.netns import netns_unavailable_reason
 
     return netns_unavailable_reason()
 

@@ -740,7 +740,7 @@ def test_storage_node_partition(tmp_path, figures):
     import json
     import sys
 
-    from mooncake_span.netns import NetnsCluster, NetnsClusterSpec, NetnsTopology, TopologySpec
+    from mooncake_span.lab.netns import NetnsCluster, NetnsClusterSpec, NetnsTopology, TopologySpec
     from tests.faults.conftest import require_netns, wait_for_file
 
     require_netns()
@@ -836,4 +836,6 @@ def test_storage_node_partition(tmp_path, figures):
     # timeout (+ margin); a call that has to open a connection to the silent
     # peer is bounded by the client's SYN retries (see PARTITION_SYN_RETRIES).
     assert report["recovery_calls"]["max_call_s"] <= bound_s, report
-    assert report["partition_calls"]["max_call_s"] <= PARTITION_NEW_CONNECTION_BOUND_S, report["slowest_calls"]
+    assert report["partition_calls"]["max_call_s"] <= PARTITION_NEW_CONNECTION_BOUND_S, report[
+        "slowest_calls"
+    ]

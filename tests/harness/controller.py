@@ -66,7 +66,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
 from sglang.srt.mem_cache.pool_host import HostPoolGroup
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from mooncake_span.sglang_backend.pools import (
+from mooncake_span.bench.pools import (
     DSA_PAGE_TOKENS,
     MAMBA_LAYOUTS,
     alloc_pages,

@@ -38,7 +38,9 @@ def span_store_factory(mooncake_cluster: Any, key_namespace: str) -> Iterator[Ca
             config["storage_page_size"] = storage_page_size
         config.update(extra)
         store = MooncakeSpanStore(
-            make_storage_config(config, is_mla=is_mla, model_name=model_name or key_namespace, tp_rank=tp_rank),
+            make_storage_config(
+                config, is_mla=is_mla, model_name=model_name or key_namespace, tp_rank=tp_rank
+            ),
             {},
         )
         stores.append(store)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mooncake_span.sglang_backend import pools as P
+from mooncake_span.bench import pools as P
 from tests.span_helpers import scattered_pages, slots_of
 
 pytestmark = pytest.mark.integration
@@ -98,13 +98,23 @@ def test_compressed_hybrid_dsa_mixed_batch(span_store_factory, layout):
     P.fill_random_pages(kv, starts, seed=1)
     P.fill_random_pages(indexer, starts, seed=2)
     P.fill_random_pages(mamba, [4], seed=3)
-    kv_ref, idx_ref, mamba_ref = _snapshot(kv, starts), _snapshot(indexer, starts), P.page_bytes(mamba, 4)
+    kv_ref, idx_ref, mamba_ref = (
+        _snapshot(kv, starts),
+        _snapshot(indexer, starts),
+        P.page_bytes(mamba, 4),
+    )
 
     sidecars = store.batch_set_v2(
         [
-            PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV),
-            PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([4]), keys=[keys[-1]],
-                         hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            PoolTransfer(
+                PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV
+            ),
+            PoolTransfer(
+                PoolName.MAMBA,
+                host_indices=torch.tensor([4]),
+                keys=[keys[-1]],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            ),
         ]
     )
     assert sidecars == {PoolName.INDEXER: [True] * 3, PoolName.MAMBA: [True]}
@@ -117,7 +127,9 @@ def test_compressed_hybrid_dsa_mixed_batch(span_store_factory, layout):
         keys,
         [
             PoolTransfer(PoolName.INDEXER, keys=None, indices_from_pool=PoolName.KV),
-            PoolTransfer(PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            PoolTransfer(
+                PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES
+            ),
         ],
     )
     # Mamba has one checkpoint, at the last key: only the full prefix is restorable.
@@ -131,8 +143,14 @@ def test_compressed_hybrid_dsa_mixed_batch(span_store_factory, layout):
     got = store.batch_get_v2([PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=keys)])
     assert got == {PoolName.INDEXER: [True] * 3}
     got = store.batch_get_v2(
-        [PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([2]), keys=[keys[-1]],
-                      hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        [
+            PoolTransfer(
+                PoolName.MAMBA,
+                host_indices=torch.tensor([2]),
+                keys=[keys[-1]],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            )
+        ]
     )
     assert got == {PoolName.MAMBA: [True]}
     _assert_restored(kv, kv_ref)
@@ -161,10 +179,18 @@ def test_mha_kv_swa_mamba(span_store_factory):
     mamba_ref = P.page_bytes(mamba, 1)
     result = store.batch_set_v2(
         [
-            PoolTransfer(PoolName.SWA, host_indices=slots_of(swa_pages, PAGE), keys=keys[-1:],
-                         hit_policy=PoolHitPolicy.TRAILING_PAGES),
-            PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([1]), keys=keys[-1:],
-                         hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            PoolTransfer(
+                PoolName.SWA,
+                host_indices=slots_of(swa_pages, PAGE),
+                keys=keys[-1:],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            ),
+            PoolTransfer(
+                PoolName.MAMBA,
+                host_indices=torch.tensor([1]),
+                keys=keys[-1:],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            ),
         ]
     )
     assert result == {PoolName.SWA: [True], PoolName.MAMBA: [True]}
@@ -172,8 +198,12 @@ def test_mha_kv_swa_mamba(span_store_factory):
     hit = store.batch_exists_v2(
         keys,
         [
-            PoolTransfer(PoolName.SWA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES),
-            PoolTransfer(PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            PoolTransfer(
+                PoolName.SWA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES
+            ),
+            PoolTransfer(
+                PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES
+            ),
         ],
     )
     assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (3, [3])
@@ -199,17 +229,29 @@ def test_trailing_holes_and_removed_component(span_store_factory):
     keys = [f"t{i}" for i in range(5)]
     slots = slots_of(list(range(20)), PAGE)
     assert store.batch_set_v2(
-        [PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV)]
+        [
+            PoolTransfer(
+                PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV
+            )
+        ]
     ) == {PoolName.INDEXER: [True] * 5}
     for key, slot in (("t1", 1), ("t3", 2)):
         assert store.batch_set_v2(
-            [PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([slot]), keys=[key],
-                          hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+            [
+                PoolTransfer(
+                    PoolName.MAMBA,
+                    host_indices=torch.tensor([slot]),
+                    keys=[key],
+                    hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                )
+            ]
         ) == {PoolName.MAMBA: [True]}
     assert store.batch_set_v1(keys, slots) == [True] * 5
     queries = [
         PoolTransfer(PoolName.INDEXER, keys=None, indices_from_pool=PoolName.KV),
-        PoolTransfer(PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        PoolTransfer(
+            PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES
+        ),
     ]
     hit = store.batch_exists_v2(keys, queries)
     assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (4, [2, 4])

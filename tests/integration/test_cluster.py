@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mooncake_span.cluster import ClusterSpec, LocalCluster
+from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 
 _NODE_SEGMENT_BYTES = 64 << 20
 _VALUE_BYTES = 256 << 10
@@ -183,7 +183,7 @@ def test_cli_cluster_up_serves_until_sigint(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "mooncake_span.cli",
+                "mooncake_span.ops.cli",
                 "cluster",
                 "up",
                 "--storage-nodes=1",

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.sglang_backend.pools import KV_LAYOUTS
-from tests.harness.controller import build_compressed_dsa_harness, build_dsa_harness, build_mamba_swa_harness
+from mooncake_span.bench.pools import KV_LAYOUTS
+from tests.harness.controller import (
+    build_compressed_dsa_harness,
+    build_dsa_harness,
+    build_mamba_swa_harness,
+)
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.sglang_backend import pools as P
+from mooncake_span.bench import pools as P
 from mooncake_span.sglang_backend.plugin import OPT_IN_ENV
 from tests.span_helpers import make_storage_config, slots_of
 
@@ -62,7 +62,9 @@ def test_dynamic_backend_through_factory(factory_registry, mooncake_cluster, key
         backend.close()
 
 
-def test_plugin_serves_mooncake_name_when_opted_in(factory_registry, monkeypatch, mooncake_cluster, key_namespace):
+def test_plugin_serves_mooncake_name_when_opted_in(
+    factory_registry, monkeypatch, mooncake_cluster, key_namespace
+):
     from sglang.srt.plugins import load_plugins
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
@@ -70,13 +72,18 @@ def test_plugin_serves_mooncake_name_when_opted_in(factory_registry, monkeypatch
     monkeypatch.setenv(OPT_IN_ENV, "1")
     load_plugins()
     entry = factory_registry._registry["mooncake"]
-    assert (entry["module_path"], entry["class_name"]) == ("mooncake_span.sglang_backend", "MooncakeSpanStore")
+    assert (entry["module_path"], entry["class_name"]) == (
+        "mooncake_span.sglang_backend",
+        "MooncakeSpanStore",
+    )
     # what span-aware builds' backend_supports_page_spans("mooncake") evaluates
     assert getattr(entry["loader"](), "supports_page_spans", False) is True
 
     extra = {"storage_page_size": 4 * PAGE, **mooncake_cluster.client_config()}
     kv = P.build_mla_host("page_first", layers=2, host_pages=10)
-    backend = factory_registry.create_backend("mooncake", make_storage_config(extra, model_name=key_namespace), kv)
+    backend = factory_registry.create_backend(
+        "mooncake", make_storage_config(extra, model_name=key_namespace), kv
+    )
     try:
         assert type(backend) is MooncakeSpanStore
         _round_trip(backend, kv)

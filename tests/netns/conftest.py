@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_span.netns import (
+from mooncake_span.lab.netns import (
     NetnsCluster,
     NetnsClusterSpec,
     NetnsTopology,

@@ -220,6 +220,6 @@ def test_two_prefill_nodes_overlapping_prefixes(pd_traffic, figures):
         reader_restored=read["restored_keys"],
         mismatched_pages=read["mismatched_pages"],
     )
-    assert (
-        overlap_s > 0
-    ), f"the two writers did not write at the same time: {a['write_window']} {b['write_window']}"
+    assert overlap_s > 0, (
+        f"the two writers did not write at the same time: {a['write_window']} {b['write_window']}"
+    )

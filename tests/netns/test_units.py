@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.netns import NetnsClusterSpec, TopologySpec
-from mooncake_span.sglang_backend.node_worker import (
+from mooncake_span.lab.netns import NetnsClusterSpec, TopologySpec
+from tests.netns.node_worker import (
     Geometry,
     WorkerConfig,
     node_variant,

@@ -6,14 +6,18 @@ import time
 
 import pytest
 
-from mooncake_span.client import NativeBinding
+from mooncake_span.bench import pools as P
 from mooncake_span.errors import ErrorCode
-from mooncake_span.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
-from mooncake_span.sglang_backend import pools as P
+from mooncake_span.store.client import NativeBinding
+from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.span_helpers import make_storage_config, slots_of
 
 PAGE = 64
-CLIENT = {"master_server_address": "127.0.0.1:1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
+CLIENT = {
+    "master_server_address": "127.0.0.1:1",
+    "metadata_server": "P2PHANDSHAKE",
+    "protocol": "tcp",
+}
 
 
 @pytest.fixture
@@ -22,11 +26,17 @@ def rig(monkeypatch):
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.client._probe_tcp", lambda *a: None)
+    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     cluster = FakeCluster()
     store = MooncakeSpanStore(
-        make_storage_config({**CLIENT, "storage_page_size": 2 * PAGE, "span_breaker_failures": 2,
-                             "span_breaker_probe_interval_s": 0.05}),
+        make_storage_config(
+            {
+                **CLIENT,
+                "storage_page_size": 2 * PAGE,
+                "span_breaker_failures": 2,
+                "span_breaker_probe_interval_s": 0.05,
+            }
+        ),
         {},
         binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
     )

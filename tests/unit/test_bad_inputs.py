@@ -9,21 +9,26 @@ construction or registration instead, with an exception naming the problem.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
-from mooncake_span.client import NativeBinding
+from mooncake_span.bench import pools as P
 from mooncake_span.errors import ConfigError, RegistrationError, SetupError
-from mooncake_span.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
-from mooncake_span.sglang_backend import pools as P
+from mooncake_span.store.client import NativeBinding
+from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.span_helpers import make_storage_config, slots_of
 
 PAGE = 64
 SPAN = 4 * PAGE
-CLIENT = {"master_server_address": "127.0.0.1:1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
+CLIENT = {
+    "master_server_address": "127.0.0.1:1",
+    "metadata_server": "P2PHANDSHAKE",
+    "protocol": "tcp",
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,7 @@ def rig(pool_set, monkeypatch):
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.client._probe_tcp", lambda *a: None)
+    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     cluster = FakeCluster()
     binding = NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig)
     store = MooncakeSpanStore(
@@ -52,9 +57,20 @@ def rig(pool_set, monkeypatch):
     P.fill_random_pages(kv, [p * PAGE for p in range(8)], seed=5)
     good = slots_of(list(range(8)), PAGE)
     assert store.batch_set_v2(
-        [PoolTransfer(PoolName.INDEXER, host_indices=good, keys=["g0", "g1"], indices_from_pool=PoolName.KV),
-         PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([1]), keys=["g1"],
-                      hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        [
+            PoolTransfer(
+                PoolName.INDEXER,
+                host_indices=good,
+                keys=["g0", "g1"],
+                indices_from_pool=PoolName.KV,
+            ),
+            PoolTransfer(
+                PoolName.MAMBA,
+                host_indices=torch.tensor([1]),
+                keys=["g1"],
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            ),
+        ]
     ) == {PoolName.INDEXER: [True, True], PoolName.MAMBA: [True]}
     assert store.batch_set_v1(["g0", "g1"], good) == [True, True]
     yield store, cluster, good
@@ -82,58 +98,157 @@ def _n():
 
 
 ROWS = [
-    Row("v1 indices not divisible among keys", lambda s, g: s.batch_set_v1(["a", "b"], g[:301]), [False, False],
-        "301 host indices do not divide evenly among 2 keys"),
-    Row("v1 KV stride != storage page", lambda s, g: s.batch_set_v1(["a", "b", "c", "d"], g), [False] * 4,
-        "expected 256 host slots per key"),
-    Row("v2 KV-derived pool with wrong stride",
+    Row(
+        "v1 indices not divisible among keys",
+        lambda s, g: s.batch_set_v1(["a", "b"], g[:301]),
+        [False, False],
+        "301 host indices do not divide evenly among 2 keys",
+    ),
+    Row(
+        "v1 KV stride != storage page",
+        lambda s, g: s.batch_set_v1(["a", "b", "c", "d"], g),
+        [False] * 4,
+        "expected 256 host slots per key",
+    ),
+    Row(
+        "v2 KV-derived pool with wrong stride",
         lambda s, g: s.batch_set_v2([_t(_n()[0].INDEXER, host_indices=g[:128], keys=["a"])]),
-        {"indexer": [False]}, "expected 256 host slots per key"),
-    Row("v2 state pool stride not divisible",
-        lambda s, g: s.batch_set_v2([_t(_n()[0].MAMBA, host_indices=torch.tensor([1, 2, 3]), keys=["a", "b"])]),
-        {"mamba": [False, False]}, "3 host indices do not divide evenly among 2 keys"),
-    Row("v2 unregistered pool", lambda s, g: s.batch_set_v2([_t(_n()[0].SWA, host_indices=g, keys=["a", "b"])]),
-        {"swa": [False, False]}, "pool 'swa' is not registered"),
-    Row("v1 host index out of range", lambda s, g: s.batch_get_v1(["a"], torch.arange(100 * PAGE, 104 * PAGE)),
-        [False], "host page out of range"),
-    Row("v1 negative host indices", lambda s, g: s.batch_get_v1(["a"], torch.arange(-4 * PAGE, 0)),
-        [False], "host page out of range"),
-    Row("v1 indices not page aligned", lambda s, g: s.batch_set_v1(["a"], torch.arange(1, 1 + SPAN)),
-        [False], "not whole 64-slot host pages"),
-    Row("v1 indices not contiguous within a page",
-        lambda s, g: s.batch_set_v1(["a"], torch.arange(SPAN).flip(0)), [False], "not whole 64-slot host pages"),
-    Row("v1 float indices", lambda s, g: s.batch_set_v1(["a"], g[:SPAN].float()), [False],
-        "host_indices must be integers"),
-    Row("v1 indices on another device", lambda s, g: s.batch_set_v1(["a"], torch.empty(SPAN, device="meta", dtype=torch.int64)),
-        [False], "must be on the CPU"),
-    Row("v1 indices not a tensor", lambda s, g: s.batch_set_v1(["a"], list(range(SPAN))), [False],
-        "host_indices must be a tensor"),
-    Row("v1 host_indices None", lambda s, g: s.batch_get_v1(["a"], None), [False], "host_indices is None"),
+        {"indexer": [False]},
+        "expected 256 host slots per key",
+    ),
+    Row(
+        "v2 state pool stride not divisible",
+        lambda s, g: s.batch_set_v2(
+            [_t(_n()[0].MAMBA, host_indices=torch.tensor([1, 2, 3]), keys=["a", "b"])]
+        ),
+        {"mamba": [False, False]},
+        "3 host indices do not divide evenly among 2 keys",
+    ),
+    Row(
+        "v2 unregistered pool",
+        lambda s, g: s.batch_set_v2([_t(_n()[0].SWA, host_indices=g, keys=["a", "b"])]),
+        {"swa": [False, False]},
+        "pool 'swa' is not registered",
+    ),
+    Row(
+        "v1 host index out of range",
+        lambda s, g: s.batch_get_v1(["a"], torch.arange(100 * PAGE, 104 * PAGE)),
+        [False],
+        "host page out of range",
+    ),
+    Row(
+        "v1 negative host indices",
+        lambda s, g: s.batch_get_v1(["a"], torch.arange(-4 * PAGE, 0)),
+        [False],
+        "host page out of range",
+    ),
+    Row(
+        "v1 indices not page aligned",
+        lambda s, g: s.batch_set_v1(["a"], torch.arange(1, 1 + SPAN)),
+        [False],
+        "not whole 64-slot host pages",
+    ),
+    Row(
+        "v1 indices not contiguous within a page",
+        lambda s, g: s.batch_set_v1(["a"], torch.arange(SPAN).flip(0)),
+        [False],
+        "not whole 64-slot host pages",
+    ),
+    Row(
+        "v1 float indices",
+        lambda s, g: s.batch_set_v1(["a"], g[:SPAN].float()),
+        [False],
+        "host_indices must be integers",
+    ),
+    Row(
+        "v1 indices on another device",
+        lambda s, g: s.batch_set_v1(["a"], torch.empty(SPAN, device="meta", dtype=torch.int64)),
+        [False],
+        "must be on the CPU",
+    ),
+    Row(
+        "v1 indices not a tensor",
+        lambda s, g: s.batch_set_v1(["a"], list(range(SPAN))),
+        [False],
+        "host_indices must be a tensor",
+    ),
+    Row(
+        "v1 host_indices None",
+        lambda s, g: s.batch_get_v1(["a"], None),
+        [False],
+        "host_indices is None",
+    ),
     Row("v1 empty key list", lambda s, g: s.batch_set_v1([], g[:0]), [], "transfer has no keys"),
     Row("v1 keys None", lambda s, g: s.batch_get_v1(None, g[:SPAN]), [], "keys is None"),
-    Row("v2 transfer keys None", lambda s, g: s.batch_set_v2([_t(_n()[0].INDEXER, host_indices=g[:SPAN], keys=None)]),
-        {"indexer": []}, "keys is None"),
-    Row("empty-string key", lambda s, g: s.batch_set_v1([""], g[:SPAN]), [False], "key #0 must be a non-empty str"),
-    Row("key with whitespace", lambda s, g: s.batch_set_v1(["a b"], g[:SPAN]), [False],
-        "whitespace or control characters"),
-    Row("key with control character", lambda s, g: s.batch_set_v1(["a\x00b"], g[:SPAN]), [False],
-        "whitespace or control characters"),
-    Row("very long key", lambda s, g: s.batch_set_v1(["x" * 600], g[:SPAN]), [False], "600 chars long"),
-    Row("non-str key", lambda s, g: s.batch_set_v1([17], g[:SPAN]), [False], "key #0 must be a non-empty str"),
-    Row("v2 host_indices None", lambda s, g: s.batch_get_v2([_t(_n()[0].INDEXER, host_indices=None, keys=["a"])]),
-        {"indexer": [False]}, "host_indices is None"),
+    Row(
+        "v2 transfer keys None",
+        lambda s, g: s.batch_set_v2([_t(_n()[0].INDEXER, host_indices=g[:SPAN], keys=None)]),
+        {"indexer": []},
+        "keys is None",
+    ),
+    Row(
+        "empty-string key",
+        lambda s, g: s.batch_set_v1([""], g[:SPAN]),
+        [False],
+        "key #0 must be a non-empty str",
+    ),
+    Row(
+        "key with whitespace",
+        lambda s, g: s.batch_set_v1(["a b"], g[:SPAN]),
+        [False],
+        "whitespace or control characters",
+    ),
+    Row(
+        "key with control character",
+        lambda s, g: s.batch_set_v1(["a\x00b"], g[:SPAN]),
+        [False],
+        "whitespace or control characters",
+    ),
+    Row(
+        "very long key",
+        lambda s, g: s.batch_set_v1(["x" * 600], g[:SPAN]),
+        [False],
+        "600 chars long",
+    ),
+    Row(
+        "non-str key",
+        lambda s, g: s.batch_set_v1([17], g[:SPAN]),
+        [False],
+        "key #0 must be a non-empty str",
+    ),
+    Row(
+        "v2 host_indices None",
+        lambda s, g: s.batch_get_v2([_t(_n()[0].INDEXER, host_indices=None, keys=["a"])]),
+        {"indexer": [False]},
+        "host_indices is None",
+    ),
     Row("v2 transfers not a list", lambda s, g: s.batch_get_v2(42), {}, "transfers must be a list"),
-    Row("exists_v2 unregistered pool",
-        lambda s, g: _hit(s.batch_exists_v2(["g0", "g1"], [_t(_n()[0].SWA, keys=["x"])])), (0, []),
-        "unregistered pool 'swa'"),
-    Row("exists_v2 unknown hit policy",
-        lambda s, g: _hit(s.batch_exists_v2(["g0"], [_t(_n()[0].INDEXER, keys=None, hit_policy="sometimes")])),
-        (0, []), "unsupported hit policy"),
-    Row("generic batch_set wrong tensor size",
-        lambda s, g: s.batch_set(["a"], [torch.zeros(10, dtype=torch.uint8)]), False, "storage page is"),
-    Row("generic batch_get key/tensor count mismatch",
-        lambda s, g: s.batch_get(["a", "b"], [torch.zeros(10, dtype=torch.uint8)]), [None, None],
-        "2 keys but 1 tensors"),
+    Row(
+        "exists_v2 unregistered pool",
+        lambda s, g: _hit(s.batch_exists_v2(["g0", "g1"], [_t(_n()[0].SWA, keys=["x"])])),
+        (0, []),
+        "unregistered pool 'swa'",
+    ),
+    Row(
+        "exists_v2 unknown hit policy",
+        lambda s, g: _hit(
+            s.batch_exists_v2(["g0"], [_t(_n()[0].INDEXER, keys=None, hit_policy="sometimes")])
+        ),
+        (0, []),
+        "unsupported hit policy",
+    ),
+    Row(
+        "generic batch_set wrong tensor size",
+        lambda s, g: s.batch_set(["a"], [torch.zeros(10, dtype=torch.uint8)]),
+        False,
+        "storage page is",
+    ),
+    Row(
+        "generic batch_get key/tensor count mismatch",
+        lambda s, g: s.batch_get(["a", "b"], [torch.zeros(10, dtype=torch.uint8)]),
+        [None, None],
+        "2 keys but 1 tensors",
+    ),
 ]
 
 
@@ -154,7 +269,9 @@ def test_bad_input_row(rig, row, caplog):
     with caplog.at_level(logging.ERROR, logger="mooncake_span"):
         result = row.call(store, good)
     assert _normalise(result) == row.expect
-    assert row.log in caplog.text, f"expected a log naming the problem ({row.log!r}), got:\n{caplog.text}"
+    assert row.log in caplog.text, (
+        f"expected a log naming the problem ({row.log!r}), got:\n{caplog.text}"
+    )
     assert cluster.objects == before, "a rejected call changed what is stored"
     # and the good keys still restore
     assert store.batch_exists(["g0", "g1"]) == 2
@@ -171,7 +288,7 @@ def test_duplicate_keys_in_one_set_store_once(rig):
 def test_calls_before_registration_answer_misses(monkeypatch, caplog):
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.client._probe_tcp", lambda *a: None)
+    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
     store = MooncakeSpanStore(make_storage_config(CLIENT), {}, binding=binding)
     with caplog.at_level(logging.ERROR, logger="mooncake_span"):
@@ -198,11 +315,15 @@ def test_storage_page_not_multiple_of_host_page(monkeypatch):
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.client._probe_tcp", lambda *a: None)
+    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
-    store = MooncakeSpanStore(make_storage_config({**CLIENT, "storage_page_size": 100}), {}, binding=binding)
+    store = MooncakeSpanStore(
+        make_storage_config({**CLIENT, "storage_page_size": 100}), {}, binding=binding
+    )
     kv = P.build_mla_host("page_first", layers=1, host_pages=2)
-    with pytest.raises(RegistrationError, match=r"storage_page_size \(100 tokens\).*host page size \(64 tokens\)"):
+    with pytest.raises(
+        RegistrationError, match=r"storage_page_size \(100 tokens\).*host page size \(64 tokens\)"
+    ):
         store.register_mem_pool_host(kv)
     del PoolName
     store.close()
@@ -211,7 +332,9 @@ def test_storage_page_not_multiple_of_host_page(monkeypatch):
 def test_unsupported_pool_is_refused_at_registration(rig):
     store, _, _ = rig
     with pytest.raises(RegistrationError, match="auxiliary_swa"):
-        store.register_mem_host_pool_v2(P.build_mla_host("page_first", layers=1, host_pages=2), "auxiliary_swa")
+        store.register_mem_host_pool_v2(
+            P.build_mla_host("page_first", layers=1, host_pages=2), "auxiliary_swa"
+        )
 
 
 @pytest.mark.parametrize(
@@ -246,7 +369,9 @@ def test_unreachable_master_fails_fast():
         port = s.getsockname()[1]
     started = time.monotonic()
     with pytest.raises(SetupError, match=f"127.0.0.1:{port}"):
-        MooncakeSpanStore(make_storage_config({**CLIENT, "master_server_address": f"127.0.0.1:{port}"}), {})
+        MooncakeSpanStore(
+            make_storage_config({**CLIENT, "master_server_address": f"127.0.0.1:{port}"}), {}
+        )
     assert time.monotonic() - started < 5
 
 
@@ -262,8 +387,13 @@ def test_dead_etcd_fails_fast_instead_of_blocking_minutes():
     started = time.monotonic()
     with pytest.raises(SetupError, match="cannot reach"):
         MooncakeSpanStore(
-            make_storage_config({**CLIENT, "master_server_address": f"etcd://127.0.0.1:{port}",
-                                 "metadata_server": f"etcd://127.0.0.1:{port}"}),
+            make_storage_config(
+                {
+                    **CLIENT,
+                    "master_server_address": f"etcd://127.0.0.1:{port}",
+                    "metadata_server": f"etcd://127.0.0.1:{port}",
+                }
+            ),
             {},
         )
     assert time.monotonic() - started < 5
@@ -281,7 +411,7 @@ def test_dead_etcd_fails_fast_instead_of_blocking_minutes():
 def test_span_factor_source(monkeypatch, config_field, extra, expected_k):
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.client._probe_tcp", lambda *a: None)
+    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
     config = make_storage_config({**CLIENT, **extra})
     if config_field is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.cluster import (
+from mooncake_span.ops.cluster import (
     ClusterSpec,
     ExternalCluster,
     LocalCluster,

@@ -299,7 +299,16 @@ def test_valid_metadata_servers(value):
 
 
 @pytest.mark.parametrize(
-    "value", ["foo://x", "p2phandshake", "", "http://", "file:///tmp/x", "redis://r:6379", "etcd://a:2379,b:2379"]
+    "value",
+    [
+        "foo://x",
+        "p2phandshake",
+        "",
+        "http://",
+        "file:///tmp/x",
+        "redis://r:6379",
+        "etcd://a:2379,b:2379",
+    ],
 )
 def test_invalid_metadata_servers(value):
     with pytest.raises(ConfigError):

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from mooncake_span.client import MooncakeClient, NativeBinding, native_env_defaults
 from mooncake_span.config import MooncakeSettings, SpanOptions
-from mooncake_span.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
-from mooncake_span.plan import ObjectPlan
+from mooncake_span.span.plan import ObjectPlan
+from mooncake_span.store.client import MooncakeClient, NativeBinding, native_env_defaults
+from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.contract.store_contract import StoreContract
 
 

@@ -1,4 +1,4 @@
-"""Span geometry and per-pool stride rules (mooncake_span.geometry)."""
+"""Span geometry and per-pool stride rules (mooncake_span.span.geometry)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake_span.errors import GeometryError, RegistrationError
-from mooncake_span.geometry import (
+from mooncake_span.span.geometry import (
     KV_DERIVED_POOLS,
     KV_POOL,
     PoolKind,

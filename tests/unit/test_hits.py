@@ -1,4 +1,4 @@
-"""Hit-prefix math for batch_exists_v2 (mooncake_span.hits).
+"""Hit-prefix math for batch_exists_v2 (mooncake_span.span.hits).
 
 The worked examples are sglang 0.5.23's semantics written out as tables; the
 property tests compare against brute-force references that check every stop
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_span.hits import (
+from mooncake_span.span.hits import (
     ALL_PAGES,
     BLOCK_GROUPS,
     TRAILING_PAGES,

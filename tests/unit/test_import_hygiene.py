@@ -1,5 +1,12 @@
-"""Layering rules, checked on the source and by importing with the heavy
-dependencies made unimportable."""
+"""Layering rules per package, checked on the source and by importing with the
+heavy dependencies made unimportable.
+
+- ``span/``: pure logic; no I/O library, no torch/sglang/Mooncake.
+- ``store/`` and the top-level modules: no sglang, no torch.
+- only ``sglang_backend/`` (the runtime) and ``bench/`` (tooling that builds
+  real host pools) import sglang.
+- importing the runtime backend loads no benchmark, lab, demo, cluster or CLI code.
+"""
 
 from __future__ import annotations
 
@@ -9,43 +16,123 @@ import subprocess
 import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mooncake_span"
-PURE = ["geometry", "keys", "hits", "plan", "breaker", "units", "errors", "config"]
-NO_SGLANG = PURE + ["client", "fake_store", "layout_guard", "cluster", "storage_node", "cli"]
+IO_LIBRARIES = {
+    "torch",
+    "sglang",
+    "mooncake",
+    "socket",
+    "subprocess",
+    "requests",
+    "urllib",
+    "http",
+    "etcd3gw",
+    "threading",
+    "os",
+}
+NO_SGLANG_PACKAGES = ["span", "store", "ops", "lab"]
+TOP_LEVEL = ["errors", "units", "config", "storage_node"]
+SGLANG_IMPORTERS = {"sglang_backend", "bench"}
 
 
-def _top_level_imports(path: pathlib.Path) -> set[str]:
+def _imports(path: pathlib.Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
     return names
 
 
-def test_only_the_sglang_backend_package_imports_sglang():
+def _roots(path: pathlib.Path) -> set[str]:
+    return {name.split(".")[0] for name in _imports(path)}
+
+
+def _modules(package: str) -> list[pathlib.Path]:
+    return sorted((PACKAGE / package).rglob("*.py"))
+
+
+def test_only_runtime_and_bench_packages_import_sglang():
     offenders = [
         str(path.relative_to(PACKAGE))
         for path in PACKAGE.rglob("*.py")
-        if "sglang_backend" not in path.parts and "sglang" in _top_level_imports(path)
+        if not SGLANG_IMPORTERS & set(path.relative_to(PACKAGE).parts) and "sglang" in _roots(path)
     ]
     assert offenders == []
 
 
-def test_pure_modules_import_no_io_libraries():
-    for name in PURE:
-        imports = _top_level_imports(PACKAGE / f"{name}.py")
-        assert not imports & {"torch", "sglang", "mooncake", "socket", "subprocess", "requests"}, name
+def test_span_package_imports_no_io_library():
+    for path in _modules("span"):
+        assert not _roots(path) & IO_LIBRARIES, path.name
+        outside = {
+            name
+            for name in _imports(path)
+            if name.startswith("mooncake_span.")
+            and not name.startswith(("mooncake_span.span", "mooncake_span.errors"))
+        }
+        assert not outside, (path.name, outside)
 
 
-def test_modules_import_without_torch_sglang_or_mooncake():
-    blocker = "import sys\nfor m in ('torch', 'sglang', 'mooncake', 'etcd3gw'): sys.modules[m] = None\n"
-    imports = "".join(f"import mooncake_span.{name}\n" for name in NO_SGLANG)
-    result = subprocess.run(
-        [sys.executable, "-c", blocker + imports + "print('ok')"],
-        capture_output=True, text=True, timeout=60, cwd=PACKAGE.parent,
+def test_store_package_never_imports_sglang_or_the_tooling():
+    for path in _modules("store"):
+        assert "sglang" not in _roots(path), path.name
+        tooling = {
+            name
+            for name in _imports(path)
+            if name.startswith(("mooncake_span.bench", "mooncake_span.lab", "mooncake_span.ops"))
+        }
+        assert not tooling, (path.name, tooling)
+
+
+def test_only_the_store_client_imports_mooncake():
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if "mooncake" in _roots(path)
+        and path.relative_to(PACKAGE).parts[0] not in {"bench", "ops", "lab"}
+        and path != PACKAGE / "store" / "client.py"
+    ]
+    assert offenders == []
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=PACKAGE.parent,
     )
+
+
+def test_packages_import_without_torch_sglang_or_mooncake():
+    blocker = (
+        "import sys\nfor m in ('torch', 'sglang', 'mooncake', 'etcd3gw'): sys.modules[m] = None\n"
+    )
+    names = [f"mooncake_span.{name}" for name in TOP_LEVEL]
+    for package in NO_SGLANG_PACKAGES:
+        for path in _modules(package):
+            rel = path.relative_to(PACKAGE).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            names.append(".".join(["mooncake_span", *parts]))
+    imports = "".join(f"import {name}\n" for name in names)
+    result = _run(blocker + imports + "print('ok')")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_runtime_backend_loads_no_tooling_module():
+    code = (
+        "import sys\n"
+        "from mooncake_span.sglang_backend import MooncakeSpanStore\n"
+        "import mooncake_span.sglang_backend.plugin\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(("
+        "'mooncake_span.bench', 'mooncake_span.lab', 'mooncake_span.ops', "
+        "'mooncake_span.storage_node')))\n"
+        "print(bad)\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_library_never_configures_the_root_logger():

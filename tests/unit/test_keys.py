@@ -1,4 +1,4 @@
-"""Object-key schema (mooncake_span.keys).
+"""Object-key schema (mooncake_span.span.keys).
 
 Key strings are a persistent format: objects written by one release must be
 found by the next. The golden strings below are typed out by hand from the
@@ -15,7 +15,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mooncake_span.errors import GeometryError
-from mooncake_span.keys import (
+from mooncake_span.span.keys import (
     KEY_SCHEMA_VERSION,
     MAX_PAGE_KEY_CHARS,
     ComponentSpec,

@@ -1,4 +1,4 @@
-"""Pointer planning (mooncake_span.plan) against naive, independently written references.
+"""Pointer planning (mooncake_span.span.plan) against naive, independently written references.
 
 The references build every object buffer by hand with plain loops -- one
 ``(ptr, size)`` per (slot, page) in slot-major/page-minor order -- and merge
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake_span.errors import GeometryError
-from mooncake_span.plan import (
+from mooncake_span.span.plan import (
     ObjectPlan,
     PageLayout,
     dedup_rounds,

@@ -56,7 +56,7 @@ class _Missing:
             "torchvision stand-in (CPU-only machine)"
         )
 
-    def __getattr__(self, name: str) -> "_Missing":
+    def __getattr__(self, name: str) -> _Missing:
         if name.startswith("__"):
             raise AttributeError(name)
         return _Missing(f"{self._qualname}.{name}")

@@ -98,7 +98,7 @@ def _coalesce_rows(ptrs: np.ndarray, sizes: np.ndarray) -> list[ObjectPlan]:
         return [ObjectPlan([p], total) for p in ptrs[:, 0].tolist()]
     csum = np.concatenate(([0], np.cumsum(sizes)))
     plans = []
-    for index, (row, has_join) in enumerate(zip(ptrs.tolist(), row_joins.tolist())):
+    for index, (row, has_join) in enumerate(zip(ptrs.tolist(), row_joins.tolist(), strict=False)):
         if not has_join:
             plans.append(ObjectPlan(row, size_list))
             continue
@@ -161,11 +161,7 @@ def plan_objects_from_flat(
     plans = []
     for base in base_ptrs:
         for c, slots in enumerate(layout.components):
-            ptrs = [
-                base + j * flat_page + off
-                for off in offsets[c]
-                for j in range(pages_per_key)
-            ]
+            ptrs = [base + j * flat_page + off for off in offsets[c] for j in range(pages_per_key)]
             sizes = [layout.slot_bytes[b] for b in slots for _ in range(pages_per_key)]
             plans.append(_coalesce_rows(np.asarray([ptrs], dtype=np.int64), np.asarray(sizes))[0])
     return plans

@@ -133,9 +133,7 @@ class KeySchema:
     def suffix(self, component: ComponentSpec) -> str:
         return f"_{self.ranks.for_scope(component.scope)}_{component.name}"
 
-    def object_keys(
-        self, page_keys: list[str], components: tuple[ComponentSpec, ...]
-    ) -> list[str]:
+    def object_keys(self, page_keys: list[str], components: tuple[ComponentSpec, ...]) -> list[str]:
         """Key-major, component-minor: ``[k0c0, k0c1, k1c0, ...]``."""
         prefix = self.prefix
         suffixes = [self.suffix(c) for c in components]
@@ -183,5 +181,7 @@ def check_page_keys(page_keys: object) -> list[str]:
                 f"key #{index} is {len(key)} chars long; the limit is {MAX_PAGE_KEY_CHARS}"
             )
         if _BAD_PAGE_KEY_CHARS.search(key):
-            raise GeometryError(f"key #{index} {key[:40]!r} contains whitespace or control characters")
+            raise GeometryError(
+                f"key #{index} {key[:40]!r} contains whitespace or control characters"
+            )
     return list(page_keys)

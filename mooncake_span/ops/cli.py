@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from mooncake_span.units import parse_size_bytes
 
 if TYPE_CHECKING:
-    from mooncake_span.cluster import LocalCluster
+    from mooncake_span.ops.cluster import LocalCluster
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def cluster_up(args: argparse.Namespace) -> int:
     """``mooncake-span cluster up``: run a LocalCluster until SIGINT/SIGTERM."""
-    from mooncake_span.cluster import ClusterSpec, ClusterStartError, LocalCluster
+    from mooncake_span.ops.cluster import ClusterSpec, ClusterStartError, LocalCluster
 
     try:
         spec = ClusterSpec(
@@ -273,27 +273,43 @@ def _register_demo(subparsers: argparse._SubParsersAction) -> None:
             "and verify every byte. Exits 1 if anything is missing or differs."
         ),
     )
-    demo.add_argument("--requests", type=_positive_int_arg, default=8, help="requests to back up (default 8)")
     demo.add_argument(
-        "--keys-per-request", type=_positive_int_arg, default=8,
+        "--requests", type=_positive_int_arg, default=8, help="requests to back up (default 8)"
+    )
+    demo.add_argument(
+        "--keys-per-request",
+        type=_positive_int_arg,
+        default=8,
         help="storage pages (256 tokens each) per request (default 8)",
     )
     demo.add_argument(
-        "--layout", choices=("page_first", "page_first_direct", "layer_first"), default="page_first",
+        "--layout",
+        choices=("page_first", "page_first_direct", "layer_first"),
+        default="page_first",
         help="host pool layout (default page_first)",
     )
-    demo.add_argument("--layers", type=_positive_int_arg, default=4, help="model layers (default 4)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed for tokens and page contents")
     demo.add_argument(
-        "--master", default=None, metavar="HOST:PORT",
+        "--layers", type=_positive_int_arg, default=4, help="model layers (default 4)"
+    )
+    demo.add_argument(
+        "--seed", type=int, default=0, help="random seed for tokens and page contents"
+    )
+    demo.add_argument(
+        "--master",
+        default=None,
+        metavar="HOST:PORT",
         help="use this running Mooncake master instead of an embedded cluster (needs --metadata)",
     )
     demo.add_argument(
-        "--metadata", default=None, metavar="URL",
+        "--metadata",
+        default=None,
+        metavar="URL",
         help="metadata server of that cluster, e.g. http://HOST:PORT/metadata",
     )
     demo.add_argument(
-        "--storage-node-size", type=_size_arg, default="1gb",
+        "--storage-node-size",
+        type=_size_arg,
+        default="1gb",
         help="memory of the embedded cluster's storage node (default 1gb)",
     )
     demo.set_defaults(func=run_demo_command)
@@ -301,13 +317,18 @@ def _register_demo(subparsers: argparse._SubParsersAction) -> None:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     # sglang is imported only here, so `cluster up` works without it.
-    from mooncake_span.sglang_backend.demo import DemoConfig, run_demo
+    from mooncake_span.bench.demo import DemoConfig, run_demo
 
     try:
         config = DemoConfig(
-            requests=args.requests, keys_per_request=args.keys_per_request, layout=args.layout,
-            layers=args.layers, seed=args.seed, master_server_address=args.master,
-            metadata_server=args.metadata, storage_node_bytes=args.storage_node_size,
+            requests=args.requests,
+            keys_per_request=args.keys_per_request,
+            layout=args.layout,
+            layers=args.layers,
+            seed=args.seed,
+            master_server_address=args.master,
+            metadata_server=args.metadata,
+            storage_node_bytes=args.storage_node_size,
         )
     except ValueError as exc:
         print(f"mooncake-span demo: {exc}", file=sys.stderr)
@@ -338,16 +359,22 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--quick", action="store_true", help="small sizes and few repetitions (< 1 minute)"
     )
     bench.add_argument(
-        "--reps", type=_positive_int_arg, default=None,
+        "--reps",
+        type=_positive_int_arg,
+        default=None,
         help="timed repetitions per contender (default 3, --quick 2), after one warm-up",
     )
     bench.add_argument(
-        "--topology", default="same,tcp", metavar="LIST",
+        "--topology",
+        default="same,tcp",
+        metavar="LIST",
         help="comma list of same (one process, local segment) and tcp (client -> storage "
         "node) (default both)",
     )
     bench.add_argument(
-        "--sections", default="grid,batch,coalesce,chunks", metavar="LIST",
+        "--sections",
+        default="grid,batch,coalesce,chunks",
+        metavar="LIST",
         help="comma list of grid, batch (batch-size sweep), coalesce (layer_first consecutive vs "
         "scattered), chunks (span_max_buffers_per_call sweep over TCP) (default all)",
     )
@@ -355,7 +382,9 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--plot", default=None, metavar="PATH", help="write a PNG summary plot")
     bench.add_argument("--markdown", default=None, metavar="PATH", help="write Markdown tables")
     bench.add_argument(
-        "--protocol", choices=("tcp", "rdma"), default="tcp",
+        "--protocol",
+        choices=("tcp", "rdma"),
+        default="tcp",
         help="transfer protocol; rdma needs --master/--metadata of a cluster whose storage "
         "nodes use RDMA",
     )
@@ -363,14 +392,18 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--device", default="", help="RDMA device name(s) for --protocol rdma, e.g. mlx5_0"
     )
     bench.add_argument(
-        "--master", default=None, metavar="HOST:PORT",
+        "--master",
+        default=None,
+        metavar="HOST:PORT",
         help="use this running master instead of embedded clusters (topology remote)",
     )
     bench.add_argument(
         "--metadata", default=None, metavar="URL", help="metadata server of that cluster"
     )
     bench.add_argument(
-        "--segment-size", type=_size_arg, default="1536mb",
+        "--segment-size",
+        type=_size_arg,
+        default="1536mb",
         help="global segment of the in-process client / the storage node (default 1536mb)",
     )
     bench.add_argument(
@@ -378,7 +411,9 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     bench.add_argument(
-        "--native-log", default=None, metavar="PATH",
+        "--native-log",
+        default=None,
+        metavar="PATH",
         help="file for Mooncake's native log lines (default: a temporary file; '-' leaves "
         "them on stderr)",
     )
@@ -391,7 +426,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     # The native library reads its log level once, when it is loaded.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    from mooncake_span.sglang_backend.bench import (
+    from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,
         format_table,
@@ -439,6 +474,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print(f"native log: {native_log}", file=sys.stderr, flush=True)
     ok = result["verified_byte_exact"] and result["all_complete_except_expected"]
     return 0 if ok else 1
+
 
 # ---------------------------------------------------------------------------
 # entry point

@@ -86,9 +86,7 @@ def trailing_restorable(page_exists: Sequence[bool], window_pages: int) -> list[
     return restorable
 
 
-def block_group_pages(
-    page_exists: Sequence[bool], block_pages: int, group_pages: int
-) -> int:
+def block_group_pages(page_exists: Sequence[bool], block_pages: int, group_pages: int) -> int:
     """Pages covered by the leading complete groups.
 
     Groups of ``group_pages`` keys start at every block boundary (a block is

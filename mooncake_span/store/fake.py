@@ -104,7 +104,9 @@ class FakeStore:
         out = []
         groups = list(getattr(config, "group_ids", None) or [])
         with c.lock:
-            for index, (key, ptrs, sizes) in enumerate(zip(keys, all_ptrs, all_sizes)):
+            for index, (key, ptrs, sizes) in enumerate(
+                zip(keys, all_ptrs, all_sizes, strict=False)
+            ):
                 total = sum(sizes)
                 if not key or total <= 0 or any(s <= 0 for s in sizes):
                     out.append(int(ErrorCode.INVALID_PARAMS))
@@ -115,7 +117,9 @@ class FakeStore:
                 if c.used_bytes() + total > c.capacity_bytes:
                     out.append(int(ErrorCode.NO_AVAILABLE_HANDLE))
                     continue
-                c.objects[key] = b"".join(ctypes.string_at(p, s) for p, s in zip(ptrs, sizes))
+                c.objects[key] = b"".join(
+                    ctypes.string_at(p, s) for p, s in zip(ptrs, sizes, strict=False)
+                )
                 if index < len(groups):
                     c.groups[key] = groups[index]
                 out.append(0)
@@ -132,7 +136,7 @@ class FakeStore:
             return [fault] * len(keys)
         out = []
         with c.lock:
-            for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes):
+            for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes, strict=False):
                 value = c.objects.get(key)
                 if value is None:
                     out.append(int(ErrorCode.OBJECT_NOT_FOUND))
@@ -146,7 +150,7 @@ class FakeStore:
                     out.append(int(ErrorCode.TRANSFER_FAIL))
                     continue
                 offset = 0
-                for ptr, size in zip(ptrs, sizes):
+                for ptr, size in zip(ptrs, sizes, strict=False):
                     ctypes.memmove(ptr, value[offset : offset + size], size)
                     offset += size
                 out.append(len(value))

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from mooncake_span.errors import RegistrationError
-from mooncake_span.geometry import KV_DERIVED_POOLS, KV_POOL
-from mooncake_span.keys import ComponentSpec, RankScope
-from mooncake_span.plan import PageLayout
+from mooncake_span.span.geometry import KV_DERIVED_POOLS, KV_POOL
+from mooncake_span.span.keys import ComponentSpec, RankScope
+from mooncake_span.span.plan import PageLayout
 
 R = RankScope.REPLICATED
 S = RankScope.SHARDED
@@ -71,7 +71,9 @@ def _is_dsv4_pool(pool: Any) -> bool:
 
 def component_specs(name: str, pool: Any, *, is_mla: bool) -> tuple[ComponentSpec, ...]:
     if name == KV_POOL:
-        return (ComponentSpec("k", R),) if is_mla else (ComponentSpec("k", S), ComponentSpec("v", S))
+        return (
+            (ComponentSpec("k", R),) if is_mla else (ComponentSpec("k", S), ComponentSpec("v", S))
+        )
     if name == "mamba":
         convs = len(getattr(pool, "conv_buffer", None) or [])
         specs = [ComponentSpec(f"conv_{i}", S) for i in range(convs)]
@@ -110,7 +112,9 @@ def fit_page_layout(name: str, pool: Any, page_tokens: int, num_components: int)
     """Fit ``ptr = base + page * stride`` per slot and verify it on more pages."""
     num_pages = int(getattr(pool, "size", 0)) // page_tokens
     if num_pages < 1:
-        raise RegistrationError(f"pool {name!r} has no host pages (size {getattr(pool, 'size', None)})")
+        raise RegistrationError(
+            f"pool {name!r} has no host pages (size {getattr(pool, 'size', None)})"
+        )
     try:
         base, sizes = _page_meta(pool, 0, page_tokens)
         samples = sorted({1, num_pages // 2, num_pages - 1} - {0})
@@ -124,9 +128,9 @@ def fit_page_layout(name: str, pool: Any, page_tokens: int, num_components: int)
         raise RegistrationError(f"pool {name!r}: get_page_buffer_meta returned no buffers")
     strides = [0] * len(base)
     if 1 in metas:
-        strides = [p1 - p0 for p0, p1 in zip(base, metas[1][0])]
+        strides = [p1 - p0 for p0, p1 in zip(base, metas[1][0], strict=False)]
     for page, (ptrs, page_sizes) in metas.items():
-        predicted = [b + page * s for b, s in zip(base, strides)]
+        predicted = [b + page * s for b, s in zip(base, strides, strict=False)]
         if page_sizes != sizes or ptrs != predicted:
             raise RegistrationError(
                 f"pool {name!r}: page pointers are not an affine function of the page index "

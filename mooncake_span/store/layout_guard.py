@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mooncake_span.errors import LayoutConflictError
-from mooncake_span.keys import KEY_SCHEMA_VERSION, sanitize_token
+from mooncake_span.span.keys import KEY_SCHEMA_VERSION, sanitize_token
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ class GeometryRecord:
     def from_json(cls, text: str) -> GeometryRecord:
         raw = json.loads(text)
         pools = {
-            name: PoolGeometry(tuple(p["components"]), tuple(p["bytes_per_page"]), int(p["page_tokens"]))
+            name: PoolGeometry(
+                tuple(p["components"]), tuple(p["bytes_per_page"]), int(p["page_tokens"])
+            )
             for name, p in raw.get("pools", {}).items()
         }
         return cls(
@@ -75,7 +77,8 @@ class GeometryRecord:
         for pool in sorted(set(self.pools) & set(other.pools)):
             if self.pools[pool] != other.pools[pool]:
                 lines.append(
-                    f"pool {pool}: this node {asdict(self.pools[pool])} vs published {asdict(other.pools[pool])}"
+                    f"pool {pool}: this node {asdict(self.pools[pool])} "
+                    f"vs published {asdict(other.pools[pool])}"
                 )
         return lines
 
@@ -111,7 +114,8 @@ def check_or_publish(
     if diffs:
         raise LayoutConflictError(
             f"layout guard: this node's span geometry conflicts with the one published for "
-            f"namespace {key}:\n  " + "\n  ".join(diffs)
+            f"namespace {key}:\n  "
+            + "\n  ".join(diffs)
             + "\nUse another model name or extra_backend_tag for this deployment, or make the "
             "nodes agree (same host page, storage_page_size, layout, dtype and model shape)."
         )

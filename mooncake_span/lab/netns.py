@@ -28,10 +28,10 @@ Two layers:
 
 Command line (``scripts/netns_cluster.sh`` wraps it)::
 
-    python -m mooncake_span.netns up [--ha] [--oplog] [--detach]
-    python -m mooncake_span.netns list
-    python -m mooncake_span.netns exec RUN_ID HOST -- COMMAND...
-    python -m mooncake_span.netns down RUN_ID | --stale
+    python -m mooncake_span.lab.netns up [--ha] [--oplog] [--detach]
+    python -m mooncake_span.lab.netns list
+    python -m mooncake_span.lab.netns exec RUN_ID HOST -- COMMAND...
+    python -m mooncake_span.lab.netns down RUN_ID | --stale
 
 Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and iproute2's ``ip``.
 """
@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from mooncake_span.cluster import find_executable
+from mooncake_span.ops.cluster import find_executable
 from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
@@ -572,7 +572,7 @@ class NetnsTopology:
     def detach(self) -> None:
         """Leave namespaces and processes running after this process exits.
 
-        The state file keeps what ``python -m mooncake_span.netns down RUN_ID``
+        The state file keeps what ``python -m mooncake_span.lab.netns down RUN_ID``
         needs to tear it all down later.
         """
         self._detached = True
@@ -1250,7 +1250,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         topology.record(cluster=cluster.describe())
         run_id = spec.run_id
         config_file = "ha-etcd.json" if args.ha else "prefill-decode.json"
-        worker = "python -m mooncake_span.sglang_backend.node_worker"
+        # the node worker is test support: run it from a checkout of this repository
+        worker = "env PYTHONPATH=. python -m tests.netns.node_worker"
         lines = [
             f"netns topology {spec.tag} is up (logs {topology.log_dir})",
             *(
@@ -1264,15 +1265,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
             "  " + json.dumps(cluster.client_config("prefill")),
             "",
             "# run a command on a host (binds MC_TCP_BIND_ADDRESS to its address):",
-            f"  python -m mooncake_span.netns exec {run_id} prefill -- {worker} write "
+            f"  python -m mooncake_span.lab.netns exec {run_id} prefill -- {worker} write "
             f"--master {cluster.master_address} --metadata {cluster.metadata_server}",
-            f"  python -m mooncake_span.netns exec {run_id} decode -- {worker} read "
+            f"  python -m mooncake_span.lab.netns exec {run_id} decode -- {worker} read "
             f"--master {cluster.master_address} --metadata {cluster.metadata_server}",
             "",
         ]
         if args.detach:
             topology.detach()
-            lines.append(f"detached; tear down with: python -m mooncake_span.netns down {run_id}")
+            lines.append(
+                f"detached; tear down with: python -m mooncake_span.lab.netns down {run_id}"
+            )
             print("\n".join(lines), flush=True)
             return 0
         lines.append("ready; Ctrl-C tears everything down")
@@ -1367,7 +1370,7 @@ def _cmd_exec(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mooncake_span.netns",
+        prog="python -m mooncake_span.lab.netns",
         description=(
             "A multi-host Mooncake topology on one machine: network namespaces (master, "
             "store1, store2, prefill, decode; master2 with --ha) joined by a bridge that lives "

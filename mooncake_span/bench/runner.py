@@ -67,13 +67,13 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
 )
 
-from mooncake_span.client import NativeBinding, native_env_defaults
-from mooncake_span.cluster import ClusterSpec, LocalCluster
+from mooncake_span.bench import pools as P
 from mooncake_span.config import SpanOptions
-from mooncake_span.plan import PageLayout, plan_objects, split_calls
-from mooncake_span.sglang_backend import pools as P
+from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.sglang_backend.backend import MooncakeSpanStore
-from mooncake_span.sglang_backend.pool_model import describe_pool
+from mooncake_span.sglang_backend.pool_layout import describe_pool
+from mooncake_span.span.plan import PageLayout, plan_objects, split_calls
+from mooncake_span.store.client import NativeBinding, native_env_defaults
 
 logger = logging.getLogger(__name__)
 

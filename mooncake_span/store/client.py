@@ -40,7 +40,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_span.breaker import CircuitBreaker, BreakerSnapshot
 from mooncake_span.config import MooncakeSettings, SpanOptions
 from mooncake_span.errors import (
     SetupError,
@@ -49,7 +48,8 @@ from mooncake_span.errors import (
     code_name,
     is_transport_failure,
 )
-from mooncake_span.plan import ObjectPlan, dedup_rounds, split_calls
+from mooncake_span.span.plan import ObjectPlan, dedup_rounds, split_calls
+from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,9 @@ class MooncakeClient:
             # Past the queue a TCP call does not just slow down: it stalls for
             # Mooncake's 60 s transfer wait and every key in it fails.
             logger.warning(
-                "mooncake-span: span_max_buffers_per_call=%d exceeds the TCP transport's %d queued "
-                "transfers per peer; raise MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER or lower the option",
+                "mooncake-span: span_max_buffers_per_call=%d exceeds the TCP transport's %d "
+                "queued transfers per peer; raise MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER or lower "
+                "the option",
                 self.options.max_buffers_per_call,
                 _TCP_QUEUE_BUFFERS,
             )
@@ -169,7 +170,8 @@ class MooncakeClient:
             )
         self._store = store
         logger.info(
-            "mooncake-span connected to master %s (metadata %s, protocol %s, segment %d bytes) in %.2fs",
+            "mooncake-span connected to master %s (metadata %s, protocol %s, segment %d bytes) "
+            "in %.2fs",
             s.master_server_address,
             s.metadata_server,
             s.protocol,
@@ -190,7 +192,10 @@ class MooncakeClient:
         if leaked:
             # Closing under a running native call would crash the process;
             # leaking the client is the lesser evil.
-            logger.error("mooncake-span: %d calls still running at close; not closing the native client", leaked)
+            logger.error(
+                "mooncake-span: %d calls still running at close; not closing the native client",
+                leaked,
+            )
             return
         if self._store is not None:
             self._store.close()
@@ -233,7 +238,8 @@ class MooncakeClient:
     def _fail(self, op: str, why: str) -> None:
         if self._breaker.record_failure(time.monotonic()):
             logger.warning(
-                "mooncake-span: circuit breaker OPEN after %s failed: %s; answering misses until the cluster responds",
+                "mooncake-span: circuit breaker OPEN after %s failed: %s; answering misses until "
+                "the cluster responds",
                 op,
                 why,
             )
@@ -250,9 +256,14 @@ class MooncakeClient:
         if not isinstance(result, list) or len(result) != expected_len:
             # e.g. the empty list an uninitialised client returns
             self._counters["BAD_RESULT_LENGTH"] += 1
-            self._fail(op, f"returned {type(result).__name__} of length {len(result) if isinstance(result, list) else '?'}")
+            self._fail(
+                op,
+                f"returned {type(result).__name__} of length "
+                f"{len(result) if isinstance(result, list) else '?'}",
+            )
             raise TransportError(
-                f"{op} returned {len(result) if isinstance(result, list) else result!r} results for {expected_len} keys"
+                f"{op} returned {len(result) if isinstance(result, list) else result!r} results "
+                f"for {expected_len} keys"
             )
         self._record(op, result)
         return result
@@ -263,7 +274,9 @@ class MooncakeClient:
         with self._cond:
             if self._prober is not None and self._prober.is_alive():
                 return
-            self._prober = threading.Thread(target=self._probe_loop, name="mooncake-span-probe", daemon=True)
+            self._prober = threading.Thread(
+                target=self._probe_loop, name="mooncake-span-probe", daemon=True
+            )
             self._prober.start()
 
     def _probe_loop(self) -> None:
@@ -284,7 +297,9 @@ class MooncakeClient:
                     self._cond.notify_all()
             if alive:
                 if self._breaker.record_success():
-                    logger.warning("mooncake-span: circuit breaker CLOSED, the cluster answers again")
+                    logger.warning(
+                        "mooncake-span: circuit breaker CLOSED, the cluster answers again"
+                    )
                 return
 
     # ---- operations ------------------------------------------------------------
@@ -295,7 +310,10 @@ class MooncakeClient:
         with self._native("register_buffer") as store:
             rc = store.register_buffer(ptr, size_bytes)
         if rc != 0:
-            raise SetupError(f"register_buffer(ptr={ptr:#x}, {size_bytes} bytes) failed with {rc} ({code_name(rc)})")
+            raise SetupError(
+                f"register_buffer(ptr={ptr:#x}, {size_bytes} bytes) failed with {rc} "
+                f"({code_name(rc)})"
+            )
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         out: list[bool] = []
@@ -336,10 +354,14 @@ class MooncakeClient:
         ok = [False] * len(keys)
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
-        for call in split_calls([len(plans[i].ptrs) for i in unique], self.options.max_buffers_per_call):
+        for call in split_calls(
+            [len(plans[i].ptrs) for i in unique], self.options.max_buffers_per_call
+        ):
             idx = [unique[j] for j in call]
             call_keys = [keys[i] for i in idx]
-            config = self._replicate_config([group_ids[i] for i in idx] if group_ids else None, hard_pin)
+            config = self._replicate_config(
+                [group_ids[i] for i in idx] if group_ids else None, hard_pin
+            )
             codes = self._invoke(
                 "batch_put_from_multi_buffers",
                 lambda s, keys=call_keys, idx=idx, config=config: s.batch_put_from_multi_buffers(
@@ -347,7 +369,7 @@ class MooncakeClient:
                 ),
                 len(idx),
             )
-            for i, code in zip(idx, codes):
+            for i, code in zip(idx, codes, strict=False):
                 ok[i] = code == 0
         return [ok[first[k]] for k in keys]
 
@@ -366,7 +388,7 @@ class MooncakeClient:
                     ),
                     len(idx),
                 )
-                for i, code in zip(idx, codes):
+                for i, code in zip(idx, codes, strict=False):
                     if code == plans[i].nbytes:
                         ok[i] = True
                     elif code >= 0:
@@ -397,7 +419,9 @@ class MooncakeClient:
         if self.exists([key])[0]:
             return False
         buffer = ctypes.create_string_buffer(data, len(data))
-        return self.put([key], [ObjectPlan([ctypes.addressof(buffer)], [len(data)])], hard_pin=True)[0]
+        return self.put(
+            [key], [ObjectPlan([ctypes.addressof(buffer)], [len(data)])], hard_pin=True
+        )[0]
 
     def read_blob(self, key: str) -> bytes | None:
         with self._native("get_size") as store:

@@ -31,8 +31,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from mooncake_span.cluster import ClusterSpec, LocalCluster
-from mooncake_span.sglang_backend import pools as P
+from mooncake_span.bench import pools as P
+from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.sglang_backend.backend import MooncakeSpanStore
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ class DemoReport:
 
 
 def _slots(pages: list[int]) -> torch.Tensor:
-    return torch.cat([torch.arange(p * HOST_PAGE_TOKENS, (p + 1) * HOST_PAGE_TOKENS) for p in pages])
+    return torch.cat(
+        [torch.arange(p * HOST_PAGE_TOKENS, (p + 1) * HOST_PAGE_TOKENS) for p in pages]
+    )
 
 
 def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> DemoReport:
@@ -103,14 +105,20 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> DemoRepo
     )
 
 
-def _run(config: DemoConfig, client_config: dict[str, Any], say: Callable[[str], None]) -> DemoReport:
+def _run(
+    config: DemoConfig, client_config: dict[str, Any], say: Callable[[str], None]
+) -> DemoReport:
     rng = random.Random(config.seed)
     keys_total = config.requests * config.keys_per_request
     host_pages = keys_total * INDEX_KPOOL
     pools = P.build_compressed_hybrid_dsa(
-        config.layout, layers=config.layers, host_pages=2 * host_pages,
-        mamba_slots=2 * config.requests, kv_lora_rank=config.kv_lora_rank,
-        rope_dim=config.rope_dim, index_kpool=INDEX_KPOOL,
+        config.layout,
+        layers=config.layers,
+        host_pages=2 * host_pages,
+        mamba_slots=2 * config.requests,
+        kv_lora_rank=config.kv_lora_rank,
+        rope_dim=config.rope_dim,
+        index_kpool=INDEX_KPOOL,
     )
     kv, indexer, mamba = pools[PoolName.KV], pools[PoolName.INDEXER], pools[PoolName.MAMBA]
     storage_page = pools.storage_page_tokens
@@ -132,7 +140,11 @@ def _run(config: DemoConfig, client_config: dict[str, Any], say: Callable[[str],
         for r in range(config.requests):
             tokens = [rng.randrange(1 << 20) for _ in range(config.keys_per_request * storage_page)]
             keys = get_hash_str(tokens, None, page_size=storage_page)
-            pages = src_pages[r * config.keys_per_request * INDEX_KPOOL : (r + 1) * config.keys_per_request * INDEX_KPOOL]
+            pages = src_pages[
+                r * config.keys_per_request * INDEX_KPOOL : (r + 1)
+                * config.keys_per_request
+                * INDEX_KPOOL
+            ]
             requests.append((keys, pages, r))
         starts = [p * HOST_PAGE_TOKENS for p in src_pages]
         P.fill_random_pages(kv, starts, seed=config.seed + 1)
@@ -149,18 +161,30 @@ def _run(config: DemoConfig, client_config: dict[str, Any], say: Callable[[str],
             for b in range(0, len(keys), STORAGE_BATCH_SIZE):
                 batch = keys[b : b + STORAGE_BATCH_SIZE]
                 slots = _slots(pages[b * INDEX_KPOOL : (b + len(batch)) * INDEX_KPOOL])
-                sidecars = [PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=batch,
-                                         indices_from_pool=PoolName.KV)]
+                sidecars = [
+                    PoolTransfer(
+                        PoolName.INDEXER,
+                        host_indices=slots,
+                        keys=batch,
+                        indices_from_pool=PoolName.KV,
+                    )
+                ]
                 if b + len(batch) == len(keys):
-                    sidecars.append(PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([r]),
-                                                 keys=[keys[-1]], hit_policy=PoolHitPolicy.TRAILING_PAGES))
+                    sidecars.append(
+                        PoolTransfer(
+                            PoolName.MAMBA,
+                            host_indices=torch.tensor([r]),
+                            keys=[keys[-1]],
+                            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                        )
+                    )
                 side = store.batch_set_v2(sidecars)
                 ok = store.batch_set_v1(batch, slots)
                 if not (all(ok) and all(all(v) for v in side.values())):
                     raise RuntimeError(f"backup of request {r} failed: kv={ok} sidecars={side}")
         backup_s = time.perf_counter() - started
-        bytes_per_key = (
-            sum(len(ref["kv"][s]) + len(ref["indexer"][s]) for s in starts[:INDEX_KPOOL])
+        bytes_per_key = sum(
+            len(ref["kv"][s]) + len(ref["indexer"][s]) for s in starts[:INDEX_KPOOL]
         )
         say(f"backed up {keys_total} keys ({keys_total * storage_page} tokens) in {backup_s:.2f}s")
 
@@ -174,8 +198,14 @@ def _run(config: DemoConfig, client_config: dict[str, Any], say: Callable[[str],
         for keys, pages, r in requests:
             hit = store.batch_exists_v2(
                 keys,
-                [PoolTransfer(PoolName.INDEXER, keys=None, indices_from_pool=PoolName.KV),
-                 PoolTransfer(PoolName.MAMBA, keys=["__placeholder__"], hit_policy=PoolHitPolicy.TRAILING_PAGES)],
+                [
+                    PoolTransfer(PoolName.INDEXER, keys=None, indices_from_pool=PoolName.KV),
+                    PoolTransfer(
+                        PoolName.MAMBA,
+                        keys=["__placeholder__"],
+                        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                    ),
+                ],
             )
             got = 0
             dst = dst_pages[r * config.keys_per_request * INDEX_KPOOL :]
@@ -183,34 +213,57 @@ def _run(config: DemoConfig, client_config: dict[str, Any], say: Callable[[str],
                 batch = keys[b : min(b + STORAGE_BATCH_SIZE, hit.kv_hit_pages)]
                 slots = _slots(dst[b * INDEX_KPOOL : (b + len(batch)) * INDEX_KPOOL])
                 kv_ok = store.batch_get_v1(batch, slots)
-                side = store.batch_get_v2([PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=batch)])
-                got += min(kv_ok.index(False) if False in kv_ok else len(kv_ok),
-                           side[PoolName.INDEXER].count(True))
+                side = store.batch_get_v2(
+                    [PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=batch)]
+                )
+                got += min(
+                    kv_ok.index(False) if False in kv_ok else len(kv_ok),
+                    side[PoolName.INDEXER].count(True),
+                )
             state_slot = config.requests + r
             if got == len(keys):
-                st = store.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([state_slot]),
-                                                      keys=[keys[-1]], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+                st = store.batch_get_v2(
+                    [
+                        PoolTransfer(
+                            PoolName.MAMBA,
+                            host_indices=torch.tensor([state_slot]),
+                            keys=[keys[-1]],
+                            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+                        )
+                    ]
+                )
                 if not st[PoolName.MAMBA][0]:
                     got = 0
             hit_keys += got
-            for i, (src, new) in enumerate(zip(pages, dst)):
+            for i, (src, new) in enumerate(zip(pages, dst, strict=False)):
                 if i // INDEX_KPOOL >= got:
                     break
-                mismatched += P.page_bytes(kv, new * HOST_PAGE_TOKENS) != ref["kv"][src * HOST_PAGE_TOKENS]
-                mismatched += P.page_bytes(indexer, new * HOST_PAGE_TOKENS) != ref["indexer"][src * HOST_PAGE_TOKENS]
+                mismatched += (
+                    P.page_bytes(kv, new * HOST_PAGE_TOKENS) != ref["kv"][src * HOST_PAGE_TOKENS]
+                )
+                mismatched += (
+                    P.page_bytes(indexer, new * HOST_PAGE_TOKENS)
+                    != ref["indexer"][src * HOST_PAGE_TOKENS]
+                )
             if got == len(keys):
                 mismatched += P.page_bytes(mamba, state_slot) != ref["mamba"][r]
         restore_s = time.perf_counter() - started
         moved = keys_total * bytes_per_key
         say(f"restored {hit_keys}/{keys_total} keys in {restore_s:.2f}s into different host pages")
         say(
-            f"bytes: {moved / 2**20:.1f} MiB each way; backup {moved / 2**30 / backup_s:.2f} GiB/s, "
+            f"bytes: {moved / 2**20:.1f} MiB each way; "
+            f"backup {moved / 2**30 / backup_s:.2f} GiB/s, "
             f"restore {moved / 2**30 / restore_s:.2f} GiB/s"
         )
         say(f"verification: {mismatched} mismatched pages")
         return DemoReport(
-            keys=keys_total, hit_keys=hit_keys, hit_tokens=hit_keys * storage_page,
-            bytes_written=moved, bytes_read=moved, backup_s=backup_s, restore_s=restore_s,
+            keys=keys_total,
+            hit_keys=hit_keys,
+            hit_tokens=hit_keys * storage_page,
+            bytes_written=moved,
+            bytes_read=moved,
+            backup_s=backup_s,
+            restore_s=restore_s,
             mismatched_pages=mismatched,
         )
     finally:

@@ -1,10 +1,10 @@
 """One sglang node's L3 traffic, as a separate process: write, read, probe, failover.
 
-Run inside a host of a ``mooncake_span.netns`` topology (or anywhere)::
+Run inside a host of a ``mooncake_span.lab.netns`` topology (or anywhere)::
 
-    python -m mooncake_span.sglang_backend.node_worker write --master HOST:PORT \\
+    python -m tests.netns.node_worker write --master HOST:PORT \\
         --metadata http://HOST:PORT/metadata --requests 0-3
-    python -m mooncake_span.sglang_backend.node_worker read  ... --requests 0-3
+    python -m tests.netns.node_worker read  ... --requests 0-3
 
 The worker builds REAL sglang host pools shaped like a compressed hybrid DSA
 model (MLA KV anchor + DSA indexer with ``index_kpool=4`` + Mamba state;
@@ -349,7 +349,7 @@ class Node:
         )
         from sglang.srt.mem_cache.utils import get_hash_str
 
-        from mooncake_span.sglang_backend import pools as P
+        from mooncake_span.bench import pools as P
 
         self.import_s = time.time() - _STARTED_WALL_S
         self.torch = torch
@@ -451,8 +451,8 @@ class Node:
 
         Raises LayoutConflictError when the layout guard refuses this node.
         """
+        from mooncake_span.bench.pools import single_rank_storage_config
         from mooncake_span.sglang_backend.backend import MooncakeSpanStore
-        from mooncake_span.sglang_backend.pools import single_rank_storage_config
 
         started = time.perf_counter()
         storage_config = single_rank_storage_config(
@@ -939,7 +939,7 @@ def run(config: WorkerConfig, report: dict[str, Any]) -> tuple[int, Node | None]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mooncake_span.sglang_backend.node_worker",
+        prog="python -m tests.netns.node_worker",
         description=(
             "Drive MooncakeSpanStore like one sglang node (compressed hybrid DSA pools: MLA KV + "
             "DSA indexer + Mamba, 64-token host pages, K=4) and print a JSON report on stdout. "

@@ -117,7 +117,9 @@ def derive_slots_per_key(
     if num_keys < 1:
         raise GeometryError(f"pool {pool_name!r}: transfer has no keys")
     if pool_page_tokens < 1:
-        raise GeometryError(f"pool {pool_name!r}: page size must be >= 1 slot, got {pool_page_tokens}")
+        raise GeometryError(
+            f"pool {pool_name!r}: page size must be >= 1 slot, got {pool_page_tokens}"
+        )
     if num_slots < 1 or num_slots % num_keys:
         raise GeometryError(
             f"pool {pool_name!r}: {num_slots} host indices do not divide evenly "

@@ -1,0 +1,4 @@
+"""Benchmarks, the demo and real sglang host-pool builders on CPU.
+
+Never imported by the runtime backend.
+"""

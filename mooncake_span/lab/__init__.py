@@ -1,0 +1,1 @@
+"""Test laboratory: multi-host topologies in network namespaces."""
