@@ -417,6 +417,12 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         help="file for Mooncake's native log lines (default: a temporary file; '-' leaves "
         "them on stderr)",
     )
+    bench.add_argument(
+        "--overhead",
+        action="store_true",
+        help="only the adapter-overhead section: own Python per page/key on a do-nothing "
+        "native store and on a real in-process one (mooncake_span.bench.overhead)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -426,6 +432,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     # The native library reads its log level once, when it is loaded.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    if args.overhead:
+        from mooncake_span.bench.overhead import run_overhead_command
+
+        return run_overhead_command(args.quick, args.reps, args.json)
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

@@ -135,9 +135,12 @@ class KeySchema:
 
     def object_keys(self, page_keys: list[str], components: tuple[ComponentSpec, ...]) -> list[str]:
         """Key-major, component-minor: ``[k0c0, k0c1, k1c0, ...]``."""
-        prefix = self.prefix
+        prefix = self.prefix + "_"
         suffixes = [self.suffix(c) for c in components]
-        return [f"{prefix}_{key}{suffix}" for key in page_keys for suffix in suffixes]
+        if len(suffixes) == 1:
+            (suffix,) = suffixes
+            return [prefix + key + suffix for key in page_keys]
+        return [prefix + key + suffix for key in page_keys for suffix in suffixes]
 
     def group_id(self, page_key: str) -> str:
         """Mooncake eviction group of every object of one storage key."""
@@ -145,15 +148,23 @@ class KeySchema:
 
     def group_ids(self, page_keys: list[str], num_components: int) -> list[str]:
         """Group id of every object of ``object_keys(page_keys, ...)``, in the same order."""
-        prefix = self.prefix
-        return [f"{prefix}_{key}" for key in page_keys for _ in range(num_components)]
+        prefix = self.prefix + "_"
+        if num_components == 1:
+            return [prefix + key for key in page_keys]
+        return [prefix + key for key in page_keys for _ in range(num_components)]
+
+
+_STR_ONLY = frozenset({str})
+# Printable ASCII without the space: what a clean ASCII key consists of.
+_CLEAN_ASCII = bytes(range(0x21, 0x7F))
 
 
 def _clean(text: str) -> bool:
-    # str.isprintable is C-speed and, for ASCII, already excludes the control
-    # characters; the regex is only needed for non-ASCII keys.
+    # For ASCII, deleting every allowed byte must leave nothing: one C pass
+    # (str.isprintable looks each character up in the Unicode tables). The
+    # regex is only needed for non-ASCII keys.
     if text.isascii():
-        return text.isprintable() and " " not in text
+        return not text.encode("ascii").translate(None, _CLEAN_ASCII)
     return not _BAD_PAGE_KEY_CHARS.search(text)
 
 
@@ -163,16 +174,13 @@ def check_page_keys(page_keys: object) -> list[str]:
         raise GeometryError("keys is None")
     if not isinstance(page_keys, (list, tuple)):
         raise GeometryError(f"keys must be a list of str, got {type(page_keys).__name__}")
-    # Fast path for the common, valid case: one regex over all keys at once.
-    if all(type(key) is str for key in page_keys) and (
-        not page_keys
-        or (
-            min(map(len, page_keys)) > 0
-            and max(map(len, page_keys)) <= MAX_PAGE_KEY_CHARS
-            and _clean("".join(page_keys))
-        )
-    ):
-        return list(page_keys)
+    # Fast path for the common, valid case: C-level passes over all keys at once.
+    if not page_keys:
+        return []
+    if set(map(type, page_keys)) <= _STR_ONLY:
+        lengths = set(map(len, page_keys))
+        if min(lengths) > 0 and max(lengths) <= MAX_PAGE_KEY_CHARS and _clean("".join(page_keys)):
+            return list(page_keys)
     for index, key in enumerate(page_keys):
         if not isinstance(key, str) or not key:
             raise GeometryError(f"key #{index} must be a non-empty str, got {key!r}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -66,6 +67,34 @@ class PageLayout:
         stride = np.asarray(self.page_stride_bytes, dtype=np.int64)
         return base + pages[..., None].astype(np.int64) * stride
 
+    @cached_property
+    def tables(self) -> tuple[_ComponentTable, ...]:
+        """Per component, the numpy address model of its slots, built once."""
+        return tuple(_ComponentTable.of(self, slots) for slots in self.components)
+
+
+@dataclass(frozen=True)
+class _ComponentTable:
+    """One component's slots as arrays: ``ptr = base[b] + page * stride[b]``."""
+
+    base: np.ndarray  # (Bc, 1) int64
+    stride: np.ndarray  # (Bc, 1) int64
+    slot_sizes: np.ndarray  # (Bc,) int64
+
+    @classmethod
+    def of(cls, layout: PageLayout, slots: tuple[int, ...]) -> _ComponentTable:
+        pick = list(slots)
+        return cls(
+            np.asarray(layout.base_ptrs, dtype=np.int64)[pick, None],
+            np.asarray(layout.page_stride_bytes, dtype=np.int64)[pick, None],
+            np.asarray(layout.slot_bytes, dtype=np.int64)[pick],
+        )
+
+    def rows(self, key_pages: np.ndarray) -> np.ndarray:
+        """(n_keys, Bc*K) pointers in canonical slot-major, page-minor order."""
+        n = key_pages.shape[0]
+        return (self.base + key_pages[:, None, :] * self.stride).reshape(n, -1)
+
 
 @dataclass
 class ObjectPlan:
@@ -79,59 +108,146 @@ class ObjectPlan:
         return sum(self.sizes)
 
 
-def _coalesce_rows(ptrs: np.ndarray, sizes: np.ndarray) -> list[ObjectPlan]:
+@dataclass
+class PlanBatch:
+    """Buffers of many objects, column-wise: the lists Mooncake's batch calls take.
+
+    Rows of ``sizes`` may be one shared list object (many objects with the
+    same buffer sizes); nothing mutates them.
+    """
+
+    ptrs: list[list[int]]
+    sizes: list[list[int]]
+    nbytes: list[int]
+
+    def __len__(self) -> int:
+        return len(self.ptrs)
+
+    @classmethod
+    def from_plans(cls, plans: Sequence[ObjectPlan]) -> PlanBatch:
+        return cls([p.ptrs for p in plans], [p.sizes for p in plans], [sum(p.sizes) for p in plans])
+
+    @classmethod
+    def concat(cls, batches: Sequence[PlanBatch]) -> PlanBatch:
+        if len(batches) == 1:
+            return batches[0]
+        out = cls([], [], [])
+        for batch in batches:
+            out.ptrs += batch.ptrs
+            out.sizes += batch.sizes
+            out.nbytes += batch.nbytes
+        return out
+
+    def take(self, index: Sequence[int]) -> PlanBatch:
+        ptrs, sizes, nbytes = self.ptrs, self.sizes, self.nbytes
+        return PlanBatch(
+            [ptrs[i] for i in index], [sizes[i] for i in index], [nbytes[i] for i in index]
+        )
+
+    def plans(self) -> list[ObjectPlan]:
+        return [ObjectPlan(p, s) for p, s in zip(self.ptrs, self.sizes, strict=True)]
+
+
+def _coalesce(rows: np.ndarray, sizes: np.ndarray) -> PlanBatch:
     """Merge buffers whose bytes are adjacent in memory, row by row.
 
-    ``ptrs`` is (rows, m); ``sizes`` is (m,) and shared by every row. Plans
-    share one sizes list where they can: nothing mutates them.
+    ``rows`` is (n, m) pointers; ``sizes`` is (m,) and shared by every row.
     """
     size_list = sizes.tolist()
-    if ptrs.shape[1] == 1:
-        return [ObjectPlan([p], size_list) for p in ptrs[:, 0].tolist()]
-    joins = ptrs[:, :-1] + sizes[:-1] == ptrs[:, 1:]
-    row_joins = joins.any(axis=1)
-    if not row_joins.any():
-        return [ObjectPlan(row, size_list) for row in ptrs.tolist()]
+    total = int(sizes.sum())
+    n = rows.shape[0]
+    if rows.shape[1] == 1:
+        return PlanBatch(rows.tolist(), [size_list] * n, [total] * n)
+    joins = rows[:, :-1] + sizes[:-1] == rows[:, 1:]
+    if not joins.any():
+        return PlanBatch(rows.tolist(), [size_list] * n, [total] * n)
     if joins.all():
         # every row is one contiguous run (consecutive host pages)
-        total = [int(sizes.sum())]
-        return [ObjectPlan([p], total) for p in ptrs[:, 0].tolist()]
+        return PlanBatch(rows[:, :1].tolist(), [[total]] * n, [total] * n)
     csum = np.concatenate(([0], np.cumsum(sizes)))
-    plans = []
-    for index, (row, has_join) in enumerate(zip(ptrs.tolist(), row_joins.tolist(), strict=False)):
-        if not has_join:
-            plans.append(ObjectPlan(row, size_list))
-            continue
+    row_joins = joins.any(axis=1).tolist()
+    out = PlanBatch(rows.tolist(), [size_list] * n, [total] * n)
+    for index in np.flatnonzero(row_joins).tolist():
         starts = np.flatnonzero(np.concatenate(([True], ~joins[index])))
         ends = np.concatenate((starts[1:], [len(sizes)]))
-        plans.append(ObjectPlan(ptrs[index, starts].tolist(), (csum[ends] - csum[starts]).tolist()))
-    return plans
+        out.ptrs[index] = rows[index, starts].tolist()
+        out.sizes[index] = (csum[ends] - csum[starts]).tolist()
+    return out
 
 
-def plan_objects(layout: PageLayout, key_pages: np.ndarray) -> list[ObjectPlan]:
-    """Object buffers for keys whose host pages are ``key_pages`` (shape (n_keys, K)).
+def pages_of_slots(slots: np.ndarray, page_tokens: int) -> np.ndarray:
+    """Host page numbers of token ``slots`` that list whole pages, page after page.
 
-    Returns key-major, component-minor plans, matching ``KeySchema.object_keys``.
+    A fixed number of array operations whatever the length (no Python loop):
+    GeometryError unless every run of ``page_tokens`` slots is exactly
+    ``page * page_tokens + 0 .. page_tokens - 1``.
     """
+    if slots.ndim != 1 or slots.size == 0 or slots.size % page_tokens:
+        raise GeometryError(f"{slots.size} host slots are not whole {page_tokens}-slot host pages")
+    by_page = slots.reshape(-1, page_tokens)
+    starts = by_page[:, 0]
+    if page_tokens > 1:
+        offsets = by_page - starts[:, None]
+        if not np.array_equal(offsets, np.broadcast_to(_arange(page_tokens), offsets.shape)):
+            raise GeometryError(f"host slots are not whole {page_tokens}-slot host pages")
+    pages, misaligned = np.divmod(starts, page_tokens)
+    if misaligned.any():
+        raise GeometryError(f"host slots do not start on a {page_tokens}-slot host page boundary")
+    return pages
+
+
+_ARANGES: dict[int, np.ndarray] = {}
+
+
+def _arange(n: int) -> np.ndarray:
+    ramp = _ARANGES.get(n)
+    if ramp is None:
+        ramp = _ARANGES[n] = np.arange(n)
+    return ramp
+
+
+def check_key_pages(layout: PageLayout, key_pages: np.ndarray) -> None:
+    """GeometryError unless ``key_pages`` is (n_keys, K>=1) of pages inside the pool."""
     if key_pages.ndim != 2 or key_pages.shape[1] < 1:
         raise GeometryError(f"key_pages must be (n_keys, K>=1), got shape {key_pages.shape}")
-    n_keys, pages_per_key = key_pages.shape
-    if n_keys == 0:
-        return []
-    if key_pages.min() < 0 or key_pages.max() >= layout.num_pages:
+    if key_pages.size and (key_pages.min() < 0 or key_pages.max() >= layout.num_pages):
         raise GeometryError(
             f"host page index out of range: got [{int(key_pages.min())}, "
             f"{int(key_pages.max())}], pool has {layout.num_pages} pages"
         )
-    matrix = layout.pointer_matrix(key_pages)  # (n, K, B)
-    slot_bytes = np.asarray(layout.slot_bytes, dtype=np.int64)
-    per_component = []
-    for slots in layout.components:
-        sub = matrix[:, :, list(slots)]  # (n, K, Bc)
-        rows = np.ascontiguousarray(sub.transpose(0, 2, 1)).reshape(n_keys, -1)
-        sizes = np.repeat(slot_bytes[list(slots)], pages_per_key)
-        per_component.append(_coalesce_rows(rows, sizes))
-    return [per_component[c][i] for i in range(n_keys) for c in range(len(layout.components))]
+
+
+def plan_batch(layout: PageLayout, key_pages: np.ndarray, *, checked: bool = False) -> PlanBatch:
+    """Object buffers for keys whose host pages are ``key_pages`` (shape (n_keys, K)).
+
+    Key-major, component-minor, matching ``KeySchema.object_keys``. One
+    broadcast per component computes every pointer; Python touches each
+    object only inside ``tolist``. ``checked``: the caller already ran
+    ``check_key_pages``.
+    """
+    if not checked:
+        check_key_pages(layout, key_pages)
+    n_keys, pages_per_key = key_pages.shape
+    if n_keys == 0:
+        return PlanBatch([], [], [])
+    pages = key_pages.astype(np.int64, copy=False)
+    parts = [
+        _coalesce(table.rows(pages), np.repeat(table.slot_sizes, pages_per_key))
+        for table in layout.tables
+    ]
+    if len(parts) == 1:
+        return parts[0]
+    # interleave: key 0's components, then key 1's ...
+    return PlanBatch(
+        [row for rows in zip(*(p.ptrs for p in parts), strict=True) for row in rows],
+        [row for rows in zip(*(p.sizes for p in parts), strict=True) for row in rows],
+        [v for vals in zip(*(p.nbytes for p in parts), strict=True) for v in vals],
+    )
+
+
+def plan_objects(layout: PageLayout, key_pages: np.ndarray) -> list[ObjectPlan]:
+    """``plan_batch`` as one ``ObjectPlan`` per object."""
+    return plan_batch(layout, key_pages).plans()
 
 
 def flat_page_offsets(layout: PageLayout) -> list[list[int]]:
@@ -163,7 +279,8 @@ def plan_objects_from_flat(
         for c, slots in enumerate(layout.components):
             ptrs = [base + j * flat_page + off for off in offsets[c] for j in range(pages_per_key)]
             sizes = [layout.slot_bytes[b] for b in slots for _ in range(pages_per_key)]
-            plans.append(_coalesce_rows(np.asarray([ptrs], dtype=np.int64), np.asarray(sizes))[0])
+            batch = _coalesce(np.asarray([ptrs], dtype=np.int64), np.asarray(sizes, dtype=np.int64))
+            plans.append(ObjectPlan(batch.ptrs[0], batch.sizes[0]))
     return plans
 
 

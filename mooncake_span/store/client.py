@@ -48,7 +48,7 @@ from mooncake_span.errors import (
     code_name,
     is_transport_failure,
 )
-from mooncake_span.span.plan import ObjectPlan, dedup_rounds, split_calls
+from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds, split_calls
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
 
 logger = logging.getLogger(__name__)
@@ -227,10 +227,13 @@ class MooncakeClient:
     def _record(self, op: str, codes: Sequence[int]) -> None:
         """Count non-success codes; a call where every entry is a transport failure
         counts against the breaker, any other answer proves the cluster is alive."""
+        if not codes or min(codes) >= 0:
+            self._breaker.record_success()
+            return
         for code in codes:
             if code < 0:
                 self._counters[code_name(code)] += 1
-        if codes and all(is_transport_failure(c) for c in codes):
+        if all(is_transport_failure(c) for c in codes):
             self._fail(op, f"all {len(codes)} entries failed ({code_name(codes[0])})")
         else:
             self._breaker.record_success()
@@ -341,31 +344,51 @@ class MooncakeClient:
                 config.group_ids = list(group_ids)
         return config
 
+    def _one_call(self, keys: Sequence[str], batch: PlanBatch) -> bool:
+        """True when the whole batch can go as one native call as given: no key
+        twice and no more buffers than one call may carry (the common case)."""
+        return sum(map(len, batch.ptrs)) <= self.options.max_buffers_per_call and len(
+            set(keys)
+        ) == len(keys)
+
     def put(
         self,
         keys: Sequence[str],
-        plans: Sequence[ObjectPlan],
+        plans: Sequence[ObjectPlan] | PlanBatch,
         group_ids: Sequence[str] | None = None,
         hard_pin: bool = False,
     ) -> list[bool]:
         """Write objects that do not exist yet. Mooncake keeps the old value of an
         existing key and reports success, so callers check existence first.
         ``hard_pin`` exempts the objects from eviction (small metadata only)."""
+        batch = plans if isinstance(plans, PlanBatch) else PlanBatch.from_plans(plans)
+        if not keys:
+            return []
+        if self._one_call(keys, batch):
+            config = self._replicate_config(group_ids, hard_pin)
+            codes = self._invoke(
+                "batch_put_from_multi_buffers",
+                lambda s: s.batch_put_from_multi_buffers(
+                    list(keys), batch.ptrs, batch.sizes, config
+                ),
+                len(keys),
+            )
+            return [code == 0 for code in codes]
         ok = [False] * len(keys)
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         for call in split_calls(
-            [len(plans[i].ptrs) for i in unique], self.options.max_buffers_per_call
+            [len(batch.ptrs[i]) for i in unique], self.options.max_buffers_per_call
         ):
             idx = [unique[j] for j in call]
-            call_keys = [keys[i] for i in idx]
+            part = batch.take(idx)
             config = self._replicate_config(
                 [group_ids[i] for i in idx] if group_ids else None, hard_pin
             )
             codes = self._invoke(
                 "batch_put_from_multi_buffers",
-                lambda s, keys=call_keys, idx=idx, config=config: s.batch_put_from_multi_buffers(
-                    keys, [plans[i].ptrs for i in idx], [plans[i].sizes for i in idx], config
+                lambda s, keys=[keys[i] for i in idx], part=part, config=config: (
+                    s.batch_put_from_multi_buffers(keys, part.ptrs, part.sizes, config)
                 ),
                 len(idx),
             )
@@ -373,27 +396,43 @@ class MooncakeClient:
                 ok[i] = code == 0
         return [ok[first[k]] for k in keys]
 
-    def get(self, keys: Sequence[str], plans: Sequence[ObjectPlan]) -> list[bool]:
+    def get(self, keys: Sequence[str], plans: Sequence[ObjectPlan] | PlanBatch) -> list[bool]:
         """Read objects into the planned buffers; True only for a complete read."""
+        batch = plans if isinstance(plans, PlanBatch) else PlanBatch.from_plans(plans)
+        if not keys:
+            return []
+        if self._one_call(keys, batch):
+            codes = self._invoke(
+                "batch_get_into_multi_buffers",
+                lambda s: s.batch_get_into_multi_buffers(list(keys), batch.ptrs, batch.sizes),
+                len(keys),
+            )
+            ok = [code == n for code, n in zip(codes, batch.nbytes, strict=True)]
+            if not all(ok):
+                self._count_short_reads(codes, batch.nbytes)
+            return ok
         ok = [False] * len(keys)
         for round_positions in dedup_rounds(keys):
-            counts = [len(plans[i].ptrs) for i in round_positions]
+            counts = [len(batch.ptrs[i]) for i in round_positions]
             for call in split_calls(counts, self.options.max_buffers_per_call):
                 idx = [round_positions[j] for j in call]
-                call_keys = [keys[i] for i in idx]
+                part = batch.take(idx)
                 codes = self._invoke(
                     "batch_get_into_multi_buffers",
-                    lambda s, keys=call_keys, idx=idx: s.batch_get_into_multi_buffers(
-                        keys, [plans[i].ptrs for i in idx], [plans[i].sizes for i in idx]
+                    lambda s, keys=[keys[i] for i in idx], part=part: (
+                        s.batch_get_into_multi_buffers(keys, part.ptrs, part.sizes)
                     ),
                     len(idx),
                 )
-                for i, code in zip(idx, codes, strict=False):
-                    if code == plans[i].nbytes:
-                        ok[i] = True
-                    elif code >= 0:
-                        self._counters["SHORT_READ"] += 1
+                for i, code, nbytes in zip(idx, codes, part.nbytes, strict=False):
+                    ok[i] = code == nbytes
+                self._count_short_reads(codes, part.nbytes)
         return ok
+
+    def _count_short_reads(self, codes: Sequence[int], nbytes: Sequence[int]) -> None:
+        short = sum(1 for code, n in zip(codes, nbytes, strict=False) if 0 <= code != n)
+        if short:
+            self._counters["SHORT_READ"] += short
 
     def remove(self, keys: Sequence[str]) -> int:
         """Force-remove objects; returns how many were removed."""

@@ -21,8 +21,11 @@ from mooncake_span.errors import GeometryError
 from mooncake_span.span.plan import (
     ObjectPlan,
     PageLayout,
+    PlanBatch,
     dedup_rounds,
     flat_page_offsets,
+    pages_of_slots,
+    plan_batch,
     plan_objects,
     plan_objects_from_flat,
     split_calls,
@@ -249,6 +252,35 @@ def test_plan_objects_gathers_canonical_bytes(case):
     for i, pages in enumerate(key_pages):
         for c in range(n_comp):
             assert gather(plans[i * n_comp + c]) == naive_object_bytes(pool, pages, c)
+
+
+@settings(max_examples=100, deadline=None)
+@given(pools_and_pages())
+def test_plan_batch_columns_match_the_naive_reference(case):
+    pool, key_pages = case
+    batch = plan_batch(pool.layout, np.asarray(key_pages, dtype=np.int64))
+    expected = naive_plans(pool.layout, key_pages)
+    assert len(batch) == len(batch.sizes) == len(batch.nbytes) == len(expected)
+    assert [
+        list(zip(p, s, strict=True)) for p, s in zip(batch.ptrs, batch.sizes, strict=True)
+    ] == expected
+    assert batch.nbytes == [sum(size for _, size in plan) for plan in expected]
+    assert all(type(v) is int for row in batch.ptrs + batch.sizes for v in row)
+    assert all(type(v) is int for v in batch.nbytes)
+
+
+def test_plan_batch_take_concat_and_from_plans_round_trip():
+    pool = page_first_pool((64, 32), 16, components=((0,), (1,)))
+    batch = plan_batch(pool.layout, np.asarray([[3, 4], [9, 1], [0, 15]]))
+    assert len(batch) == 6  # 3 keys x 2 components
+    picked = batch.take([5, 0, 2])
+    assert picked.ptrs == [batch.ptrs[5], batch.ptrs[0], batch.ptrs[2]]
+    assert picked.nbytes == [batch.nbytes[5], batch.nbytes[0], batch.nbytes[2]]
+    joined = PlanBatch.concat([picked, batch])
+    assert joined.ptrs == picked.ptrs + batch.ptrs
+    assert joined.sizes == picked.sizes + batch.sizes
+    again = PlanBatch.from_plans(batch.plans())
+    assert (again.ptrs, again.sizes, again.nbytes) == (batch.ptrs, batch.sizes, batch.nbytes)
 
 
 @settings(max_examples=100, deadline=None)
@@ -579,3 +611,53 @@ def test_dedup_rounds_examples():
 
 def test_split_calls_never_joins_objects_past_the_budget_even_after_empty_ones():
     assert split_calls([0, 20, 1], 8) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
+# ---------------------------------------------------------------------------
+# pages_of_slots: host_indices -> host pages
+
+
+def naive_pages_of_slots(slots: list[int], page_tokens: int) -> list[int] | None:
+    """Page numbers, or None when the slots are not whole aligned pages."""
+    if not slots or len(slots) % page_tokens:
+        return None
+    pages = []
+    for start in range(0, len(slots), page_tokens):
+        run = slots[start : start + page_tokens]
+        if run[0] % page_tokens or run != list(range(run[0], run[0] + page_tokens)):
+            return None
+        pages.append(run[0] // page_tokens)
+    return pages
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from([1, 2, 4, 64]),
+    st.lists(st.integers(0, 50), min_size=1, max_size=12),
+    st.integers(0, 3),
+    st.sampled_from([np.int64, np.int32]),
+)
+def test_pages_of_slots_matches_the_naive_reference(page_tokens, pages, damage, dtype):
+    slots = [p * page_tokens + t for p in pages for t in range(page_tokens)]
+    if damage == 1:
+        slots[len(slots) // 2] += 1  # a hole / duplicate inside the run
+    elif damage == 2:
+        slots = [s + 1 for s in slots]  # every page shifted off its boundary
+    elif damage == 3 and len(slots) > 1:
+        slots = slots[:-1]  # a partial last page
+    expected = naive_pages_of_slots(slots, page_tokens)
+    array = np.asarray(slots, dtype=dtype)
+    if expected is None:
+        with pytest.raises(GeometryError, match="host page|host slots"):
+            pages_of_slots(array, page_tokens)
+    else:
+        assert pages_of_slots(array, page_tokens).tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [[], [0, 1, 2], [4, 5, 6, 8], [2, 3, 4, 5], [4, 5, 7, 6]],
+)
+def test_pages_of_slots_rejects_bad_runs(slots):
+    with pytest.raises(GeometryError):
+        pages_of_slots(np.asarray(slots, dtype=np.int64), 4)
