@@ -85,6 +85,10 @@ from mooncake_span.store.layout_guard import (
 
 logger = logging.getLogger(__name__)
 
+Tensor = torch.Tensor
+# Per-key results of a v2 call, keyed by the transfers' pool names.
+TransferResults = dict[Any, list[bool]]
+
 
 def _read_storage_page_tokens(storage_config: Any, options: SpanOptions) -> int | None:
     """Tokens per storage key, or None for "the host page" (K=1).
@@ -364,7 +368,11 @@ class MooncakeSpanStore(HiCacheStorage):
         self._account(is_set, batch, result, time.perf_counter() - started)
         return result
 
-    def _v2(self, op_name: str, transfers: Any, is_set: bool) -> dict[Any, list[bool]]:
+    def _v1(self, keys: Any, host_indices: Any, is_set: bool) -> list[bool]:
+        self._require_ready()
+        return self._timed_run(self._batch(KV_POOL, keys, host_indices), is_set)
+
+    def _v2(self, op_name: str, transfers: Any, is_set: bool) -> TransferResults:
         self._require_ready()
         try:
             transfers = list(transfers or [])
@@ -397,36 +405,22 @@ class MooncakeSpanStore(HiCacheStorage):
 
     # ---- zero-copy API ------------------------------------------------------------------------
 
-    @never_raise(miss_per_key)
-    def batch_get_v1(
-        self,
-        keys: list[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        self._require_ready()
-        return self._timed_run(self._batch(KV_POOL, keys, host_indices), is_set=False)
+    # sglang passes extra_info (HiCacheStorageExtraInfo) for tracing only; it is ignored here.
 
     @never_raise(miss_per_key)
-    def batch_set_v1(
-        self,
-        keys: list[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        self._require_ready()
-        return self._timed_run(self._batch(KV_POOL, keys, host_indices), is_set=True)
+    def batch_get_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
+        return self._v1(keys, host_indices, is_set=False)
+
+    @never_raise(miss_per_key)
+    def batch_set_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
+        return self._v1(keys, host_indices, is_set=True)
 
     @never_raise(miss_per_transfer)
-    def batch_get_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> dict[Any, list[bool]]:
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
         return self._v2("batch_get_v2", transfers, is_set=False)
 
     @never_raise(miss_per_transfer)
-    def batch_set_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> dict[Any, list[bool]]:
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
         return self._v2("batch_set_v2", transfers, is_set=True)
 
     # ---- hits -----------------------------------------------------------------------------------
