@@ -136,8 +136,8 @@ class FakeStore:
         faulted = self._enter("batch_get_into_multi_buffers", keys, all_ptrs)
         if faulted is not None:
             return faulted
+        out: list[int] = []
         c = self._cluster
-        out = []
         with c.lock:
             for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes, strict=False):
                 value = c.objects.get(key)
