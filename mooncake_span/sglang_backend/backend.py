@@ -67,6 +67,7 @@ from mooncake_span.sglang_backend.stored_pool import (
     PoolBatch,
     StagedPool,
     StoredPool,
+    Transfer,
     check_host_indices,
     flat_base,
     geometry_record,
@@ -74,7 +75,7 @@ from mooncake_span.sglang_backend.stored_pool import (
 from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
 from mooncake_span.span.hits import PoolHitQuery, compute_hits, leading_run
 from mooncake_span.span.keys import KeySchema, RankTags, check_page_keys
-from mooncake_span.span.plan import ObjectPlan
+from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient, NativeBinding
 from mooncake_span.store.layout_guard import (
     EtcdRegistry,
@@ -148,6 +149,9 @@ class MooncakeSpanStore(HiCacheStorage):
         self._log = RateLimitedLog()
         self._counters = CallCounters()
         self.pools: dict[str, StoredPool] = {}
+        # Eviction group ids cost Mooncake time per object; they only matter
+        # when a key owns more than one object (set at each registration).
+        self._group_ids = False
         # Rebound, never mutated: worker threads read it without a lock.
         self._learned_kv_derived: frozenset[str] = frozenset()
         self.mem_pool_host = None
@@ -254,6 +258,8 @@ class MooncakeSpanStore(HiCacheStorage):
         for ptr, size in shape.buffers:
             self.client.register_buffer(ptr, size)
         self.pools[name] = pool
+        objects_per_key = sum(p.num_components for p in self.pools.values() if not p.is_logical)
+        self._group_ids = objects_per_key > 1
 
     # ---- per-call preparation ---------------------------------------------------------
 
@@ -299,13 +305,16 @@ class MooncakeSpanStore(HiCacheStorage):
     def _run(self, batches: list[PoolBatch], is_set: bool) -> list[list[bool]]:
         """Execute prepared batches as one logical operation; per-batch per-key results."""
         physical = [b for b in batches if not b.pool.is_logical]
-        object_keys = [k for b in physical for k in b.object_keys]
+        if len(physical) == 1:
+            object_keys = physical[0].object_keys
+        else:
+            object_keys = [k for b in physical for k in b.object_keys]
         if is_set and object_keys:
             # A key already stored (by another rank or node) is not written twice.
             stored = self.client.exists(object_keys)
         else:
             stored = [False] * len(object_keys)
-        done = self._move(physical, stored, is_set)
+        done = self._move(physical, object_keys, stored, is_set)
         out, offset = [], 0
         for batch in batches:
             count = len(batch.object_keys)
@@ -316,32 +325,44 @@ class MooncakeSpanStore(HiCacheStorage):
             out.append(per_key)
         return out
 
-    def _move(self, batches: list[PoolBatch], stored: list[bool], is_set: bool) -> list[bool]:
+    def _move(
+        self, batches: list[PoolBatch], object_keys: list[str], stored: list[bool], is_set: bool
+    ) -> list[bool]:
         """One put or get for every object not yet stored; per-object results."""
-        io_keys: list[str] = []
-        io_plans: list[ObjectPlan] = []
-        io_groups: list[str] = []
-        io_slots: list[int] = []
-        offset = 0
+        schema, groups = self.key_schema, self._group_ids
+        todos, offset = [], 0
         for batch in batches:
             count = len(batch.object_keys)
-            todo = batch.pool.transfer(
-                batch, stored[offset : offset + count], is_set, self.key_schema
+            todos.append(
+                batch.pool.transfer(batch, stored[offset : offset + count], is_set, schema, groups)
             )
-            io_keys += [batch.object_keys[i] for i in todo.object_indices]
-            io_plans += todo.plans
-            io_groups += todo.group_ids or []
-            io_slots += [offset + i for i in todo.object_indices]
+            offset += count
+        if all(t.object_indices is None for t in todos):
+            # Every object moves, in order: no per-object bookkeeping.
+            return self._io(object_keys, todos, is_set) if object_keys else []
+        io_keys: list[str] = []
+        io_slots: list[int] = []
+        offset = 0
+        for batch, todo in zip(batches, todos, strict=True):
+            count = len(batch.object_keys)
+            indices = range(count) if todo.object_indices is None else todo.object_indices
+            io_keys += [batch.object_keys[i] for i in indices]
+            io_slots += [offset + i for i in indices]
             offset += count
         done = list(stored)
         if io_keys:
-            if is_set:
-                results = self.client.put(io_keys, io_plans, io_groups)
-            else:
-                results = self.client.get(io_keys, io_plans)
-            for slot, ok in zip(io_slots, results, strict=True):
+            for slot, ok in zip(io_slots, self._io(io_keys, todos, is_set), strict=True):
                 done[slot] = ok
         return done
+
+    def _io(self, keys: list[str], todos: list[Transfer], is_set: bool) -> list[bool]:
+        plans = PlanBatch.concat([t.plans for t in todos])
+        if not is_set:
+            return self.client.get(keys, plans)
+        groups = None
+        if any(t.group_ids is not None for t in todos):
+            groups = [g for t in todos for g in t.group_ids or ()]
+        return self.client.put(keys, plans, groups)
 
     def _account(
         self, is_set: bool, batch: PoolBatch, results: list[bool], elapsed_s: float

@@ -24,7 +24,13 @@ from mooncake_span.errors import InvalidRequestError
 from mooncake_span.span.geometry import PoolKind, SpanGeometry, derive_slots_per_key
 from mooncake_span.span.hits import clamp_after_first_failure
 from mooncake_span.span.keys import ComponentSpec, KeySchema
-from mooncake_span.span.plan import ObjectPlan, PageLayout, plan_objects, plan_objects_from_flat
+from mooncake_span.span.plan import (
+    PageLayout,
+    PlanBatch,
+    pages_of_slots,
+    plan_batch,
+    plan_objects_from_flat,
+)
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -104,8 +110,8 @@ class PoolBatch:
 class Transfer:
     """The objects of one batch that still have to move, with their plans."""
 
-    object_indices: list[int]
-    plans: list[ObjectPlan]
+    object_indices: list[int] | None  # None: every object of the batch, in order
+    plans: PlanBatch
     group_ids: list[str] | None
 
 
@@ -150,21 +156,16 @@ class StoredPool:
             pool_page_tokens=self.page_tokens,
             storage_page_tokens=geometry.storage_page_tokens,
         )
-        page = self.page_tokens
-        by_page = slots.view(-1, page)
-        starts = by_page[:, 0]
-        whole = not bool((starts % page != 0).any())
-        if whole and page > 1:
-            whole = torch.equal(by_page - starts[:, None], torch.arange(page).expand_as(by_page))
-        if not whole:
+        try:
+            pages = pages_of_slots(slots.numpy(), self.page_tokens)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"pool {self.name!r}: {exc}") from None
+        pages = pages.reshape(num_keys, per_key // self.page_tokens)
+        low, high = int(pages.min()), int(pages.max())
+        if low < 0 or high >= self.layout.num_pages:
             raise InvalidRequestError(
-                f"pool {self.name!r}: host indices are not whole {page}-slot host pages"
-            )
-        pages = (starts // page).numpy().reshape(num_keys, per_key // page)
-        if pages.min() < 0 or pages.max() >= self.layout.num_pages:
-            raise InvalidRequestError(
-                f"pool {self.name!r}: host page out of range [{int(pages.min())}, "
-                f"{int(pages.max())}] (pool has {self.layout.num_pages} pages)"
+                f"pool {self.name!r}: host page out of range [{low}, {high}] "
+                f"(pool has {self.layout.num_pages} pages)"
             )
         return pages
 
@@ -185,34 +186,44 @@ class StoredPool:
         return [all(object_flags[i : i + ncomp]) for i in range(0, len(object_flags), ncomp)]
 
     def transfer(
-        self, batch: PoolBatch, stored: Sequence[bool], is_set: bool, schema: KeySchema
+        self,
+        batch: PoolBatch,
+        stored: Sequence[bool],
+        is_set: bool,
+        schema: KeySchema,
+        group_ids: bool = True,
     ) -> Transfer:
-        """What to move for ``batch``; ``stored`` flags objects a put may skip."""
+        """What to move for ``batch``; ``stored`` flags objects a put may skip.
+        ``group_ids``: tag a put's objects with their key's eviction group."""
         ncomp = self.num_components
         if not any(stored):
-            rows = list(range(len(batch.page_keys)))
-            objects = list(range(len(batch.object_keys)))
-            plans = self.plans(batch, rows, is_set)
-        else:
-            rows = [i for i, whole in enumerate(self.fold(stored)) if not whole]
-            row_plans = self.plans(batch, rows, is_set) if rows else []
-            objects, plans = [], []
-            for pos, row in enumerate(rows):
-                for c in range(ncomp):
-                    if not stored[row * ncomp + c]:
-                        objects.append(row * ncomp + c)
-                        plans.append(row_plans[pos * ncomp + c])
+            # Nothing stored yet (every get, most puts): all objects go, in order.
+            groups = schema.group_ids(batch.page_keys, ncomp) if is_set and group_ids else None
+            return Transfer(None, self.plans(batch, None, is_set), groups)
+        rows = [i for i, whole in enumerate(self.fold(stored)) if not whole]
+        row_plans = self.plans(batch, rows, is_set) if rows else PlanBatch([], [], [])
+        objects, picked = [], []
+        for pos, row in enumerate(rows):
+            for c in range(ncomp):
+                if not stored[row * ncomp + c]:
+                    objects.append(row * ncomp + c)
+                    picked.append(pos * ncomp + c)
         groups = None
-        if is_set:
+        if is_set and group_ids:
             groups = [schema.group_id(batch.page_keys[i // ncomp]) for i in objects]
-        return Transfer(objects, plans, groups)
+        return Transfer(objects, row_plans.take(picked), groups)
 
-    def plans(self, batch: PoolBatch, rows: list[int], is_set: bool) -> list[ObjectPlan]:
-        """Plans for every component of keys ``rows`` (key-major, component-minor)."""
+    def plans(self, batch: PoolBatch, rows: list[int] | None, is_set: bool) -> PlanBatch:
+        """Plans for every component of keys ``rows`` (None: all keys), key-major,
+        component-minor."""
         if batch.flat_bases is not None:
-            bases = [batch.flat_bases[i] for i in rows]
-            return plan_objects_from_flat(self.layout, bases, batch.pages_per_key)
-        return plan_objects(self.layout, batch.key_pages[rows])
+            bases = batch.flat_bases if rows is None else [batch.flat_bases[i] for i in rows]
+            return PlanBatch.from_plans(
+                plan_objects_from_flat(self.layout, bases, batch.pages_per_key)
+            )
+        pages = batch.key_pages if rows is None else batch.key_pages[rows]
+        # host_pages() already checked the page range.
+        return plan_batch(self.layout, pages, checked=True)
 
     def per_key_results(self, batch: PoolBatch, object_flags: Sequence[bool]) -> list[bool]:
         """Fold object results to keys; sglang reads a result list as a prefix."""
@@ -232,9 +243,11 @@ class StoredPool:
 class StagedPool(StoredPool):
     """A pool without zero-copy pointers: stage flat pages, then unstage after a get."""
 
-    def plans(self, batch: PoolBatch, rows: list[int], is_set: bool) -> list[ObjectPlan]:
+    def plans(self, batch: PoolBatch, rows: list[int] | None, is_set: bool) -> PlanBatch:
         if batch.flat_bases is not None:
             return super().plans(batch, rows, is_set)
+        if rows is None:
+            rows = list(range(len(batch.page_keys)))
         flat_bytes = self.layout.slot_bytes[0]
         pages_per_key = batch.pages_per_key
         batch.staging = torch.empty(
@@ -244,8 +257,8 @@ class StagedPool(StoredPool):
             self._stage(batch, rows)
         row_bytes = pages_per_key * flat_bytes
         base = batch.staging.data_ptr()
-        return plan_objects_from_flat(
-            self.layout, [base + i * row_bytes for i in rows], pages_per_key
+        return PlanBatch.from_plans(
+            plan_objects_from_flat(self.layout, [base + i * row_bytes for i in rows], pages_per_key)
         )
 
     def _stage(self, batch: PoolBatch, rows: list[int]) -> None:

@@ -36,6 +36,8 @@ HIT_POLICIES = (ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS)
 
 def leading_run(flags: Sequence[bool]) -> int:
     """Number of leading True values."""
+    if all(flags):  # the common case, in one C-level pass
+        return len(flags)
     for index, flag in enumerate(flags):
         if not flag:
             return index

@@ -24,7 +24,7 @@ from functools import cached_property
 
 import numpy as np
 
-from mooncake_span.errors import GeometryError
+from mooncake_span.errors import GeometryError, InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -179,20 +179,25 @@ def pages_of_slots(slots: np.ndarray, page_tokens: int) -> np.ndarray:
     """Host page numbers of token ``slots`` that list whole pages, page after page.
 
     A fixed number of array operations whatever the length (no Python loop):
-    GeometryError unless every run of ``page_tokens`` slots is exactly
+    InvalidRequestError unless every run of ``page_tokens`` slots is exactly
     ``page * page_tokens + 0 .. page_tokens - 1``.
     """
     if slots.ndim != 1 or slots.size == 0 or slots.size % page_tokens:
-        raise GeometryError(f"{slots.size} host slots are not whole {page_tokens}-slot host pages")
+        raise InvalidRequestError(
+            f"{slots.size} host slots are not whole {page_tokens}-slot host pages"
+        )
     by_page = slots.reshape(-1, page_tokens)
     starts = by_page[:, 0]
     if page_tokens > 1:
         offsets = by_page - starts[:, None]
         if not np.array_equal(offsets, np.broadcast_to(_arange(page_tokens), offsets.shape)):
-            raise GeometryError(f"host slots are not whole {page_tokens}-slot host pages")
+            raise InvalidRequestError(f"host slots are not whole {page_tokens}-slot host pages")
     pages, misaligned = np.divmod(starts, page_tokens)
     if misaligned.any():
-        raise GeometryError(f"host slots do not start on a {page_tokens}-slot host page boundary")
+        raise InvalidRequestError(
+            f"host slots are not whole {page_tokens}-slot host pages "
+            "(a page starts off its boundary)"
+        )
     return pages
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_span.errors import GeometryError
+from mooncake_span.errors import GeometryError, InvalidRequestError
 from mooncake_span.span.plan import (
     ObjectPlan,
     PageLayout,
@@ -648,7 +648,7 @@ def test_pages_of_slots_matches_the_naive_reference(page_tokens, pages, damage, 
     expected = naive_pages_of_slots(slots, page_tokens)
     array = np.asarray(slots, dtype=dtype)
     if expected is None:
-        with pytest.raises(GeometryError, match="host page|host slots"):
+        with pytest.raises(InvalidRequestError, match="host page|host slots"):
             pages_of_slots(array, page_tokens)
     else:
         assert pages_of_slots(array, page_tokens).tolist() == expected
@@ -659,5 +659,5 @@ def test_pages_of_slots_matches_the_naive_reference(page_tokens, pages, damage, 
     [[], [0, 1, 2], [4, 5, 6, 8], [2, 3, 4, 5], [4, 5, 7, 6]],
 )
 def test_pages_of_slots_rejects_bad_runs(slots):
-    with pytest.raises(GeometryError):
+    with pytest.raises(InvalidRequestError):
         pages_of_slots(np.asarray(slots, dtype=np.int64), 4)
