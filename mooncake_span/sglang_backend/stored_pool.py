@@ -147,17 +147,20 @@ class StoredPool:
     ) -> np.ndarray:
         """``(num_keys, pages per key)`` host page numbers; the stride comes from the transfer."""
         check_host_indices(self.name, host_indices)
-        slots = host_indices.reshape(-1).to(torch.int64)
+        # numpy on the tensor's memory: per-call torch ops cost more than the work.
+        slots = host_indices.numpy().reshape(-1)
+        if slots.dtype != np.int64:
+            slots = slots.astype(np.int64)  # narrow types would wrap in the arithmetic
         per_key = derive_slots_per_key(
             pool_name=self.name,
             kind=kind,
-            num_slots=int(slots.numel()),
+            num_slots=int(slots.size),
             num_keys=num_keys,
             pool_page_tokens=self.page_tokens,
             storage_page_tokens=geometry.storage_page_tokens,
         )
         try:
-            pages = pages_of_slots(slots.numpy(), self.page_tokens)
+            pages = pages_of_slots(slots, self.page_tokens)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"pool {self.name!r}: {exc}") from None
         pages = pages.reshape(num_keys, per_key // self.page_tokens)

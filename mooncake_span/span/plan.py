@@ -95,6 +95,22 @@ class _ComponentTable:
         n = key_pages.shape[0]
         return (self.base + key_pages[:, None, :] * self.stride).reshape(n, -1)
 
+    def sizes(self, pages_per_key: int) -> _RowSizes:
+        """Buffer sizes of one uncoalesced row for K pages per key, built once per K."""
+        cache = self.__dict__.setdefault("_sizes", {})
+        row = cache.get(pages_per_key)
+        if row is None:
+            array = np.repeat(self.slot_sizes, pages_per_key)
+            row = cache[pages_per_key] = _RowSizes(array, array.tolist(), int(array.sum()))
+        return row
+
+
+@dataclass(frozen=True)
+class _RowSizes:
+    array: np.ndarray  # (m,) int64
+    values: list[int]  # the same, shared by every uncoalesced row; never mutated
+    total: int
+
 
 @dataclass
 class ObjectPlan:
@@ -148,31 +164,50 @@ class PlanBatch:
         return [ObjectPlan(p, s) for p, s in zip(self.ptrs, self.sizes, strict=True)]
 
 
-def _coalesce(rows: np.ndarray, sizes: np.ndarray) -> PlanBatch:
+# Rows this short merge faster in a Python loop than through numpy calls.
+_PY_MERGE_MAX_BUFFERS = 32
+
+
+def _coalesce(rows: np.ndarray, sizes: _RowSizes) -> PlanBatch:
     """Merge buffers whose bytes are adjacent in memory, row by row.
 
-    ``rows`` is (n, m) pointers; ``sizes`` is (m,) and shared by every row.
+    ``rows`` is (n, m) pointers; ``sizes`` is the uncoalesced row's buffer
+    sizes, shared by every row.
     """
-    size_list = sizes.tolist()
-    total = int(sizes.sum())
-    n = rows.shape[0]
-    if rows.shape[1] == 1:
-        return PlanBatch(rows.tolist(), [size_list] * n, [total] * n)
-    joins = rows[:, :-1] + sizes[:-1] == rows[:, 1:]
-    if not joins.any():
-        return PlanBatch(rows.tolist(), [size_list] * n, [total] * n)
-    if joins.all():
+    size_list, total = sizes.values, sizes.total
+    n, m = rows.shape
+    joins = rows[:, :-1] + sizes.array[:-1] == rows[:, 1:] if m > 1 else None
+    if joins is not None and joins.all():
         # every row is one contiguous run (consecutive host pages)
         return PlanBatch(rows[:, :1].tolist(), [[total]] * n, [total] * n)
-    csum = np.concatenate(([0], np.cumsum(sizes)))
-    row_joins = joins.any(axis=1).tolist()
-    out = PlanBatch(rows.tolist(), [size_list] * n, [total] * n)
-    for index in np.flatnonzero(row_joins).tolist():
+    ptr_rows = rows.tolist()
+    out = PlanBatch(ptr_rows, [size_list] * n, [total] * n)
+    if joins is None or not joins.any():
+        return out
+    joined_rows = np.flatnonzero(joins.any(axis=1)).tolist()
+    if m <= _PY_MERGE_MAX_BUFFERS:
+        for index in joined_rows:
+            out.ptrs[index], out.sizes[index] = _merge(ptr_rows[index], size_list)
+        return out
+    csum = np.concatenate(([0], np.cumsum(sizes.array)))
+    for index in joined_rows:
         starts = np.flatnonzero(np.concatenate(([True], ~joins[index])))
-        ends = np.concatenate((starts[1:], [len(sizes)]))
+        ends = np.concatenate((starts[1:], [m]))
         out.ptrs[index] = rows[index, starts].tolist()
         out.sizes[index] = (csum[ends] - csum[starts]).tolist()
     return out
+
+
+def _merge(ptrs: list[int], sizes: list[int]) -> tuple[list[int], list[int]]:
+    """One row's buffers with every buffer that starts where the previous ends merged in."""
+    out_ptrs, out_sizes = [ptrs[0]], [sizes[0]]
+    for ptr, size in zip(ptrs[1:], sizes[1:], strict=True):
+        if out_ptrs[-1] + out_sizes[-1] == ptr:
+            out_sizes[-1] += size
+        else:
+            out_ptrs.append(ptr)
+            out_sizes.append(size)
+    return out_ptrs, out_sizes
 
 
 def pages_of_slots(slots: np.ndarray, page_tokens: int) -> np.ndarray:
@@ -188,10 +223,8 @@ def pages_of_slots(slots: np.ndarray, page_tokens: int) -> np.ndarray:
         )
     by_page = slots.reshape(-1, page_tokens)
     starts = by_page[:, 0]
-    if page_tokens > 1:
-        offsets = by_page - starts[:, None]
-        if not np.array_equal(offsets, np.broadcast_to(_arange(page_tokens), offsets.shape)):
-            raise InvalidRequestError(f"host slots are not whole {page_tokens}-slot host pages")
+    if page_tokens > 1 and not (by_page - starts[:, None] == _arange(page_tokens)).all():
+        raise InvalidRequestError(f"host slots are not whole {page_tokens}-slot host pages")
     pages, misaligned = np.divmod(starts, page_tokens)
     if misaligned.any():
         raise InvalidRequestError(
@@ -236,10 +269,7 @@ def plan_batch(layout: PageLayout, key_pages: np.ndarray, *, checked: bool = Fal
     if n_keys == 0:
         return PlanBatch([], [], [])
     pages = key_pages.astype(np.int64, copy=False)
-    parts = [
-        _coalesce(table.rows(pages), np.repeat(table.slot_sizes, pages_per_key))
-        for table in layout.tables
-    ]
+    parts = [_coalesce(table.rows(pages), table.sizes(pages_per_key)) for table in layout.tables]
     if len(parts) == 1:
         return parts[0]
     # interleave: key 0's components, then key 1's ...
@@ -284,7 +314,9 @@ def plan_objects_from_flat(
         for c, slots in enumerate(layout.components):
             ptrs = [base + j * flat_page + off for off in offsets[c] for j in range(pages_per_key)]
             sizes = [layout.slot_bytes[b] for b in slots for _ in range(pages_per_key)]
-            batch = _coalesce(np.asarray([ptrs], dtype=np.int64), np.asarray(sizes, dtype=np.int64))
+            array = np.asarray(sizes, dtype=np.int64)
+            row_sizes = _RowSizes(array, sizes, int(array.sum()))
+            batch = _coalesce(np.asarray([ptrs], dtype=np.int64), row_sizes)
             plans.append(ObjectPlan(batch.ptrs[0], batch.sizes[0]))
     return plans
 
