@@ -268,6 +268,10 @@ class MooncakeClient:
         self._record(op, result)
         return result
 
+    def _invoke_one(self, op: str, fn: Callable[[Any], int]) -> int:
+        """A native call answering one int code, with the error accounting of ``_invoke``."""
+        return self._invoke(op, lambda s: [int(fn(s))], 1)[0]
+
     # ---- prober --------------------------------------------------------------
 
     def _start_prober(self) -> None:
@@ -307,8 +311,7 @@ class MooncakeClient:
     def register_buffer(self, ptr: int, size_bytes: int) -> None:
         if size_bytes <= 0:
             return
-        with self._native("register_buffer") as store:
-            rc = store.register_buffer(ptr, size_bytes)
+        rc = self._invoke_one("register_buffer", lambda s: s.register_buffer(ptr, size_bytes))
         if rc != 0:
             raise SetupError(
                 f"register_buffer(ptr={ptr:#x}, {size_bytes} bytes) failed with {rc} "
@@ -399,9 +402,7 @@ class MooncakeClient:
         """Force-remove objects; returns how many were removed."""
         removed = 0
         for key in keys:
-            with self._native("remove") as store:
-                rc = store.remove(key, True)
-            removed += rc == 0
+            removed += self._invoke_one("remove", lambda s, key=key: s.remove(key, True)) == 0
         return removed
 
     def remove_all(self) -> int:
@@ -424,8 +425,7 @@ class MooncakeClient:
         )[0]
 
     def read_blob(self, key: str) -> bytes | None:
-        with self._native("get_size") as store:
-            size = int(store.get_size(key))
+        size = self._invoke_one("get_size", lambda s: s.get_size(key))
         if size <= 0:
             return None
         buffer = ctypes.create_string_buffer(size)

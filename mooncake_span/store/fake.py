@@ -72,6 +72,9 @@ class FakeStore:
 
     def register_buffer(self, ptr: int, size: int) -> int:
         self._check()
+        fault = self._cluster._take_fault("register_buffer")
+        if fault is not None:
+            return fault
         return 0 if size > 0 else int(ErrorCode.INVALID_PARAMS)
 
     def close(self) -> int:
@@ -158,6 +161,9 @@ class FakeStore:
 
     def remove(self, key: str, force: bool = False) -> int:
         self._check()
+        fault = self._cluster._take_fault("remove")
+        if fault is not None:
+            return fault
         return 0 if self._cluster.drop(key) else int(ErrorCode.OBJECT_NOT_FOUND)
 
     def remove_all(self, force: bool = False) -> int:
@@ -178,5 +184,8 @@ class FakeStore:
 
     def get_size(self, key: str) -> int:
         self._check()
+        fault = self._cluster._take_fault("get_size")
+        if fault is not None:
+            return fault
         value = self._cluster.objects.get(key)
         return len(value) if value is not None else int(ErrorCode.OBJECT_NOT_FOUND)
