@@ -63,7 +63,7 @@ from mooncake_span.store.native import (
     native_env_defaults,
     prepare_native_env,
 )
-from mooncake_span.store.segments import SegmentDirectory, admin_url_for, replica_segments
+from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,9 @@ class MooncakeClient:
         # With placement, replicas are copies under their own keys (one per
         # segment) so that a read can skip a dead copy; without it, Mooncake's.
         self._copies = options.replica_num if options.placement else 1
+        # The placement key of an object key: objects with one domain share a
+        # segment. Set by the backend (KeySchema.domain_of); None: the key itself.
+        self.domain_of: Callable[[str], str] | None = None
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -155,7 +158,10 @@ class MooncakeClient:
                 f"{s.master_server_address}, metadata {s.metadata_server}, protocol {s.protocol}"
             )
         self._store = store
-        self._start_directory()
+        if self.options.placement:
+            self._directory = start_directory(
+                self.settings.master_server_address, self.options, self._binding.list_segments
+            )
         logger.info(
             "mooncake-span connected to master %s (metadata %s, protocol %s, segment %d bytes) "
             "in %.2fs",
@@ -165,22 +171,6 @@ class MooncakeClient:
             s.global_segment_size_bytes,
             time.monotonic() - started,
         )
-
-    def _start_directory(self) -> None:
-        if not self.options.placement:
-            return
-        url = self.options.master_admin_url or admin_url_for(self.settings.master_server_address)
-        if url is None:
-            logger.warning(
-                "mooncake-span: placement needs span_master_admin_url with an etcd master; "
-                "objects are placed by Mooncake alone"
-            )
-            return
-        list_segments = self._binding.list_segments
-        self._directory = SegmentDirectory(
-            lambda: list_segments(url), self.options.segment_refresh_s, url
-        )
-        self._directory.start()
 
     def segments(self) -> tuple[str, ...]:
         """The live segments placement chooses from (empty: Mooncake places objects)."""
@@ -330,13 +320,19 @@ class MooncakeClient:
                     logger.debug("batch_get_replica_desc failed", exc_info=True)
         return {}
 
-    def _live_rows(self, keys: Sequence[str], domains: Sequence[str] | None) -> list[list[str]]:
+    def _domains(self, keys: Sequence[str]) -> list[str] | None:
+        return [self.domain_of(k) for k in keys] if self.domain_of is not None else None
+
+    def _live_rows(self, keys: Sequence[str]) -> list[list[str]]:
         """Per key, the copies to try, in order; [] when all sit in bad failure domains.
-        Costs one master RPC only while some segment is bad and a key was placed there."""
-        rows = copy_candidates(keys, domains, self.segments(), self._copies)
+        Placement is computed only while some segment is bad, and costs one master
+        RPC only if a key was placed on a bad segment."""
         bad = self._health.bad(time.monotonic())
         if not bad:
-            return [[obj for obj, _ in row] for row in rows]
+            if self._copies == 1:
+                return [[key] for key in keys]
+            return [[copy_key(key, r) for r in range(self._copies)] for key in keys]
+        rows = copy_candidates(keys, self._domains(keys), self.segments(), self._copies)
         return live_copies(rows, bad, self._locate(suspect_copies(rows, bad)))
 
     def _mark_failed_domains(self, op: str, object_keys: Sequence[str]) -> None:
@@ -385,12 +381,12 @@ class MooncakeClient:
             out += codes
         return out
 
-    def exists(self, keys: Sequence[str], domains: Sequence[str] | None = None) -> list[bool]:
+    def exists(self, keys: Sequence[str]) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
-        absent without asking the master (``domains``: placement key per key)."""
+        absent without asking the master."""
         lost = self._lost.lost_mask(keys, time.monotonic())
-        rows = self._live_rows(keys, domains)
+        rows = self._live_rows(keys)
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
         skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
         if skipped:
@@ -427,14 +423,14 @@ class MooncakeClient:
     ) -> list[bool]:
         """Write objects that do not exist yet. Mooncake keeps the old value of an
         existing key and reports success, so callers check existence first.
-        ``group_ids`` also choose the failure domain: objects with the same group
-        id land on the same segment. ``hard_pin`` exempts the objects from
-        eviction (small metadata only). True only if every copy was written."""
+        Objects with the same ``domain_of`` land on the same segment. ``hard_pin``
+        exempts them from eviction (small metadata only). True only if every copy
+        was written."""
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         by_segment = put_targets(
             [keys[i] for i in unique],
-            [group_ids[i] for i in unique] if group_ids else None,
+            self._domains([keys[i] for i in unique]),
             self.segments(),
             self._copies,
             self._health.bad(time.monotonic()),
@@ -506,14 +502,13 @@ class MooncakeClient:
         self,
         keys: Sequence[str],
         plans: Sequence[ObjectPlan],
-        domains: Sequence[str] | None = None,
     ) -> list[bool]:
         """Read objects into the planned buffers; True only for a complete read.
 
         Copies in a bad failure domain are skipped without a transfer; a copy
         that fails is retried on the next one (at most ``span_replica_num``
         attempts per key). A key that cannot be read is remembered as lost."""
-        candidates = self._live_rows(keys, domains)
+        candidates = self._live_rows(keys)
         ok = [False] * len(keys)
         failed_transport = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]

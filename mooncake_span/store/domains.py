@@ -114,8 +114,12 @@ def put_targets(
     to the next live segment no other copy of the key uses, so a node that
     died costs new writes nothing once it is known bad."""
     out: dict[str, list[tuple[int, str]]] = {}
+    rankings: dict[str, list[str]] = {}  # a key's components share one domain
     for i, key in enumerate(keys):
-        ranking = rank_segments(domains[i] if domains else key, segments)
+        domain = domains[i] if domains else key
+        ranking = rankings.get(domain)
+        if ranking is None:
+            ranking = rankings[domain] = rank_segments(domain, segments)
         chosen = ranking[:copies]
         spare = [s for s in ranking[copies:] if s not in bad]
         for r in range(copies):

@@ -12,6 +12,7 @@ from typing import Any
 
 from mooncake_span.config import MooncakeSettings, SpanOptions
 from mooncake_span.errors import SetupError
+from mooncake_span.store.protocol import NativeStore
 from mooncake_span.store.segments import fetch_segments
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ TCP_QUEUE_BUFFERS = 2048
 class NativeBinding:
     """Where the store class comes from: the real wheel, or a fake in tests."""
 
-    store_factory: Callable[[], Any]
+    store_factory: Callable[[], NativeStore]
     replicate_config_factory: Callable[[], Any]
     # Lists the live segment names given the admin URL (None: no answer).
     list_segments: Callable[[str], list[str] | None] = fetch_segments

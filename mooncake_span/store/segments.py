@@ -16,6 +16,8 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mooncake_span.config import SpanOptions
+
 logger = logging.getLogger(__name__)
 
 _FETCH_TIMEOUT_S = 1.0
@@ -115,3 +117,21 @@ class SegmentDirectory:
             if self._stop.is_set():
                 return
             self.refresh()
+
+
+def start_directory(
+    master_server_address: str,
+    options: SpanOptions,
+    list_segments: Callable[[str], list[str] | None],
+) -> SegmentDirectory | None:
+    """A running directory for this master, or None when no admin URL is known."""
+    url = options.master_admin_url or admin_url_for(master_server_address)
+    if url is None:
+        logger.warning(
+            "mooncake-span: placement needs span_master_admin_url with an etcd master; "
+            "objects are placed by Mooncake alone"
+        )
+        return None
+    directory = SegmentDirectory(lambda: list_segments(url), options.segment_refresh_s, url)
+    directory.start()
+    return directory

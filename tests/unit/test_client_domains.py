@@ -56,6 +56,7 @@ def make_client(master, cluster):
             ),
         )
         client.connect()
+        client.domain_of = lambda key: key.rsplit("__", 1)[0]
         clients.append(client)
         return client
 
@@ -87,11 +88,7 @@ class Keys:
         """Restore storage key ``k`` alone; True only if every component is byte-exact."""
         idx = [k * len(COMPONENTS) + c for c in range(len(COMPONENTS))]
         self.target[:] = 0
-        flags = client.get(
-            [self.objects[i] for i in idx],
-            self.plans(self.target, idx),
-            [self.groups[i] for i in idx],
-        )
+        flags = client.get([self.objects[i] for i in idx], self.plans(self.target, idx))
         exact = all(
             ctypes.string_at(self.target.ctypes.data + i * OBJECT_BYTES, OBJECT_BYTES)
             == self.source[i * OBJECT_BYTES : (i + 1) * OBJECT_BYTES].tobytes()
@@ -132,7 +129,7 @@ def test_a_dead_node_costs_its_keys_only_and_no_live_key_waits(make_client, clus
     assert reader.stats()["bad_segments"] == [dead]
     # Now the dead node's keys are misses without a transfer, live ones still read.
     cluster.calls.clear()
-    assert reader.exists(keys.objects, keys.groups) == [
+    assert reader.exists(keys.objects) == [
         keys.home(i // 3) != dead for i in range(len(keys.objects))
     ]
     assert not any(keys.get_key(reader, k) for k in on_dead)
@@ -161,7 +158,7 @@ def test_two_copies_survive_a_node_at_the_first_attempt(make_client, cluster):
     assert client.stats()["breaker_state"] == "closed"
     # After the master drops the dead node, the surviving copy still serves.
     cluster.expire_dead()
-    assert all(client.exists(keys.objects, keys.groups))
+    assert all(client.exists(keys.objects))
     assert all(keys.get_key(client, k) for k in range(24))
 
 

@@ -129,3 +129,31 @@ def test_lost_keys_are_bounded_oldest_first():
 def test_bad_bounds_are_refused(cls, args):
     with pytest.raises(ValueError):
         cls(*args)
+
+
+@given(
+    st.lists(
+        st.text(alphabet="0123456789abcdef_-.", min_size=1, max_size=20), min_size=2, unique=True
+    )
+)
+@settings(max_examples=100, deadline=None)
+def test_every_object_of_a_storage_key_shares_one_domain(page_keys):
+    from mooncake_span.span.keys import ComponentSpec, KeySchema, RankScope, RankTags
+
+    components = (
+        ComponentSpec("k", RankScope.REPLICATED),
+        ComponentSpec("indexer", RankScope.REPLICATED),
+        ComponentSpec("conv_0", RankScope.SHARDED),
+    )
+    domains = []
+    for page_key in page_keys:
+        seen = set()
+        for tp in (0, 3):
+            schema = KeySchema("m_x", 64, 4, "page_first", "bf16", RankTags.from_ranks(tp_rank=tp))
+            seen |= {schema.domain_of(k) for k in schema.object_keys([page_key], components)}
+        assert len(seen) == 1
+        domains.append(seen.pop())
+    # Distinct page keys without "_" get distinct domains.
+    plain = [d for d, k in zip(domains, page_keys, strict=True) if "_" not in k]
+    assert len(set(plain)) == len(plain)
+    assert schema.domain_of("mooncake-span-layout-guard") == "mooncake-span-layout-guard"
