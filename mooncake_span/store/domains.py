@@ -76,8 +76,9 @@ def copy_candidates(
 
 
 def suspect_copies(rows: Sequence[Sequence[tuple[str, str]]], bad: frozenset[str]) -> list[str]:
-    """Object keys whose placement segment is bad: where they really are must be asked."""
-    return [obj for row in rows for obj, segment in row if segment in bad]
+    """Object keys placed on a bad segment, or placed by Mooncake (segment ""):
+    while some segment is bad, where they really are must be asked."""
+    return [obj for row in rows for obj, segment in row if not segment or segment in bad]
 
 
 def live_copies(
@@ -87,15 +88,16 @@ def live_copies(
 ) -> list[list[str]]:
     """Per key, the copies worth a transfer, in copy order.
 
-    A copy placed on a healthy segment is kept. A copy placed on a bad one is
-    kept only if the master located it on a healthy segment (written there as
-    a fallback, or before the segment list changed); otherwise it is a miss
-    without a transfer. An empty row: every copy is in a bad failure domain."""
+    A copy placed on a healthy segment is kept. A suspect copy is kept only if
+    the master located it on a healthy segment (written there as a fallback,
+    before the segment list changed, or by Mooncake's own placement);
+    otherwise it is a miss without a transfer. An empty row: every copy is in
+    a bad failure domain (or gone)."""
     return [
         [
             obj
             for obj, segment in row
-            if segment not in bad or any(s not in bad for s in located.get(obj, ()))
+            if (segment and segment not in bad) or any(s not in bad for s in located.get(obj, ()))
         ]
         for row in rows
     ]

@@ -163,6 +163,7 @@ def test_two_copies_survive_a_node_at_the_first_attempt(make_client, cluster):
 
 
 def test_a_failed_restore_is_not_a_hit_again_until_rewritten(make_client, cluster):
+    cluster.segments.clear()  # no failure domains: the negative cache alone
     keys = Keys(2)
     client = make_client(placement=False)
     assert all(keys.put(client))
@@ -179,6 +180,7 @@ def test_a_failed_restore_is_not_a_hit_again_until_rewritten(make_client, cluste
 
 
 def test_lost_keys_come_back_after_their_ttl(make_client, cluster, monkeypatch):
+    cluster.segments.clear()  # no failure domains: the negative cache alone
     keys = Keys(1)
     client = make_client(placement=False, lost_key_ttl_s=0.05)
     assert all(keys.put(client))
@@ -192,6 +194,7 @@ def test_lost_keys_come_back_after_their_ttl(make_client, cluster, monkeypatch):
 
 
 def test_transfer_failures_never_open_the_breaker_but_rpc_failures_do(make_client, cluster):
+    cluster.segments.clear()  # no failure domains: the negative cache alone
     keys = Keys(1)
     client = make_client(breaker_failures=2, breaker_probe_interval_s=60.0, placement=False)
     assert all(keys.put(client))

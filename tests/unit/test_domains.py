@@ -72,6 +72,10 @@ def test_copies_on_bad_segments_are_dropped_unless_located_elsewhere():
     assert live_copies(rows, bad, located) == [["a", copy_key("a", 1)], [copy_key("b", 1)]]
     one = copy_candidates(["b"], ["dom"], SEGMENTS, 1)
     assert live_copies(one, bad, {}) == [[]]
+    # Placed by Mooncake (no segment list): asked too, kept where located healthy.
+    unplaced = copy_candidates(["c", "d"], None, [], 1)
+    assert suspect_copies(unplaced, bad) == ["c", "d"]
+    assert live_copies(unplaced, bad, {"c": {ranked[1]}, "d": {ranked[0]}}) == [["c"], []]
 
 
 def test_candidates_without_segments_let_mooncake_place():
