@@ -13,6 +13,7 @@ written (content oracle), and a wrong byte fails the test.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 import uuid
 from typing import Any
@@ -196,6 +197,8 @@ def test_one_of_two_nodes_killed(fault_cluster, figures, variant):
         before = [oracle.restore_alone(k) for k in keys]
         assert all(all(r.values()) for r in before), before
         homes = oracle.homes(keys) if variant != "no_placement" else [""] * KEYS
+        put_s = sum(t for op, t in oracle.log.calls if op.startswith("batch_set"))
+        memory = re.search(r"Mem Storage: ([^|]*?) /", cluster.summary())
         victim_segment = segments[0]
         cluster.kill_storage_node(_node_of_segment(cluster, victim_segment))
         mark = oracle.log.mark()
@@ -220,6 +223,8 @@ def test_one_of_two_nodes_killed(fault_cluster, figures, variant):
             ),
             hits_after_restore=sum(1 for h in hits_after if h),
             restore_all_keys_s=round(restore_s, 3),
+            put_s_all_keys=round(put_s, 3),
+            master_mem_storage=memory.group(1) if memory else None,
             calls=CallLog.summary(calls),
             breaker_state=stats["breaker_state"],
             breaker_times_opened=stats["breaker_times_opened"],

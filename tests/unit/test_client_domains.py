@@ -218,3 +218,28 @@ def test_placement_follows_the_segment_list(make_client, cluster):
     while len(client.segments()) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert client.segments() == (*SEGMENTS, "127.0.0.1:12003")
+
+
+def test_without_placement_a_dead_node_is_still_isolated(make_client, cluster):
+    # Mooncake places the objects; while a segment is bad the client asks the
+    # master where they are and skips only those on the dead node.
+    keys = Keys()
+    client = make_client(placement=False)
+    assert all(keys.put(client))
+    dead = SEGMENTS[0]
+    on_dead = {k for k in range(24) if cluster.placement[keys.objects[3 * k]] == dead}
+    assert 0 < len(on_dead) < 24
+    cluster.kill_segment(dead)
+    first = next(iter(on_dead))
+    assert not keys.get_key(client, first)
+    assert client.stats()["bad_segments"] == [dead]
+    failed_transfers = client.stats()["error_counts"]["TRANSFER_FAIL"]
+    restored = [keys.get_key(client, k) for k in range(24)]
+    # A key restores when none of its objects sat on the dead node; no
+    # transfer is attempted for an object known to sit there.
+    intact = [
+        all(cluster.placement[keys.objects[3 * k + c]] != dead for c in range(3)) for k in range(24)
+    ]
+    assert restored == intact
+    assert client.stats()["error_counts"]["TRANSFER_FAIL"] == failed_transfers
+    assert client.stats()["breaker_state"] == "closed"
