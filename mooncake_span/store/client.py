@@ -385,6 +385,8 @@ class MooncakeClient:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
         absent without asking the master."""
+        if self._copies == 1 and not self._lost and not self._health.any_bad:
+            return [code == 1 for code in self._exists_codes(list(keys))]  # the common case
         lost = self._lost.lost_mask(keys, time.monotonic())
         rows = self._live_rows(keys)
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]

@@ -164,6 +164,11 @@ class DomainHealth:
                     self._bad_until.popitem(last=False)
         return fresh
 
+    @property
+    def any_bad(self) -> bool:
+        """True while some mark may still be live (a cheap check without the clock)."""
+        return bool(self._bad_until)
+
     def mark_good(self, segment: str) -> None:
         with self._lock:
             self._bad_until.pop(segment, None)
@@ -198,6 +203,9 @@ class LostKeys:
     def __len__(self) -> int:
         return len(self._until)
 
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
     def add(self, keys: Iterable[str], now_s: float) -> None:
         with self._lock:
             for key in keys:
@@ -218,6 +226,9 @@ class LostKeys:
         if not self._until:
             return [False] * len(keys)
         with self._lock:
+            # Entries are in expiry order (one TTL, re-adds move to the end).
+            while self._until and next(iter(self._until.values())) <= now_s:
+                self._until.popitem(last=False)
             out = []
             for key in keys:
                 until = self._until.get(key)

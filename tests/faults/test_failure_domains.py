@@ -247,3 +247,46 @@ def test_one_of_two_nodes_killed(fault_cluster, figures, variant):
             assert [bool(h) for h in hits_after] == on_live
     finally:
         oracle.store.close()
+
+
+def test_cost_of_two_copies(fault_cluster, figures):
+    """Put time and memory of ``span_replica_num=2`` (copies on two segments) against
+    one copy, and against Mooncake's own two replicas (placement off)."""
+    cluster = fault_cluster(storage_nodes=2, storage_node_segment_bytes=4 * SEGMENT_BYTES)
+    variants = {
+        "one_copy": {},
+        "two_copies": {"span_replica_num": 2},
+        "mooncake_two_replicas": {"span_replica_num": 2, "span_placement": False},
+    }
+    out: dict[str, Any] = {}
+    for name, extra in variants.items():
+        oracle = HybridOracle(cluster, f"cost-{name}-{uuid.uuid4().hex[:6]}", **extra)
+        try:
+            _segments_ready(cluster, oracle, 2)
+            used_before = _mem_storage_bytes(cluster)
+            rounds = []
+            for r in range(3):
+                keys = [uuid.uuid4().hex for _ in range(KEYS)]
+                started = time.perf_counter()
+                assert oracle.write(keys, seed=100 * r) == [True] * KEYS
+                rounds.append(time.perf_counter() - started)
+            out[name] = {
+                "put_s_per_24_keys_median": round(sorted(rounds)[1], 3),
+                "stored_bytes": _mem_storage_bytes(cluster) - used_before,
+            }
+            assert oracle.corrupt == []
+        finally:
+            oracle.store.close()
+    figures.update(**out)
+    one, two = out["one_copy"]["stored_bytes"], out["two_copies"]["stored_bytes"]
+    assert one > 0
+    assert 1.9 <= two / one <= 2.1
+    assert 1.9 <= out["mooncake_two_replicas"]["stored_bytes"] / one <= 2.1
+
+
+def _mem_storage_bytes(cluster: Any) -> int:
+    """The master's "Mem Storage" used bytes (``/metrics/summary``)."""
+    found = re.search(r"Mem Storage: ([0-9.]+) (B|KB|MB|GB)", cluster.summary())
+    assert found, cluster.summary()
+    scale = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}[found.group(2)]
+    return int(float(found.group(1)) * scale)
