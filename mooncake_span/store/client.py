@@ -308,14 +308,17 @@ class MooncakeClient:
 
     # ---- failure domains -------------------------------------------------------
 
-    def _locate(self, object_keys: Sequence[str]) -> dict[str, set[str]]:
+    def _locate(
+        self, object_keys: Sequence[str], sizes: dict[str, int] | None = None
+    ) -> dict[str, set[str]]:
         """Where the master says objects are (one RPC); {} if it does not answer."""
         if not object_keys:
             return {}
         with contextlib.suppress(TransportError, StoreClosedError):
             with self._native("batch_get_replica_desc") as store:
                 try:
-                    return replica_segments(store.batch_get_replica_desc(list(object_keys)))
+                    found = store.batch_get_replica_desc(list(object_keys))
+                    return replica_segments(found, sizes)
                 except Exception:  # observation only: unknown means "treat as lost"
                     logger.debug("batch_get_replica_desc failed", exc_info=True)
         return {}
@@ -335,13 +338,16 @@ class MooncakeClient:
         rows = copy_candidates(keys, self._domains(keys), self.segments(), self._copies)
         return live_copies(rows, bad, self._locate(suspect_copies(rows, bad)))
 
-    def _mark_failed_domains(self, op: str, object_keys: Sequence[str]) -> None:
+    def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
         """Mark bad the segments that hold objects a transfer just failed on.
 
         Asks the master where they are (one RPC, on failures only) rather than
         trusting placement, which an object written before a segment change or
-        by a full preferred segment does not follow."""
-        segments = set().union(*self._locate(object_keys).values())
+        by a full preferred segment does not follow. Only objects of exactly the
+        planned size count: Mooncake also answers -800 to a read whose buffers
+        are larger than the object, a wrong request and not a dead node."""
+        located = self._locate(list(planned_bytes), planned_bytes)
+        segments = set().union(*located.values())
         if not segments:
             return
         fresh = self._health.mark_bad(segments, time.monotonic())
@@ -522,11 +528,11 @@ class MooncakeClient:
                 break
             object_keys = [candidates[i][attempt] for i in pending]
             codes = self._get_codes(object_keys, [plans[i] for i in pending])
-            dead = []
+            dead: dict[str, int] = {}
             for i, object_key, code in zip(pending, object_keys, codes, strict=True):
                 ok[i] = code == plans[i].nbytes
                 if code == _TRANSFER_FAIL:
-                    dead.append(object_key)
+                    dead[object_key] = plans[i].nbytes
                     failed_transport[i] = True
             if dead:
                 self._mark_failed_domains("batch_get_into_multi_buffers", dead)

@@ -132,6 +132,13 @@ def put_targets(
     return out
 
 
+def _check_bounds(ttl_s: float, max_entries: int) -> None:
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+    if max_entries < 1:
+        raise ValueError(f"the entry bound must be >= 1, got {max_entries}")
+
+
 class DomainHealth:
     """Segments that failed a transfer, each bad until ``ttl_s`` after its last failure.
 
@@ -140,10 +147,7 @@ class DomainHealth:
     """
 
     def __init__(self, ttl_s: float, max_segments: int = 1024) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        if max_segments < 1:
-            raise ValueError(f"max_segments must be >= 1, got {max_segments}")
+        _check_bounds(ttl_s, max_segments)
         self._ttl_s = ttl_s
         self._max = max_segments
         self._lock = threading.Lock()
@@ -191,10 +195,7 @@ class LostKeys:
     """
 
     def __init__(self, ttl_s: float, max_keys: int) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        if max_keys < 1:
-            raise ValueError(f"max_keys must be >= 1, got {max_keys}")
+        _check_bounds(ttl_s, max_keys)
         self._ttl_s = ttl_s
         self._max = max_keys
         self._lock = threading.Lock()

@@ -42,6 +42,7 @@ class FakeReplicateConfig:
 @dataclass(frozen=True)
 class _FakeBufferDescriptor:
     transport_endpoint: str
+    size: int
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,13 @@ class _FakeMemoryDescriptor:
 @dataclass(frozen=True)
 class FakeReplica:
     segment: str
+    size: int
 
     def is_memory_replica(self) -> bool:
         return True
 
     def get_memory_descriptor(self) -> _FakeMemoryDescriptor:
-        return _FakeMemoryDescriptor(_FakeBufferDescriptor(self.segment))
+        return _FakeMemoryDescriptor(_FakeBufferDescriptor(self.segment, self.size))
 
 
 class FakeCluster:
@@ -156,7 +158,11 @@ class FakeStore:
         self._check()
         c = self._cluster
         with c.lock:
-            return {k: [FakeReplica(c.placement.get(k, ""))] for k in keys if k in c.objects}
+            return {
+                k: [FakeReplica(c.placement.get(k, ""), len(c.objects[k]))]
+                for k in keys
+                if k in c.objects
+            }
 
     def _enter(self, op: str, keys: list[str], all_ptrs: list[list[int]]) -> list[int] | None:
         """Record a data call; an injected fault for ``op`` answers every key with it."""

@@ -44,18 +44,22 @@ def fetch_segments(admin_url: str) -> list[str] | None:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def replica_segments(found: Mapping[str, Any] | None) -> dict[str, set[str]]:
-    """Per object key, the segments ``batch_get_replica_desc`` names for its memory replicas.
+def replica_segments(
+    found: Mapping[str, Any] | None, sizes: Mapping[str, int] | None = None
+) -> dict[str, set[str]]:
+    """Per object key, the segments ``batch_get_replica_desc`` names for its memory replicas;
+    with ``sizes``, only replicas of exactly that many bytes.
 
     A memory replica's ``transport_endpoint`` is its segment's name (measured:
     the master's ``te_endpoint`` equals ``segment_name`` for TCP segments)."""
     out: dict[str, set[str]] = {}
     for key, replicas in (found or {}).items():
         for replica in replicas:
-            if replica.is_memory_replica():
-                endpoint = replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
-                if endpoint:
-                    out.setdefault(key, set()).add(endpoint)
+            if not replica.is_memory_replica():
+                continue
+            buffer = replica.get_memory_descriptor().buffer_descriptor
+            if buffer.transport_endpoint and (sizes is None or buffer.size == sizes.get(key)):
+                out.setdefault(key, set()).add(buffer.transport_endpoint)
     return out
 
 

@@ -102,17 +102,21 @@ def _wait_listed(cluster: Any, segment: str, present: bool) -> None:
     )
 
 
-def test_rolling_restart_of_three_nodes(fault_cluster, oracle_factory, figures):
-    cluster = fault_cluster(storage_nodes=3, storage_node_segment_bytes=SEGMENT_BYTES)
-    log = CallLog()
-    oracle = oracle_factory(
+def _traffic_oracle(cluster: Any, oracle_factory: Any, log: CallLog, name: str) -> SpanOracle:
+    return oracle_factory(
         cluster,
-        model_name=f"roll-{uuid.uuid4().hex[:8]}",
+        model_name=f"{name}-{uuid.uuid4().hex[:8]}",
         log=log,
         host_keys=8,
         span_master_admin_url=cluster.metrics_url,
         span_segment_refresh_s=1.0,
     )
+
+
+def test_rolling_restart_of_three_nodes(fault_cluster, oracle_factory, figures):
+    cluster = fault_cluster(storage_nodes=3, storage_node_segment_bytes=SEGMENT_BYTES)
+    log = CallLog()
+    oracle = _traffic_oracle(cluster, oracle_factory, log, "roll")
     traffic = Traffic(oracle).start()
     phases = []
     try:
@@ -177,14 +181,7 @@ def test_scale_out_under_traffic_takes_its_share(fault_cluster, oracle_factory, 
     cluster.kill_storage_node(2, signal.SIGTERM)
     _wait_listed(cluster, _node_segment(cluster, 2), present=False)
     log = CallLog()
-    oracle = oracle_factory(
-        cluster,
-        model_name=f"scale-{uuid.uuid4().hex[:8]}",
-        log=log,
-        host_keys=8,
-        span_master_admin_url=cluster.metrics_url,
-        span_segment_refresh_s=1.0,
-    )
+    oracle = _traffic_oracle(cluster, oracle_factory, log, "scale")
     traffic = Traffic(oracle).start()
     try:
         time.sleep(SETTLE_S)

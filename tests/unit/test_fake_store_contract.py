@@ -44,7 +44,11 @@ def listening_master() -> Iterator[str]:
 class TestFakeStoreContract(StoreContract):
     @pytest.fixture
     def fake_cluster(self) -> FakeCluster:
-        return FakeCluster()
+        return FakeCluster(segments=("127.0.0.1:12001", "127.0.0.1:12002"))
+
+    @pytest.fixture
+    def placement_options(self) -> SpanOptions:
+        return SpanOptions(master_admin_url="http://127.0.0.1:1")
 
     @pytest.fixture
     def make_client(self, listening_master, fake_cluster, monkeypatch):
@@ -69,7 +73,11 @@ class TestFakeStoreContract(StoreContract):
                 global_segment_size_bytes=0,
             )
             client = MooncakeClient(
-                settings, options or SpanOptions(), NativeBinding(new_store, FakeReplicateConfig)
+                settings,
+                options or SpanOptions(),
+                NativeBinding(
+                    new_store, FakeReplicateConfig, lambda url: fake_cluster.live_segments()
+                ),
             )
             client.connect()
             clients.append(client)
