@@ -457,23 +457,29 @@ def _and(flags: list[bool], other: list[bool]) -> list[bool]:
     )
 
 
+def _sidecars(
+    keys: list[str], slots: torch.Tensor, state: int
+) -> tuple[PoolTransfer, PoolTransfer]:
+    """The DSA indexer transfer (the KV's slots) and the Mamba state of the last key."""
+    indexer = PoolTransfer(
+        PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV
+    )
+    mamba = PoolTransfer(
+        PoolName.MAMBA,
+        host_indices=torch.tensor([state]),
+        keys=[keys[-1]],
+        hit_policy=PoolHitPolicy.TRAILING_PAGES,
+    )
+    return indexer, mamba
+
+
 def _backend_put(
     store: Any, keys: list[str], slots: torch.Tensor, dsa: bool, last: bool, state: int
 ):
     if not dsa:
         return lambda: list(store.batch_set_v1(keys, slots))
-    sidecars = [
-        PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV)
-    ]
-    if last:
-        sidecars.append(
-            PoolTransfer(
-                PoolName.MAMBA,
-                host_indices=torch.tensor([state]),
-                keys=[keys[-1]],
-                hit_policy=PoolHitPolicy.TRAILING_PAGES,
-            )
-        )
+    indexer, mamba = _sidecars(keys, slots, state)
+    sidecars = [indexer, mamba] if last else [indexer]
 
     def run() -> list[bool]:
         # sglang's HybridCacheController: sidecars first, then KV.
@@ -491,17 +497,8 @@ def _backend_get(
 ):
     if not dsa:
         return lambda: list(store.batch_get_v1(keys, slots))
-    indexer = [
-        PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV)
-    ]
-    mamba = [
-        PoolTransfer(
-            PoolName.MAMBA,
-            host_indices=torch.tensor([state]),
-            keys=[keys[-1]],
-            hit_policy=PoolHitPolicy.TRAILING_PAGES,
-        )
-    ]
+    indexer_transfer, mamba_transfer = _sidecars(keys, slots, state)
+    indexer, mamba = [indexer_transfer], [mamba_transfer]
 
     def run() -> list[bool]:
         ok = _and(
