@@ -17,6 +17,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+from mooncake_span.ops import doctor, inspect_cmd
 from mooncake_span.units import parse_size_bytes
 
 if TYPE_CHECKING:
@@ -496,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     _register_cluster(subparsers)
     _register_demo(subparsers)
     _register_bench(subparsers)
+    doctor.register(subparsers)
+    inspect_cmd.register(subparsers)
     return parser
 
 
