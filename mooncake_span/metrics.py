@@ -57,13 +57,21 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Duration of each sglang-facing backend call",
         ("operation", "outcome"),
     ),
-    "bytes_total": ("counter", "Bytes moved to or from Mooncake", ("operation",)),
+    "bytes_total": (
+        "counter",
+        "Bytes moved to (set) or from (get) Mooncake, by host pool",
+        ("operation", "pool"),
+    ),
     "keys_total": (
         "counter",
-        "Storage keys (storage pages) handled, by result",
-        ("operation", "result"),
+        "Storage keys (storage pages) transferred, by host pool and result",
+        ("operation", "pool", "result"),
     ),
-    "pages_total": ("counter", "Host pages moved successfully", ("operation",)),
+    "pages_total": (
+        "counter",
+        "Host pages moved successfully, by host pool",
+        ("operation", "pool"),
+    ),
     "hit_query_keys_total": (
         "counter",
         "Keys asked about in hit queries, by answer (hit: inside the restorable prefix)",
@@ -118,28 +126,32 @@ class SpanMetrics:
         # prometheus_client appends _total to counters itself.
         return prom.Counter(full.removesuffix("_total"), help_text, **kwargs)
 
-    def observe_call(
+    def observe_call(self, operation: str, outcome: str, duration_s: float) -> None:
+        """One sglang-facing call; ``outcome``: ok, partial, miss, rejected or error."""
+        self._collectors["operation_duration_seconds"].labels(operation, outcome).observe(
+            duration_s
+        )
+
+    def observe_transfer(
         self,
         operation: str,
-        outcome: str,
-        duration_s: float,
+        pool: str,
         *,
-        ok_keys: int = 0,
-        failed_keys: int = 0,
-        pages: int = 0,
-        moved_bytes: int = 0,
+        ok_keys: int,
+        failed_keys: int,
+        pages: int,
+        moved_bytes: int,
     ) -> None:
-        """One sglang-facing call: ``outcome`` is ok, partial, failed or rejected."""
+        """What one pool's part of a get or set moved."""
         c = self._collectors
-        c["operation_duration_seconds"].labels(operation, outcome).observe(duration_s)
         if ok_keys:
-            c["keys_total"].labels(operation, "ok").inc(ok_keys)
+            c["keys_total"].labels(operation, pool, "ok").inc(ok_keys)
         if failed_keys:
-            c["keys_total"].labels(operation, "failed").inc(failed_keys)
+            c["keys_total"].labels(operation, pool, "failed").inc(failed_keys)
         if pages:
-            c["pages_total"].labels(operation).inc(pages)
+            c["pages_total"].labels(operation, pool).inc(pages)
         if moved_bytes:
-            c["bytes_total"].labels(operation).inc(moved_bytes)
+            c["bytes_total"].labels(operation, pool).inc(moved_bytes)
 
     def observe_hit_query(self, queried_keys: int, hit_keys: int) -> None:
         hit_keys = max(0, min(hit_keys, queried_keys))

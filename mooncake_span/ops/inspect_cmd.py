@@ -38,10 +38,10 @@ from mooncake_span.span.geometry import classify_pool
 from mooncake_span.span.keys import KeySchema, RankTags
 from mooncake_span.span.object_layout import (
     NamespaceFacts,
-    PoolLayoutInput,
     describe_object_layout,
     parse_guard_key,
     parse_object_key,
+    pool_inputs,
 )
 
 logger = logging.getLogger(__name__)
@@ -154,16 +154,8 @@ def _guard_layout(facts: NamespaceFacts, record_text: str | None, key: str) -> A
         record = GeometryRecord.from_json(record_text)
     except (ValueError, KeyError, TypeError):
         return None
-    pools = [
-        PoolLayoutInput(
-            name=name,
-            kind=classify_pool(name),
-            components=pool.components,
-            bytes_per_page=pool.bytes_per_page,
-            page_tokens=pool.page_tokens,
-        )
-        for name, pool in record.pools.items()
-    ]
+    kinds = {name: classify_pool(name) for name in record.pools}
+    pools = pool_inputs(record.pools, kinds)
     return describe_object_layout(facts, pools, source="inspect", layout_guard_key=key)
 
 
@@ -232,15 +224,7 @@ def _facts_from_record(key: str, text: str | None) -> NamespaceFacts | None:
         ranks=RankTags.from_ranks(tp_rank=0),
         tag=tag,
     )
-    return NamespaceFacts(
-        key_prefix=schema.prefix,
-        model=model,
-        tag=tag,
-        host_page_tokens=host,
-        pages_per_span=schema.pages_per_span,
-        layout=record.layout,
-        kv_dtype=record.kv_dtype,
-    )
+    return NamespaceFacts.from_schema(schema)
 
 
 def _add_guarded_namespaces(namespaces: dict[str, _Namespace], guard: dict[str, str | None]):

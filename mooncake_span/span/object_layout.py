@@ -22,14 +22,15 @@ does not) build it; unknown facts are ``None``, never guessed.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from mooncake_span.span.geometry import PoolKind
 
 # The reverse of the prefix's layout codes; keys.py owns the table.
 from mooncake_span.span.keys import _LAYOUT_CODES as LAYOUT_CODES
-from mooncake_span.span.keys import KEY_SCHEMA_VERSION, RankTags
+from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, RankTags, sanitize_token
 
 KEY_GRAMMAR = "{key_prefix}_{page_key}_{rank}_{component}"
 PREFIX_GRAMMAR = f"{KEY_SCHEMA_VERSION}[_{{tag}}]_{{model}}_h{{host_page_tokens}}x{{pages_per_span}}_{{layout_code}}_{{kv_dtype}}"  # noqa: E501
@@ -67,6 +68,38 @@ class NamespaceFacts:
     pages_per_span: int
     layout: str
     kv_dtype: str
+
+    @classmethod
+    def from_schema(cls, schema: KeySchema) -> NamespaceFacts:
+        return cls(
+            key_prefix=schema.prefix,
+            model=sanitize_token(schema.model),
+            tag=sanitize_token(schema.tag) if schema.tag else None,
+            host_page_tokens=schema.host_page_tokens,
+            pages_per_span=schema.pages_per_span,
+            layout=schema.layout,
+            kv_dtype=sanitize_token(schema.kv_dtype),
+        )
+
+
+def pool_inputs(
+    shapes: Mapping[str, Any],
+    kinds: Mapping[str, PoolKind],
+    scopes: Mapping[str, tuple[str, ...]] | None = None,
+) -> list[PoolLayoutInput]:
+    """Inputs from layout-guard pool shapes (``components``, ``bytes_per_page``,
+    ``page_tokens`` attributes), with each pool's kind and, when known, scopes."""
+    return [
+        PoolLayoutInput(
+            name=name,
+            kind=kinds[name],
+            components=tuple(shape.components),
+            bytes_per_page=tuple(shape.bytes_per_page),
+            page_tokens=int(shape.page_tokens),
+            scopes=None if scopes is None else scopes.get(name),
+        )
+        for name, shape in shapes.items()
+    ]
 
 
 def _pool_pages_per_key(pool: PoolLayoutInput, storage_page_tokens: int) -> int | None:

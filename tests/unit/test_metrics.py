@@ -33,36 +33,36 @@ def test_constructing_twice_in_one_registry_shares_the_collectors():
     # A second backend in the same process (or a reloaded module) must not
     # trip prometheus_client's duplicate-name check.
     second = M.SpanMetrics(registry)
-    first.observe_call("get", "ok", 0.01, ok_keys=2)
-    second.observe_call("get", "ok", 0.01, ok_keys=3)
-    assert _value(registry, "mooncake_span_keys_total", {"operation": "get", "result": "ok"}) == 5
+    first.observe_call("batch_get_v1", "ok", 0.01)
+    second.observe_call("batch_get_v1", "ok", 0.02)
+    labels = {"operation": "batch_get_v1", "outcome": "ok"}
+    assert _value(registry, "mooncake_span_operation_duration_seconds_count", labels) == 2
     assert M.get_metrics(registry) is M.get_metrics(registry)
 
 
-def test_observe_call_records_duration_keys_pages_and_bytes():
+def test_calls_record_durations_by_operation_and_outcome():
     registry = prom.CollectorRegistry()
     m = M.get_metrics(registry)
-    m.observe_call("set", "partial", 0.003, ok_keys=3, failed_keys=1, pages=12, moved_bytes=4096)
-    m.observe_call("set", "ok", 0.2, ok_keys=1, pages=4, moved_bytes=1024)
-    labels = {"operation": "set", "outcome": "partial"}
+    m.observe_call("batch_set_v1", "partial", 0.003)
+    labels = {"operation": "batch_set_v1", "outcome": "partial"}
     assert _value(registry, "mooncake_span_operation_duration_seconds_count", labels) == 1
-    assert (
-        _value(
-            registry, "mooncake_span_operation_duration_seconds_bucket", {**labels, "le": "0.005"}
-        )
-        == 1
-    )
-    assert (
-        _value(
-            registry, "mooncake_span_operation_duration_seconds_bucket", {**labels, "le": "0.001"}
-        )
-        == 0
-    )
-    assert (
-        _value(registry, "mooncake_span_keys_total", {"operation": "set", "result": "failed"}) == 1
-    )
-    assert _value(registry, "mooncake_span_pages_total", {"operation": "set"}) == 16
-    assert _value(registry, "mooncake_span_bytes_total", {"operation": "set"}) == 5120
+    bucket = "mooncake_span_operation_duration_seconds_bucket"
+    assert _value(registry, bucket, {**labels, "le": "0.005"}) == 1
+    assert _value(registry, bucket, {**labels, "le": "0.001"}) == 0
+
+
+def test_transfers_record_keys_pages_and_bytes_per_pool():
+    registry = prom.CollectorRegistry()
+    m = M.get_metrics(registry)
+    m.observe_transfer("set", "kv", ok_keys=3, failed_keys=1, pages=12, moved_bytes=4096)
+    m.observe_transfer("set", "kv", ok_keys=1, failed_keys=0, pages=4, moved_bytes=1024)
+    m.observe_transfer("set", "mamba", ok_keys=1, failed_keys=0, pages=1, moved_bytes=10)
+    kv = {"operation": "set", "pool": "kv"}
+    assert _value(registry, "mooncake_span_keys_total", {**kv, "result": "ok"}) == 4
+    assert _value(registry, "mooncake_span_keys_total", {**kv, "result": "failed"}) == 1
+    assert _value(registry, "mooncake_span_pages_total", kv) == 16
+    assert _value(registry, "mooncake_span_bytes_total", kv) == 5120
+    assert _value(registry, "mooncake_span_bytes_total", {**kv, "pool": "mamba"}) == 10
 
 
 def test_hit_queries_split_into_hits_and_misses_and_clamp():
@@ -110,7 +110,7 @@ def test_multiprocess_directory_is_honoured(tmp_path):
         import prometheus_client as prom
         from mooncake_span import metrics as M
         m = M.get_metrics()
-        m.observe_call("get", "ok", 0.01, ok_keys=4)
+        m.observe_transfer("get", "kv", ok_keys=4, failed_keys=0, pages=16, moved_bytes=64)
         m.set_breaker_state("open")
         print(prom.generate_latest(M.exposition_registry()).decode())
         """
@@ -121,5 +121,5 @@ def test_multiprocess_directory_is_honoured(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert any(tmp_path.iterdir()), "no multiprocess value files were written"
-    assert 'mooncake_span_keys_total{operation="get",result="ok"} 4.0' in out.stdout
+    assert 'mooncake_span_keys_total{operation="get",pool="kv",result="ok"} 4.0' in out.stdout
     assert "mooncake_span_breaker_state 1.0" in out.stdout
