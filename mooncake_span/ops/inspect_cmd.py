@@ -69,6 +69,19 @@ def _reservoir_add(ns: _Namespace, key: str, limit: int, rng: random.Random) -> 
         ns.sample[slot] = key
 
 
+def _known_namespace(
+    namespaces: dict[str, _Namespace], key: str
+) -> tuple[_Namespace | None, str | None]:
+    """Fast path: a key of a namespace already seen (a prefix has 5 fields, 6 with a tag)."""
+    parts = key.split("_", 6)
+    for fields in (5, 6):
+        if len(parts) > fields:
+            ns = namespaces.get("_".join(parts[:fields]))
+            if ns is not None and ns.facts is not None:
+                return ns, "_".join(parts[fields:])
+    return None, None
+
+
 def scan_keys(
     base_url: str, sample_per_namespace: int, timeout_s: float = _HTTP_TIMEOUT_S
 ) -> tuple[dict[str, _Namespace], list[str], int]:
@@ -82,14 +95,17 @@ def scan_keys(
         if parse_guard_key(key) is not None:
             guard_keys.append(key)
             continue
-        parsed = parse_object_key(key)
-        name = parsed.facts.key_prefix if parsed else OTHER_NAMESPACE
-        ns = namespaces.get(name)
+        ns, rest = _known_namespace(namespaces, key)
         if ns is None:
-            ns = namespaces[name] = _Namespace(parsed.facts if parsed else None)
+            parsed = parse_object_key(key)
+            name = parsed.facts.key_prefix if parsed else OTHER_NAMESPACE
+            ns = namespaces.get(name)
+            if ns is None:
+                ns = namespaces[name] = _Namespace(parsed.facts if parsed else None)
+            rest = parsed.rest if parsed else None
         ns.objects += 1
-        if parsed is not None:
-            page_key, _, suffix = parsed.rest.partition("_")
+        if rest is not None:
+            page_key, _, suffix = rest.partition("_")
             ns.page_keys.add(page_key)
             ns.suffixes["_" + suffix] = ns.suffixes.get("_" + suffix, 0) + 1
         _reservoir_add(ns, key, sample_per_namespace, rng)
