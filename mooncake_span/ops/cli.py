@@ -15,6 +15,7 @@ import shlex
 import signal
 import sys
 import threading
+import warnings
 from typing import TYPE_CHECKING
 
 from mooncake_span.ops import doctor, inspect_cmd
@@ -318,7 +319,14 @@ def _register_demo(subparsers: argparse._SubParsersAction) -> None:
     demo.set_defaults(func=run_demo_command)
 
 
+def _quiet_sglang_cpu_warnings() -> None:
+    # sglang warns at import that AWQ / GGUF need a GPU; on the CPU boxes these
+    # commands target that is expected and says nothing about the run.
+    warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+
+
 def run_demo_command(args: argparse.Namespace) -> int:
+    _quiet_sglang_cpu_warnings()
     # sglang is imported only here, so `cluster up` works without it.
     from mooncake_span.bench.demo import DemoConfig, run_demo
 
@@ -422,6 +430,7 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    _quiet_sglang_cpu_warnings()
     import os
 
     # The native library reads its log level once, when it is loaded.
