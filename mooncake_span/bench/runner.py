@@ -53,9 +53,8 @@ import logging
 import os
 import platform
 import subprocess
-import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -76,6 +75,7 @@ from mooncake_span.bench.workloads import (
     Workload,
     plan_workloads,
 )
+from mooncake_span.ops.native_log import native_stderr_to
 
 logger = logging.getLogger(__name__)
 
@@ -176,43 +176,6 @@ class _Progress:
             self._bar.close()
         elif self._stream is not None:
             self._stream.write("\n")
-
-
-@contextlib.contextmanager
-def native_stderr_to(path: str | None) -> Iterator[Any]:
-    """Send fd 2 (Mooncake's glog lines) to ``path``; yield a stream on the real stderr.
-
-    The native library logs every setup and every client to stderr, which
-    would shred the progress bar; Python's own logging follows the real stderr.
-    """
-    if path is None:
-        yield sys.stderr
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(log_fd, 2)
-    os.close(log_fd)
-    real = os.fdopen(os.dup(saved), "w", buffering=1)
-    old_stderr = sys.stderr
-    sys.stderr = real
-    handlers = [
-        h
-        for h in logging.getLogger().handlers
-        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is old_stderr
-    ]
-    for h in handlers:
-        h.setStream(real)
-    try:
-        yield real
-    finally:
-        for h in handlers:
-            h.setStream(old_stderr)
-        sys.stderr = old_stderr
-        real.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        real.close()
 
 
 def run_bench(
