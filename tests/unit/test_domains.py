@@ -161,3 +161,36 @@ def test_every_object_of_a_storage_key_shares_one_domain(page_keys):
     plain = [d for d, k in zip(domains, page_keys, strict=True) if "_" not in k]
     assert len(set(plain)) == len(plain)
     assert schema.domain_of("mooncake-span-layout-guard") == "mooncake-span-layout-guard"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("master_admin_url", "10.0.0.1:9003", "span_master_admin_url"),
+        ("master_admin_url", "http://host:9003/metrics", "span_master_admin_url"),
+        ("segment_refresh_s", 0.0, "span_segment_refresh_s"),
+        ("domain_bad_ttl_s", -1.0, "span_domain_bad_ttl_s"),
+        ("lost_key_ttl_s", 1e9, "span_lost_key_ttl_s"),
+        ("lost_keys_max", 0, "span_lost_keys_max"),
+    ],
+)
+def test_domain_options_are_validated(field, value, named):
+    from mooncake_span.config import SpanOptions
+    from mooncake_span.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=named):
+        SpanOptions(**{field: value})
+
+
+def test_domain_options_load_from_extra_config_and_env():
+    from mooncake_span.config import load_span_options
+
+    options = load_span_options(
+        {"span_placement": "false", "span_master_admin_url": "http://10.0.0.1:9003"},
+        {"MOONCAKE_SPAN_DOMAIN_BAD_TTL_S": "3.5"},
+    )
+    assert (options.placement, options.master_admin_url, options.domain_bad_ttl_s) == (
+        False,
+        "http://10.0.0.1:9003",
+        3.5,
+    )
