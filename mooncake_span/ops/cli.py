@@ -496,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     _register_cluster(subparsers)
     _register_demo(subparsers)
     _register_bench(subparsers)
+    from mooncake_span.bench import soak  # no sglang until the command runs
+
+    soak.register_parser(subparsers, _size_arg)
     return parser
 
 
