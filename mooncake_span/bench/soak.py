@@ -209,7 +209,7 @@ class Traffic:
         from mooncake_span.bench import pools as P
         from mooncake_span.sglang_backend.backend import MooncakeSpanStore
 
-        self._torch, self._name, self._transfer = torch, PoolName, PoolTransfer
+        self._name, self._transfer = PoolName, PoolTransfer
         self._trailing = PoolHitPolicy.TRAILING_PAGES
         self.book = book
         kpr = config.keys_per_request
@@ -238,6 +238,8 @@ class Traffic:
             return torch.arange(start, start + pages * _HOST_PAGE_TOKENS, dtype=torch.int64)
 
         self._backup_slots, self._prefetch_slots = slots(0), slots(pages)
+        # Built once: the harness must not allocate per call what it could keep.
+        self._state_slots = (torch.tensor([0]), torch.tensor([1]))
         self.bytes_per_key = _INDEX_KPOOL * sum(
             self.pools[n].get_dummy_flat_data_page().nbytes for n in (PoolName.KV, PoolName.INDEXER)
         )
@@ -263,7 +265,7 @@ class Traffic:
     def _mamba(self, key: str, slot: int) -> Any:
         return self._transfer(
             self._name.MAMBA,
-            host_indices=self._torch.tensor([slot]),
+            host_indices=self._state_slots[slot],
             keys=[key],
             hit_policy=self._trailing,
         )
