@@ -22,6 +22,14 @@ class GeometryError(MooncakeSpanError, ValueError):
     """A transfer does not fit the span geometry (stride, page alignment, sizes)."""
 
 
+class InvalidRequestError(MooncakeSpanError, ValueError):
+    """A call from sglang carries bad input (keys, host indices, tensors, transfers, policies).
+
+    The backend answers such a call with its miss value and a log line naming
+    what is wrong; nothing stored is touched.
+    """
+
+
 class RegistrationError(MooncakeSpanError, ValueError):
     """A host pool cannot be served (unknown pool, unsupported layout, bad span factor)."""
 

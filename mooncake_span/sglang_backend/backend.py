@@ -17,20 +17,20 @@ How sglang 0.5.23 drives a storage backend (``HiCacheController`` /
    pools once KV completed. Without ``interface_v1`` the generic
    ``batch_get`` / ``batch_set`` on flat page tensors replace the v1 calls.
 
-Every method the worker threads call returns a result (per-key bools, a hit
-count, a ``PoolTransferResult``) and never raises: bad input and cluster
-failures become ``False`` / misses with a rate-limited log line naming the
-pool, the key and the sizes. Construction and registration errors do raise,
-so a misconfigured server fails at startup.
+Every method the worker threads call is wrapped in ``guard.never_raise``: it
+returns a result (per-key bools, a hit count, a ``PoolTransferResult``) and
+never raises; bad input and cluster failures become ``False`` / misses with a
+rate-limited log line naming the pool, the key and the sizes. Construction
+and registration errors do raise, so a misconfigured server fails at startup.
+Each registered pool is a ``StoredPool`` that owns its object keys, buffer
+plans, group ids and per-key fold; this module only sequences them.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
     PoolTransferResult,
 )
-from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from mooncake_span.config import (
     MooncakeSettings,
@@ -51,114 +50,44 @@ from mooncake_span.config import (
     load_mooncake_settings,
     load_span_options,
 )
-from mooncake_span.errors import GeometryError, MooncakeSpanError, RegistrationError
+from mooncake_span.errors import InvalidRequestError, MooncakeSpanError, RegistrationError
+from mooncake_span.sglang_backend.guard import (
+    miss_count,
+    miss_flag,
+    miss_hit_result,
+    miss_none_per_key,
+    miss_nothing,
+    miss_per_key,
+    miss_per_transfer,
+    never_raise,
+)
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
-from mooncake_span.span.geometry import (
-    KV_POOL,
-    PoolKind,
-    SpanGeometry,
-    classify_pool,
-    derive_slots_per_key,
+from mooncake_span.sglang_backend.stats import CallCounters, RateLimitedLog, SpanStorageMetrics
+from mooncake_span.sglang_backend.stored_pool import (
+    PoolBatch,
+    StagedPool,
+    StoredPool,
+    check_host_indices,
+    flat_base,
+    geometry_record,
 )
-from mooncake_span.span.hits import (
-    PoolHitQuery,
-    clamp_after_first_failure,
-    compute_hits,
-    leading_run,
-)
-from mooncake_span.span.keys import ComponentSpec, KeySchema, RankTags, check_page_keys
-from mooncake_span.span.plan import ObjectPlan, PageLayout, plan_objects, plan_objects_from_flat
+from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
+from mooncake_span.span.hits import PoolHitQuery, compute_hits, leading_run
+from mooncake_span.span.keys import KeySchema, RankTags, check_page_keys
+from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store.client import MooncakeClient, NativeBinding
 from mooncake_span.store.layout_guard import (
     EtcdRegistry,
     GeometryRecord,
-    PoolGeometry,
     check_or_publish,
     namespace_key,
 )
 
 logger = logging.getLogger(__name__)
 
-_LOG_INTERVAL_S = 10.0
-
-
-class _RateLimitedLog:
-    """At most one line per kind every few seconds, with a count of what was dropped."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._dropped: dict[str, int] = {}
-
-    def error(self, kind: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(kind)
-            if last is not None and now - last < _LOG_INTERVAL_S:
-                self._dropped[kind] = self._dropped.get(kind, 0) + 1
-                return
-            self._last[kind] = now
-            dropped = self._dropped.pop(kind, 0)
-        if dropped:
-            msg += " (%d similar messages suppressed)"
-            args = (*args, dropped)
-        logger.error(msg, *args)
-
-
-@dataclass
-class PoolBinding:
-    """What the backend knows about one registered host pool."""
-
-    name: str
-    host_pool: Any
-    kind: PoolKind
-    page_tokens: int
-    components: tuple[ComponentSpec, ...]
-    layout: PageLayout | None  # None: a logical anchor without bytes
-    staged: bool = False
-
-
-@dataclass
-class _Op:
-    """One pool's part of a v1/v2 call, after validation."""
-
-    binding: PoolBinding
-    page_keys: list[str]
-    key_pages: np.ndarray  # (n_keys, pages per key) host page numbers
-    object_keys: list[str] = field(default_factory=list)
-    # staged pools only: one flat page per (key, page), token order
-    staging: torch.Tensor | None = None
-
-
-@dataclass
-class _Counters:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    prefetch_pgs: list[int] = field(default_factory=list)
-    backup_pgs: list[int] = field(default_factory=list)
-    prefetch_bandwidth: list[float] = field(default_factory=list)
-    backup_bandwidth: list[float] = field(default_factory=list)
-    prefetch_tokens: int = 0
-    backup_tokens: int = 0
-    rejected_calls: dict[str, int] = field(default_factory=dict)
-
-
-class SpanStorageMetrics(StorageMetrics):
-    """sglang's StorageMetrics plus span-aware token counts and fault counters.
-
-    ``prefetch_pgs`` / ``backup_pgs`` count storage pages (keys); with K > 1
-    each is ``storage_page_size`` tokens, as ``*_tokens`` reports.
-    """
-
-    def __init__(self, **extra: Any) -> None:
-        super().__init__()
-        self.prefetch_tokens: int = extra.pop("prefetch_tokens", 0)
-        self.backup_tokens: int = extra.pop("backup_tokens", 0)
-        self.pages_per_span: int = extra.pop("pages_per_span", 1)
-        self.storage_page_tokens: int = extra.pop("storage_page_tokens", 0)
-        self.error_counts: dict[str, int] = extra.pop("error_counts", {})
-        self.rejected_calls: dict[str, int] = extra.pop("rejected_calls", {})
-        self.breaker_state: str = extra.pop("breaker_state", "closed")
-        self.breaker_times_opened: int = extra.pop("breaker_times_opened", 0)
+Tensor = torch.Tensor
+# Per-key results of a v2 call, keyed by the transfers' pool names.
+TransferResults = dict[Any, list[bool]]
 
 
 def _read_storage_page_tokens(storage_config: Any, options: SpanOptions) -> int | None:
@@ -174,6 +103,17 @@ def _read_storage_page_tokens(storage_config: Any, options: SpanOptions) -> int 
     else:
         value = options.storage_page_size
     return int(value) if value else None
+
+
+def _hit_query(transfer: Any, page_exists: list[bool]) -> PoolHitQuery:
+    return PoolHitQuery(
+        name=pool_name_str(transfer.name),
+        policy=pool_name_str(transfer.hit_policy),
+        page_exists=page_exists,
+        window_pages=len(transfer.keys) if transfer.keys else 1,
+        block_pages=int(getattr(transfer, "block_pages", 0) or 0),
+        group_pages=int(getattr(transfer, "group_pages", 0) or 0),
+    )
 
 
 class MooncakeSpanStore(HiCacheStorage):
@@ -205,9 +145,9 @@ class MooncakeSpanStore(HiCacheStorage):
             None if isinstance(kwargs_or_host_pool, dict) else kwargs_or_host_pool
         )
         self._extra_tag = extra.get("extra_backend_tag")
-        self._log = _RateLimitedLog()
-        self._counters = _Counters()
-        self._bindings: dict[str, PoolBinding] = {}
+        self._log = RateLimitedLog()
+        self._counters = CallCounters()
+        self.pools: dict[str, StoredPool] = {}
         # Rebound, never mutated: worker threads read it without a lock.
         self._learned_kv_derived: frozenset[str] = frozenset()
         self.mem_pool_host = None
@@ -254,9 +194,9 @@ class MooncakeSpanStore(HiCacheStorage):
             tag=self._extra_tag,
         )
         self._bind(KV_POOL, mem_pool_host)
-        for name, binding in list(self._bindings.items()):
-            if binding.kind is PoolKind.KV_DERIVED:
-                self.geometry.check_pool_page(name, binding.page_tokens)
+        for name, pool in list(self.pools.items()):
+            if pool.kind is PoolKind.KV_DERIVED:
+                self.geometry.check_pool_page(name, pool.page_tokens)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -281,27 +221,11 @@ class MooncakeSpanStore(HiCacheStorage):
             self.geometry.storage_page_tokens,
             self.geometry.pages_per_span,
             self.geometry.host_page_tokens,
-            {n: [c.name for c in b.components] for n, b in self._bindings.items()},
+            {n: [c.name for c in pool.components] for n, pool in self.pools.items()},
         )
 
     def geometry_record(self) -> GeometryRecord:
-        pools = {}
-        for name, binding in sorted(self._bindings.items()):
-            layout = binding.layout
-            pools[name] = PoolGeometry(
-                components=tuple(c.name for c in binding.components),
-                bytes_per_page=tuple(layout.page_bytes(c) for c in range(len(layout.components)))
-                if layout
-                else (),
-                page_tokens=binding.page_tokens,
-            )
-        return GeometryRecord(
-            host_page_tokens=self.geometry.host_page_tokens,
-            storage_page_tokens=self.geometry.storage_page_tokens,
-            layout=self.key_schema.layout,
-            kv_dtype=self.key_schema.kv_dtype,
-            pools=pools,
-        )
+        return geometry_record(self.geometry, self.key_schema, self.pools)
 
     def _check_layout_guard(self) -> str:
         mode = self.options.layout_guard
@@ -323,20 +247,13 @@ class MooncakeSpanStore(HiCacheStorage):
     def _bind(self, name: str, host_pool: Any) -> None:
         kind = classify_pool(name)
         shape = describe_pool(name, host_pool, is_mla=self.is_mla)
-        binding = PoolBinding(
-            name=name,
-            host_pool=host_pool,
-            kind=kind,
-            page_tokens=shape.page_tokens,
-            components=shape.components,
-            layout=shape.layout,
-            staged=shape.staged,
-        )
+        pool_class = StagedPool if shape.staged else StoredPool
+        pool = pool_class(name, host_pool, kind, shape.page_tokens, shape.components, shape.layout)
         if kind is PoolKind.KV_DERIVED and self.geometry is not None:
-            self.geometry.check_pool_page(name, binding.page_tokens)
+            self.geometry.check_pool_page(name, pool.page_tokens)
         for ptr, size in shape.buffers:
             self.client.register_buffer(ptr, size)
-        self._bindings[name] = binding
+        self.pools[name] = pool
 
     # ---- per-call preparation ---------------------------------------------------------
 
@@ -346,188 +263,92 @@ class MooncakeSpanStore(HiCacheStorage):
                 "no host pool registered yet (register_mem_pool_host was not called)"
             )
 
-    def _prepare(
-        self, name: str, keys: Any, host_indices: Any, *, kv_derived_hint: bool = False
-    ) -> _Op:
-        binding = self._bindings.get(name)
-        if binding is None:
-            raise GeometryError(
-                f"pool {name!r} is not registered (registered: {sorted(self._bindings)})"
+    def _registered(self, name: str, what: str) -> StoredPool:
+        pool = self.pools.get(name)
+        if pool is None:
+            raise InvalidRequestError(
+                f"{what} names unregistered pool {name!r} (registered: {sorted(self.pools)})"
             )
+        return pool
+
+    def _batch(
+        self, name: str, keys: Any, host_indices: Any, *, kv_derived_hint: bool = False
+    ) -> PoolBatch:
+        pool = self._registered(name, "transfer")
         page_keys = check_page_keys(keys)
         if not page_keys:
-            raise GeometryError(f"pool {name!r}: transfer has no keys")
-        if host_indices is None:
-            raise GeometryError(f"pool {name!r}: host_indices is None")
-        if not isinstance(host_indices, torch.Tensor):
-            raise GeometryError(
-                f"pool {name!r}: host_indices must be a tensor, got {type(host_indices).__name__}"
-            )
-        if host_indices.device.type != "cpu":
-            raise GeometryError(
-                f"pool {name!r}: host_indices must be on the CPU, got {host_indices.device}"
-            )
-        if host_indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise GeometryError(
-                f"pool {name!r}: host_indices must be integers, got {host_indices.dtype}"
-            )
-        if binding.layout is None:
-            return _Op(binding, page_keys, np.zeros((len(page_keys), 0), dtype=np.int64))
-        if (
-            kv_derived_hint
-            and binding.kind is PoolKind.STATE
-            and name not in self._learned_kv_derived
-        ):
+            raise InvalidRequestError(f"pool {name!r}: transfer has no keys")
+        if pool.is_logical:
+            check_host_indices(name, host_indices)
+            no_pages = np.zeros((len(page_keys), 0), dtype=np.int64)
+            return pool.batch(self.key_schema, page_keys, no_pages)
+        if kv_derived_hint and pool.kind is PoolKind.STATE and name not in self._learned_kv_derived:
             self._learned_kv_derived = self._learned_kv_derived | {name}
         kind = classify_pool(name, self._learned_kv_derived)
-        slots = host_indices.reshape(-1).to(torch.int64)
-        per_key = derive_slots_per_key(
-            pool_name=name,
-            kind=kind,
-            num_slots=int(slots.numel()),
-            num_keys=len(page_keys),
-            pool_page_tokens=binding.page_tokens,
-            storage_page_tokens=self.geometry.storage_page_tokens,
-        )
-        page = binding.page_tokens
-        by_page = slots.view(-1, page)
-        starts = by_page[:, 0]
-        if bool((starts % page != 0).any()) or (
-            page > 1
-            and not torch.equal(by_page - starts[:, None], torch.arange(page).expand_as(by_page))
-        ):
-            raise GeometryError(f"pool {name!r}: host indices are not whole {page}-slot host pages")
-        pages = (starts // page).numpy().reshape(len(page_keys), per_key // page)
-        if pages.min() < 0 or pages.max() >= binding.layout.num_pages:
-            raise GeometryError(
-                f"pool {name!r}: host page out of range [{int(pages.min())}, {int(pages.max())}] "
-                f"(pool has {binding.layout.num_pages} pages)"
-            )
-        op = _Op(binding, page_keys, pages)
-        op.object_keys = self.key_schema.object_keys(page_keys, binding.components)
-        return op
+        pages = pool.host_pages(kind, len(page_keys), host_indices, self.geometry)
+        return pool.batch(self.key_schema, page_keys, pages)
 
-    def _reject(self, op_name: str, pool: str, exc: Exception) -> None:
+    def _reject(self, op_name: str, exc: Exception) -> None:
+        label = type(exc).__name__
         with self._counters.lock:
-            label = type(exc).__name__
             self._counters.rejected_calls[label] = self._counters.rejected_calls.get(label, 0) + 1
-        self._log.error(
-            f"{op_name}:{pool}:{type(exc).__name__}",
-            "mooncake-span %s rejected for pool %s: %s",
-            op_name,
-            pool,
-            exc,
-        )
+        self._log.error(f"{op_name}:{label}", "mooncake-span %s rejected: %s", op_name, exc)
 
     # ---- I/O core -------------------------------------------------------------------------
 
-    def _run(self, ops: list[_Op], is_set: bool) -> list[list[bool]]:
-        """Execute prepared ops as one logical operation; per-op per-key results."""
-        physical = [op for op in ops if op.binding.layout is not None]
-        all_keys = [k for op in physical for k in op.object_keys]
-        if not all_keys:
-            return [[True] * len(op.page_keys) if op.binding.layout is None else [] for op in ops]
-        existing = self.client.exists(all_keys) if is_set else [False] * len(all_keys)
+    def _run(self, batches: list[PoolBatch], is_set: bool) -> list[list[bool]]:
+        """Execute prepared batches as one logical operation; per-batch per-key results."""
+        physical = [b for b in batches if not b.pool.is_logical]
+        object_keys = [k for b in physical for k in b.object_keys]
+        if is_set and object_keys:
+            # A key already stored (by another rank or node) is not written twice.
+            stored = self.client.exists(object_keys)
+        else:
+            stored = [False] * len(object_keys)
+        done = self._move(physical, stored, is_set)
+        out, offset = [], 0
+        for batch in batches:
+            count = len(batch.object_keys)
+            per_key = batch.pool.per_key_results(batch, done[offset : offset + count])
+            offset += count
+            if not is_set:
+                batch.pool.finish_get(batch, per_key)
+            out.append(per_key)
+        return out
+
+    def _move(self, batches: list[PoolBatch], stored: list[bool], is_set: bool) -> list[bool]:
+        """One put or get for every object not yet stored; per-object results."""
         io_keys: list[str] = []
         io_plans: list[ObjectPlan] = []
         io_groups: list[str] = []
         io_slots: list[int] = []
         offset = 0
-        for op in physical:
-            ncomp = len(op.binding.components)
-            count = len(op.object_keys)
-            flags = existing[offset : offset + count]
-            if not any(flags):
-                # Nothing stored yet (every get, most puts): all objects go.
-                io_keys += op.object_keys
-                io_plans += self._plan(op, list(range(len(op.page_keys))), is_set)
-                if is_set:
-                    io_groups += self.key_schema.group_ids(op.page_keys, ncomp)
-                io_slots += range(offset, offset + count)
-                offset += count
-                continue
-            need = [
-                i for i in range(len(op.page_keys)) if not all(flags[i * ncomp : (i + 1) * ncomp])
-            ]
-            if need:
-                plans = self._plan(op, need, is_set)
-                for row, key_index in enumerate(need):
-                    for c in range(ncomp):
-                        obj = key_index * ncomp + c
-                        if flags[obj]:
-                            continue
-                        io_keys.append(op.object_keys[obj])
-                        io_plans.append(plans[row * ncomp + c])
-                        io_groups.append(self.key_schema.group_id(op.page_keys[key_index]))
-                        io_slots.append(offset + obj)
+        for batch in batches:
+            count = len(batch.object_keys)
+            todo = batch.pool.transfer(
+                batch, stored[offset : offset + count], is_set, self.key_schema
+            )
+            io_keys += [batch.object_keys[i] for i in todo.object_indices]
+            io_plans += todo.plans
+            io_groups += todo.group_ids or []
+            io_slots += [offset + i for i in todo.object_indices]
             offset += count
-        done = list(existing)
+        done = list(stored)
         if io_keys:
-            results = (
-                self.client.put(io_keys, io_plans, io_groups)
-                if is_set
-                else self.client.get(io_keys, io_plans)
-            )
-            for slot, ok in zip(io_slots, results, strict=False):
+            if is_set:
+                results = self.client.put(io_keys, io_plans, io_groups)
+            else:
+                results = self.client.get(io_keys, io_plans)
+            for slot, ok in zip(io_slots, results, strict=True):
                 done[slot] = ok
-        out: list[list[bool]] = []
-        offset = 0
-        for op in ops:
-            if op.binding.layout is None:
-                out.append([True] * len(op.page_keys))
-                continue
-            ncomp = len(op.binding.components)
-            flags = done[offset : offset + len(op.object_keys)]
-            offset += len(op.object_keys)
-            per_key = clamp_after_first_failure(
-                [all(flags[i * ncomp : (i + 1) * ncomp]) for i in range(len(op.page_keys))]
-            )
-            if op.staging is not None and not is_set:
-                self._unstage(op, per_key)
-            out.append(per_key)
-        return out
+        return done
 
-    def _plan(self, op: _Op, need: list[int], is_set: bool) -> list[ObjectPlan]:
-        """Object plans for keys ``need`` of ``op`` (all components of each)."""
-        if not op.binding.staged:
-            return plan_objects(op.binding.layout, op.key_pages[need])
-        pool = op.binding.host_pool
-        pages_per_key = op.key_pages.shape[1]
-        flat_bytes = op.binding.layout.slot_bytes[0]
-        op.staging = torch.empty((len(op.page_keys), pages_per_key, flat_bytes), dtype=torch.uint8)
-        if is_set:
-            for i in need:
-                for j, page in enumerate(op.key_pages[i].tolist()):
-                    data = pool.get_data_page(page * op.binding.page_tokens, flat=True)
-                    op.staging[i, j].copy_(data.contiguous().view(torch.uint8).reshape(-1))
-        row_bytes = pages_per_key * flat_bytes
-        base = op.staging.data_ptr()
-        return plan_objects_from_flat(
-            op.binding.layout, [base + i * row_bytes for i in need], pages_per_key
-        )
-
-    def _unstage(self, op: _Op, per_key: list[bool]) -> None:
-        pool = op.binding.host_pool
-        dtype = pool.get_dummy_flat_data_page().dtype
-        for i, ok in enumerate(per_key):
-            if not ok:
-                break
-            for j, page in enumerate(op.key_pages[i].tolist()):
-                pool.set_from_flat_data_page(
-                    page * op.binding.page_tokens, op.staging[i, j].view(dtype)
-                )
-
-    def _moved_bytes(self, op: _Op, results: list[bool]) -> int:
-        layout = op.binding.layout
-        if layout is None:
-            return 0
-        per_key = layout.flat_page_bytes * op.key_pages.shape[1]
-        return per_key * sum(results)
-
-    def _account(self, is_set: bool, op: _Op, results: list[bool], elapsed_s: float) -> None:
+    def _account(
+        self, is_set: bool, batch: PoolBatch, results: list[bool], elapsed_s: float
+    ) -> None:
         ok_keys = leading_run(results)
         tokens = ok_keys * self.geometry.storage_page_tokens
-        gib = self._moved_bytes(op, results) / (1 << 30)
+        gib = batch.pool.moved_bytes(batch, results) / (1 << 30)
         with self._counters.lock:
             c = self._counters
             if is_set:
@@ -541,243 +362,145 @@ class MooncakeSpanStore(HiCacheStorage):
                 if elapsed_s > 0:
                     c.prefetch_bandwidth.append(gib / elapsed_s)
 
-    def _v1(self, op_name: str, keys: list[str], host_indices: Any, is_set: bool) -> list[bool]:
-        n = len(keys) if isinstance(keys, (list, tuple)) else 0
-        try:
-            self._require_ready()
-            op = self._prepare(KV_POOL, keys, host_indices)
-            started = time.perf_counter()
-            (result,) = self._run([op], is_set)
-            self._account(is_set, op, result, time.perf_counter() - started)
-            return result
-        except MooncakeSpanError as exc:
-            self._reject(op_name, KV_POOL, exc)
-        except Exception:  # a bug must not kill sglang's storage thread
-            logger.exception("mooncake-span %s failed unexpectedly", op_name)
-        return [False] * n
+    def _timed_run(self, batch: PoolBatch, is_set: bool) -> list[bool]:
+        started = time.perf_counter()
+        (result,) = self._run([batch], is_set)
+        self._account(is_set, batch, result, time.perf_counter() - started)
+        return result
 
-    def _v2(self, op_name: str, transfers: Any, is_set: bool) -> dict[Any, list[bool]]:
-        results: dict[Any, list[bool]] = {}
+    def _v1(self, keys: Any, host_indices: Any, is_set: bool) -> list[bool]:
+        self._require_ready()
+        return self._timed_run(self._batch(KV_POOL, keys, host_indices), is_set)
+
+    def _v2(self, op_name: str, transfers: Any, is_set: bool) -> TransferResults:
+        self._require_ready()
         try:
             transfers = list(transfers or [])
-        except TypeError:
-            self._reject(
-                op_name,
-                "?",
-                GeometryError(f"transfers must be a list, got {type(transfers).__name__}"),
-            )
-            return results
-        ops: list[tuple[Any, _Op]] = []
+        except TypeError as exc:
+            raise InvalidRequestError(
+                f"transfers must be a list of PoolTransfer, got {type(transfers).__name__}"
+            ) from exc
+        results = miss_per_transfer(transfers)
+        prepared: list[tuple[Any, PoolBatch]] = []
         for transfer in transfers:
             name = pool_name_str(getattr(transfer, "name", None))
-            keys = getattr(transfer, "keys", None)
-            results[transfer.name] = [False] * (len(keys) if isinstance(keys, (list, tuple)) else 0)
+            hint = pool_name_str(getattr(transfer, "indices_from_pool", None)) == KV_POOL
             try:
-                self._require_ready()
-                hint = pool_name_str(getattr(transfer, "indices_from_pool", None)) == KV_POOL
-                ops.append(
-                    (
-                        transfer.name,
-                        self._prepare(name, keys, transfer.host_indices, kv_derived_hint=hint),
-                    )
+                batch = self._batch(
+                    name,
+                    getattr(transfer, "keys", None),
+                    getattr(transfer, "host_indices", None),
+                    kv_derived_hint=hint,
                 )
             except MooncakeSpanError as exc:
-                self._reject(op_name, name, exc)
-        if not ops:
-            return results
-        try:
-            outcome = self._run([op for _, op in ops], is_set)
-        except MooncakeSpanError as exc:
-            self._reject(op_name, ",".join(op.binding.name for _, op in ops), exc)
-            return results
-        except Exception:
-            logger.exception("mooncake-span %s failed unexpectedly", op_name)
-            return results
-        for (key, _), flags in zip(ops, outcome, strict=False):
-            results[key] = flags
+                # One bad transfer is refused alone; the others still move.
+                self._reject(op_name, exc)
+                continue
+            prepared.append((transfer.name, batch))
+        if prepared:
+            outcome = self._run([batch for _, batch in prepared], is_set)
+            for (key, _), flags in zip(prepared, outcome, strict=True):
+                results[key] = flags
         return results
 
     # ---- zero-copy API ------------------------------------------------------------------------
 
-    def batch_get_v1(
-        self,
-        keys: list[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        return self._v1("batch_get_v1", keys, host_indices, is_set=False)
+    # sglang passes extra_info (HiCacheStorageExtraInfo) for tracing only; it is ignored here.
 
-    def batch_set_v1(
-        self,
-        keys: list[str],
-        host_indices: torch.Tensor,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> list[bool]:
-        return self._v1("batch_set_v1", keys, host_indices, is_set=True)
+    @never_raise(miss_per_key)
+    def batch_get_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
+        return self._v1(keys, host_indices, is_set=False)
 
-    def batch_get_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> dict[Any, list[bool]]:
+    @never_raise(miss_per_key)
+    def batch_set_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
+        return self._v1(keys, host_indices, is_set=True)
+
+    @never_raise(miss_per_transfer)
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
         return self._v2("batch_get_v2", transfers, is_set=False)
 
-    def batch_set_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> dict[Any, list[bool]]:
+    @never_raise(miss_per_transfer)
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
         return self._v2("batch_set_v2", transfers, is_set=True)
 
     # ---- hits -----------------------------------------------------------------------------------
 
-    def _kv_prefix(self, keys: list[str]) -> int:
-        kv = self._bindings[KV_POOL]
-        if kv.layout is None:
-            return 0
-        return leading_run(self._exists_many([kv], keys)[0])
+    def _exists_many(self, pools: list[StoredPool], page_keys: list[str]) -> list[list[bool]]:
+        """Per pool, per key: do all of the key's objects exist? One existence RPC for all."""
+        per_pool = [pool.object_keys(self.key_schema, page_keys) for pool in pools]
+        flat = self.client.exists([k for keys in per_pool for k in keys]) if page_keys else []
+        out, offset = [], 0
+        for pool, keys in zip(pools, per_pool, strict=True):
+            out.append(pool.fold(flat[offset : offset + len(keys)]))
+            offset += len(keys)
+        return out
 
+    @never_raise(miss_count)
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        try:
-            self._require_ready()
-            return self._kv_prefix(check_page_keys(keys))
-        except MooncakeSpanError as exc:
-            self._reject("batch_exists", KV_POOL, exc)
-        except Exception:
-            logger.exception("mooncake-span batch_exists failed unexpectedly")
-        return 0
+        self._require_ready()
+        page_keys = check_page_keys(keys)
+        kv = self.pools[KV_POOL]
+        if kv.is_logical:
+            return 0
+        return leading_run(self._exists_many([kv], page_keys)[0])
 
+    @never_raise(miss_hit_result)
     def batch_exists_v2(
         self,
         keys: list[str],
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        try:
-            self._require_ready()
-            page_keys = check_page_keys(keys)
-            kv = self._bindings[KV_POOL]
-            transfers = list(pool_transfers or [])
-            bindings = []
-            for transfer in transfers:
-                name = pool_name_str(transfer.name)
-                binding = self._bindings.get(name)
-                if binding is None:
-                    raise GeometryError(f"hit query names unregistered pool {name!r}")
-                bindings.append(binding)
-            # One existence RPC for KV and every pool: the pools' flags past the
-            # KV prefix are wasted, but a second round trip costs more.
-            groups = ([kv] if kv.layout is not None else []) + bindings
-            flags = self._exists_many(groups, page_keys)
-            # A logical anchor (DeepSeek-V4) stores no KV bytes: the sidecars decide.
-            kv_pages = leading_run(flags.pop(0)) if kv.layout is not None else len(page_keys)
-            queries = [
-                PoolHitQuery(
-                    name=pool_name_str(transfer.name),
-                    policy=pool_name_str(transfer.hit_policy),
-                    page_exists=page_exists[:kv_pages],
-                    window_pages=len(transfer.keys) if transfer.keys else 1,
-                    block_pages=int(getattr(transfer, "block_pages", 0) or 0),
-                    group_pages=int(getattr(transfer, "group_pages", 0) or 0),
-                )
-                for transfer, page_exists in zip(transfers, flags, strict=False)
-            ]
-            hit = compute_hits(kv_pages, queries)
-            names = {pool_name_str(t.name): t.name for t in transfers}
-            pool_hits = {names.get(n, PoolName.KV): v for n, v in hit.pool_hit_pages.items()}
-            return PoolTransferResult(hit.kv_hit_pages, pool_hits, hit.restorable_prefix_pages)
-        except (MooncakeSpanError, ValueError) as exc:
-            self._reject("batch_exists_v2", "*", exc)
-        except Exception:
-            logger.exception("mooncake-span batch_exists_v2 failed unexpectedly")
-        return PoolTransferResult(0, {}, [])
-
-    def _exists_many(self, bindings: list[PoolBinding], page_keys: list[str]) -> list[list[bool]]:
-        """Per binding, per key: do all of the key's component objects exist?"""
-        object_keys = [self.key_schema.object_keys(page_keys, b.components) for b in bindings]
-        flat = self.client.exists([k for group in object_keys for k in group]) if page_keys else []
-        out, offset = [], 0
-        for binding, group in zip(bindings, object_keys, strict=False):
-            ncomp = len(binding.components)
-            chunk = flat[offset : offset + len(group)]
-            offset += len(group)
-            if ncomp == 1:
-                out.append(chunk)
-            else:
-                out.append([all(chunk[i * ncomp : (i + 1) * ncomp]) for i in range(len(page_keys))])
-        return out
+        self._require_ready()
+        page_keys = check_page_keys(keys)
+        transfers = list(pool_transfers or [])
+        sidecars = [self._registered(pool_name_str(t.name), "hit query") for t in transfers]
+        kv = self.pools[KV_POOL]
+        # One existence RPC for KV and every pool: the pools' flags past the
+        # KV prefix are wasted, but a second round trip costs more.
+        flags = self._exists_many(([] if kv.is_logical else [kv]) + sidecars, page_keys)
+        # A logical anchor (DeepSeek-V4) stores no KV bytes: the sidecars decide.
+        kv_pages = len(page_keys) if kv.is_logical else leading_run(flags.pop(0))
+        queries = [
+            _hit_query(t, exists[:kv_pages]) for t, exists in zip(transfers, flags, strict=True)
+        ]
+        hit = compute_hits(kv_pages, queries)
+        names = {pool_name_str(t.name): t.name for t in transfers}
+        pool_hits = {names.get(n, PoolName.KV): v for n, v in hit.pool_hit_pages.items()}
+        return PoolTransferResult(hit.kv_hit_pages, pool_hits, hit.restorable_prefix_pages)
 
     # ---- generic (non zero-copy) API: flat page tensors -------------------------------------
 
-    def _flat_plans(self, tensors: Sequence[torch.Tensor]) -> list[ObjectPlan]:
-        layout = self._bindings[KV_POOL].layout
-        span_bytes = layout.flat_page_bytes * self.geometry.pages_per_span
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
-                raise GeometryError(f"generic value #{i} must be a contiguous CPU tensor")
-            if t.numel() * t.element_size() != span_bytes:
-                raise GeometryError(
-                    f"generic value #{i} holds {t.numel() * t.element_size()} bytes; "
-                    f"a storage page is {span_bytes} bytes "
-                    f"({self.geometry.pages_per_span} x {layout.flat_page_bytes})"
-                )
-        return plan_objects_from_flat(
-            layout, [t.data_ptr() for t in tensors], self.geometry.pages_per_span
-        )
-
-    def _generic(self, keys: list[str], tensors: list[torch.Tensor], is_set: bool) -> list[bool]:
+    def _flat_batch(self, keys: Any, tensors: Sequence[Any]) -> PoolBatch:
+        """A KV batch whose objects come from one flat span tensor per key."""
         self._require_ready()
-        kv = self._bindings[KV_POOL]
+        kv = self.pools[KV_POOL]
         page_keys = check_page_keys(keys)
         if len(tensors) != len(page_keys):
-            raise GeometryError(f"{len(page_keys)} keys but {len(tensors)} tensors")
-        if kv.layout is None:
-            return [True] * len(page_keys)
-        plans = self._flat_plans(tensors)
-        object_keys = self.key_schema.object_keys(page_keys, kv.components)
-        ncomp = len(kv.components)
-        if is_set:
-            flags = self.client.exists(object_keys)
-            todo = [i for i, f in enumerate(flags) if not f]
-            if todo:
-                groups = [self.key_schema.group_id(page_keys[i // ncomp]) for i in todo]
-                for i, ok in zip(
-                    todo,
-                    self.client.put(
-                        [object_keys[i] for i in todo], [plans[i] for i in todo], groups
-                    ),
-                    strict=False,
-                ):
-                    flags[i] = ok
-        else:
-            flags = self.client.get(object_keys, plans)
-        return clamp_after_first_failure(
-            [all(flags[i * ncomp : (i + 1) * ncomp]) for i in range(len(page_keys))]
-        )
+            raise InvalidRequestError(f"{len(page_keys)} keys but {len(tensors)} tensors")
+        pages = np.zeros((len(page_keys), self.geometry.pages_per_span), dtype=np.int64)
+        batch = kv.batch(self.key_schema, page_keys, pages)
+        if not kv.is_logical:
+            span_bytes = kv.layout.flat_page_bytes * self.geometry.pages_per_span
+            batch.flat_bases = [flat_base(i, t, span_bytes) for i, t in enumerate(tensors)]
+        return batch
 
-    def _span_dummy(self) -> torch.Tensor:
-        flat_page = self._bindings[KV_POOL].layout.flat_page_bytes
-        return torch.empty(flat_page * self.geometry.pages_per_span, dtype=torch.uint8)
-
+    @never_raise(miss_none_per_key)
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        n = len(keys) if isinstance(keys, (list, tuple)) else 0
-        try:
-            self._require_ready()
-            targets = (
-                list(target_locations)
-                if target_locations is not None
-                else [self._span_dummy() for _ in range(n)]
-            )
-            started = time.perf_counter()
-            ok = self._generic(keys, targets, is_set=False)
-            self._account_generic(False, ok, time.perf_counter() - started)
-            return [t if good else None for t, good in zip(targets, ok, strict=False)]
-        except MooncakeSpanError as exc:
-            self._reject("batch_get", KV_POOL, exc)
-        except Exception:
-            logger.exception("mooncake-span batch_get failed unexpectedly")
-        return [None] * n
+        self._require_ready()
+        if target_locations is not None:
+            targets = list(target_locations)
+        else:
+            span_bytes = self.pools[KV_POOL].layout.flat_page_bytes * self.geometry.pages_per_span
+            targets = [torch.empty(span_bytes, dtype=torch.uint8) for _ in keys]
+        ok = self._timed_run(self._flat_batch(keys, targets), is_set=False)
+        return [t if good else None for t, good in zip(targets, ok, strict=True)]
 
+    @never_raise(miss_flag)
     def batch_set(
         self,
         keys: list[str],
@@ -785,24 +508,11 @@ class MooncakeSpanStore(HiCacheStorage):
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        try:
-            if values is None:
-                raise GeometryError("batch_set needs values (flat page tensors)")
-            values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
-            started = time.perf_counter()
-            ok = self._generic(keys, values, is_set=True)
-            self._account_generic(True, ok, time.perf_counter() - started)
-            return bool(ok) and all(ok)
-        except MooncakeSpanError as exc:
-            self._reject("batch_set", KV_POOL, exc)
-        except Exception:
-            logger.exception("mooncake-span batch_set failed unexpectedly")
-        return False
-
-    def _account_generic(self, is_set: bool, ok: list[bool], elapsed_s: float) -> None:
-        kv = self._bindings[KV_POOL]
-        op = _Op(kv, [], np.zeros((len(ok), self.geometry.pages_per_span), dtype=np.int64))
-        self._account(is_set, op, ok, elapsed_s)
+        if values is None:
+            raise InvalidRequestError("batch_set needs values (flat page tensors)")
+        values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
+        ok = self._timed_run(self._flat_batch(keys, values), is_set=True)
+        return bool(ok) and all(ok)
 
     def get(
         self, key: str, target_location: Any = None, target_sizes: Any = None
@@ -819,17 +529,15 @@ class MooncakeSpanStore(HiCacheStorage):
 
     # ---- admin -------------------------------------------------------------------------------
 
+    @never_raise(miss_nothing)
     def clear(self) -> None:
         """Remove this deployment's objects (its key prefix), not the whole cluster."""
         if self.key_schema is None:
             return
-        try:
-            removed = self.client.remove_prefix(self.key_schema.prefix + "_")
-            logger.info(
-                "mooncake-span clear: removed %d objects under %s", removed, self.key_schema.prefix
-            )
-        except MooncakeSpanError as exc:
-            self._reject("clear", "*", exc)
+        removed = self.client.remove_prefix(self.key_schema.prefix + "_")
+        logger.info(
+            "mooncake-span clear: removed %d objects under %s", removed, self.key_schema.prefix
+        )
 
     def get_stats(self) -> SpanStorageMetrics:
         client_stats = self.client.stats()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from mooncake_span.errors import GeometryError, RegistrationError
+from mooncake_span.errors import InvalidRequestError, RegistrationError
 
 KV_POOL = "kv"
 
@@ -113,26 +113,26 @@ def derive_slots_per_key(
     pool_page_tokens: int,
     storage_page_tokens: int,
 ) -> int:
-    """Host slots per key for one transfer, or GeometryError naming what is wrong."""
+    """Host slots per key for one transfer, or InvalidRequestError naming what is wrong."""
     if num_keys < 1:
-        raise GeometryError(f"pool {pool_name!r}: transfer has no keys")
+        raise InvalidRequestError(f"pool {pool_name!r}: transfer has no keys")
     if pool_page_tokens < 1:
-        raise GeometryError(
+        raise InvalidRequestError(
             f"pool {pool_name!r}: page size must be >= 1 slot, got {pool_page_tokens}"
         )
     if num_slots < 1 or num_slots % num_keys:
-        raise GeometryError(
+        raise InvalidRequestError(
             f"pool {pool_name!r}: {num_slots} host indices do not divide evenly "
             f"among {num_keys} keys"
         )
     slots_per_key = num_slots // num_keys
     if kind is not PoolKind.STATE and slots_per_key != storage_page_tokens:
-        raise GeometryError(
+        raise InvalidRequestError(
             f"pool {pool_name!r} ({kind.value}): expected {storage_page_tokens} host slots "
             f"per key (storage page), got {slots_per_key} ({num_slots} indices / {num_keys} keys)"
         )
     if slots_per_key % pool_page_tokens:
-        raise GeometryError(
+        raise InvalidRequestError(
             f"pool {pool_name!r}: {slots_per_key} host slots per key is not a whole number "
             f"of {pool_page_tokens}-slot pool pages"
         )

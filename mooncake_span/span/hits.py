@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mooncake_span.errors import InvalidRequestError
+
 ALL_PAGES = "all_pages"
 TRAILING_PAGES = "trailing_pages"
 BLOCK_GROUPS = "block_groups"
@@ -59,7 +61,7 @@ class PoolHitQuery:
 
     def __post_init__(self) -> None:
         if self.policy not in HIT_POLICIES:
-            raise ValueError(f"pool {self.name!r}: unsupported hit policy {self.policy!r}")
+            raise InvalidRequestError(f"pool {self.name!r}: unsupported hit policy {self.policy!r}")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 
-from mooncake_span.errors import GeometryError
+from mooncake_span.errors import InvalidRequestError
 
 KEY_SCHEMA_VERSION = "ms1"
 MAX_PAGE_KEY_CHARS = 512
@@ -158,11 +158,11 @@ def _clean(text: str) -> bool:
 
 
 def check_page_keys(page_keys: object) -> list[str]:
-    """Validate sglang page keys; GeometryError names the first bad one."""
+    """Validate sglang page keys; InvalidRequestError names the first bad one."""
     if page_keys is None:
-        raise GeometryError("keys is None")
+        raise InvalidRequestError("keys is None")
     if not isinstance(page_keys, (list, tuple)):
-        raise GeometryError(f"keys must be a list of str, got {type(page_keys).__name__}")
+        raise InvalidRequestError(f"keys must be a list of str, got {type(page_keys).__name__}")
     # Fast path for the common, valid case: one regex over all keys at once.
     if all(type(key) is str for key in page_keys) and (
         not page_keys
@@ -175,13 +175,13 @@ def check_page_keys(page_keys: object) -> list[str]:
         return list(page_keys)
     for index, key in enumerate(page_keys):
         if not isinstance(key, str) or not key:
-            raise GeometryError(f"key #{index} must be a non-empty str, got {key!r}")
+            raise InvalidRequestError(f"key #{index} must be a non-empty str, got {key!r}")
         if len(key) > MAX_PAGE_KEY_CHARS:
-            raise GeometryError(
+            raise InvalidRequestError(
                 f"key #{index} is {len(key)} chars long; the limit is {MAX_PAGE_KEY_CHARS}"
             )
         if _BAD_PAGE_KEY_CHARS.search(key):
-            raise GeometryError(
+            raise InvalidRequestError(
                 f"key #{index} {key[:40]!r} contains whitespace or control characters"
             )
     return list(page_keys)

@@ -50,6 +50,7 @@ from mooncake_span.errors import (
 )
 from mooncake_span.span.plan import ObjectPlan, dedup_rounds, split_calls
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
+from mooncake_span.store.protocol import NativeStore
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ _TCP_QUEUE_BUFFERS = 2048
 class NativeBinding:
     """Where the store class comes from: the real wheel, or a fake in tests."""
 
-    store_factory: Callable[[], Any]
+    store_factory: Callable[[], NativeStore]
     replicate_config_factory: Callable[[], Any]
 
 

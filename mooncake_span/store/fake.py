@@ -88,6 +88,13 @@ class FakeStore:
         with c.lock:
             return [1 if k in c.objects else 0 for k in keys]
 
+    def _enter(self, op: str, keys: list[str], all_ptrs: list[list[int]]) -> list[int] | None:
+        """Record a data call; an injected fault for ``op`` answers every key with it."""
+        self._check()
+        self._cluster.calls.append((op, sum(len(p) for p in all_ptrs)))
+        fault = self._cluster._take_fault(op)
+        return None if fault is None else [fault] * len(keys)
+
     def batch_put_from_multi_buffers(
         self,
         keys: list[str],
@@ -95,14 +102,12 @@ class FakeStore:
         all_sizes: list[list[int]],
         config: FakeReplicateConfig | None = None,
     ) -> list[int]:
-        self._check()
-        c = self._cluster
-        c.calls.append(("batch_put_from_multi_buffers", sum(len(p) for p in all_ptrs)))
-        fault = c._take_fault("batch_put_from_multi_buffers")
-        if fault is not None:
-            return [fault] * len(keys)
-        out = []
         groups = list(getattr(config, "group_ids", None) or [])
+        faulted = self._enter("batch_put_from_multi_buffers", keys, all_ptrs)
+        if faulted is not None:
+            return faulted
+        c = self._cluster
+        out = []
         with c.lock:
             for index, (key, ptrs, sizes) in enumerate(
                 zip(keys, all_ptrs, all_sizes, strict=False)
@@ -128,13 +133,11 @@ class FakeStore:
     def batch_get_into_multi_buffers(
         self, keys: list[str], all_ptrs: list[list[int]], all_sizes: list[list[int]]
     ) -> list[int]:
-        self._check()
+        faulted = self._enter("batch_get_into_multi_buffers", keys, all_ptrs)
+        if faulted is not None:
+            return faulted
+        out: list[int] = []
         c = self._cluster
-        c.calls.append(("batch_get_into_multi_buffers", sum(len(p) for p in all_ptrs)))
-        fault = c._take_fault("batch_get_into_multi_buffers")
-        if fault is not None:
-            return [fault] * len(keys)
-        out = []
         with c.lock:
             for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes, strict=False):
                 value = c.objects.get(key)

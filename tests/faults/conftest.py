@@ -339,7 +339,7 @@ class SpanOracle:
         for key in keys:
             flags = []
             for name in ("kv", "indexer"):
-                binding = self.store._bindings[name]
+                binding = self.store.pools[name]
                 flags.append(
                     all(self.store.client.exists(schema.object_keys([key], binding.components)))
                 )

@@ -188,8 +188,8 @@ def _placement(oracle: SpanOracle, keys: list[str]) -> dict[str, tuple[set[str],
     schema = store.key_schema
     return {
         key: (
-            where(schema.object_keys([key], store._bindings["kv"].components)),
-            where(schema.object_keys([key], store._bindings["indexer"].components)),
+            where(schema.object_keys([key], store.pools["kv"].components)),
+            where(schema.object_keys([key], store.pools["indexer"].components)),
         )
         for key in keys
     }

@@ -257,7 +257,7 @@ def test_trailing_holes_and_removed_component(span_store_factory):
     assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (4, [2, 4])
     assert hit.extra_pool_hit_pages[PoolName.MAMBA] == 4
 
-    victim = store.key_schema.object_keys(["t2"], store._bindings["indexer"].components)[0]
+    victim = store.key_schema.object_keys(["t2"], store.pools["indexer"].components)[0]
     assert store.client.remove([victim]) == 1
     hit = store.batch_exists_v2(keys, queries)
     assert (hit.kv_hit_pages, hit.restorable_prefix_pages) == (2, [2])

@@ -128,7 +128,7 @@ ROWS = [
         "v2 unregistered pool",
         lambda s, g: s.batch_set_v2([_t(_n()[0].SWA, host_indices=g, keys=["a", "b"])]),
         {"swa": [False, False]},
-        "pool 'swa' is not registered",
+        "names unregistered pool 'swa'",
     ),
     Row(
         "v1 host index out of range",

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_span.errors import GeometryError, RegistrationError
+from mooncake_span.errors import InvalidRequestError, RegistrationError
 from mooncake_span.span.geometry import (
     KV_DERIVED_POOLS,
     KV_POOL,
@@ -212,7 +212,7 @@ def test_kv_anchor_carries_one_storage_page_per_key():
 @pytest.mark.parametrize("kind", [PoolKind.KV_ANCHOR, PoolKind.KV_DERIVED])
 def test_kv_kinds_must_match_the_storage_page(kind):
     # 2 keys x 64 slots: a host page per key instead of a storage page.
-    with pytest.raises(GeometryError) as excinfo:
+    with pytest.raises(InvalidRequestError) as excinfo:
         derive(pool_name="draft", kind=kind, num_slots=128, num_keys=2)
     message = str(excinfo.value)
     assert "'draft'" in message
@@ -237,7 +237,7 @@ def test_state_pool_swa_window():
 
 
 def test_state_pool_needs_whole_pool_pages():
-    with pytest.raises(GeometryError) as excinfo:
+    with pytest.raises(InvalidRequestError) as excinfo:
         derive(
             pool_name="swa", kind=PoolKind.STATE, num_slots=2 * 96, num_keys=2, pool_page_tokens=64
         )
@@ -247,7 +247,7 @@ def test_state_pool_needs_whole_pool_pages():
 
 @pytest.mark.parametrize(("num_slots", "num_keys"), [(513, 2), (0, 2), (-4, 2), (5, 3)])
 def test_indices_must_divide_among_keys(num_slots, num_keys):
-    with pytest.raises(GeometryError) as excinfo:
+    with pytest.raises(InvalidRequestError) as excinfo:
         derive(
             pool_name="mamba",
             kind=PoolKind.STATE,
@@ -262,7 +262,7 @@ def test_indices_must_divide_among_keys(num_slots, num_keys):
 
 @pytest.mark.parametrize("num_keys", [0, -1])
 def test_no_keys_is_an_error(num_keys):
-    with pytest.raises(GeometryError, match="'kv'.*no keys"):
+    with pytest.raises(InvalidRequestError, match="'kv'.*no keys"):
         derive(num_keys=num_keys)
 
 
@@ -292,7 +292,7 @@ def test_derive_slots_per_key_rule(kind, num_slots, num_keys, pool_page, storage
     if valid:
         assert derive_slots_per_key(**kw) == per_key
     else:
-        with pytest.raises(GeometryError, match="'p'"):
+        with pytest.raises(InvalidRequestError, match="'p'"):
             derive_slots_per_key(**kw)
 
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mooncake_span.errors import InvalidRequestError
 from mooncake_span.span.hits import (
     ALL_PAGES,
     BLOCK_GROUPS,
@@ -162,7 +163,7 @@ def test_custom_kv_name():
 
 
 def test_unknown_policy_is_rejected_with_the_pool_name():
-    with pytest.raises(ValueError, match="'mamba'.*'sometimes'"):
+    with pytest.raises(InvalidRequestError, match="'mamba'.*'sometimes'"):
         PoolHitQuery("mamba", "sometimes", [True])
 
 

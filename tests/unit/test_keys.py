@@ -14,7 +14,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from mooncake_span.errors import GeometryError
+from mooncake_span.errors import InvalidRequestError
 from mooncake_span.span.keys import (
     KEY_SCHEMA_VERSION,
     MAX_PAGE_KEY_CHARS,
@@ -312,13 +312,13 @@ def test_accepts_lists_and_tuples_and_returns_a_fresh_list():
 
 
 def test_none_is_rejected():
-    with pytest.raises(GeometryError, match="None"):
+    with pytest.raises(InvalidRequestError, match="None"):
         check_page_keys(None)
 
 
 @pytest.mark.parametrize("bad", ["abc", {"a": 1}, 5, (k for k in ["a"]), {"a"}])
 def test_non_list_is_rejected_naming_the_type(bad):
-    with pytest.raises(GeometryError, match="list") as excinfo:
+    with pytest.raises(InvalidRequestError, match="list") as excinfo:
         check_page_keys(bad)
     assert type(bad).__name__ in str(excinfo.value)
 
@@ -356,7 +356,7 @@ def test_non_list_is_rejected_naming_the_type(bad):
 def test_bad_key_is_rejected_naming_its_index(bad, fragment, index):
     keys = ["good0", "good1", "good2"]
     keys[index] = bad
-    with pytest.raises(GeometryError) as excinfo:
+    with pytest.raises(InvalidRequestError) as excinfo:
         check_page_keys(keys)
     message = str(excinfo.value)
     assert f"#{index}" in message
@@ -364,7 +364,7 @@ def test_bad_key_is_rejected_naming_its_index(bad, fragment, index):
 
 
 def test_first_bad_key_is_the_one_named():
-    with pytest.raises(GeometryError, match="#1 "):
+    with pytest.raises(InvalidRequestError, match="#1 "):
         check_page_keys(["ok", "", "a b"])
 
 
@@ -377,7 +377,7 @@ def test_non_ascii_whitespace_and_control_chars_are_rejected(char):
     # The docstring's rule is "whitespace and control characters", not just
     # their ASCII forms; Python itself treats all of these as whitespace or Cc.
     assert char.isspace() or not char.isprintable()
-    with pytest.raises(GeometryError, match="#0"):
+    with pytest.raises(InvalidRequestError, match="#0"):
         check_page_keys([f"ab{char}cd"])
 
 

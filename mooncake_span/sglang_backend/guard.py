@@ -1,0 +1,91 @@
+"""The one place where sglang-facing calls are kept from raising.
+
+sglang runs storage calls on daemon threads (backup, prefetch, hit queries);
+an exception there kills the thread and silently stops the L3 tier. Every
+method those threads call is wrapped in :func:`never_raise` with the value it
+answers on a miss: bad caller input and cluster failures are logged (rate
+limited, naming what is wrong) and become misses; unexpected bugs are logged
+with a traceback and become misses too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+from mooncake_span.errors import MooncakeSpanError
+
+logger = logging.getLogger(__name__)
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+class Rejects(Protocol):
+    def _reject(self, op_name: str, exc: Exception) -> None: ...
+
+
+def never_raise(miss: Callable[..., Any]) -> Callable[[Method], Method]:
+    """Wrap a method so that any failure returns ``miss(*args, **kwargs)`` instead."""
+
+    def decorate(method: Method) -> Method:
+        op_name = method.__name__
+
+        @functools.wraps(method)
+        def guarded(self: Rejects, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except MooncakeSpanError as exc:
+                self._reject(op_name, exc)
+            except Exception:  # a bug must not kill sglang's storage thread
+                logger.exception("mooncake-span %s failed unexpectedly", op_name)
+            return miss(*args, **kwargs)
+
+        return guarded  # type: ignore[return-value]
+
+    return decorate
+
+
+def _count(items: Any) -> int:
+    return len(items) if isinstance(items, (list, tuple)) else 0
+
+
+def miss_per_key(keys: Any = None, *_args: Any, **_kwargs: Any) -> list[bool]:
+    return [False] * _count(keys)
+
+
+def miss_none_per_key(keys: Any = None, *_args: Any, **_kwargs: Any) -> list[None]:
+    return [None] * _count(keys)
+
+
+def miss_per_transfer(transfers: Any = None, *_args: Any, **_kwargs: Any) -> dict[Any, list[bool]]:
+    """``False`` for every key of every transfer whose name can key a dict."""
+    out: dict[Any, list[bool]] = {}
+    if not isinstance(transfers, (list, tuple)):
+        return out
+    for transfer in transfers:
+        name = getattr(transfer, "name", None)
+        try:
+            out[name] = [False] * _count(getattr(transfer, "keys", None))
+        except TypeError:  # an unhashable name cannot be answered
+            continue
+    return out
+
+
+def miss_count(*_args: Any, **_kwargs: Any) -> int:
+    return 0
+
+
+def miss_flag(*_args: Any, **_kwargs: Any) -> bool:
+    return False
+
+
+def miss_hit_result(*_args: Any, **_kwargs: Any) -> PoolTransferResult:
+    return PoolTransferResult(0, {}, [])
+
+
+def miss_nothing(*_args: Any, **_kwargs: Any) -> None:
+    return None

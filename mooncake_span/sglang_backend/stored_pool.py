@@ -1,0 +1,267 @@
+"""One registered host pool as it is stored in Mooncake.
+
+A :class:`StoredPool` owns everything that depends on one pool's layout: the
+object keys of a call (key-major, component-minor: object ``i * C + c`` is
+component ``c`` of key ``i``), the buffer plans, the group ids of a put and the
+fold from per-object flags to per-key results. The backend only loops over
+pools, so the object order is written down here and nowhere else.
+
+Pools whose host pages cannot be addressed by an affine pointer model (the DSA
+indexer in layer_first) are a :class:`StagedPool`: their bytes go through one
+contiguous staging tensor, filled before a put and copied back after a get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from mooncake_span.errors import InvalidRequestError
+from mooncake_span.span.geometry import PoolKind, SpanGeometry, derive_slots_per_key
+from mooncake_span.span.hits import clamp_after_first_failure
+from mooncake_span.span.keys import ComponentSpec, KeySchema
+from mooncake_span.span.plan import ObjectPlan, PageLayout, plan_objects, plan_objects_from_flat
+from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry
+
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def check_host_indices(pool_name: str, host_indices: Any) -> None:
+    """Host indices must be an integer CPU tensor (sglang slices them from its host allocator)."""
+    what = f"pool {pool_name!r}: host_indices"
+    if host_indices is None:
+        raise InvalidRequestError(f"{what} is None")
+    if not isinstance(host_indices, torch.Tensor):
+        raise InvalidRequestError(f"{what} must be a tensor, got {type(host_indices).__name__}")
+    if host_indices.device.type != "cpu":
+        raise InvalidRequestError(f"{what} must be on the CPU, got {host_indices.device}")
+    if host_indices.dtype not in _INDEX_DTYPES:
+        raise InvalidRequestError(f"{what} must be integers, got {host_indices.dtype}")
+
+
+def flat_base(index: int, tensor: Any, span_bytes: int) -> int:
+    """Address of one generic value: a contiguous CPU tensor of exactly one storage page."""
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+    ):
+        raise InvalidRequestError(f"generic value #{index} must be a contiguous CPU tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes != span_bytes:
+        raise InvalidRequestError(
+            f"generic value #{index} holds {nbytes} bytes; a storage page is {span_bytes} bytes"
+        )
+    return tensor.data_ptr()
+
+
+def geometry_record(
+    geometry: SpanGeometry, schema: KeySchema, pools: dict[str, StoredPool]
+) -> GeometryRecord:
+    """What the layout guard publishes: the namespace's span geometry and pool shapes."""
+    shapes = {}
+    for name, pool in sorted(pools.items()):
+        layout = pool.layout
+        per_page = (
+            () if layout is None else tuple(map(layout.page_bytes, range(len(layout.components))))
+        )
+        shapes[name] = PoolGeometry(
+            components=tuple(c.name for c in pool.components),
+            bytes_per_page=per_page,
+            page_tokens=pool.page_tokens,
+        )
+    return GeometryRecord(
+        host_page_tokens=geometry.host_page_tokens,
+        storage_page_tokens=geometry.storage_page_tokens,
+        layout=schema.layout,
+        kv_dtype=schema.kv_dtype,
+        pools=shapes,
+    )
+
+
+@dataclass
+class PoolBatch:
+    """One pool's part of one sglang call, validated and keyed."""
+
+    pool: StoredPool
+    page_keys: list[str]
+    key_pages: np.ndarray  # (n_keys, host pages per key)
+    object_keys: list[str] = field(default_factory=list)
+    # Generic (non zero-copy) calls: one flat span tensor per key instead of host pages.
+    flat_bases: list[int] | None = None
+    staging: torch.Tensor | None = None
+
+    @property
+    def pages_per_key(self) -> int:
+        return int(self.key_pages.shape[1])
+
+
+@dataclass
+class Transfer:
+    """The objects of one batch that still have to move, with their plans."""
+
+    object_indices: list[int]
+    plans: list[ObjectPlan]
+    group_ids: list[str] | None
+
+
+class StoredPool:
+    """A host pool's storage model: object keys, plans, group ids, per-key fold."""
+
+    def __init__(
+        self,
+        name: str,
+        host_pool: Any,
+        kind: PoolKind,
+        page_tokens: int,
+        components: tuple[ComponentSpec, ...],
+        layout: PageLayout | None,
+    ) -> None:
+        self.name = name
+        self.host_pool = host_pool
+        self.kind = kind
+        self.page_tokens = page_tokens
+        self.components = components
+        self.layout = layout  # None: a logical anchor that stores no bytes
+
+    @property
+    def is_logical(self) -> bool:
+        return self.layout is None
+
+    @property
+    def num_components(self) -> int:
+        return len(self.components)
+
+    def host_pages(
+        self, kind: PoolKind, num_keys: int, host_indices: Any, geometry: SpanGeometry
+    ) -> np.ndarray:
+        """``(num_keys, pages per key)`` host page numbers; the stride comes from the transfer."""
+        check_host_indices(self.name, host_indices)
+        slots = host_indices.reshape(-1).to(torch.int64)
+        per_key = derive_slots_per_key(
+            pool_name=self.name,
+            kind=kind,
+            num_slots=int(slots.numel()),
+            num_keys=num_keys,
+            pool_page_tokens=self.page_tokens,
+            storage_page_tokens=geometry.storage_page_tokens,
+        )
+        page = self.page_tokens
+        by_page = slots.view(-1, page)
+        starts = by_page[:, 0]
+        whole = not bool((starts % page != 0).any())
+        if whole and page > 1:
+            whole = torch.equal(by_page - starts[:, None], torch.arange(page).expand_as(by_page))
+        if not whole:
+            raise InvalidRequestError(
+                f"pool {self.name!r}: host indices are not whole {page}-slot host pages"
+            )
+        pages = (starts // page).numpy().reshape(num_keys, per_key // page)
+        if pages.min() < 0 or pages.max() >= self.layout.num_pages:
+            raise InvalidRequestError(
+                f"pool {self.name!r}: host page out of range [{int(pages.min())}, "
+                f"{int(pages.max())}] (pool has {self.layout.num_pages} pages)"
+            )
+        return pages
+
+    def batch(self, schema: KeySchema, page_keys: list[str], key_pages: np.ndarray) -> PoolBatch:
+        batch = PoolBatch(self, page_keys, key_pages)
+        if not self.is_logical:
+            batch.object_keys = schema.object_keys(page_keys, self.components)
+        return batch
+
+    def object_keys(self, schema: KeySchema, page_keys: list[str]) -> list[str]:
+        return [] if self.is_logical else schema.object_keys(page_keys, self.components)
+
+    def fold(self, object_flags: Sequence[bool]) -> list[bool]:
+        """Per key: are all of its component objects present (or moved)?"""
+        ncomp = self.num_components
+        if ncomp == 1:
+            return list(object_flags)
+        return [all(object_flags[i : i + ncomp]) for i in range(0, len(object_flags), ncomp)]
+
+    def transfer(
+        self, batch: PoolBatch, stored: Sequence[bool], is_set: bool, schema: KeySchema
+    ) -> Transfer:
+        """What to move for ``batch``; ``stored`` flags objects a put may skip."""
+        ncomp = self.num_components
+        if not any(stored):
+            rows = list(range(len(batch.page_keys)))
+            objects = list(range(len(batch.object_keys)))
+            plans = self.plans(batch, rows, is_set)
+        else:
+            rows = [i for i, whole in enumerate(self.fold(stored)) if not whole]
+            row_plans = self.plans(batch, rows, is_set) if rows else []
+            objects, plans = [], []
+            for pos, row in enumerate(rows):
+                for c in range(ncomp):
+                    if not stored[row * ncomp + c]:
+                        objects.append(row * ncomp + c)
+                        plans.append(row_plans[pos * ncomp + c])
+        groups = None
+        if is_set:
+            groups = [schema.group_id(batch.page_keys[i // ncomp]) for i in objects]
+        return Transfer(objects, plans, groups)
+
+    def plans(self, batch: PoolBatch, rows: list[int], is_set: bool) -> list[ObjectPlan]:
+        """Plans for every component of keys ``rows`` (key-major, component-minor)."""
+        if batch.flat_bases is not None:
+            bases = [batch.flat_bases[i] for i in rows]
+            return plan_objects_from_flat(self.layout, bases, batch.pages_per_key)
+        return plan_objects(self.layout, batch.key_pages[rows])
+
+    def per_key_results(self, batch: PoolBatch, object_flags: Sequence[bool]) -> list[bool]:
+        """Fold object results to keys; sglang reads a result list as a prefix."""
+        if self.is_logical:
+            return [True] * len(batch.page_keys)
+        return clamp_after_first_failure(self.fold(object_flags))
+
+    def finish_get(self, batch: PoolBatch, per_key: list[bool]) -> None:
+        """Zero-copy pools already hold the bytes; staged pools copy them back."""
+
+    def moved_bytes(self, batch: PoolBatch, per_key: Sequence[bool]) -> int:
+        if self.is_logical:
+            return 0
+        return self.layout.flat_page_bytes * batch.pages_per_key * sum(per_key)
+
+
+class StagedPool(StoredPool):
+    """A pool without zero-copy pointers: stage flat pages, then unstage after a get."""
+
+    def plans(self, batch: PoolBatch, rows: list[int], is_set: bool) -> list[ObjectPlan]:
+        if batch.flat_bases is not None:
+            return super().plans(batch, rows, is_set)
+        flat_bytes = self.layout.slot_bytes[0]
+        pages_per_key = batch.pages_per_key
+        batch.staging = torch.empty(
+            (len(batch.page_keys), pages_per_key, flat_bytes), dtype=torch.uint8
+        )
+        if is_set:
+            self._stage(batch, rows)
+        row_bytes = pages_per_key * flat_bytes
+        base = batch.staging.data_ptr()
+        return plan_objects_from_flat(
+            self.layout, [base + i * row_bytes for i in rows], pages_per_key
+        )
+
+    def _stage(self, batch: PoolBatch, rows: list[int]) -> None:
+        for i in rows:
+            for j, page in enumerate(batch.key_pages[i].tolist()):
+                data = self.host_pool.get_data_page(page * self.page_tokens, flat=True)
+                batch.staging[i, j].copy_(data.contiguous().view(torch.uint8).reshape(-1))
+
+    def finish_get(self, batch: PoolBatch, per_key: list[bool]) -> None:
+        if batch.staging is None:
+            return
+        dtype = self.host_pool.get_dummy_flat_data_page().dtype
+        for i, ok in enumerate(per_key):
+            if not ok:
+                break
+            for j, page in enumerate(batch.key_pages[i].tolist()):
+                self.host_pool.set_from_flat_data_page(
+                    page * self.page_tokens, batch.staging[i, j].view(dtype)
+                )

@@ -1,0 +1,52 @@
+"""The part of Mooncake's ``MooncakeDistributedStore`` that mooncake-span calls.
+
+The real class (``mooncake.store``), the in-memory :class:`~mooncake_span.store.fake.FakeStore`
+and the benchmarks' do-nothing store all satisfy this protocol; the shared
+contract suite (``tests/contract``) holds the fake to the real client's
+behaviour. Native methods answer with return codes, never exceptions: ``0`` or
+a byte count on success, a negative Mooncake ``ErrorCode`` on failure, and a
+list of them for batch calls (an empty list when the client is not set up).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class NativeStore(Protocol):
+    def setup(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        global_segment_size: int,
+        local_buffer_size: int,
+        protocol: str,
+        device_name: str,
+        master_server_address: str,
+    ) -> int: ...
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
+
+    def close(self) -> int: ...
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: list[str],
+        all_buffer_ptrs: list[list[int]],
+        all_sizes: list[list[int]],
+        config: Any = ...,
+    ) -> list[int]: ...
+
+    def batch_get_into_multi_buffers(
+        self, keys: list[str], all_buffer_ptrs: list[list[int]], all_sizes: list[list[int]]
+    ) -> list[int]: ...
+
+    def remove(self, key: str, force: bool = ...) -> int: ...
+
+    def remove_all(self, force: bool = ...) -> int: ...
+
+    def remove_by_regex(self, pattern: str, force: bool = ...) -> int: ...
+
+    def get_size(self, key: str) -> int: ...
