@@ -59,6 +59,12 @@ _CLOSE_DRAIN_TIMEOUT_S = 60.0
 _EXISTS_KEYS_PER_CALL = 4096
 # Mooncake's TCP transport queues 1024 transfers per peer plus 1024 pending admissions.
 _TCP_QUEUE_BUFFERS = 2048
+# Error counters live as long as the client and are keyed by code name, and an
+# unknown native code gets a label of its own (CODE_<n>): past this many
+# labels, new codes are counted together under _OTHER_CODES_LABEL. Bound: at
+# most _MAX_ERROR_LABELS + 1 code labels plus the five fixed ones.
+_MAX_ERROR_LABELS = 64
+_OTHER_CODES_LABEL = "CODE_OTHER"
 
 
 @dataclass(frozen=True)
@@ -230,7 +236,10 @@ class MooncakeClient:
         counts against the breaker, any other answer proves the cluster is alive."""
         for code in codes:
             if code < 0:
-                self._counters[code_name(code)] += 1
+                label = code_name(code)
+                if label not in self._counters and len(self._counters) >= _MAX_ERROR_LABELS:
+                    label = _OTHER_CODES_LABEL
+                self._counters[label] += 1
         if codes and all(is_transport_failure(c) for c in codes):
             self._fail(op, f"all {len(codes)} entries failed ({code_name(codes[0])})")
         else:
