@@ -29,6 +29,7 @@ import argparse
 import bisect
 import hashlib
 import logging
+import math
 import os
 import random
 import re
@@ -150,9 +151,10 @@ class LatencyBook:
     def calls(self) -> int:
         return int(self.counts.sum())
 
-    def minute_rows(self) -> list[dict[str, Any]]:
+    def minute_rows(self, duration_s: float) -> list[dict[str, Any]]:
+        """p50/p99 per operation for each minute that started before ``duration_s``."""
         rows = []
-        for minute in range(self.counts.shape[0]):
+        for minute in range(min(self.counts.shape[0], math.ceil(duration_s / 60))):
             block = self.counts[minute]
             if not block.any():
                 continue
@@ -429,7 +431,7 @@ def run_soak(config: SoakConfig, say: Callable[[str], None] = print) -> dict[str
         finally:
             traffic.close()
     report["config"] = asdict(config)
-    report["minutes"] = book.minute_rows()
+    report["minutes"] = book.minute_rows(config.duration_s)
     report["summary"] = analyse(report["samples"], config)
     return report
 

@@ -46,7 +46,7 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_plot(report: dict[str, Any], path: str) -> None:
+def write_plot(report: dict[str, Any], path: str, dpi: int = 100) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,7 +89,7 @@ def write_plot(report: dict[str, Any], path: str) -> None:
     axes[2].set_xlabel("minutes")
     axes[2].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 

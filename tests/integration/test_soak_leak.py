@@ -24,12 +24,16 @@ from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PACKAGE_DIR = str(Path(__file__).resolve().parents[2] / "mooncake_span")
-WARMUP_ROUNDS = 60
+WARMUP_ROUNDS = 500
 MEASURED_ROUNDS = 500
+# The warm-up fills the backend's bounded windows (64 metric records per list
+# with metrics off) and lets torch's own bookkeeping for the index tensors
+# settle (it moves by a few KB either way over the first few hundred rounds).
 # Allowed growth of mooncake-span's own live allocations over the measured
-# rounds (about 2.6k backend calls). Before the fix the per-call metric lists
-# grew by about 30 KB here (~40 B per v1 call); after it, by well under 1 KB.
-BUDGET_BYTES = 8 << 10
+# rounds (about 2.7k backend calls): before the fix the per-call metric lists
+# grew by ~30 KB here (~40 B per v1 call); after it, growth stays within
+# about +-2 KB.
+BUDGET_BYTES = 12 << 10
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,7 @@ def _rounds(traffic, rng: random.Random, count: int) -> None:
 
 def test_per_call_state_stays_flat_with_storage_metrics_off(small_cluster):
     from mooncake_span.bench.soak import LatencyBook, SoakConfig, Traffic
+    from mooncake_span.sglang_backend.stats import UNPOLLED_WINDOW
 
     config = SoakConfig(
         storage_nodes=1,
@@ -93,5 +98,6 @@ def test_per_call_state_stays_flat_with_storage_metrics_off(small_cluster):
         f"mooncake-span's own allocations grew by {growth} bytes over {calls} calls "
         f"({growth / calls:.1f} B/call); largest: {top}"
     )
-    # Nothing consumes per-call records with metrics off, so none are kept.
-    assert stats.prefetch_pgs == [] and stats.backup_pgs == []
+    # Nothing drains per-call records with metrics off: only the last window is kept.
+    assert len(stats.backup_pgs) == UNPOLLED_WINDOW and len(stats.prefetch_pgs) <= UNPOLLED_WINDOW
+    assert stats.dropped_metric_records > 0
