@@ -28,7 +28,17 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_span.bench import runner as R
+from mooncake_span.bench import contenders as C
+from mooncake_span.bench.native import TimedNativeStore, Topology
+from mooncake_span.bench.pages import build_parts
+from mooncake_span.bench.workloads import (
+    HOST_PAGE_TOKENS,
+    LARGE,
+    MODELS,
+    SMALL,
+    BenchConfig,
+    ContenderSpec,
+)
 from mooncake_span.errors import ErrorCode
 from mooncake_span.span.plan import plan_objects
 from mooncake_span.store.client import NativeBinding
@@ -133,12 +143,12 @@ class _CpuClock:
 
 
 class _NativeClock:
-    """Wall time inside a real native store: ``R._TimedStore``'s counters
+    """Wall time inside a real native store: ``TimedNativeStore``'s counters
     (native calls wait for Mooncake's own threads, so CPU time would miss them)."""
 
     now = staticmethod(time.perf_counter)
 
-    def __init__(self, store: R._TimedStore) -> None:
+    def __init__(self, store: TimedNativeStore) -> None:
         self.store = store
 
     @property
@@ -166,14 +176,14 @@ class Cell:
 
     store: str  # "null" or "same" (real in-process Mooncake)
     family: str  # "mla" or "dsa"
-    size: str  # R.SMALL or R.LARGE
+    size: str  # SMALL or LARGE
     pages_per_call: int
     contenders: tuple[str, ...]
 
 
 def default_cells(quick: bool) -> list[Cell]:
     span = ("span-K1", "span-K2", "span-K4", "span-K8")
-    small, large = R.SMALL, R.LARGE
+    small, large = SMALL, LARGE
     cells = [
         Cell("null", "mla", small, 512, (*span, "span-K4-nogroup", "upstream", "raw-K4")),
         Cell("null", "dsa", small, 512, ("span-K4", "span-K4-nogroup", "upstream", "raw-K4")),
@@ -210,11 +220,11 @@ class _Rig:
         self.cell = cell
         self.native = native
         self.clock = clock
-        self.model = R.MODELS[(cell.family, cell.size)]
+        self.model = MODELS[(cell.family, cell.size)]
         self.dsa = cell.family == "dsa"
         p = cell.pages_per_call
         # src and dst sets of one call; Mamba has one state slot per call
-        self.parts = R.build_parts(self.model, "page_first", 2 * p, 2)
+        self.parts = build_parts(self.model, "page_first", 2 * p, 2)
         rng = np.random.default_rng(0)
         order = rng.permutation(2 * p)
         self.src, self.dst = order[:p], order[p:]
@@ -227,24 +237,24 @@ class _Rig:
                 store.close()
         self.parts.clear()
 
-    def _extra(self, spec: R.ContenderSpec) -> dict[str, Any]:
+    def _extra(self, spec: ContenderSpec) -> dict[str, Any]:
         return {
             **self.client_config,
             "span_layout_guard": "off",
-            "storage_page_size": R.HOST_PAGE_TOKENS * spec.pages_per_key,
+            "storage_page_size": HOST_PAGE_TOKENS * spec.pages_per_key,
             "span_group_ids": spec.group_ids,
         }
 
-    def store_for(self, spec: R.ContenderSpec) -> Any:
+    def store_for(self, spec: ContenderSpec) -> Any:
         if spec.name in self.stores:
             return self.stores[spec.name]
         if spec.kind == "span":
             from mooncake_span.sglang_backend.backend import MooncakeSpanStore
 
-            config = R._storage_config(self.model, self._extra(spec), f"oh-{spec.name}")
+            config = C._storage_config(self.model, self._extra(spec), f"oh-{spec.name}")
             binding = NativeBinding(lambda: self.native, self._replicate_config)
             store = MooncakeSpanStore(config, {}, binding=binding)
-            R._register(store, self.parts)
+            C._register(store, self.parts)
             store.on_host_pools_registered()
         else:
             store = self._upstream()
@@ -263,27 +273,27 @@ class _Rig:
 
         from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 
-        config = R._storage_config(self.model, dict(self.client_config), "oh-upstream")
+        config = C._storage_config(self.model, dict(self.client_config), "oh-upstream")
         native = self.native
         with mock.patch.object(
             MooncakeStore, "_import_mooncake_store", lambda _self: lambda: native
         ):
             store = MooncakeStore(config, self.parts[0].pool)
-        R._register(store, self.parts)
+        C._register(store, self.parts)
         return store
 
     def closures(self, name: str, rep: int) -> tuple[list[Callable[[], Any]], int]:
         """(put, get, exists) closures of one call of ``name``, and its keys per call."""
-        spec = R.ContenderSpec.parse(name)
+        spec = ContenderSpec.parse(name)
         k = spec.pages_per_key
-        keys = R._page_keys(f"{name}/{rep}", len(self.src) // k)
+        keys = C._page_keys(f"{name}/{rep}", len(self.src) // k)
         if spec.kind == "raw":
             return self._raw(keys, k), len(keys)
         store = self.store_for(spec)
-        s_slots, d_slots = R._slots(self.src), R._slots(self.dst)
-        put = R._backend_put(store, keys, s_slots, self.dsa, True, 0)
-        get = R._backend_get(store, keys, d_slots, self.dsa, True, 1)
-        exists = R._backend_exists(store, keys, self.dsa)
+        s_slots, d_slots = C._slots(self.src), C._slots(self.dst)
+        put = C._backend_put(store, keys, s_slots, self.dsa, True, 0)
+        get = C._backend_get(store, keys, d_slots, self.dsa, True, 1)
+        exists = C._backend_exists(store, keys, self.dsa)
         return [put, get, exists], len(keys)
 
     def _raw(self, keys: list[str], k: int) -> list[Callable[[], Any]]:
@@ -373,7 +383,7 @@ def run_overhead(quick: bool = False, reps: int | None = None) -> dict[str, Any]
                 clock, config = _CpuClock(), null_config
             else:
                 if topology is None:
-                    topology = stack.enter_context(R.Topology("same", R.BenchConfig()))
+                    topology = stack.enter_context(Topology("same", BenchConfig()))
                 native, clock = topology.store, _NativeClock(topology.store)
                 config = dict(topology.client_config)
             rig = _Rig(cell, native, clock, config)

@@ -1,7 +1,11 @@
 """A storage-only Mooncake process: it contributes memory and holds data.
 
 Run as ``python -m mooncake_span.storage_node --master HOST:PORT --metadata URL
---segment-bytes 512mb``. The process mounts a global segment of that size,
+--segment-bytes 512mb``. Without ``--master`` the connection comes from the same
+places a serving node reads it from (``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``,
+else ``MOONCAKE_MASTER`` and the other ``MOONCAKE_*`` variables), through the
+same loader and validators (:func:`mooncake_span.config.load_mooncake_settings`);
+flags given override single fields. The process mounts a global segment of that size,
 prints exactly one line starting with ``READY`` to stdout, then waits for
 SIGTERM or SIGINT, closes the store once and exits 0. Setup failures print an
 error to stderr and exit 1; bad arguments exit 2.
@@ -13,13 +17,16 @@ writer process (but not this process or the master).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 
-from mooncake_span.ops.cluster import validate_master_address, validate_metadata_server
+from mooncake_span.config import CONFIG_PATH_ENV, MooncakeSettings, load_mooncake_settings
+from mooncake_span.errors import ConfigError
 from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
@@ -30,51 +37,109 @@ _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mooncake_span.storage_node",
-        description="Mount a Mooncake global segment and keep it alive until SIGTERM/SIGINT.",
+        description=(
+            "Mount a Mooncake global segment and keep it alive until SIGTERM/SIGINT. Without "
+            "--master the settings come from SGLANG_HICACHE_MOONCAKE_CONFIG_PATH or the "
+            "MOONCAKE_* environment, like a serving node's; flags override single fields."
+        ),
     )
     parser.add_argument(
         "--master",
-        required=True,
+        default=None,
         help="master address, HOST:PORT or etcd://HOST:PORT for HA masters",
     )
     parser.add_argument(
         "--metadata",
-        required=True,
+        default=None,
         help="metadata server: http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE",
     )
     parser.add_argument(
         "--segment-bytes",
-        required=True,
+        default=None,
         help="size of the global segment this node contributes, e.g. 512mb or 1073741824",
     )
     parser.add_argument(
         "--local-buffer-bytes",
-        default="16mb",
+        default=None,
         help="size of the client's local transfer buffer (default: 16mb)",
     )
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="local hostname/IP this node advertises (default: 127.0.0.1)",
+        default=None,
+        help="local hostname/IP this node advertises (default: 127.0.0.1 with --master)",
     )
-    parser.add_argument("--protocol", default="tcp", help="transfer protocol (default: tcp)")
-    parser.add_argument("--device", default="", help="RDMA device name; empty for tcp")
+    parser.add_argument(
+        "--protocol", default=None, help="transfer protocol (default: tcp with --master)"
+    )
+    parser.add_argument("--device", default=None, help="RDMA device name; empty for tcp")
     return parser
+
+
+def settings_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> MooncakeSettings:
+    """The node's ``MooncakeSettings``: flags over the loader's sources.
+
+    Raises:
+        ConfigError: a value is malformed, or the segment size is not > 0.
+    """
+    environ = os.environ if environ is None else environ
+    if args.master is not None:
+        if args.segment_bytes is None:
+            raise ConfigError("--segment-bytes is required with --master")
+        # Explicit flags describe the whole connection; defaults suit a local TCP
+        # cluster. MOONCAKE_LOCAL_HOSTNAME still wins over the default host, as on
+        # a serving node; --host wins over both (applied below).
+        extra = {"master_server_address": args.master, "protocol": "tcp"}
+        settings = load_mooncake_settings({**extra, "local_hostname": "127.0.0.1"}, environ)
+    elif not environ.get(CONFIG_PATH_ENV) and not environ.get("MOONCAKE_MASTER"):
+        raise ConfigError(
+            f"no Mooncake master configured: pass --master HOST:PORT, or set {CONFIG_PATH_ENV} "
+            "(a JSON file with master_server_address) or MOONCAKE_MASTER"
+        )
+    else:
+        settings = load_mooncake_settings(None, environ)
+    overrides: dict[str, object] = {}
+    if args.metadata is not None:
+        overrides["metadata_server"] = args.metadata
+    if args.segment_bytes is not None:
+        overrides["global_segment_size_bytes"] = _size(args.segment_bytes, "--segment-bytes")
+    if args.local_buffer_bytes is not None:
+        overrides["local_buffer_size_bytes"] = _size(
+            args.local_buffer_bytes, "--local-buffer-bytes"
+        )
+    if args.host is not None:
+        overrides["local_hostname"] = args.host
+    if args.protocol is not None:
+        overrides["protocol"] = args.protocol
+    if args.device is not None:
+        overrides["device_name"] = args.device
+    settings = dataclasses.replace(settings, **overrides)  # validated again
+    if settings.global_segment_size_bytes <= 0:
+        raise ConfigError(
+            f"a storage node exists to contribute memory: the segment size must be > 0, got "
+            f"{settings.global_segment_size_bytes} bytes (from {settings.source}); "
+            f"pass --segment-bytes"
+        )
+    return settings
+
+
+def _size(text: str, flag: str) -> int:
+    try:
+        return parse_size_bytes(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        segment_bytes = parse_size_bytes(args.segment_bytes)
-        local_buffer_bytes = parse_size_bytes(args.local_buffer_bytes)
-        validate_master_address(args.master)
-        # An unknown scheme makes the native setup abort the whole process.
-        validate_metadata_server(args.metadata)
-    except ValueError as exc:
+        # Validation happens here: an unknown metadata scheme would make the
+        # native setup abort the whole process.
+        settings = settings_from_args(args)
+    except ConfigError as exc:
         parser.error(str(exc))
-    if segment_bytes <= 0:
-        parser.error(f"--segment-bytes must be > 0 for a storage node, got {args.segment_bytes!r}")
 
     logging.basicConfig(
         level=logging.INFO,
@@ -93,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     store = MooncakeDistributedStore()
     started_s = time.monotonic()
     rc = store.setup(
-        args.host,
-        args.metadata,
-        segment_bytes,
-        local_buffer_bytes,
-        args.protocol,
-        args.device,
-        args.master,
+        settings.local_hostname,
+        settings.metadata_server,
+        settings.global_segment_size_bytes,
+        settings.local_buffer_size_bytes,
+        settings.protocol,
+        settings.device_name,
+        settings.master_server_address,
     )
     setup_s = time.monotonic() - started_s
     if rc != 0:
@@ -109,15 +174,15 @@ def main(argv: list[str] | None = None) -> int:
             "unreachable master or MC_TCP_BIND_ADDRESS not set to a local address",
             rc,
             setup_s,
-            args.master,
-            args.metadata,
-            segment_bytes,
+            settings.master_server_address,
+            settings.metadata_server,
+            settings.global_segment_size_bytes,
         )
         return 1
 
     print(
         f"READY pid={os.getpid()} segment={store.get_hostname()} "
-        f"segment_bytes={segment_bytes} setup_s={setup_s:.3f}",
+        f"segment_bytes={settings.global_segment_size_bytes} setup_s={setup_s:.3f}",
         flush=True,
     )
     received = signal.sigwait(_STOP_SIGNALS)

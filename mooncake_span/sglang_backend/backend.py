@@ -61,8 +61,15 @@ from mooncake_span.sglang_backend.guard import (
     miss_per_transfer,
     never_raise,
 )
+from mooncake_span.sglang_backend.observability import CallObserver, describe_layout
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
-from mooncake_span.sglang_backend.stats import CallCounters, RateLimitedLog, SpanStorageMetrics
+from mooncake_span.sglang_backend.stats import (
+    METRIC_WINDOW,
+    UNPOLLED_WINDOW,
+    CallCounters,
+    RateLimitedLog,
+    SpanStorageMetrics,
+)
 from mooncake_span.sglang_backend.stored_pool import (
     PoolBatch,
     StagedPool,
@@ -147,7 +154,11 @@ class MooncakeSpanStore(HiCacheStorage):
         )
         self._extra_tag = extra.get("extra_backend_tag")
         self._log = RateLimitedLog()
-        self._counters = CallCounters()
+        self._counters = CallCounters(
+            METRIC_WINDOW
+            if getattr(storage_config, "enable_storage_metrics", False)
+            else UNPOLLED_WINDOW
+        )
         self.pools: dict[str, StoredPool] = {}
         # Eviction group ids cost Mooncake time per object; they only matter
         # when a key owns more than one object (set at each registration).
@@ -159,6 +170,7 @@ class MooncakeSpanStore(HiCacheStorage):
         self.key_schema: KeySchema | None = None
         self.client = MooncakeClient(self.settings, self.options, binding)
         self.client.connect()
+        self.observer = CallObserver(self.client)  # mooncake_span_* Prometheus metrics
 
     # ---- registration (control path: errors raise) -------------------------------
 
@@ -197,6 +209,8 @@ class MooncakeSpanStore(HiCacheStorage):
             ranks=self._rank_tags(),
             tag=self._extra_tag,
         )
+        # Failure domains (store/domains.py): one segment per storage key.
+        self.client.domain_of = self.key_schema.domain_of
         self._bind(KV_POOL, mem_pool_host)
         for name, pool in list(self.pools.items()):
             if pool.kind is PoolKind.KV_DERIVED:
@@ -323,6 +337,7 @@ class MooncakeSpanStore(HiCacheStorage):
             if not is_set:
                 batch.pool.finish_get(batch, per_key)
             out.append(per_key)
+        self.observer.moved(is_set, batches, out)
         return out
 
     def _move(
@@ -370,18 +385,7 @@ class MooncakeSpanStore(HiCacheStorage):
         ok_keys = leading_run(results)
         tokens = ok_keys * self.geometry.storage_page_tokens
         gib = batch.pool.moved_bytes(batch, results) / (1 << 30)
-        with self._counters.lock:
-            c = self._counters
-            if is_set:
-                c.backup_pgs.append(len(results))
-                c.backup_tokens += tokens
-                if elapsed_s > 0:
-                    c.backup_bandwidth.append(gib / elapsed_s)
-            else:
-                c.prefetch_pgs.append(len(results))
-                c.prefetch_tokens += tokens
-                if elapsed_s > 0:
-                    c.prefetch_bandwidth.append(gib / elapsed_s)
+        self._counters.record(is_set, len(results), tokens, gib / elapsed_s if elapsed_s else None)
 
     def _timed_run(self, batch: PoolBatch, is_set: bool) -> list[bool]:
         started = time.perf_counter()
@@ -465,7 +469,9 @@ class MooncakeSpanStore(HiCacheStorage):
         kv = self.pools[KV_POOL]
         if kv.is_logical:
             return 0
-        return leading_run(self._exists_many([kv], page_keys)[0])
+        hits = leading_run(self._exists_many([kv], page_keys)[0])
+        self.observer.hit_query(len(page_keys), hits)
+        return hits
 
     @never_raise(miss_hit_result)
     def batch_exists_v2(
@@ -488,6 +494,7 @@ class MooncakeSpanStore(HiCacheStorage):
             _hit_query(t, exists[:kv_pages]) for t, exists in zip(transfers, flags, strict=True)
         ]
         hit = compute_hits(kv_pages, queries)
+        self.observer.hit_query(len(page_keys), hit.kv_hit_pages)
         names = {pool_name_str(t.name): t.name for t in transfers}
         pool_hits = {names.get(n, PoolName.KV): v for n, v in hit.pool_hit_pages.items()}
         return PoolTransferResult(hit.kv_hit_pages, pool_hits, hit.restorable_prefix_pages)
@@ -560,6 +567,11 @@ class MooncakeSpanStore(HiCacheStorage):
             "mooncake-span clear: removed %d objects under %s", removed, self.key_schema.prefix
         )
 
+    def describe_l3_object_layout(self, **_sglang_kwargs: Any) -> dict[str, Any]:
+        """Router-facing L3 layout: sglang MooncakeStore's fields plus span geometry."""
+        self._require_ready()
+        return describe_layout(self)
+
     def get_stats(self) -> SpanStorageMetrics:
         client_stats = self.client.stats()
         with self._counters.lock:
@@ -573,17 +585,9 @@ class MooncakeSpanStore(HiCacheStorage):
                 rejected_calls=dict(c.rejected_calls),
                 breaker_state=client_stats["breaker_state"],
                 breaker_times_opened=client_stats["breaker_times_opened"],
+                dropped_metric_records=c.dropped_records,
             )
-            metrics.prefetch_pgs.extend(c.prefetch_pgs)
-            metrics.backup_pgs.extend(c.backup_pgs)
-            metrics.prefetch_bandwidth.extend(c.prefetch_bandwidth)
-            metrics.backup_bandwidth.extend(c.backup_bandwidth)
-            c.prefetch_pgs.clear()
-            c.backup_pgs.clear()
-            c.prefetch_bandwidth.clear()
-            c.backup_bandwidth.clear()
-            c.prefetch_tokens = 0
-            c.backup_tokens = 0
+            c.drain_into(metrics)
         return metrics
 
     def close(self) -> None:

@@ -36,8 +36,6 @@ pytestmark = pytest.mark.integration  # a few seconds each: not slow
 ROUNDS = 60
 KEYS_PER_BACKUP = 3
 RANDOM_DELAY_S = 0.005
-# A round is a few ms of work plus injected delays; 2-core CI boxes are slow.
-TEST_BUDGET_S = 150.0
 _INJECTOR_LOGGER = "sglang.srt.mem_cache.hicache_storage"
 
 
@@ -117,4 +115,3 @@ def test_injected_failures_never_corrupt_a_restore(
     assert 0 < totals["prefetch_completed_tokens"] <= totals["prefetch_attempted_tokens"]
     assert totals["backup_completed_tokens"] <= totals["backup_attempted_tokens"]
     assert stats.breaker_times_opened == 0  # injected misses are not transport failures
-    assert elapsed < TEST_BUDGET_S

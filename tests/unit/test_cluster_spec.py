@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,70 @@ def test_storage_node_rejects_bad_urls_before_touching_mooncake(capsys):
         )
     assert excinfo.value.code == 2
     assert "scheme 'foo' is not supported" in capsys.readouterr().err
+
+
+def _node_settings(argv, environ):
+    from mooncake_span.ops import storage_node
+
+    args = storage_node.build_parser().parse_args(argv)
+    return storage_node.settings_from_args(args, environ)
+
+
+def test_storage_node_flags_build_mooncake_settings():
+    settings = _node_settings(
+        ["--master=10.0.0.1:50051", "--metadata=http://10.0.0.1:8080/metadata"]
+        + ["--segment-bytes=512mb", "--host=10.0.0.7"],
+        {"MOONCAKE_LOCAL_HOSTNAME": "10.0.0.99"},
+    )
+    assert settings.master_server_address == "10.0.0.1:50051"
+    assert settings.metadata_server == "http://10.0.0.1:8080/metadata"
+    assert settings.global_segment_size_bytes == 512 << 20
+    assert settings.local_buffer_size_bytes == 16 << 20
+    assert settings.protocol == "tcp" and settings.device_name == ""
+    assert settings.local_hostname == "10.0.0.7"  # --host beats the environment
+
+
+def test_storage_node_reads_the_serving_nodes_environment():
+    environ = {
+        "MOONCAKE_MASTER": "etcd://10.0.0.1:2379",
+        "MOONCAKE_TE_META_DATA_SERVER": "etcd://10.0.0.1:2379",
+        "MOONCAKE_PROTOCOL": "tcp",
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "2gb",
+        "MOONCAKE_LOCAL_HOSTNAME": "10.0.0.5",
+    }
+    settings = _node_settings([], environ)
+    assert settings.source == "environment"
+    assert settings.master_server_address == "etcd://10.0.0.1:2379"
+    assert settings.global_segment_size_bytes == 2 << 30
+    assert settings.local_hostname == "10.0.0.5"
+    assert _node_settings(["--segment-bytes=1gb"], environ).global_segment_size_bytes == 1 << 30
+
+
+def test_storage_node_reads_the_config_file(tmp_path):
+    path = tmp_path / "mooncake.json"
+    path.write_text(
+        '{"master_server_address": "10.0.0.1:50051", "metadata_server": "P2PHANDSHAKE",'
+        ' "protocol": "tcp", "global_segment_size": "1gb"}'
+    )
+    settings = _node_settings([], {"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": str(path)})
+    assert settings.source == f"file {path}"
+    assert settings.global_segment_size_bytes == 1 << 30
+
+
+@pytest.mark.parametrize(
+    "argv, environ, message",
+    [
+        ([], {}, "pass --master"),
+        (["--master=10.0.0.1:1"], {}, "--segment-bytes is required"),
+        (["--master=10.0.0.1:1", "--segment-bytes=0"], {}, "must be > 0"),
+        (["--master=10.0.0.1:1", "--segment-bytes=1xb"], {}, "--segment-bytes"),
+        (["--master=10.0.0.1:1", "--segment-bytes=1mb", "--protocol=udp"], {}, "'udp'"),
+        (["--master=nohost", "--segment-bytes=1mb"], {}, "nohost"),
+        ([], {"MOONCAKE_MASTER": "10.0.0.1:1", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "0"}, "> 0"),
+    ],
+)
+def test_storage_node_rejects_bad_settings_with_the_value(argv, environ, message):
+    from mooncake_span.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _node_settings(argv, environ)

@@ -1,0 +1,175 @@
+"""What a ``LocalCluster`` starts (``ClusterSpec``), and ``ExternalCluster`` for a running one.
+
+Pure validation, no processes: a spec is checked completely on construction,
+with messages that name the field and say what to set instead.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from mooncake_span.config import validate_master_address, validate_metadata_server
+from mooncake_span.units import parse_size_bytes
+
+__all__ = ["ClusterSpec", "ExternalCluster", "sglang_client_config"]
+
+
+# ---------------------------------------------------------------------------
+# spec
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. All fields are validated on construction.
+
+    Sizes accept ints or strings such as ``"512mb"`` and are stored as ints.
+    ``None`` for a master tunable keeps Mooncake's default (lease 10 s,
+    client TTL 10 s, eviction high watermark 0.9).
+    """
+
+    host: str = "127.0.0.1"
+    storage_nodes: int = 0
+    storage_node_segment_bytes: int = 256 << 20
+    storage_node_local_buffer_bytes: int = 16 << 20
+    etcd: bool = False
+    standalone_metadata: bool = False
+    ha_masters: int = 1
+    enable_oplog: bool = False
+    lease_ttl_ms: int | None = None
+    client_ttl_s: int | None = None
+    eviction_high_watermark_ratio: float | None = None
+    master_extra_args: tuple[str, ...] = ()
+    log_dir: str | Path | None = None
+    # Added to the environment of every child and to client_env().
+    env_overrides: Mapping[str, str] = field(default_factory=dict, hash=False)
+    start_timeout_s: float = 60.0
+    stop_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        try:
+            address = ipaddress.ip_address(self.host)
+        except ValueError:
+            raise ValueError(
+                f"ClusterSpec.host={self.host!r} is not an IP address; use a local IPv4 address "
+                f"such as '127.0.0.1'"
+            ) from None
+        if address.version != 4:
+            raise ValueError(f"ClusterSpec.host={self.host!r}: only IPv4 addresses are supported")
+        _require_int(self.storage_nodes, "storage_nodes", minimum=0)
+        _require_int(self.ha_masters, "ha_masters", minimum=1)
+        for name in ("storage_node_segment_bytes", "storage_node_local_buffer_bytes"):
+            try:
+                size_bytes = parse_size_bytes(getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"ClusterSpec.{name}: {exc}") from None
+            object.__setattr__(self, name, size_bytes)
+        if self.storage_nodes and self.storage_node_segment_bytes <= 0:
+            raise ValueError(
+                f"ClusterSpec.storage_node_segment_bytes must be > 0 when storage_nodes="
+                f"{self.storage_nodes}; a storage node exists to contribute memory"
+            )
+        if self.ha_masters > 1 and not self.etcd:
+            raise ValueError(
+                f"ClusterSpec(ha_masters={self.ha_masters}) needs etcd for leader election; "
+                f"set etcd=True (--etcd on the command line) or ha_masters=1"
+            )
+        if self.enable_oplog and self.ha_masters < 2:
+            raise ValueError(
+                "ClusterSpec.enable_oplog replicates metadata between HA masters; "
+                "set ha_masters >= 2 (and etcd=True), or drop enable_oplog"
+            )
+        if self.lease_ttl_ms is not None:
+            _require_int(self.lease_ttl_ms, "lease_ttl_ms", minimum=1)
+        if self.client_ttl_s is not None:
+            _require_int(self.client_ttl_s, "client_ttl_s", minimum=1)
+        ratio = self.eviction_high_watermark_ratio
+        if ratio is not None and (
+            isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1
+        ):
+            raise ValueError(
+                f"ClusterSpec.eviction_high_watermark_ratio={ratio!r} must be a number in (0, 1]"
+            )
+        if isinstance(self.master_extra_args, str) or not all(
+            isinstance(arg, str) and arg.startswith("--") for arg in self.master_extra_args
+        ):
+            raise ValueError(
+                f"ClusterSpec.master_extra_args={self.master_extra_args!r} must be a tuple of "
+                f"'--flag=value' strings"
+            )
+        object.__setattr__(self, "master_extra_args", tuple(self.master_extra_args))
+        env = dict(self.env_overrides)
+        for key, value in env.items():
+            if not isinstance(key, str) or not key or "=" in key or not isinstance(value, str):
+                raise ValueError(
+                    f"ClusterSpec.env_overrides entry {key!r}={value!r}: names and values "
+                    f"must be strings and names must not contain '='"
+                )
+        object.__setattr__(self, "env_overrides", MappingProxyType(env))
+        for name in ("start_timeout_s", "stop_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"ClusterSpec.{name}={value!r} must be a positive number")
+
+    @property
+    def ha(self) -> bool:
+        """Whether the masters run in etcd-backed HA mode (``ha_masters > 1``)."""
+        return self.ha_masters > 1
+
+    @property
+    def metadata_mode(self) -> str:
+        """``"standalone"``, ``"etcd"`` or ``"embedded"``; see the module docstring."""
+        if self.standalone_metadata:
+            return "standalone"
+        if self.ha:
+            return "etcd"
+        return "embedded"
+
+
+def _require_int(value: object, name: str, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"ClusterSpec.{name}={value!r} must be an int >= {minimum}")
+
+
+# ---------------------------------------------------------------------------
+# an external cluster, for fixtures pointed at an already running deployment
+
+
+@dataclass(frozen=True)
+class ExternalCluster:
+    """A cluster someone else runs; offers the client-facing half of LocalCluster's API."""
+
+    master_address: str
+    metadata_server: str
+    host: str = "127.0.0.1"
+    env: Mapping[str, str] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        validate_master_address(self.master_address)
+        validate_metadata_server(self.metadata_server)
+        object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+
+    def client_config(self, global_segment_size_bytes: int = 0) -> dict[str, object]:
+        return sglang_client_config(
+            self.master_address, self.metadata_server, self.host, global_segment_size_bytes
+        )
+
+    def client_env(self) -> dict[str, str]:
+        return {"MC_TCP_BIND_ADDRESS": self.host, **self.env}
+
+
+def sglang_client_config(
+    master_address: str, metadata_server: str, host: str, global_segment_size_bytes: int
+) -> dict[str, object]:
+    size_bytes = parse_size_bytes(global_segment_size_bytes)
+    # Key names are the ones SGLang's Mooncake extra-config understands.
+    return {
+        "master_server_address": master_address,
+        "metadata_server": metadata_server,
+        "protocol": "tcp",
+        "local_hostname": host,
+        "global_segment_size": size_bytes,
+    }

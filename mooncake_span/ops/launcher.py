@@ -1,0 +1,532 @@
+"""One launcher for the Mooncake server processes: etcd, masters, metadata server, storage nodes.
+
+``LocalCluster`` (all processes on this host, free loopback ports) and the
+namespace lab's ``NetnsCluster`` (one process per network namespace, fixed
+ports) build the same command lines, wait for the same readiness signals and
+raise the same ``ClusterStartError``; only *where* a process runs differs.
+That difference is a ``Site``: something that starts an argv under a name and
+can send an HTTP GET from the place the process's peers see it from.
+
+Readiness, per kind of process:
+
+* etcd: ``/health`` answers 200 with ``"health":"true"``;
+* metadata server: any HTTP answer (a 404 for an unknown key included);
+* master: ``/health`` answers 200; with ``serving=True`` it must also say
+  ``service_ready: true``, because ``/health`` comes up before the RPC port is
+  bound;
+* storage node: a line starting with ``READY `` on its output.
+
+This module needs only the standard library; it never imports ``mooncake``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ClusterStartError",
+    "EarlyExitError",
+    "LocalProcess",
+    "LocalSite",
+    "MasterArgs",
+    "Process",
+    "Site",
+    "etcd_argv",
+    "find_executable",
+    "http_get",
+    "metadata_server_argv",
+    "parse_health",
+    "pick_free_ports",
+    "read_text_from",
+    "start_masters",
+    "storage_node_argv",
+    "terminate",
+    "wait_for_leader",
+    "wait_http",
+    "wait_master",
+    "wait_ready_line",
+]
+
+POLL_INTERVAL_S = 0.05
+HTTP_PROBE_TIMEOUT_S = 1.0
+READY_PREFIX = "READY "
+
+HttpAnswer = tuple[int, str]
+
+
+class ClusterStartError(RuntimeError):
+    """A cluster process did not become ready; the message carries its log tail."""
+
+
+class EarlyExitError(ClusterStartError):
+    """A server process died while starting; often a port taken after it was probed."""
+
+
+class Process(Protocol):
+    """What the readiness checks need from a started process."""
+
+    name: str
+    log_path: Path
+
+    def running(self) -> bool: ...
+
+    def exit_code(self) -> int | None: ...
+
+    def output_text(self) -> str: ...
+
+    def log_tail(self) -> str: ...
+
+
+class Site(Protocol):
+    """Where processes run: this host, or one host of a namespace topology."""
+
+    def start(self, name: str, argv: Sequence[str]) -> Process: ...
+
+    def http_get(self, url: str, timeout_s: float) -> HttpAnswer | None: ...
+
+
+def find_executable(name: str) -> str:
+    """Locate a Mooncake/etcd executable: next to this interpreter first, then on PATH."""
+    beside_python = Path(sys.executable).parent / name
+    if beside_python.is_file() and os.access(beside_python, os.X_OK):
+        return str(beside_python)
+    found = shutil.which(name)
+    if found is None:
+        hint = (
+            "install etcd (e.g. apt-get install etcd-server)"
+            if name == "etcd"
+            else "install the Mooncake wheel (pip install 'mooncake-span[cpu]')"
+        )
+        raise FileNotFoundError(f"{name!r} not found next to {sys.executable} or on PATH; {hint}")
+    return found
+
+
+def http_get(url: str, timeout_s: float = HTTP_PROBE_TIMEOUT_S) -> HttpAnswer | None:
+    """GET url; (status, body) for any HTTP answer, None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def parse_health(answer: HttpAnswer | None) -> dict[str, object] | None:
+    """A master's ``/health`` JSON object from an HTTP answer, None unless it is a 200 object."""
+    if answer is None or answer[0] != 200:
+        return None
+    try:
+        parsed = json.loads(answer[1])
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+# ---------------------------------------------------------------------------
+# command lines
+
+
+@dataclass(frozen=True)
+class MasterArgs:
+    """The ``mooncake_master`` flags both cluster kinds use.
+
+    ``http_metadata_port`` runs the embedded HTTP metadata server;
+    ``ha_etcd_endpoint`` (``HOST:PORT``) turns on etcd-backed HA. ``None`` for
+    a tunable keeps Mooncake's default.
+    """
+
+    host: str
+    rpc_port: int
+    metrics_port: int
+    http_metadata_port: int | None = None
+    ha_etcd_endpoint: str | None = None
+    enable_oplog: bool = False
+    lease_ttl_ms: int | None = None
+    client_ttl_s: int | None = None
+    eviction_high_watermark_ratio: float | None = None
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self, master_bin: str) -> list[str]:
+        argv = [
+            master_bin,
+            f"--rpc_port={self.rpc_port}",
+            f"--rpc_address={self.host}",
+            f"--metrics_port={self.metrics_port}",
+            f"--metrics_host={self.host}",
+            "--logtostderr",
+        ]
+        if self.http_metadata_port is not None:
+            argv += [
+                "--enable_http_metadata_server=true",
+                f"--http_metadata_server_port={self.http_metadata_port}",
+                f"--http_metadata_server_host={self.host}",
+            ]
+        if self.ha_etcd_endpoint is not None:
+            argv += [
+                "--enable_ha=true",
+                "--ha_backend_type=etcd",
+                f"--ha_backend_connstring={self.ha_etcd_endpoint}",
+            ]
+            if self.enable_oplog:
+                argv.append("--enable_oplog=true")
+        if self.lease_ttl_ms is not None:
+            argv.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
+        if self.client_ttl_s is not None:
+            argv.append(f"--client_ttl={self.client_ttl_s}")
+        if self.eviction_high_watermark_ratio is not None:
+            argv.append(f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}")
+        return argv + list(self.extra_args)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}"
+
+
+def etcd_argv(
+    etcd_bin: str, *, member: str, data_dir: Path, host: str, client_port: int, peer_port: int
+) -> list[str]:
+    """A single-member etcd cluster. ``data_dir`` should be fresh: a stale
+    ``master_view`` key from an earlier run blocks master elections."""
+    client_url = f"http://{host}:{client_port}"
+    peer_url = f"http://{host}:{peer_port}"
+    return [
+        etcd_bin,
+        f"--name={member}",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={client_url}",
+        f"--advertise-client-urls={client_url}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster={member}={peer_url}",
+        "--initial-cluster-state=new",
+    ]
+
+
+def metadata_server_argv(metadata_bin: str, *, host: str, port: int) -> list[str]:
+    return [metadata_bin, f"--port={port}", f"--host={host}"]
+
+
+def storage_node_argv(
+    *, master: str, metadata: str, segment_bytes: int, local_buffer_bytes: int, host: str
+) -> list[str]:
+    """``python -m mooncake_span.storage_node`` (the public path) with this interpreter."""
+    return [
+        sys.executable,
+        "-m",
+        "mooncake_span.storage_node",
+        f"--master={master}",
+        f"--metadata={metadata}",
+        f"--segment-bytes={segment_bytes}",
+        f"--local-buffer-bytes={local_buffer_bytes}",
+        f"--host={host}",
+    ]
+
+
+# ---------------------------------------------------------------------------
+# readiness
+
+
+def _early_exit(process: Process, what: str) -> EarlyExitError:
+    return EarlyExitError(
+        f"{process.name} exited with code {process.exit_code()} {what} "
+        f"(log {process.log_path}):\n{process.log_tail()}"
+    )
+
+
+def wait_http(
+    process: Process,
+    site: Site,
+    url: str,
+    deadline: float,
+    accept: Callable[[int, str], bool],
+    *,
+    wanted: str | None = None,
+) -> HttpAnswer:
+    """Poll ``url`` from ``site`` until ``accept(status, body)``; return that answer.
+
+    Raises:
+        EarlyExitError: the process exited first.
+        ClusterStartError: ``deadline`` (a ``time.monotonic()`` value) passed.
+    """
+    while True:
+        if not process.running():
+            raise _early_exit(process, "while starting")
+        answer = site.http_get(url, HTTP_PROBE_TIMEOUT_S)
+        if answer is not None and accept(*answer):
+            return answer
+        if time.monotonic() >= deadline:
+            raise ClusterStartError(
+                f"{process.name} did not {wanted or f'answer {url}'} in time (last answer "
+                f"{answer!r}; log {process.log_path}):\n{process.log_tail()}"
+            )
+        time.sleep(POLL_INTERVAL_S)
+
+
+def etcd_healthy(status: int, body: str) -> bool:
+    return status == 200 and '"true"' in body
+
+
+def any_answer(status: int, body: str) -> bool:
+    return True
+
+
+def wait_master(
+    process: Process, site: Site, metrics_url: str, deadline: float, *, serving: bool
+) -> None:
+    """Wait for a master's ``/health``; with ``serving`` also for ``service_ready: true``."""
+
+    def accept(status: int, body: str) -> bool:
+        health = parse_health((status, body))
+        return health is not None and (not serving or health.get("service_ready") is True)
+
+    wanted = "serve" if serving else "answer /health"
+    wait_http(process, site, metrics_url + "/health", deadline, accept, wanted=wanted)
+
+
+def wait_ready_line(process: Process, deadline: float) -> None:
+    """Wait for a storage node's ``READY`` line."""
+    while True:
+        if any(line.startswith(READY_PREFIX) for line in process.output_text().splitlines()):
+            return
+        if not process.running():
+            raise _early_exit(process, "before READY")
+        if time.monotonic() >= deadline:
+            raise ClusterStartError(
+                f"{process.name} printed no READY line in time (log {process.log_path}):\n"
+                f"{process.log_tail()}"
+            )
+        time.sleep(POLL_INTERVAL_S)
+
+
+def serving_leader(health: dict[str, object] | None) -> bool:
+    return bool(health) and health.get("role") == "leader" and health.get("service_ready") is True
+
+
+def wait_for_leader(
+    healths: Callable[[], Sequence[dict[str, object] | None]], timeout_s: float
+) -> int:
+    """Poll ``healths()`` (one ``/health`` per master, None for a silent or
+    stopped one) until some master is a serving leader; return its index.
+
+    Raises:
+        TimeoutError: no master became a serving leader in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for i, health in enumerate(healths()):
+            if serving_leader(health):
+                return i
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no master became a serving leader within {timeout_s:.0f}s")
+        time.sleep(POLL_INTERVAL_S * 4)
+
+
+def start_masters(
+    site_of: Callable[[int], Site],
+    names: Sequence[str],
+    argvs: Sequence[Sequence[str]],
+    metrics_urls: Sequence[str],
+    deadline: float,
+    record: Callable[[int, Process], None],
+) -> None:
+    """Start the masters, handing each process to ``record`` as soon as it exists
+    (so the caller can stop it if a later step fails).
+
+    Master 0 starts alone and must serve before the others start, so in HA mode
+    it is deterministically the first leader; the others only need to answer
+    ``/health`` (they may stay standbys).
+    """
+    first = site_of(0).start(names[0], argvs[0])
+    record(0, first)
+    wait_master(first, site_of(0), metrics_urls[0], deadline, serving=True)
+    others = []
+    for i in range(1, len(names)):
+        others.append(site_of(i).start(names[i], argvs[i]))
+        record(i, others[-1])
+    for i, process in enumerate(others, start=1):
+        wait_master(process, site_of(i), metrics_urls[i], deadline, serving=False)
+
+
+# ---------------------------------------------------------------------------
+# processes on this host
+
+
+def read_text_from(path: Path, offset: int) -> str:
+    """The text of ``path`` after byte ``offset`` (a restart appends to the same log)."""
+    try:
+        with open(path, "rb") as log_file:
+            log_file.seek(offset)
+            return log_file.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+_LOG_TAIL_LINES = 40
+
+
+class LocalProcess:
+    """One child process in its own session, appending stdout and stderr to a file.
+
+    ``start()`` may be called again after the process exited (a restart on the
+    same argv); output checks then look only at what the new run printed.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str]):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = dict(env)
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.log_offset = 0
+
+    def start(self) -> LocalProcess:
+        with open(self.log_path, "ab") as log_file:
+            log_file.write(
+                f"=== {time.strftime('%H:%M:%S')} start: {' '.join(self.argv)}\n".encode()
+            )
+            log_file.flush()
+            self.log_offset = log_file.tell()
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        logger.debug("started %s pid=%d: %s", self.name, self.popen.pid, " ".join(self.argv))
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.popen is None else self.popen.pid
+
+    def _peek_exit(self) -> os.waitid_result | None | bool:
+        """The exit record without reaping (False: no such child any more)."""
+        assert self.popen is not None
+        try:
+            return os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+
+    def running(self) -> bool:
+        """True while the process has not exited. Never reaps it (see ``reap``)."""
+        if self.popen is None or self.popen.returncode is not None:
+            return False
+        return self._peek_exit() is None
+
+    def exit_code(self) -> int | None:
+        if self.popen is None:
+            return None
+        if self.popen.returncode is not None:
+            return self.popen.returncode
+        info = self._peek_exit()
+        if not info:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+    def output_text(self) -> str:
+        """What the current run wrote (stdout and stderr)."""
+        return read_text_from(self.log_path, self.log_offset)
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        text = self.output_text().splitlines()[-lines:]
+        return "\n".join(f"    {line[:400]}" for line in text) or "    (empty)"
+
+    def signal_group(self, sig: int) -> None:
+        if self.popen is None or self.popen.returncode is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def wait_exit(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.running():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_INTERVAL_S)
+        return True
+
+    def reap(self) -> None:
+        """Kill whatever is left in the group and collect the exit status.
+
+        The leader is still an unreaped zombie here, which keeps its process
+        group id reserved, so the final SIGKILL cannot hit a recycled group.
+        """
+        if self.popen is None or self.popen.returncode is not None:
+            return
+        self.signal_group(signal.SIGKILL)
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            logger.error("%s pid=%d did not exit even after SIGKILL", self.name, self.popen.pid)
+
+
+def terminate(processes: Iterable[LocalProcess], sig: int, grace_s: float) -> None:
+    """Signal all processes' groups at once, wait up to grace_s, then SIGKILL."""
+    processes = [p for p in processes if p.popen is not None]
+    for process in processes:
+        if process.running():
+            process.signal_group(sig)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        if not process.wait_exit(max(0.0, deadline - time.monotonic())):
+            logger.warning(
+                "%s pid=%s ignored %s for %.1fs; sending SIGKILL",
+                process.name,
+                process.pid,
+                signal.Signals(sig).name,
+                grace_s,
+            )
+            process.signal_group(signal.SIGKILL)
+            process.wait_exit(10.0)
+        process.reap()
+
+
+class LocalSite:
+    """Start processes on this host, logging to ``<log_dir>/<name>.log``."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]):
+        self.log_dir = log_dir
+        self.env = dict(env)
+
+    def start(self, name: str, argv: Sequence[str]) -> LocalProcess:
+        return LocalProcess(name, argv, self.log_dir / f"{name}.log", self.env).start()
+
+    def http_get(self, url: str, timeout_s: float) -> HttpAnswer | None:
+        return http_get(url, timeout_s)
+
+
+def pick_free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports that were free on ``host`` a moment ago."""
+    # Hold all sockets open until every port is chosen so they are distinct.
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((host, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
