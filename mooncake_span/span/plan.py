@@ -139,6 +139,13 @@ class PlanBatch:
     def __len__(self) -> int:
         return len(self.ptrs)
 
+    def __getitem__(self, index: int) -> ObjectPlan:
+        """Object ``index`` as an ``ObjectPlan``: a PlanBatch is also a sequence of them."""
+        plans = self.__dict__.get("_plans")
+        if plans is None:
+            plans = self.__dict__["_plans"] = self.plans()
+        return plans[index]
+
     @classmethod
     def from_plans(cls, plans: Sequence[ObjectPlan]) -> PlanBatch:
         return cls([p.ptrs for p in plans], [p.sizes for p in plans], [sum(p.sizes) for p in plans])

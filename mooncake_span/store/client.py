@@ -45,7 +45,7 @@ from mooncake_span.errors import (
     code_name,
     is_transport_failure,
 )
-from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds, split_calls
+from mooncake_span.span.plan import ObjectPlan, dedup_rounds, split_calls
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
 from mooncake_span.store.domains import (
     DomainHealth,
@@ -435,7 +435,7 @@ class MooncakeClient:
     def put(
         self,
         keys: Sequence[str],
-        plans: Sequence[ObjectPlan] | PlanBatch,
+        plans: Sequence[ObjectPlan],
         group_ids: Sequence[str] | None = None,
         hard_pin: bool = False,
     ) -> list[bool]:
@@ -444,26 +444,16 @@ class MooncakeClient:
         Objects with the same ``domain_of`` land on the same segment. ``hard_pin``
         exempts them from eviction (small metadata only). True only if every copy
         was written."""
-        if isinstance(plans, PlanBatch):
-            plans = plans.plans()
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         segments = self.segments()
-        if segments:
-            by_segment = put_targets(
-                [keys[i] for i in unique],
-                self._domains([keys[i] for i in unique]),
-                segments,
-                self._copies,
-                self._health.bad(time.monotonic()),
-            )
-        else:
-            # No segment directory: Mooncake places every copy, so the failure
-            # domains (one Python call per object) would change nothing.
-            copies = range(self._copies)
-            by_segment = {
-                "": [(j, copy_key(keys[i], r)) for j, i in enumerate(unique) for r in copies]
-            }
+        by_segment = put_targets(
+            [keys[i] for i in unique],
+            self._domains([keys[i] for i in unique]) if segments else None,
+            segments,
+            self._copies,
+            self._health.bad(time.monotonic()),
+        )
         written = collections.Counter()
         for segment, entries in by_segment.items():
             entries = [(unique[j], object_key) for j, object_key in entries]
@@ -530,15 +520,13 @@ class MooncakeClient:
     def get(
         self,
         keys: Sequence[str],
-        plans: Sequence[ObjectPlan] | PlanBatch,
+        plans: Sequence[ObjectPlan],
     ) -> list[bool]:
         """Read objects into the planned buffers; True only for a complete read.
 
         Copies in a bad failure domain are skipped without a transfer; a copy
         that fails is retried on the next one (at most ``span_replica_num``
         attempts per key). A key that cannot be read is remembered as lost."""
-        if isinstance(plans, PlanBatch):
-            plans = plans.plans()
         candidates = self._live_rows(keys)
         ok = [False] * len(keys)
         failed_transport = [False] * len(keys)

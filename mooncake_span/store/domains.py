@@ -115,6 +115,10 @@ def put_targets(
     Copy r goes to the r-th ranked segment; a copy whose segment is bad moves
     to the next live segment no other copy of the key uses, so a node that
     died costs new writes nothing once it is known bad."""
+    if not segments:
+        # No segment directory: Mooncake places every copy, whatever the domain
+        # (callers may pass no domains then: computing them costs per object).
+        return {"": [(i, copy_key(k, r)) for i, k in enumerate(keys) for r in range(copies)]}
     out: dict[str, list[tuple[int, str]]] = {}
     rankings: dict[str, list[str]] = {}  # a key's components share one domain
     for i, key in enumerate(keys):
