@@ -274,3 +274,26 @@ def test_inspect_dead_admin_server_is_a_clear_error():
     )
     assert result.returncode == 1
     assert "admin server" in result.stderr
+
+
+def test_doctor_with_ha_masters_behind_etcd(tmp_path):
+    """etcd:// master and metadata: etcd checked, a real round trip, and no wait on
+    the native client's 14-32 s close in that mode."""
+    from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
+
+    spec = ClusterSpec(
+        storage_nodes=1,
+        storage_node_segment_bytes=128 << 20,
+        etcd=True,
+        ha_masters=2,
+        log_dir=tmp_path / "ha",
+    )
+    with LocalCluster(spec) as cluster:
+        assert cluster.master_address.startswith("etcd://")
+        rc, doc, checks, elapsed_s = _doctor(cluster)
+    assert rc == 0, doc
+    assert _status(checks, "master") == "SKIP" and _status(checks, "etcd") == "PASS"
+    assert _status(checks, "master admin") == "PASS"
+    assert checks["master admin"]["data"]["health"]["role"] == "leader"
+    assert _status(checks, "round trip") == "PASS"
+    assert elapsed_s < DOCTOR_BOUND_S
