@@ -150,7 +150,10 @@ def probe(
     env.setdefault("MC_LOG_LEVEL", "WARNING")
     # Bounded setup: one retry instead of ~15 against a dead etcd.
     env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-    log = open(native_log, "ab") if native_log else None  # noqa: SIM115 -- closed below
+    try:
+        log = open(native_log, "ab") if native_log else None  # noqa: SIM115 -- closed below
+    except OSError as exc:
+        return {"error": f"cannot write the native log {native_log}: {exc}"}
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "mooncake_span.ops.probe_worker"],
