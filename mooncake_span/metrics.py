@@ -90,7 +90,7 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "breaker_opens_total": ("counter", "Times the circuit breaker opened", ()),
     "node_failures_total": (
         "counter",
-        "Failed transfers attributed to one storage node (failure domain)",
+        "Times a storage node (segment, a failure domain) was marked bad after a failed transfer",
         ("node",),
     ),
 }
@@ -230,19 +230,30 @@ class ClientStatsSync:
         self._seen_codes: dict[str, int] = {}
         self._seen_opens = 0
         self._state: str | None = None  # None: the gauge was never set
+        self._seen_bad: frozenset[str] = frozenset()
 
     def sync(self, stats: Mapping[str, Any]) -> None:
         codes = stats.get("error_counts", {})
         opens = int(stats.get("breaker_times_opened", 0))
         state = str(stats.get("breaker_state", "closed"))
+        bad = frozenset(stats.get("bad_segments", ()))
         with self._lock:
-            if codes == self._seen_codes and opens == self._seen_opens and state == self._state:
+            if (codes, opens, state, bad) == (
+                self._seen_codes,
+                self._seen_opens,
+                self._state,
+                self._seen_bad,
+            ):
                 return  # the common case: nothing failed since the last call
             deltas = {code: n - self._seen_codes.get(code, 0) for code, n in codes.items()}
+            newly_bad = bad - self._seen_bad
             self._seen_codes = dict(codes)
             opened, self._seen_opens = opens - self._seen_opens, opens
-            self._state = state
+            self._state, self._seen_bad = state, bad
         for code, delta in deltas.items():
             self._metrics.add_failed_objects(code, delta)
         self._metrics.add_breaker_opens(opened)
         self._metrics.set_breaker_state(state)
+        # A storage node (segment) the client marked bad after a failed transfer.
+        for segment in newly_bad:
+            self._metrics.add_node_failures(segment)
