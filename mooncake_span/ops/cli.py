@@ -505,6 +505,9 @@ def build_parser() -> argparse.ArgumentParser:
     _register_bench(subparsers)
     doctor.register(subparsers)
     inspect_cmd.register(subparsers)
+    from mooncake_span.bench import soak  # no sglang until the command runs
+
+    soak.register_parser(subparsers, _size_arg)
     return parser
 
 

@@ -63,7 +63,13 @@ from mooncake_span.sglang_backend.guard import (
 )
 from mooncake_span.sglang_backend.observability import CallObserver, describe_layout
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
-from mooncake_span.sglang_backend.stats import CallCounters, RateLimitedLog, SpanStorageMetrics
+from mooncake_span.sglang_backend.stats import (
+    METRIC_WINDOW,
+    UNPOLLED_WINDOW,
+    CallCounters,
+    RateLimitedLog,
+    SpanStorageMetrics,
+)
 from mooncake_span.sglang_backend.stored_pool import (
     PoolBatch,
     StagedPool,
@@ -147,7 +153,11 @@ class MooncakeSpanStore(HiCacheStorage):
         )
         self._extra_tag = extra.get("extra_backend_tag")
         self._log = RateLimitedLog()
-        self._counters = CallCounters()
+        self._counters = CallCounters(
+            METRIC_WINDOW
+            if getattr(storage_config, "enable_storage_metrics", False)
+            else UNPOLLED_WINDOW
+        )
         self.pools: dict[str, StoredPool] = {}
         # Rebound, never mutated: worker threads read it without a lock.
         self._learned_kv_derived: frozenset[str] = frozenset()
@@ -354,18 +364,7 @@ class MooncakeSpanStore(HiCacheStorage):
         ok_keys = leading_run(results)
         tokens = ok_keys * self.geometry.storage_page_tokens
         gib = batch.pool.moved_bytes(batch, results) / (1 << 30)
-        with self._counters.lock:
-            c = self._counters
-            if is_set:
-                c.backup_pgs.append(len(results))
-                c.backup_tokens += tokens
-                if elapsed_s > 0:
-                    c.backup_bandwidth.append(gib / elapsed_s)
-            else:
-                c.prefetch_pgs.append(len(results))
-                c.prefetch_tokens += tokens
-                if elapsed_s > 0:
-                    c.prefetch_bandwidth.append(gib / elapsed_s)
+        self._counters.record(is_set, len(results), tokens, gib / elapsed_s if elapsed_s else None)
 
     def _timed_run(self, batch: PoolBatch, is_set: bool) -> list[bool]:
         started = time.perf_counter()
@@ -565,17 +564,9 @@ class MooncakeSpanStore(HiCacheStorage):
                 rejected_calls=dict(c.rejected_calls),
                 breaker_state=client_stats["breaker_state"],
                 breaker_times_opened=client_stats["breaker_times_opened"],
+                dropped_metric_records=c.dropped_records,
             )
-            metrics.prefetch_pgs.extend(c.prefetch_pgs)
-            metrics.backup_pgs.extend(c.backup_pgs)
-            metrics.prefetch_bandwidth.extend(c.prefetch_bandwidth)
-            metrics.backup_bandwidth.extend(c.backup_bandwidth)
-            c.prefetch_pgs.clear()
-            c.backup_pgs.clear()
-            c.prefetch_bandwidth.clear()
-            c.backup_bandwidth.clear()
-            c.prefetch_tokens = 0
-            c.backup_tokens = 0
+            c.drain_into(metrics)
         return metrics
 
     def close(self) -> None:

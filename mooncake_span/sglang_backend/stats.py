@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,19 +15,47 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 logger = logging.getLogger(__name__)
 
 _LOG_INTERVAL_S = 10.0
+# The limiter lives as long as the backend and keeps one entry per kind; kinds
+# are built from operation and error names, but a bound must not depend on
+# that. Past _MAX_LOG_KINDS, kinds quiet for a whole interval are forgotten
+# and, if none is, the new kind shares one overflow entry.
+_MAX_LOG_KINDS = 256
+_OVERFLOW_KIND = "(other kinds)"
+# Per-call records (prefetch_pgs, backup_pgs, *_bandwidth: one entry per call)
+# are drained only by get_stats(), and sglang 0.5.23 calls get_stats() only
+# when storage metrics are enabled (UnifiedRadixCache checks
+# enable_storage_metrics before polling). Unbounded lists grew by ~2 MB per
+# 100k calls with metrics off. So records live in windows: METRIC_WINDOW
+# while metrics are on (sglang drains them every few seconds), UNPOLLED_WINDOW
+# while off (the latest calls, for a direct get_stats() caller). Token totals
+# are plain counters either way.
+METRIC_WINDOW = 4096
+UNPOLLED_WINDOW = 64
 
 
 class RateLimitedLog:
-    """At most one line per kind every few seconds, with a count of what was dropped."""
+    """At most one line per kind every few seconds, with a count of what was dropped.
+
+    Holds at most ``_MAX_LOG_KINDS`` kinds plus one overflow kind.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}
         self._dropped: dict[str, int] = {}
 
+    def _bounded(self, kind: str, now: float) -> str:
+        if kind in self._last or len(self._last) < _MAX_LOG_KINDS:
+            return kind
+        for quiet in [k for k, t in self._last.items() if now - t >= _LOG_INTERVAL_S]:
+            if quiet not in self._dropped:  # a pending count still has to be reported
+                del self._last[quiet]
+        return kind if len(self._last) < _MAX_LOG_KINDS else _OVERFLOW_KIND
+
     def error(self, kind: str, msg: str, *args: Any) -> None:
         now = time.monotonic()
         with self._lock:
+            kind = self._bounded(kind, now)
             last = self._last.get(kind)
             if last is not None and now - last < _LOG_INTERVAL_S:
                 self._dropped[kind] = self._dropped.get(kind, 0) + 1
@@ -41,14 +70,48 @@ class RateLimitedLog:
 
 @dataclass
 class CallCounters:
+    """Per-call metric records in windows of ``window`` entries, plus totals."""
+
+    window: int = UNPOLLED_WINDOW
     lock: threading.Lock = field(default_factory=threading.Lock)
-    prefetch_pgs: list[int] = field(default_factory=list)
-    backup_pgs: list[int] = field(default_factory=list)
-    prefetch_bandwidth: list[float] = field(default_factory=list)
-    backup_bandwidth: list[float] = field(default_factory=list)
+    prefetch_pgs: deque[int] = field(init=False)
+    backup_pgs: deque[int] = field(init=False)
+    prefetch_bandwidth: deque[float] = field(init=False)
+    backup_bandwidth: deque[float] = field(init=False)
     prefetch_tokens: int = 0
     backup_tokens: int = 0
+    # records pushed out of a full window before get_stats() took them
+    dropped_records: int = 0
+    # keyed by exception class name: bounded by the error classes that exist
     rejected_calls: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"metric window must be >= 1 record, got {self.window}")
+        self.prefetch_pgs, self.backup_pgs = deque(maxlen=self.window), deque(maxlen=self.window)
+        self.prefetch_bandwidth = deque(maxlen=self.window)
+        self.backup_bandwidth = deque(maxlen=self.window)
+
+    def record(self, is_set: bool, keys: int, tokens: int, gib_per_s: float | None) -> None:
+        with self.lock:
+            if is_set:
+                pgs, bandwidth = self.backup_pgs, self.backup_bandwidth
+                self.backup_tokens += tokens
+            else:
+                pgs, bandwidth = self.prefetch_pgs, self.prefetch_bandwidth
+                self.prefetch_tokens += tokens
+            self.dropped_records += len(pgs) == self.window
+            pgs.append(keys)
+            if gib_per_s is not None:
+                bandwidth.append(gib_per_s)
+
+    def drain_into(self, metrics: StorageMetrics) -> None:
+        """Move the records and token totals into ``metrics``; the caller holds ``lock``."""
+        for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
+            records = getattr(self, name)
+            getattr(metrics, name).extend(records)
+            records.clear()
+        self.prefetch_tokens = self.backup_tokens = 0
 
 
 class SpanStorageMetrics(StorageMetrics):
@@ -68,3 +131,4 @@ class SpanStorageMetrics(StorageMetrics):
         self.rejected_calls: dict[str, int] = extra.pop("rejected_calls", {})
         self.breaker_state: str = extra.pop("breaker_state", "closed")
         self.breaker_times_opened: int = extra.pop("breaker_times_opened", 0)
+        self.dropped_metric_records: int = extra.pop("dropped_metric_records", 0)

@@ -70,6 +70,13 @@ logger = logging.getLogger(__name__)
 # NativeBinding and native_env_defaults are imported from here by callers.
 __all__ = ["MooncakeClient", "NativeBinding", "load_native_binding", "native_env_defaults"]
 
+# Error counters live as long as the client and are keyed by code name, and an
+# unknown native code gets a label of its own (CODE_<n>): past this many
+# labels, new codes are counted together under _OTHER_CODES_LABEL. Bound: at
+# most _MAX_ERROR_LABELS + 1 code labels plus the five fixed ones.
+_MAX_ERROR_LABELS = 64
+_OTHER_CODES_LABEL = "CODE_OTHER"
+
 
 def load_native_binding() -> NativeBinding:
     try:
@@ -229,7 +236,10 @@ class MooncakeClient:
         is alive (a dead storage node is a failure domain, not the cluster)."""
         for code in codes:
             if code < 0:
-                self._counters[code_name(code)] += 1
+                label = code_name(code)
+                if label not in self._counters and len(self._counters) >= _MAX_ERROR_LABELS:
+                    label = _OTHER_CODES_LABEL
+                self._counters[label] += 1
         if codes and all(is_cluster_failure(c) for c in codes):
             self._fail(op, f"all {len(codes)} entries failed ({code_name(codes[0])})")
         else:
