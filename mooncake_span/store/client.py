@@ -52,6 +52,7 @@ from mooncake_span.store.domains import (
     LostKeys,
     copy_candidates,
     copy_key,
+    is_cluster_failure,
     live_copies,
     put_targets,
     suspect_copies,
@@ -93,14 +94,6 @@ def load_native_binding() -> NativeBinding:
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
 _EXISTS_KEYS_PER_CALL = 4096
 _TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
-
-
-def is_cluster_failure(code: int) -> bool:
-    """A failure of the master or the RPC layer, which is what the breaker is for.
-
-    A TRANSFER_FAIL names one peer (a dead or cut storage node): it marks that
-    failure domain bad instead of cutting the process off every live node."""
-    return code != _TRANSFER_FAIL and is_transport_failure(code)
 
 
 class MooncakeClient:
@@ -349,13 +342,10 @@ class MooncakeClient:
         return live_copies(rows, bad, self._locate(suspect_copies(rows, bad)))
 
     def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
-        """Mark bad the segments that hold objects a transfer just failed on.
-
-        Asks the master where they are (one RPC, on failures only) rather than
-        trusting placement, which an object written before a segment change or
-        by a full preferred segment does not follow. Only objects of exactly the
-        planned size count: Mooncake also answers -800 to a read whose buffers
-        are larger than the object, a wrong request and not a dead node."""
+        """Mark bad the segments holding objects a transfer just failed on, as the
+        master locates them (placement may not have been followed). Only objects
+        of exactly the planned size count: a read into larger buffers also gets
+        -800, a wrong request and not a dead node."""
         located = self._locate(list(planned_bytes), planned_bytes)
         segments = set().union(*located.values())
         if not segments:

@@ -25,6 +25,8 @@ import hashlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 
+from mooncake_span.errors import ErrorCode, is_transport_failure
+
 
 def _weight(segment: str, domain_key: str) -> int:
     digest = hashlib.blake2b(
@@ -46,6 +48,17 @@ def rank_segments(
     if bad:
         ranked = [s for s in ranked if s not in bad] + [s for s in ranked if s in bad]
     return ranked
+
+
+_TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
+
+
+def is_cluster_failure(code: int) -> bool:
+    """A failure of the master or the RPC layer, which is what the breaker is for.
+
+    A TRANSFER_FAIL names one peer (a dead or cut storage node): it marks that
+    failure domain bad instead of cutting the process off every live node."""
+    return code != _TRANSFER_FAIL and is_transport_failure(code)
 
 
 # Copy r >= 1 of an object (span_replica_num > 1 with placement) is stored under
