@@ -5,6 +5,8 @@
 # the requirement files are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=lib/pip_quiet.sh
+source scripts/lib/pip_quiet.sh
 
 VENV=${MOONCAKE_SPAN_VENV:-.venv}
 PY=${PYTHON:-python3.11}
@@ -25,14 +27,14 @@ fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 stamp="$VENV/.mooncake-span-setup"
-digest=$(cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+digest=$(cat requirements/*.txt pyproject.toml scripts/setup.sh scripts/lib/pip_quiet.sh | sha256sum | cut -d' ' -f1)
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$digest" ]]; then
   echo "setup: installing Python packages into $VENV (first run takes a few minutes)"
   # torch first and pinned, so that nothing later can pull a CUDA build in.
-  "${PIP[@]}" torch==2.13.0
-  "${PIP[@]}" --no-deps sglang==0.5.23
-  "${PIP[@]}" -r requirements/sglang-cpu.txt -r requirements/dev.txt
-  "${PIP[@]}" --no-deps -e .
+  pip_quiet "${PIP[@]}" torch==2.13.0
+  pip_quiet "${PIP[@]}" --no-deps sglang==0.5.23
+  pip_quiet "${PIP[@]}" -r requirements/sglang-cpu.txt -r requirements/dev.txt
+  pip_quiet "${PIP[@]}" --no-deps -e .
   echo "$digest" > "$stamp"
 fi
 

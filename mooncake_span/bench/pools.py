@@ -11,14 +11,17 @@ bare shapes).
 
 Two layers:
 
-* ``make_*_device_pool`` and ``*_host_from_device``: one sglang object each,
-  for callers (the controller test harness) that need the device pools too;
+* ``make_*_device_pool`` (from :mod:`.device_pools`) and ``*_host_from_device``:
+  one sglang object each, for callers (the controller test harness) that need
+  the device pools too;
 * ``build_*``: one call per pool kind, sizes chosen by the caller, tiny by
   default.
 
-Plus byte helpers (``fill_random_pages``, ``page_bytes``, ``meta_page_bytes``,
-``wipe_pages``) and ``sglang_cpu_runtime()``, the process-global context that
-sglang's own assemblers and the HiCache controller read.
+Re-exported here as well: the byte helpers of :mod:`.page_io`
+(``fill_random_pages``, ``page_bytes``, ``meta_page_bytes``, ``wipe_pages``) and
+``sglang_cpu_runtime()`` / ``single_rank_storage_config`` of :mod:`.sglang_cpu`,
+the process-global context that sglang's own assemblers and the HiCache
+controller read.
 
 sglang is imported at module import time: this module is only ever loaded where
 sglang is installed (tests, demo, benchmark).
@@ -26,34 +29,49 @@ sglang is installed (tests, demo, benchmark).
 
 from __future__ import annotations
 
-import ctypes
-import inspect
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import torch
-from sglang.srt.configs.mamba_utils import (
-    Mamba2CacheParams,
-    Mamba2StateDType,
-    Mamba2StateShape,
-)
 from sglang.srt.mem_cache.hicache_storage import PoolName
-from sglang.srt.mem_cache.host_memory import available_host_memory_bytes
 from sglang.srt.mem_cache.memory_pool import (
     DSATokenToKVPool,
     MambaPool,
     MHATokenToKVPool,
     MLATokenToKVPool,
 )
-from sglang.srt.mem_cache.pool_host.base import HostKVCache, host_memory_budget_scope
+from sglang.srt.mem_cache.pool_host.base import HostKVCache
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from sglang.srt.runtime_context import get_context, get_parallel
+
+from mooncake_span.bench.device_pools import (
+    DSA_PAGE_TOKENS,
+    _check_positive,
+    make_dsa_device_pool,
+    make_mamba_device_pool,
+    make_mha_device_pool,
+    make_mla_device_pool,
+)
+from mooncake_span.bench.page_io import (
+    alloc_pages,
+    fill_random_pages,
+    meta_page_bytes,
+    page_bytes,
+    page_starts,
+    wipe_pages,
+)
+from mooncake_span.bench.sglang_cpu import (
+    _HOST_TO_DEVICE_RATIO,
+    KV_LAYOUTS,
+    MAMBA_LAYOUTS,
+    _host_budget,
+    sglang_cpu_runtime,
+    single_rank_storage_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,26 +103,9 @@ __all__ = [
     "page_bytes",
     "page_starts",
     "sglang_cpu_runtime",
+    "single_rank_storage_config",
     "wipe_pages",
 ]
-
-# Host layouts whose page I/O (get_data_page / set_from_flat_data_page) works
-# for MHA and MLA pools. "page_head"/"page_unified" exist in sglang but are
-# outside this project's scope.
-KV_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
-# MambaPoolHost asserts one of these; it has no layer_first.
-MAMBA_LAYOUTS = ("page_first", "page_first_direct")
-
-# DSATokenToKVPool asserts 64-token physical index pages on CUDA and CPU
-# (index_page_size = page_size // index_kpool must be 64), and the indexer host
-# pool takes the KV anchor's page size, so every DSA host page is 64 tokens.
-DSA_PAGE_TOKENS = 64
-# DSATokenToKVPool asserts index_head_dim == 128.
-_DSA_INDEX_HEAD_DIM = 128
-
-# The host-to-device ratio only matters when sglang sizes a pool itself; every
-# KV builder here passes an explicit host_token_capacity instead.
-_HOST_TO_DEVICE_RATIO = 2.0
 
 
 class DSAPools(NamedTuple):
@@ -136,114 +137,6 @@ class HybridPoolSet:
 
 
 # ---------------------------------------------------------------------------
-# process-global sglang context
-# ---------------------------------------------------------------------------
-
-
-@contextmanager
-def _host_budget() -> Iterator[None]:
-    # sglang books each host pool against "available RAM minus a 10 GiB
-    # reserve" (HICACHE_HOST_MEMORY_RESERVE_BYTES), sized for a production
-    # server; on a small CI box that is negative and even a 1 MB pool is
-    # refused. A scope with the real available RAM keeps the genuine
-    # out-of-memory check without the reserve (sglang's own cgroup-aware
-    # measure, page cache counted as free).
-    with host_memory_budget_scope(available_host_memory_bytes(allow_cgroup_fallback=True)):
-        yield
-
-
-def _pin_memory_param(cls: type) -> inspect.Parameter:
-    return inspect.signature(cls.__init__).parameters["pin_memory"]
-
-
-@contextmanager
-def _pin_memory_default_off(classes: Iterable[type]) -> Iterator[None]:
-    # sglang's assemblers (build_kv_host_pool, DSAIndexerHostPoolBuilder.build,
-    # build_mamba_host_pool) never pass pin_memory, so they get the class
-    # default True, which calls cudaHostRegister and fails on CPU-only torch.
-    # Flip the default for the duration of the scope and put it back after.
-    saved: list[tuple[Any, str, Any]] = []
-    try:
-        for cls in classes:
-            init = cls.__init__
-            param = _pin_memory_param(cls)
-            if param.kind is inspect.Parameter.KEYWORD_ONLY:
-                saved.append((init, "__kwdefaults__", dict(init.__kwdefaults__)))
-                init.__kwdefaults__ = {**init.__kwdefaults__, "pin_memory": False}
-            else:
-                names = [
-                    p.name
-                    for p in inspect.signature(init).parameters.values()
-                    if p.default is not inspect.Parameter.empty
-                    and p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-                ]
-                defaults = list(init.__defaults__)
-                saved.append((init, "__defaults__", tuple(defaults)))
-                defaults[names.index("pin_memory")] = False
-                init.__defaults__ = tuple(defaults)
-        yield
-    finally:
-        for init, attr, value in reversed(saved):
-            setattr(init, attr, value)
-
-
-@contextmanager
-def sglang_cpu_runtime(
-    *, layout: str = "page_first", host_to_device_ratio: float = _HOST_TO_DEVICE_RATIO
-) -> Iterator[None]:
-    """Publish the global state sglang's assemblers and controller read.
-
-    Constructing pools directly (every ``build_*`` here) needs none of this.
-    It is for code that runs sglang's own builders and the HiCache controller
-    in a single-rank CPU process (the controller test harness):
-
-    * a dummy ``ServerArgs`` (``override_server_args``): the assemblers read
-      ``hicache_ratio``/``hicache_size``/``hicache_mem_layout`` and the
-      controller reads the memory and parallel namespaces (the assemblers
-      size a host pool as ``host_to_device_ratio`` times its device pool);
-    * rank 0 for every parallel coordinate: ranks are normally written when
-      the process groups are built by the scheduler, and the controller's
-      ``_generate_storage_config`` reads them;
-    * ``pin_memory`` defaulting to False on the four host pool classes (the
-      assemblers never pass it);
-    * a host memory budget without sglang's 10 GiB reserve.
-
-    Not re-entrant across threads: it patches process-global state, so use it
-    from one thread and keep controllers built inside it alive only inside it.
-    """
-    if layout not in KV_LAYOUTS:
-        raise ValueError(f"unsupported host layout {layout!r}; expected one of {KV_LAYOUTS}")
-    with ExitStack() as stack:
-        stack.enter_context(
-            get_context().override_server_args(
-                hicache_ratio=host_to_device_ratio,
-                hicache_size=0,
-                hicache_mem_layout=layout,
-                hicache_io_backend="direct",
-                hicache_write_policy="write_through",
-                device="cpu",
-            )
-        )
-        stack.enter_context(
-            get_parallel().override(
-                tp_rank=0,
-                pp_rank=0,
-                attn_tp_rank=0,
-                attn_dp_rank=0,
-                attn_cp_rank=0,
-                attn_dcp_rank=0,
-            )
-        )
-        stack.enter_context(
-            _pin_memory_default_off(
-                (MLATokenToKVPoolHost, MHATokenToKVPoolHost, DSAIndexerPoolHost, MambaPoolHost)
-            )
-        )
-        stack.enter_context(_host_budget())
-        yield
-
-
-# ---------------------------------------------------------------------------
 # device pools (geometry donors)
 # ---------------------------------------------------------------------------
 
@@ -251,141 +144,6 @@ def sglang_cpu_runtime(
 def _check_layout(layout: str, allowed: Sequence[str]) -> None:
     if layout not in allowed:
         raise ValueError(f"unsupported host layout {layout!r}; expected one of {tuple(allowed)}")
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-def make_mla_device_pool(
-    *,
-    layers: int,
-    page_tokens: int,
-    kv_lora_rank: int,
-    rope_dim: int,
-    dtype: torch.dtype = torch.bfloat16,
-    device_pages: int = 1,
-) -> MLATokenToKVPool:
-    """A CPU ``MLATokenToKVPool``; one page by default (it only donates geometry)."""
-    _check_positive(layers=layers, page_tokens=page_tokens, device_pages=device_pages)
-    return MLATokenToKVPool(
-        size=device_pages * page_tokens,
-        page_size=page_tokens,
-        dtype=dtype,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=rope_dim,
-        layer_num=layers,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-
-
-def make_mha_device_pool(
-    *,
-    layers: int,
-    page_tokens: int,
-    heads: int,
-    head_dim: int,
-    dtype: torch.dtype = torch.bfloat16,
-    device_pages: int = 1,
-) -> MHATokenToKVPool:
-    """A CPU ``MHATokenToKVPool``; one page by default."""
-    _check_positive(layers=layers, page_tokens=page_tokens, device_pages=device_pages)
-    return MHATokenToKVPool(
-        size=device_pages * page_tokens,
-        page_size=page_tokens,
-        dtype=dtype,
-        head_num=heads,
-        head_dim=head_dim,
-        layer_num=layers,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
-
-
-def make_dsa_device_pool(
-    *,
-    layers: int,
-    kv_lora_rank: int,
-    rope_dim: int,
-    dtype: torch.dtype = torch.bfloat16,
-    index_kpool: int = 1,
-    skip_topk_layers: Sequence[bool] | None = None,
-    device_pages: int = 1,
-) -> DSATokenToKVPool:
-    """A CPU ``DSATokenToKVPool`` with 64-token physical index pages.
-
-    With ``index_kpool`` K > 1 (compressed index keys, the GLM-5.3-Flash
-    family) sglang requires a device page of 64*K tokens; each 64-token host
-    page then carries 64/K compressed index rows.
-    """
-    _check_positive(layers=layers, index_kpool=index_kpool, device_pages=device_pages)
-    device_page_tokens = DSA_PAGE_TOKENS * index_kpool
-    size_tokens = device_pages * device_page_tokens
-    return DSATokenToKVPool(
-        size=size_tokens,
-        page_size=device_page_tokens,
-        kv_lora_rank=kv_lora_rank,
-        dtype=dtype,
-        qk_rope_head_dim=rope_dim,
-        layer_num=layers,
-        device="cpu",
-        index_head_dim=_DSA_INDEX_HEAD_DIM,
-        enable_memory_saver=False,
-        kv_cache_dim=kv_lora_rank + rope_dim,
-        # Passed explicitly because the default reads
-        # get_parallel().attn_dcp_size, which only exists once a parallel
-        # config is published (RuntimeError otherwise).
-        index_buf_size=size_tokens,
-        index_kpool=index_kpool,
-        skip_topk_layers=None if skip_topk_layers is None else list(skip_topk_layers),
-    )
-
-
-def make_mamba_device_pool(
-    *,
-    layers: int,
-    num_heads: int = 4,
-    head_dim: int = 16,
-    state_size: int = 8,
-    conv_kernel: int = 4,
-    n_groups: int = 1,
-    conv_dtype: torch.dtype = torch.bfloat16,
-    temporal_dtype: torch.dtype = torch.float32,
-    device_slots: int = 1,
-) -> MambaPool:
-    """A CPU Mamba2 ``MambaPool`` (one conv state, one temporal state per layer)."""
-    _check_positive(layers=layers, device_slots=device_slots)
-    shape = Mamba2StateShape.create(
-        tp_world_size=1,
-        intermediate_size=num_heads * head_dim,
-        n_groups=n_groups,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        state_size=state_size,
-        conv_kernel=conv_kernel,
-    )
-    params = Mamba2CacheParams(
-        shape=shape,
-        layers=list(range(layers)),
-        dtype=Mamba2StateDType(conv=conv_dtype, temporal=temporal_dtype),
-    )
-    return MambaPool(
-        size=device_slots,
-        spec_state_size=device_slots,
-        cache_params=params,
-        mamba_layer_ids=list(range(layers)),
-        device="cpu",
-        enable_memory_saver=False,
-    )
-
-
-# ---------------------------------------------------------------------------
-# host pools from device pools
-# ---------------------------------------------------------------------------
 
 
 def _device_capacity_tokens(host_tokens: int) -> int:
@@ -409,6 +167,41 @@ def _built(host: _HostPool) -> _HostPool:
     return host
 
 
+def _kv_host(
+    cls: type[_HostPool],
+    device_pool: MLATokenToKVPool | MHATokenToKVPool,
+    layout: str,
+    *,
+    host_pages: int,
+    page_tokens: int,
+    pool_label: str,
+    allocator_type: str,
+    **extra: Any,
+) -> _HostPool:
+    """An MLA or MHA host pool of ``host_pages`` pages mirroring ``device_pool``."""
+    _check_layout(layout, KV_LAYOUTS)
+    _check_positive(host_pages=host_pages, page_tokens=page_tokens)
+    host_tokens = host_pages * page_tokens
+    with _host_budget():
+        host = cls(
+            device_pool.get_device_pool_infos()[0].buffer_info,
+            _HOST_TO_DEVICE_RATIO,
+            0,
+            page_tokens,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            allocator_type=allocator_type,
+            device_capacity_tokens=_device_capacity_tokens(host_tokens),
+            start_layer=device_pool.start_layer,
+            end_layer=device_pool.end_layer,
+            pool_label=pool_label,
+            host_token_capacity=host_tokens,
+            **extra,
+        )
+    return _built(host)
+
+
 def mla_host_from_device(
     device_pool: MLATokenToKVPool,
     layout: str,
@@ -419,30 +212,18 @@ def mla_host_from_device(
     allocator_type: str = "default",
 ) -> MLATokenToKVPoolHost:
     """An ``MLATokenToKVPoolHost`` of ``host_pages`` pages mirroring ``device_pool``."""
-    _check_layout(layout, KV_LAYOUTS)
-    page_tokens = page_tokens or device_pool.page_size
-    _check_positive(host_pages=host_pages, page_tokens=page_tokens)
-    host_tokens = host_pages * page_tokens
-    with _host_budget():
-        host = MLATokenToKVPoolHost(
-            device_pool.get_device_pool_infos()[0].buffer_info,
-            _HOST_TO_DEVICE_RATIO,
-            0,
-            page_tokens,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            allocator_type=allocator_type,
-            # The device pool resolved the row width (wider for fp8 DSA).
-            override_kv_cache_dim=device_pool.kv_cache_dim,
-            device_capacity_tokens=_device_capacity_tokens(host_tokens),
-            start_layer=device_pool.start_layer,
-            end_layer=device_pool.end_layer,
-            target_layer_num=device_pool.layer_num,
-            pool_label=pool_label,
-            host_token_capacity=host_tokens,
-        )
-    return _built(host)
+    return _kv_host(
+        MLATokenToKVPoolHost,
+        device_pool,
+        layout,
+        host_pages=host_pages,
+        page_tokens=page_tokens or device_pool.page_size,
+        pool_label=pool_label,
+        allocator_type=allocator_type,
+        # The device pool resolved the row width (wider for fp8 DSA).
+        override_kv_cache_dim=device_pool.kv_cache_dim,
+        target_layer_num=device_pool.layer_num,
+    )
 
 
 def mha_host_from_device(
@@ -454,27 +235,15 @@ def mha_host_from_device(
     allocator_type: str = "default",
 ) -> MHATokenToKVPoolHost:
     """An ``MHATokenToKVPoolHost`` of ``host_pages`` pages mirroring ``device_pool``."""
-    _check_layout(layout, KV_LAYOUTS)
-    _check_positive(host_pages=host_pages)
-    page_tokens = device_pool.page_size
-    host_tokens = host_pages * page_tokens
-    with _host_budget():
-        host = MHATokenToKVPoolHost(
-            device_pool.get_device_pool_infos()[0].buffer_info,
-            _HOST_TO_DEVICE_RATIO,
-            0,
-            page_tokens,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            allocator_type=allocator_type,
-            device_capacity_tokens=_device_capacity_tokens(host_tokens),
-            start_layer=device_pool.start_layer,
-            end_layer=device_pool.end_layer,
-            pool_label=pool_label,
-            host_token_capacity=host_tokens,
-        )
-    return _built(host)
+    return _kv_host(
+        MHATokenToKVPoolHost,
+        device_pool,
+        layout,
+        host_pages=host_pages,
+        page_tokens=device_pool.page_size,
+        pool_label=pool_label,
+        allocator_type=allocator_type,
+    )
 
 
 def dsa_host_from_device(
@@ -551,6 +320,7 @@ def build_mla_host(
     kv_lora_rank: int = 32,
     rope_dim: int = 16,
     dtype: torch.dtype = torch.bfloat16,
+    pool_label: str = "kv",
     allocator_type: str = "default",
 ) -> MLATokenToKVPoolHost:
     """An MLA KV host pool; page = layers * page_tokens * (kv_lora_rank + rope_dim) * itemsize."""
@@ -562,7 +332,11 @@ def build_mla_host(
         dtype=dtype,
     )
     return mla_host_from_device(
-        device_pool, layout, host_pages=host_pages, allocator_type=allocator_type
+        device_pool,
+        layout,
+        host_pages=host_pages,
+        pool_label=pool_label,
+        allocator_type=allocator_type,
     )
 
 
@@ -606,26 +380,20 @@ def build_swa_host(
 ) -> MHATokenToKVPoolHost | MLATokenToKVPoolHost:
     """The SWA host pool: sglang mirrors the SWA layers with an ordinary MHA or
     MLA host pool (``build_hybrid_swa_group``), labelled "swa"."""
+    common = {"layers": layers, "page_tokens": page_tokens, "host_pages": host_pages}
     if attention == "mha":
         return build_mha_host(
-            layout,
-            layers=layers,
-            page_tokens=page_tokens,
-            host_pages=host_pages,
-            heads=heads,
-            head_dim=head_dim,
-            dtype=dtype,
-            pool_label="swa",
+            layout, heads=heads, head_dim=head_dim, dtype=dtype, pool_label="swa", **common
         )
     if attention == "mla":
-        device_pool = make_mla_device_pool(
-            layers=layers,
-            page_tokens=page_tokens,
+        return build_mla_host(
+            layout,
             kv_lora_rank=kv_lora_rank,
             rope_dim=rope_dim,
             dtype=dtype,
+            pool_label="swa",
+            **common,
         )
-        return mla_host_from_device(device_pool, layout, host_pages=host_pages, pool_label="swa")
     raise ValueError(f"attention must be 'mha' or 'mla', got {attention!r}")
 
 
@@ -722,103 +490,3 @@ def build_compressed_hybrid_dsa(
         host_page_tokens=DSA_PAGE_TOKENS,
         storage_page_tokens=DSA_PAGE_TOKENS * index_kpool,
     )
-
-
-# ---------------------------------------------------------------------------
-# storage config
-
-
-def single_rank_storage_config(
-    extra_config: Mapping[str, Any],
-    *,
-    model_name: str,
-    is_mla: bool = True,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    enable_storage_metrics: bool = True,
-) -> Any:
-    """The ``HiCacheStorageConfig`` sglang's controller builds for one rank with no
-    PP/CP/DCP, for tools (demo, bench, node worker) and tests that drive the
-    backend without a controller."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=is_mla,
-        enable_storage_metrics=enable_storage_metrics,
-        is_page_first_layout=True,
-        model_name=model_name,
-        extra_config=dict(extra_config),
-    )
-
-
-# ---------------------------------------------------------------------------
-# page bytes
-# ---------------------------------------------------------------------------
-
-
-def alloc_pages(host_pool: HostKVCache, pages: int) -> torch.Tensor:
-    """Allocate ``pages`` host pages; returns their slot indices (pages * page_size)."""
-    slots = host_pool.alloc(pages * host_pool.page_size)
-    if slots is None:
-        raise MemoryError(
-            f"{type(host_pool).__name__} has {host_pool.available_size()} free slots, "
-            f"{pages} pages of {host_pool.page_size} requested"
-        )
-    return slots
-
-
-def page_starts(host_pool: HostKVCache, slots: torch.Tensor | Sequence[int]) -> list[int]:
-    """The first slot of each page in ``slots`` (a page-aligned slot list)."""
-    values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-    if len(values) % host_pool.page_size:
-        raise ValueError(
-            f"{len(values)} slots is not a whole number of {host_pool.page_size}-slot pages"
-        )
-    return [int(v) for v in values[:: host_pool.page_size]]
-
-
-def _page_seed(seed: int, slot: int) -> int:
-    # Distinct bytes per page (so a page restored at the wrong slot is caught),
-    # reproducible per (seed, slot).
-    return (seed * 1_000_003 + slot) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def fill_random_pages(host_pool: HostKVCache, starts: Iterable[int], seed: int) -> None:
-    """Overwrite each page (given by its first slot) with random bytes."""
-    template = host_pool.get_dummy_flat_data_page()
-    for slot in starts:
-        generator = torch.Generator().manual_seed(_page_seed(seed, int(slot)))
-        raw = torch.randint(0, 256, (template.nbytes,), dtype=torch.uint8, generator=generator)
-        host_pool.set_from_flat_data_page(int(slot), raw.view(template.dtype))
-
-
-def wipe_pages(host_pool: HostKVCache, starts: Iterable[int]) -> None:
-    """Zero each page (given by its first slot)."""
-    zeros = host_pool.get_dummy_flat_data_page()
-    for slot in starts:
-        host_pool.set_from_flat_data_page(int(slot), zeros)
-
-
-def page_bytes(host_pool: HostKVCache, slot: int) -> bytes:
-    """The flat page at ``slot`` as sglang serialises it (``get_data_page(flat=True)``)."""
-    page = host_pool.get_data_page(int(slot), flat=True)
-    return page.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def meta_page_bytes(host_pool: HostKVCache, slot: int) -> bytes:
-    """The page at ``slot`` read through the zero-copy pointers of
-    ``get_page_buffer_meta``, concatenated in pointer order.
-
-    Equals ``page_bytes`` for every pool and layout except MHA layer_first,
-    whose pointers interleave K and V per layer while the flat page is all K
-    layers then all V layers.
-    """
-    slots = torch.arange(int(slot), int(slot) + host_pool.page_size, dtype=torch.int64)
-    ptrs, sizes = host_pool.get_page_buffer_meta(slots)
-    return b"".join(ctypes.string_at(ptr, size) for ptr, size in zip(ptrs, sizes, strict=True))

@@ -19,6 +19,7 @@ from typing import Any
 
 from mooncake_span.lab.topology import NetnsProcess, NetnsTopology
 from mooncake_span.ops import launcher as L
+from mooncake_span.ops.cluster_spec import sglang_client_config
 from mooncake_span.ops.launcher import ClusterStartError, find_executable
 from mooncake_span.units import parse_size_bytes
 
@@ -187,14 +188,13 @@ class NetnsCluster:
         return f"http://{host}:{self._port(HTTP_METADATA_PORT)}/metadata"
 
     def client_config(self, host: str, global_segment_size_bytes: int = 0) -> dict[str, object]:
-        """sglang extra-config keys for a client on ``host``."""
-        return {
-            "master_server_address": self.master_address,
-            "metadata_server": self.metadata_server,
-            "protocol": "tcp",
-            "local_hostname": self.topology.address(host),
-            "global_segment_size": int(global_segment_size_bytes),
-        }
+        """sglang extra-config keys for a client on ``host`` (the keys LocalCluster gives)."""
+        return sglang_client_config(
+            self.master_address,
+            self.metadata_server,
+            self.topology.address(host),
+            global_segment_size_bytes,
+        )
 
     def describe(self) -> dict[str, object]:
         return {

@@ -46,7 +46,7 @@ from mooncake_span.lab.namespaces import (
     _state_dir,
     run_in_namespace,
 )
-from mooncake_span.ops.launcher import http_get
+from mooncake_span.ops.launcher import http_get, read_text_from
 
 logger = logging.getLogger(__name__)
 
@@ -211,12 +211,7 @@ class NetnsProcess:
 
     def output_text(self) -> str:
         """What this run printed to stdout (not earlier runs logging to the same file)."""
-        try:
-            with open(self.stdout_path, "rb") as stdout_file:
-                stdout_file.seek(self.stdout_offset)
-                return stdout_file.read().decode(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return read_text_from(self.stdout_path, self.stdout_offset)
 
     def stdout_text(self) -> str:
         try:

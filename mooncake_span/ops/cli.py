@@ -15,8 +15,11 @@ import shlex
 import signal
 import sys
 import threading
+import warnings
 from typing import TYPE_CHECKING
 
+from mooncake_span.ops import doctor, inspect_cmd
+from mooncake_span.ops.native_log import add_native_log_arg, native_stderr_to, resolve_native_log
 from mooncake_span.units import parse_size_bytes
 
 if TYPE_CHECKING:
@@ -312,10 +315,18 @@ def _register_demo(subparsers: argparse._SubParsersAction) -> None:
         default="1gb",
         help="memory of the embedded cluster's storage node (default 1gb)",
     )
+    add_native_log_arg(demo)
     demo.set_defaults(func=run_demo_command)
 
 
+def _quiet_sglang_cpu_warnings() -> None:
+    # sglang warns at import that AWQ / GGUF need a GPU; on the CPU boxes these
+    # commands target that is expected and says nothing about the run.
+    warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+
+
 def run_demo_command(args: argparse.Namespace) -> int:
+    _quiet_sglang_cpu_warnings()
     # sglang is imported only here, so `cluster up` works without it.
     from mooncake_span.bench.demo import DemoConfig, run_demo
 
@@ -333,8 +344,12 @@ def run_demo_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mooncake-span demo: {exc}", file=sys.stderr)
         return 2
-    report = run_demo(config)
+    native_log = resolve_native_log(args.native_log, "demo")
+    with native_stderr_to(native_log):
+        report = run_demo(config)
     print("demo OK" if report.ok else "demo FAILED", flush=True)
+    if native_log is not None:
+        print(f"native log: {native_log}", file=sys.stderr, flush=True)
     return 0 if report.ok else 1
 
 
@@ -410,19 +425,13 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="random seed for page placement and contents"
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    bench.add_argument(
-        "--native-log",
-        default=None,
-        metavar="PATH",
-        help="file for Mooncake's native log lines (default: a temporary file; '-' leaves "
-        "them on stderr)",
-    )
+    add_native_log_arg(bench)
     bench.set_defaults(func=run_bench_command)
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    _quiet_sglang_cpu_warnings()
     import os
-    import tempfile
 
     # The native library reads its log level once, when it is loaded.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
@@ -454,10 +463,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mooncake-span bench: {exc}", file=sys.stderr)
         return 2
-    native_log = args.native_log
-    if native_log is None:
-        native_log = os.path.join(tempfile.mkdtemp(prefix="mooncake-span-bench-"), "native.log")
-    result = run_bench(config, native_log=None if native_log == "-" else native_log)
+    native_log = resolve_native_log(args.native_log, "bench")
+    result = run_bench(config, native_log=native_log)
     print(format_table(result), flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
@@ -470,7 +477,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         with open(args.markdown, "w", encoding="utf-8") as fh:
             fh.write(format_markdown(result))
         print(f"wrote {args.markdown}", flush=True)
-    if native_log != "-":
+    if native_log is not None:
         print(f"native log: {native_log}", file=sys.stderr, flush=True)
     ok = result["verified_byte_exact"] and result["all_complete_except_expected"]
     return 0 if ok else 1
@@ -496,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
     _register_cluster(subparsers)
     _register_demo(subparsers)
     _register_bench(subparsers)
+    doctor.register(subparsers)
+    inspect_cmd.register(subparsers)
     from mooncake_span.bench import soak  # no sglang until the command runs
 
     soak.register_parser(subparsers, _size_arg)

@@ -53,6 +53,7 @@ __all__ = [
     "metadata_server_argv",
     "parse_health",
     "pick_free_ports",
+    "read_text_from",
     "start_masters",
     "storage_node_argv",
     "terminate",
@@ -366,6 +367,17 @@ def start_masters(
 # ---------------------------------------------------------------------------
 # processes on this host
 
+
+def read_text_from(path: Path, offset: int) -> str:
+    """The text of ``path`` after byte ``offset`` (a restart appends to the same log)."""
+    try:
+        with open(path, "rb") as log_file:
+            log_file.seek(offset)
+            return log_file.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
 _LOG_TAIL_LINES = 40
 
 
@@ -433,12 +445,7 @@ class LocalProcess:
 
     def output_text(self) -> str:
         """What the current run wrote (stdout and stderr)."""
-        try:
-            with open(self.log_path, "rb") as log_file:
-                log_file.seek(self.log_offset)
-                return log_file.read().decode(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return read_text_from(self.log_path, self.log_offset)
 
     def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
         text = self.output_text().splitlines()[-lines:]

@@ -61,6 +61,7 @@ from mooncake_span.sglang_backend.guard import (
     miss_per_transfer,
     never_raise,
 )
+from mooncake_span.sglang_backend.observability import CallObserver, describe_layout
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
 from mooncake_span.sglang_backend.stats import (
     METRIC_WINDOW,
@@ -165,6 +166,7 @@ class MooncakeSpanStore(HiCacheStorage):
         self.key_schema: KeySchema | None = None
         self.client = MooncakeClient(self.settings, self.options, binding)
         self.client.connect()
+        self.observer = CallObserver(self.client)  # mooncake_span_* Prometheus metrics
 
     # ---- registration (control path: errors raise) -------------------------------
 
@@ -324,6 +326,7 @@ class MooncakeSpanStore(HiCacheStorage):
             if not is_set:
                 batch.pool.finish_get(batch, per_key)
             out.append(per_key)
+        self.observer.moved(is_set, batches, out)
         return out
 
     def _move(self, batches: list[PoolBatch], stored: list[bool], is_set: bool) -> list[bool]:
@@ -443,7 +446,9 @@ class MooncakeSpanStore(HiCacheStorage):
         kv = self.pools[KV_POOL]
         if kv.is_logical:
             return 0
-        return leading_run(self._exists_many([kv], page_keys)[0])
+        hits = leading_run(self._exists_many([kv], page_keys)[0])
+        self.observer.hit_query(len(page_keys), hits)
+        return hits
 
     @never_raise(miss_hit_result)
     def batch_exists_v2(
@@ -466,6 +471,7 @@ class MooncakeSpanStore(HiCacheStorage):
             _hit_query(t, exists[:kv_pages]) for t, exists in zip(transfers, flags, strict=True)
         ]
         hit = compute_hits(kv_pages, queries)
+        self.observer.hit_query(len(page_keys), hit.kv_hit_pages)
         names = {pool_name_str(t.name): t.name for t in transfers}
         pool_hits = {names.get(n, PoolName.KV): v for n, v in hit.pool_hit_pages.items()}
         return PoolTransferResult(hit.kv_hit_pages, pool_hits, hit.restorable_prefix_pages)
@@ -537,6 +543,11 @@ class MooncakeSpanStore(HiCacheStorage):
         logger.info(
             "mooncake-span clear: removed %d objects under %s", removed, self.key_schema.prefix
         )
+
+    def describe_l3_object_layout(self, **_sglang_kwargs: Any) -> dict[str, Any]:
+        """Router-facing L3 layout: sglang MooncakeStore's fields plus span geometry."""
+        self._require_ready()
+        return describe_layout(self)
 
     def get_stats(self) -> SpanStorageMetrics:
         client_stats = self.client.stats()

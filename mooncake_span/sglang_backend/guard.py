@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
@@ -36,13 +37,23 @@ def never_raise(miss: Callable[..., Any]) -> Callable[[Method], Method]:
 
         @functools.wraps(method)
         def guarded(self: Rejects, *args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            failure = None
             try:
-                return method(self, *args, **kwargs)
+                result = method(self, *args, **kwargs)
             except MooncakeSpanError as exc:
                 self._reject(op_name, exc)
+                failure = "rejected"
             except Exception:  # a bug must not kill sglang's storage thread
                 logger.exception("mooncake-span %s failed unexpectedly", op_name)
-            return miss(*args, **kwargs)
+                failure = "error"
+            if failure is not None:
+                result = miss(*args, **kwargs)
+            # Prometheus: duration and outcome of every call (observability.CallObserver).
+            observer = getattr(self, "observer", None)
+            if observer is not None:
+                observer.call(op_name, failure, result, time.perf_counter() - started)
+            return result
 
         return guarded  # type: ignore[return-value]
 

@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from mooncake_span.bench.timing import TimedProxy
 from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
@@ -614,7 +615,7 @@ class Node:
 _TIMED_CALLS = ("batch_exists_v2", "batch_get_v1", "batch_get_v2", "batch_set_v1", "batch_set_v2")
 
 
-class TimedStore:
+class TimedStore(TimedProxy):
     """Wraps the backend: records each sglang-facing call's duration and any exception.
 
     The backend promises to answer misses, never to raise, on the worker-thread
@@ -623,27 +624,16 @@ class TimedStore:
     """
 
     def __init__(self, store: Any) -> None:
-        self._store = store
+        super().__init__(store, _TIMED_CALLS, self._record)
         self.calls: list[tuple[str, float, float]] = []  # (name, wall start, seconds)
         self.exceptions: list[str] = []
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._store, name)
-        if name not in _TIMED_CALLS:
-            return attr
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            wall = time.time()
-            started = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            except Exception as exc:
-                self.exceptions.append(f"{name}: {exc!r}")
-                raise
-            finally:
-                self.calls.append((name, wall, time.perf_counter() - started))
-
-        return timed
+    def _record(
+        self, name: str, args: tuple, wall_s: float, seconds: float, error: BaseException | None
+    ) -> None:
+        if isinstance(error, Exception):
+            self.exceptions.append(f"{name}: {error!r}")
+        self.calls.append((name, wall_s, seconds))
 
     def max_call_s(self, since_wall: float | None = None) -> float:
         durations = [d for _, w, d in self.calls if since_wall is None or w >= since_wall]

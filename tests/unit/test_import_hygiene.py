@@ -30,7 +30,7 @@ IO_LIBRARIES = {
     "os",
 }
 NO_SGLANG_PACKAGES = ["span", "store", "ops", "lab"]
-TOP_LEVEL = ["errors", "units", "config", "storage_node"]
+TOP_LEVEL = ["errors", "units", "config", "storage_node", "metrics"]
 SGLANG_IMPORTERS = {"sglang_backend", "bench"}
 
 

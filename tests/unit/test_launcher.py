@@ -94,6 +94,9 @@ def test_local_and_namespace_clusters_build_the_same_master_flags():
 
     try:
         assert flags(local._master_args(0)) == flags(remote._master_args(0))
+        # Clients of either cluster get the same sglang extra-config keys.
+        assert local.client_config(0).keys() == remote.client_config("store1").keys()
+        assert remote.client_config("store1")["local_hostname"] == topology.address("store1")
     finally:
         local._started = False
 

@@ -1,0 +1,184 @@
+"""Host pools of real sglang classes as flat page views: filling, wiping, comparing, addressing."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from sglang.srt.mem_cache.hicache_storage import (
+    PoolName,
+)
+
+from mooncake_span.bench import pools as P
+from mooncake_span.bench.workloads import (
+    _VERIFY_CHUNK_BYTES,
+    DSA_INDEX_KPOOL,
+    HOST_PAGE_TOKENS,
+    ModelShape,
+)
+from mooncake_span.sglang_backend.pool_layout import describe_pool
+from mooncake_span.span.plan import PageLayout
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------
+# host pools and page views
+
+
+@dataclass
+class PoolPart:
+    """One host pool of a workload as the harness addresses it."""
+
+    name: PoolName
+    pool: Any
+    layout: PageLayout
+    per_key: bool  # True: K host pages per key; False: one state slot per call (Mamba)
+    views: list[np.ndarray] = field(default_factory=list)  # one (pages, slot bytes) view per slot
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layout.flat_page_bytes
+
+
+def _slot_views(layout: PageLayout) -> list[np.ndarray]:
+    """Strided uint8 views ``view[page] = bytes of (page, slot)`` over the pool's memory."""
+    views = []
+    for b in sorted({s for comp in layout.components for s in comp}):
+        size, stride = layout.slot_bytes[b], layout.page_stride_bytes[b]
+        extent = (layout.num_pages - 1) * stride + size
+        flat = np.frombuffer(
+            (ctypes.c_uint8 * extent).from_address(layout.base_ptrs[b]), dtype=np.uint8
+        )
+        views.append(np.lib.stride_tricks.as_strided(flat, (layout.num_pages, size), (stride, 1)))
+    return views
+
+
+def build_parts(
+    model: ModelShape, layout: str, host_pages: int, state_slots: int
+) -> list[PoolPart]:
+    if model.family == "dsa":
+        pools = P.build_compressed_hybrid_dsa(
+            layout,
+            layers=model.layers,
+            host_pages=host_pages,
+            mamba_layers=model.mamba_layers,
+            mamba_slots=state_slots,
+            kv_lora_rank=model.kv_lora_rank,
+            rope_dim=model.rope_dim,
+            index_kpool=DSA_INDEX_KPOOL,
+        ).pools
+        named = [
+            (PoolName.KV, pools[PoolName.KV], True),
+            (PoolName.INDEXER, pools[PoolName.INDEXER], True),
+            (PoolName.MAMBA, pools[PoolName.MAMBA], False),
+        ]
+    elif model.family == "mla":
+        kv = P.build_mla_host(
+            layout,
+            layers=model.layers,
+            page_tokens=HOST_PAGE_TOKENS,
+            host_pages=host_pages,
+            kv_lora_rank=model.kv_lora_rank,
+            rope_dim=model.rope_dim,
+        )
+        named = [(PoolName.KV, kv, True)]
+    else:
+        kv = P.build_mha_host(
+            layout,
+            layers=model.layers,
+            page_tokens=HOST_PAGE_TOKENS,
+            host_pages=host_pages,
+            heads=model.heads,
+            head_dim=model.head_dim,
+        )
+        named = [(PoolName.KV, kv, True)]
+    parts = []
+    for name, pool, per_key in named:
+        shape = describe_pool(str(name.value), pool, is_mla=model.is_mla)
+        if shape.staged or shape.layout is None:
+            raise ValueError(f"{model.label}/{layout}: pool {name} has no zero-copy pointers")
+        parts.append(PoolPart(name, pool, shape.layout, per_key, _slot_views(shape.layout)))
+    return parts
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Source and destination host pages of a workload, in two orders.
+
+    ``src``/``dst`` are the same page *sets* for both orders: ``scattered`` is
+    a random permutation (the K pages of a key are almost never adjacent);
+    ``consecutive`` lists random 8-page-aligned blocks in ascending page order,
+    so every key of K <= 8 pages covers adjacent host pages.
+    """
+
+    scattered: tuple[np.ndarray, np.ndarray]
+    consecutive: tuple[np.ndarray, np.ndarray]
+    state_src: np.ndarray
+    state_dst: np.ndarray
+
+    @classmethod
+    def make(cls, pages: int, calls: int, rng: np.random.Generator) -> Placement:
+        block = 8
+        blocks = rng.permutation(2 * pages // block)
+        src_b, dst_b = blocks[: pages // block], blocks[pages // block :]
+        expand = lambda b: (b[:, None] * block + np.arange(block)).reshape(-1)  # noqa: E731
+        src_c, dst_c = expand(src_b), expand(dst_b)
+        states = rng.permutation(2 * calls)
+        return cls(
+            scattered=(rng.permutation(src_c), rng.permutation(dst_c)),
+            consecutive=(src_c, dst_c),
+            state_src=states[:calls],
+            state_dst=states[calls:],
+        )
+
+    def pages(self, placement: str) -> tuple[np.ndarray, np.ndarray]:
+        return self.consecutive if placement == "consecutive" else self.scattered
+
+
+def _fill_random(parts: list[PoolPart], placement: Placement, rng: np.random.Generator) -> None:
+    for part in parts:
+        rows = placement.scattered[0] if part.per_key else placement.state_src
+        for view in part.views:
+            for chunk in _row_chunks(rows, view.shape[1]):
+                view[chunk] = rng.integers(0, 256, size=(len(chunk), view.shape[1]), dtype=np.uint8)
+
+
+def _row_chunks(rows: np.ndarray, row_bytes: int) -> Iterator[np.ndarray]:
+    step = max(1, _VERIFY_CHUNK_BYTES // max(row_bytes, 1))
+    for start in range(0, len(rows), step):
+        yield rows[start : start + step]
+
+
+_libc = ctypes.CDLL(None)
+_memcmp = _libc.memcmp
+_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memcmp.restype = ctypes.c_int
+
+
+def _slot_addresses(layout: PageLayout, rows: np.ndarray) -> Iterator[tuple[list[int], int]]:
+    for b in sorted({s for comp in layout.components for s in comp}):
+        addrs = layout.base_ptrs[b] + rows.astype(np.int64) * layout.page_stride_bytes[b]
+        yield addrs.tolist(), layout.slot_bytes[b]
+
+
+def _wipe(parts: list[PoolPart], dst: np.ndarray, state_dst: np.ndarray) -> None:
+    for part in parts:
+        for addrs, size in _slot_addresses(part.layout, dst if part.per_key else state_dst):
+            for addr in addrs:
+                ctypes.memset(addr, 0, size)
+
+
+def _rows_equal(layout: PageLayout, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row: are all slots of page ``a[i]`` byte-equal to those of ``b[i]`` (memcmp)."""
+    out = np.ones(len(a), dtype=bool)
+    for (xs, size), (ys, _) in zip(
+        _slot_addresses(layout, a), _slot_addresses(layout, b), strict=True
+    ):
+        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            if _memcmp(x, y, size):
+                out[i] = False
+    return out

@@ -1,0 +1,237 @@
+"""Prometheus metrics of the backend: families named ``mooncake_span_*``.
+
+The families are created lazily, once per registry, and shared by every
+backend instance of the process; asking again (a second backend, a module
+reload in tests) returns the same collectors instead of tripping
+prometheus_client's duplicate-name check. No sglang import.
+
+Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set (sglang sets it with
+``--enable-metrics`` and several workers), prometheus_client writes every value
+to that directory and sglang's ``/metrics`` aggregates it; the gauges here
+declare how to merge processes (``livemax``). ``exposition_registry()`` returns
+the registry a scraper should read in either mode.
+
+Client-side facts that the native client only counts (failed objects by
+Mooncake code, breaker openings) are turned into counters by ``ClientStatsSync``,
+which adds the difference since its previous look, so counters stay monotone
+even though the client's counts are cumulative.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "mooncake_span"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# 0.5 ms .. 60 s: a local memcpy-speed hit up to a call stuck behind a partition.
+DURATION_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+BREAKER_STATE_VALUES = {"closed": 0, "open": 1}
+
+# name (without prefix) -> (kind, help, labels)
+FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "operation_duration_seconds": (
+        "histogram",
+        "Duration of each sglang-facing backend call",
+        ("operation", "outcome"),
+    ),
+    "bytes_total": (
+        "counter",
+        "Bytes moved to (set) or from (get) Mooncake, by host pool",
+        ("operation", "pool"),
+    ),
+    "keys_total": (
+        "counter",
+        "Storage keys (storage pages) transferred, by host pool and result",
+        ("operation", "pool", "result"),
+    ),
+    "pages_total": (
+        "counter",
+        "Host pages moved successfully, by host pool",
+        ("operation", "pool"),
+    ),
+    "hit_query_keys_total": (
+        "counter",
+        "Keys asked about in hit queries, by answer (hit: inside the restorable prefix)",
+        ("result",),
+    ),
+    "failed_objects_total": (
+        "counter",
+        "Objects a Mooncake call failed, by Mooncake code name",
+        ("code",),
+    ),
+    "breaker_state": (
+        "gauge",
+        "Circuit breaker state (0 closed, 1 open: calls answered as misses)",
+        (),
+    ),
+    "breaker_opens_total": ("counter", "Times the circuit breaker opened", ()),
+    "node_failures_total": (
+        "counter",
+        "Failed transfers attributed to one storage node (failure domain)",
+        ("node",),
+    ),
+}
+
+
+def metric_names() -> list[str]:
+    """Every exported family name, as a scrape shows it (counters with ``_total``)."""
+    return [f"{PREFIX}_{name}" for name in FAMILIES]
+
+
+class SpanMetrics:
+    """The ``mooncake_span_*`` collectors of one registry. Use ``get_metrics()``."""
+
+    def __init__(self, registry: Any = None) -> None:
+        import prometheus_client as prom
+
+        self.registry = registry if registry is not None else prom.REGISTRY
+        self._collectors: dict[str, Any] = {}
+        for name, (kind, help_text, labels) in FAMILIES.items():
+            self._collectors[name] = self._make(prom, name, kind, help_text, labels)
+
+    def _make(self, prom: Any, name: str, kind: str, help_text: str, labels: tuple[str, ...]):
+        full = f"{PREFIX}_{name}"
+        existing = getattr(self.registry, "_names_to_collectors", {}).get(full)
+        if existing is not None:
+            # Created before by another SpanMetrics (or a reloaded module).
+            return existing
+        kwargs: dict[str, Any] = {"labelnames": labels, "registry": self.registry}
+        if kind == "histogram":
+            return prom.Histogram(full, help_text, buckets=DURATION_BUCKETS_S, **kwargs)
+        if kind == "gauge":
+            return prom.Gauge(full, help_text, multiprocess_mode="livemax", **kwargs)
+        # prometheus_client appends _total to counters itself.
+        return prom.Counter(full.removesuffix("_total"), help_text, **kwargs)
+
+    def observe_call(self, operation: str, outcome: str, duration_s: float) -> None:
+        """One sglang-facing call; ``outcome``: ok, partial, miss, rejected or error."""
+        self._collectors["operation_duration_seconds"].labels(operation, outcome).observe(
+            duration_s
+        )
+
+    def observe_transfer(
+        self,
+        operation: str,
+        pool: str,
+        *,
+        ok_keys: int,
+        failed_keys: int,
+        pages: int,
+        moved_bytes: int,
+    ) -> None:
+        """What one pool's part of a get or set moved."""
+        c = self._collectors
+        if ok_keys:
+            c["keys_total"].labels(operation, pool, "ok").inc(ok_keys)
+        if failed_keys:
+            c["keys_total"].labels(operation, pool, "failed").inc(failed_keys)
+        if pages:
+            c["pages_total"].labels(operation, pool).inc(pages)
+        if moved_bytes:
+            c["bytes_total"].labels(operation, pool).inc(moved_bytes)
+
+    def observe_hit_query(self, queried_keys: int, hit_keys: int) -> None:
+        hit_keys = max(0, min(hit_keys, queried_keys))
+        c = self._collectors["hit_query_keys_total"]
+        if hit_keys:
+            c.labels("hit").inc(hit_keys)
+        if queried_keys > hit_keys:
+            c.labels("miss").inc(queried_keys - hit_keys)
+
+    def add_failed_objects(self, code: str, count: int) -> None:
+        if count > 0:
+            self._collectors["failed_objects_total"].labels(code).inc(count)
+
+    def add_breaker_opens(self, count: int) -> None:
+        if count > 0:
+            self._collectors["breaker_opens_total"].inc(count)
+
+    def set_breaker_state(self, state: str) -> None:
+        self._collectors["breaker_state"].set(BREAKER_STATE_VALUES.get(state, 1))
+
+    def add_node_failures(self, node: str, count: int = 1) -> None:
+        if count > 0:
+            self._collectors["node_failures_total"].labels(node).inc(count)
+
+
+_lock = threading.Lock()
+_by_registry: dict[int, SpanMetrics] = {}
+
+
+def get_metrics(registry: Any = None) -> SpanMetrics | None:
+    """The shared ``SpanMetrics`` of ``registry`` (default: prometheus' global one).
+
+    None when prometheus_client is not installed: metrics are optional, the
+    backend then simply does not export any.
+    """
+    try:
+        import prometheus_client as prom
+    except ImportError:
+        return None
+    target = registry if registry is not None else prom.REGISTRY
+    with _lock:
+        metrics = _by_registry.get(id(target))
+        if metrics is None or metrics.registry is not target:
+            metrics = SpanMetrics(target)
+            _by_registry[id(target)] = metrics
+        return metrics
+
+
+def exposition_registry() -> Any:
+    """The registry a scraper should render: the multiprocess view when
+    ``PROMETHEUS_MULTIPROC_DIR`` is set, the process' own registry otherwise."""
+    import prometheus_client as prom
+
+    directory = os.environ.get(MULTIPROC_ENV)
+    if not directory:
+        return prom.REGISTRY
+    from prometheus_client import multiprocess
+
+    registry = prom.CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=directory)
+    return registry
+
+
+class ClientStatsSync:
+    """Turns one client's cumulative ``stats()`` into counter increments."""
+
+    def __init__(self, metrics: SpanMetrics) -> None:
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._seen_codes: dict[str, int] = {}
+        self._seen_opens = 0
+
+    def sync(self, stats: Mapping[str, Any]) -> None:
+        codes = dict(stats.get("error_counts", {}))
+        opens = int(stats.get("breaker_times_opened", 0))
+        with self._lock:
+            deltas = {code: n - self._seen_codes.get(code, 0) for code, n in codes.items()}
+            self._seen_codes = codes
+            opened, self._seen_opens = opens - self._seen_opens, opens
+        for code, delta in deltas.items():
+            self._metrics.add_failed_objects(code, delta)
+        self._metrics.add_breaker_opens(opened)
+        self._metrics.set_breaker_state(str(stats.get("breaker_state", "closed")))

@@ -1,0 +1,114 @@
+"""Arguments shared by ``doctor`` and ``inspect``: where the cluster is.
+
+The connection is resolved exactly as the backend resolves it
+(``config.load_mooncake_settings``: extra-config, then
+``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, then ``MOONCAKE_*``), with
+``--master`` / ``--metadata`` / ``--protocol`` laid over the result: flags on
+a command line are the most explicit source there is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from mooncake_span.config import MooncakeSettings, load_mooncake_settings
+from mooncake_span.errors import ConfigError
+from mooncake_span.ops import master_http
+from mooncake_span.ops.native_log import add_native_log_arg
+
+# Commands pointed at a cluster by flags alone talk TCP unless told otherwise
+# (sglang's own default, rdma, needs a device a flag-only caller did not name).
+FLAG_ONLY_PROTOCOL = "tcp"
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--master", default=None, metavar="HOST:PORT", help="master RPC address (or etcd://...)"
+    )
+    parser.add_argument(
+        "--metadata",
+        default=None,
+        metavar="URL",
+        help="metadata server, e.g. http://HOST:PORT/metadata, etcd://HOST:PORT, P2PHANDSHAKE",
+    )
+    parser.add_argument("--protocol", default=None, help="transfer protocol (tcp, rdma, ...)")
+    parser.add_argument(
+        "--extra-config",
+        default=None,
+        metavar="JSON|@FILE",
+        help="the backend's --hicache-storage-backend-extra-config (JSON text or @path)",
+    )
+    parser.add_argument(
+        "--admin-url",
+        default=None,
+        metavar="URL",
+        help="the master's HTTP admin server (its --metrics_port), e.g. http://HOST:9003 "
+        "(default: the master host on master_metrics_port from the config, else 9003)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    add_native_log_arg(parser)
+
+
+def parse_extra_config(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    source = "--extra-config"
+    if text.startswith("@"):
+        source = text[1:]
+        try:
+            with open(source, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --extra-config file {source!r}: {exc}") from exc
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"{source} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def resolve_settings(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> tuple[MooncakeSettings, dict[str, Any]]:
+    """Settings the backend would use, with the command-line flags on top."""
+    environ = os.environ if environ is None else environ
+    extra = parse_extra_config(args.extra_config)
+    overlay = {
+        key: value
+        for key, value in (
+            ("master_server_address", args.master),
+            ("metadata_server", args.metadata),
+            ("protocol", args.protocol),
+        )
+        if value
+    }
+    try:
+        base = load_mooncake_settings(extra, environ)
+    except ConfigError:
+        if not args.master:
+            raise
+        # No config source at all: the flags are the whole configuration.
+        overlay.setdefault("protocol", FLAG_ONLY_PROTOCOL)
+        settings = load_mooncake_settings({**extra, **overlay}, environ)
+        return dataclasses.replace(settings, source="command line"), extra
+    if not overlay:
+        return base, extra
+    # replace() validates again; the flags name the fields they set.
+    settings = dataclasses.replace(base, **overlay, source=f"{base.source} + command line")
+    return settings, extra
+
+
+def admin_url(
+    args: argparse.Namespace, settings: MooncakeSettings, extra: Mapping[str, Any]
+) -> str | None:
+    if args.admin_url:
+        return args.admin_url.rstrip("/")
+    port = extra.get("master_metrics_port")
+    return master_http.admin_url_for(settings.master_server_address, int(port) if port else None)

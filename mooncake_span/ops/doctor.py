@@ -1,0 +1,552 @@
+"""``mooncake-span doctor``: check a node's Mooncake setup, one line per check.
+
+Each check answers PASS, WARN, FAIL or SKIP with what it saw and, unless it
+passed, the fix. The checks are ordered so that a broken foundation (config,
+master, metadata, etcd) skips the checks built on it instead of waiting on
+them. Every network step has a short timeout and the native client only runs
+in a child process with a deadline (``probe_worker``), so the whole command
+ends within ``DEADLINE_S`` even with a dead master or etcd. Exit 0 when no
+check FAILs, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import resource
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mooncake_span.config import MooncakeSettings, load_span_options
+from mooncake_span.errors import MooncakeSpanError, code_name
+from mooncake_span.ops import master_http
+from mooncake_span.ops.cli_common import add_connection_args, admin_url, resolve_settings
+from mooncake_span.ops.native_log import resolve_native_log
+from mooncake_span.ops.probe_worker import probe
+
+logger = logging.getLogger(__name__)
+
+DEADLINE_S = 18.0
+_NET_TIMEOUT_S = 2.0
+_ROUNDTRIP_OBJECTS = 4
+_ROUNDTRIP_OBJECT_BYTES = 1 << 20
+_SYN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_syn_retries"
+_IB_PATH = "/sys/class/infiniband"
+PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Context:
+    settings: MooncakeSettings | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    admin_url: str | None = None
+    native_log: str | None = None
+    deadline: float = 0.0
+    model: str | None = None
+    tag: str | None = None
+    failed: set[str] = field(default_factory=set)
+
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+def _tcp(endpoint: str, timeout_s: float = _NET_TIMEOUT_S) -> str | None:
+    """None when ``HOST:PORT`` accepts a connection, else why not."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except (OSError, ValueError) as exc:
+        return str(exc) or type(exc).__name__
+
+
+def _http_status(url: str) -> tuple[int | None, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=_NET_TIMEOUT_S) as resp:
+            return resp.status, resp.read(400).decode("utf-8", "replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(400).decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return None, str(getattr(exc, "reason", exc))
+
+
+# ---- checks -------------------------------------------------------------------
+
+
+def check_master(ctx: Context) -> list[Check]:
+    s = ctx.settings
+    if s.master_server_address.startswith("etcd://"):
+        return [Check("master", SKIP, "HA master behind etcd: see the etcd check")]
+    why = _tcp(s.master_server_address)
+    if why is not None:
+        ctx.failed.add("master")
+        return [
+            Check(
+                "master",
+                FAIL,
+                f"master {s.master_server_address} does not accept connections: {why}",
+                "start mooncake_master there or correct master_server_address (HOST:RPC_PORT)",
+            )
+        ]
+    checks = [Check("master", PASS, f"master {s.master_server_address} accepts connections")]
+    if ctx.admin_url is None:
+        return checks
+    try:
+        health = master_http.health(ctx.admin_url, _NET_TIMEOUT_S)
+    except master_http.AdminError as exc:
+        checks.append(
+            Check(
+                "master admin",
+                WARN,
+                f"admin server not reachable ({exc}); the master's version and role are unknown",
+                "pass --admin-url http://HOST:METRICS_PORT (mooncake_master --metrics_port)",
+            )
+        )
+        return checks
+    role, state = health.get("role"), health.get("ha_state")
+    status = PASS if health.get("status") == "ok" and health.get("service_ready", True) else WARN
+    checks.append(
+        Check(
+            "master admin",
+            status,
+            f"{ctx.admin_url}/health: status={health.get('status')} role={role} state={state} "
+            "(the master does not publish its version over HTTP)",
+            None if status == PASS else "the master is not serving yet; wait or check its log",
+            data={"health": health, "client_version": _client_version()},
+        )
+    )
+    return checks
+
+
+def _client_version() -> str | None:
+    from importlib import metadata
+
+    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_metadata(ctx: Context) -> list[Check]:
+    md = ctx.settings.metadata_server
+    if md == "P2PHANDSHAKE":
+        return [Check("metadata", PASS, "P2PHANDSHAKE: peers exchange metadata directly")]
+    if not md.startswith(("http://", "https://")):
+        return [Check("metadata", SKIP, f"{md} is etcd: see the etcd check")]
+    status, body = _http_status(f"{md}?key=mooncake-span-doctor-probe")
+    # Mooncake's HTTP metadata server answers an unknown key with 404 "metadata not found".
+    if status == 200 or (status == 404 and "metadata not found" in body):
+        return [Check("metadata", PASS, f"{md} answers as a Mooncake metadata server")]
+    ctx.failed.add("metadata")
+    if status is None:
+        why = f"{md} is unreachable: {body}"
+    else:
+        why = f"{md} answered HTTP {status} {body.strip()[:80]!r}, not a Mooncake metadata server"
+    return [
+        Check(
+            "metadata",
+            FAIL,
+            why,
+            "use the URL `mooncake-span cluster up` prints (http://HOST:PORT/metadata of the "
+            "master's --http_metadata_server_port or mooncake_http_metadata_server)",
+        )
+    ]
+
+
+def _etcd_endpoints(ctx: Context) -> list[str]:
+    endpoints = ctx.settings.etcd_endpoints()
+    try:
+        options = load_span_options(ctx.extra)
+    except MooncakeSpanError:
+        return endpoints
+    if options.layout_guard == "etcd" and options.layout_guard_etcd:
+        endpoints.append(options.layout_guard_etcd)
+    return list(dict.fromkeys(endpoints))
+
+
+def check_etcd(ctx: Context) -> list[Check]:
+    endpoints = _etcd_endpoints(ctx)
+    if not endpoints:
+        return [Check("etcd", SKIP, "not used (no etcd:// master, metadata or layout guard)")]
+    checks = []
+    for endpoint in endpoints:
+        status, body = _http_status(f"http://{endpoint}/version")
+        if status == 200 and "etcdserver" in body:
+            version = json.loads(body).get("etcdserver")
+            checks.append(Check("etcd", PASS, f"etcd {endpoint} answers (etcd {version})"))
+            continue
+        ctx.failed.add("etcd")
+        checks.append(
+            Check(
+                "etcd",
+                FAIL,
+                f"etcd {endpoint} does not answer: "
+                + (body if status is None else f"HTTP {status}"),
+                "start etcd or fix the endpoint; with a dead etcd Mooncake's setup blocks for "
+                "minutes",
+            )
+        )
+    return checks
+
+
+def _is_local_address(address: str) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _resolve(host: str) -> str | None:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return None
+
+
+def _is_loopback(address: str | None) -> bool:
+    try:
+        return address is not None and ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(ctx: Context) -> list[Check]:
+    s = ctx.settings
+    bind = os.environ.get("MC_TCP_BIND_ADDRESS")
+    hostname_ip = _resolve(s.local_hostname)
+    master_host = s.master_server_address.removeprefix("etcd://").split(";")[0].rpartition(":")[0]
+    master_ip = _resolve(master_host)
+    data = {"bind": bind, "local_hostname": s.local_hostname, "resolved": hostname_ip}
+    name = "bind address"
+    if not bind:
+        return [
+            Check(
+                name,
+                WARN,
+                f"MC_TCP_BIND_ADDRESS is not set: the transfer engine advertises the first non-lo "
+                f"interface, not local_hostname {s.local_hostname!r}",
+                f"export MC_TCP_BIND_ADDRESS={hostname_ip or 'THIS_HOST_IP'} (the address peers "
+                "reach this host on)",
+                data,
+            )
+        ]
+    if not _is_local_address(bind):
+        return [
+            Check(
+                name,
+                FAIL,
+                f"MC_TCP_BIND_ADDRESS={bind} is not an address of this host",
+                "set it to one of this host's addresses (ip -brief addr)",
+                data,
+            )
+        ]
+    if hostname_ip is None or hostname_ip != bind:
+        return [
+            Check(
+                name,
+                FAIL,
+                f"local_hostname {s.local_hostname!r} resolves to {hostname_ip} but "
+                f"MC_TCP_BIND_ADDRESS is {bind}: peers and the master would see two addresses",
+                f"set local_hostname (or MOONCAKE_LOCAL_HOSTNAME) to {bind}, or "
+                f"MC_TCP_BIND_ADDRESS to {hostname_ip or 'the local_hostname address'}",
+                data,
+            )
+        ]
+    if _is_loopback(bind) and master_ip is not None and not _is_loopback(master_ip):
+        return [
+            Check(
+                name,
+                FAIL,
+                f"this host binds loopback {bind} but the master is remote ({master_host}): "
+                "storage nodes elsewhere cannot reach it",
+                "set MC_TCP_BIND_ADDRESS and local_hostname to this host's LAN address",
+                data,
+            )
+        ]
+    agree = f"local_hostname and MC_TCP_BIND_ADDRESS agree on {bind}"
+    return [Check(name, PASS, agree, None, data)]
+
+
+def _meminfo() -> dict[str, int]:
+    info = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts:
+                    info[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError:
+        pass
+    return info
+
+
+def check_device(ctx: Context) -> list[Check]:
+    s = ctx.settings
+    if s.protocol != "rdma":
+        return [Check("device", PASS, f"protocol {s.protocol}: no RDMA device needed")]
+    checks = []
+    devices = sorted(os.listdir(_IB_PATH)) if os.path.isdir(_IB_PATH) else []
+    wanted = [d for d in s.device_name.replace(";", ",").split(",") if d]
+    missing = [d for d in wanted if d not in devices]
+    if not devices or missing:
+        checks.append(
+            Check(
+                "rdma device",
+                FAIL,
+                f"RDMA devices here: {devices or 'none'}; configured: {wanted or 'auto'}",
+                "install the RDMA driver / pick a listed device_name, or use protocol tcp",
+            )
+        )
+    else:
+        checks.append(Check("rdma device", PASS, f"RDMA devices {devices}"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    need = s.global_segment_size_bytes + s.local_buffer_size_bytes
+    if soft != resource.RLIM_INFINITY and soft < need:
+        checks.append(
+            Check(
+                "memlock",
+                FAIL,
+                f"memlock limit {soft} bytes < {need} bytes to register (segment + buffer)",
+                "ulimit -l unlimited (or LimitMEMLOCK=infinity / --ulimit memlock=-1 in "
+                "containers)",
+            )
+        )
+    else:
+        checks.append(Check("memlock", PASS, "memlock limit is enough for registration"))
+    pages = _meminfo().get("HugePages_Total", 0)
+    checks.append(Check("hugepages", PASS, f"{pages} huge pages configured (optional)"))
+    return checks
+
+
+def check_syn_retries(ctx: Context) -> list[Check]:
+    try:
+        with open(_SYN_RETRIES_PATH, encoding="ascii") as fh:
+            value = int(fh.read().strip())
+    except (OSError, ValueError) as exc:
+        return [Check("tcp_syn_retries", SKIP, f"cannot read {_SYN_RETRIES_PATH}: {exc}")]
+    if value <= 2:
+        return [Check("tcp_syn_retries", PASS, f"net.ipv4.tcp_syn_retries={value}")]
+    return [
+        Check(
+            "tcp_syn_retries",
+            WARN,
+            f"net.ipv4.tcp_syn_retries={value}: a connect to a partitioned node waits for the "
+            "kernel's retries, and a transfer then blocks for Mooncake's 60 s",
+            "sysctl -w net.ipv4.tcp_syn_retries=1 (a connect gives up after ~3 s)",
+            {"value": value},
+        )
+    ]
+
+
+def check_memory(ctx: Context) -> list[Check]:
+    s = ctx.settings
+    need = s.global_segment_size_bytes + s.local_buffer_size_bytes
+    available = _meminfo().get("MemAvailable")
+    if available is None:
+        return [Check("memory", SKIP, "MemAvailable unknown")]
+    detail = (
+        f"segment {s.global_segment_size_bytes} + buffer {s.local_buffer_size_bytes} bytes vs "
+        f"{available} bytes available"
+    )
+    data = {"need_bytes": need, "available_bytes": available}
+    if need > available:
+        return [Check("memory", FAIL, detail, "lower global_segment_size or free memory", data)]
+    if need > 0.8 * available:
+        return [Check("memory", WARN, detail, "leave headroom: lower global_segment_size", data)]
+    return [Check("memory", PASS, detail, None, data)]
+
+
+def _guard_key(ctx: Context) -> str | None:
+    from mooncake_span.store.layout_guard import namespace_key
+
+    if ctx.model is None:
+        return None
+    return namespace_key(ctx.model, ctx.tag or ctx.extra.get("extra_backend_tag"))
+
+
+def _roundtrip_check(reply: dict[str, Any], ctx: Context) -> Check:
+    where = f" (native log: {ctx.native_log})" if ctx.native_log else ""
+    rt = reply.get("roundtrip")
+    if "error" in reply or rt is None:
+        return Check(
+            "round trip",
+            FAIL,
+            f"the store client could not set up: {reply.get('error', 'no result')}{where}",
+            "fix the FAIL lines above; check local_hostname, metadata_server and the protocol",
+        )
+    size, count = rt["object_bytes"], rt["objects"]
+    put_ok = sum(code == 0 for code in rt["put_codes"])
+    get_ok = sum(code == size for code in rt["get_codes"])
+    mb = size * count / 1e6
+    detail = (
+        f"{count} x {size} bytes: setup {reply['setup_s']:.2f} s, put {rt['put_s'] * 1e3:.1f} ms "
+        f"({mb / max(rt['put_s'], 1e-9):.0f} MB/s), get {rt['get_s'] * 1e3:.1f} ms "
+        f"({mb / max(rt['get_s'], 1e-9):.0f} MB/s), {rt['byte_exact']}/{count} byte-exact, "
+        f"{rt['removed']}/{count} removed"
+    )
+    data = {**rt, "setup_s": reply["setup_s"]}
+    if put_ok == get_ok == rt["byte_exact"] == count:
+        return Check("round trip", PASS, detail, None, data)
+    failed = sorted({code_name(c) for c in rt["put_codes"] if c != 0})
+    fix = "check the storage nodes (mooncake-span inspect shows segments and usage)"
+    if "NO_AVAILABLE_HANDLE" in failed or -200 in rt["put_codes"]:
+        fix = "no space: start storage nodes (global_segment_size > 0) or free segment memory"
+    return Check("round trip", FAIL, f"{detail}; put failures {failed}{where}", fix, data)
+
+
+def _guard_check(reply: dict[str, Any], key: str | None) -> Check:
+    if key is None:
+        return Check("layout guard", SKIP, "pass --model (and --tag) to read a namespace's record")
+    blobs = reply.get("blobs") or {}
+    if key not in blobs:
+        return Check("layout guard", SKIP, f"{key}: not read (no store client)")
+    text = blobs[key]
+    if text is None:
+        return Check("layout guard", PASS, f"{key}: no record yet (the first node publishes it)")
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return Check(
+            "layout guard",
+            FAIL,
+            f"{key} holds no JSON: {text[:60]!r}",
+            "remove the key; nodes refuse to start against a record they cannot read",
+        )
+    summary = (
+        f"host page {record.get('host_page_tokens')} tokens, storage page "
+        f"{record.get('storage_page_tokens')}, layout {record.get('layout')}, "
+        f"dtype {record.get('kv_dtype')}, pools {sorted(record.get('pools', {}))}"
+    )
+    return Check("layout guard", PASS, f"{key}: {summary}", None, {"record": record})
+
+
+def check_store(ctx: Context) -> list[Check]:
+    """A real round trip, and the layout-guard record, through one probe child."""
+    blocked = sorted(ctx.failed & {"master", "metadata", "etcd"})
+    key = _guard_key(ctx)
+    if blocked:
+        why = f"skipped: {', '.join(blocked)} failed above"
+        return [
+            Check("round trip", FAIL, why, "fix the FAIL lines above first"),
+            Check("layout guard", SKIP, why),
+        ]
+    budget = ctx.remaining_s() - 0.5
+    if budget < 3:
+        return [Check("round trip", FAIL, "no time left for a round trip", "rerun")]
+    reply = probe(
+        ctx.settings,
+        timeout_s=budget,
+        native_log=ctx.native_log,
+        roundtrip_objects=_ROUNDTRIP_OBJECTS,
+        roundtrip_object_bytes=_ROUNDTRIP_OBJECT_BYTES,
+        read_keys=[key] if key else [],
+    )
+    return [_roundtrip_check(reply, ctx), _guard_check(reply, key)]
+
+
+CHECKS = (
+    check_master,
+    check_metadata,
+    check_etcd,
+    check_bind,
+    check_device,
+    check_syn_retries,
+    check_memory,
+    check_store,
+)
+
+
+def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
+    ctx = Context(deadline=time.monotonic() + DEADLINE_S, model=args.model, tag=args.tag)
+    ctx.native_log = resolve_native_log(args.native_log, "doctor")
+    try:
+        ctx.settings, ctx.extra = resolve_settings(args)
+    except MooncakeSpanError as exc:
+        return [Check("config", FAIL, str(exc), "fix the configuration source named above")], ctx
+    s = ctx.settings
+    ctx.admin_url = admin_url(args, s, ctx.extra)
+    checks = [
+        Check(
+            "config",
+            PASS,
+            f"master {s.master_server_address}, metadata {s.metadata_server}, protocol "
+            f"{s.protocol}, local_hostname {s.local_hostname}, segment "
+            f"{s.global_segment_size_bytes} bytes (from {s.source})",
+            data={"settings": asdict(s)},
+        )
+    ]
+    for check in CHECKS:
+        checks += check(ctx)
+    return checks, ctx
+
+
+def format_text(checks: list[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        lines.append(f"{c.status:4}  {c.name:<{width}}  {c.detail}")
+        if c.fix and c.status in (WARN, FAIL):
+            lines.append(f"{'':4}  {'':<{width}}  fix: {c.fix}")
+    return "\n".join(lines)
+
+
+def run_doctor_command(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    checks, ctx = run_checks(args)
+    failed = sum(c.status == FAIL for c in checks)
+    if args.json:
+        doc = {
+            "ok": failed == 0,
+            "elapsed_s": round(time.monotonic() - started, 3),
+            "native_log": ctx.native_log,
+            "checks": [asdict(c) for c in checks],
+        }
+        print(json.dumps(doc, indent=1, default=str), flush=True)
+    else:
+        print(format_text(checks), flush=True)
+        verdict = "OK" if failed == 0 else f"{failed} check(s) FAILED"
+        print(f"doctor: {verdict} in {time.monotonic() - started:.1f} s", flush=True)
+        if ctx.native_log and os.path.exists(ctx.native_log):
+            print(f"native log: {ctx.native_log}", file=sys.stderr, flush=True)
+    return 0 if failed == 0 else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check this node's Mooncake setup (PASS / WARN / FAIL with the fix)",
+        description=(
+            "Check config, master, metadata server, etcd, bind address, RDMA device and memlock, "
+            "tcp_syn_retries, memory, a real put/get/remove round trip and the namespace's "
+            "layout-guard record. Reads the same config sources as the backend. Exits 1 if "
+            f"any check FAILs; finishes within about {DEADLINE_S:.0f} s."
+        ),
+    )
+    add_connection_args(parser)
+    parser.add_argument(
+        "--model", default=None, help="model name whose layout-guard record to read"
+    )
+    parser.add_argument("--tag", default=None, help="extra_backend_tag of that namespace")
+    parser.set_defaults(func=run_doctor_command)

@@ -1,0 +1,411 @@
+"""``mooncake-span inspect``: what lives in a Mooncake cluster, per namespace.
+
+Everything comes from the master's HTTP admin API (``master_http``): the key
+list is streamed once and each key is split along the object-key grammar
+(``span.object_layout.parse_object_key``), so namespaces, objects, storage
+keys and component suffixes are exact counts. Object sizes need one
+``/query_key`` request per key, so bytes are *sampled* by default (a
+reservoir of ``--sample`` keys per namespace, extrapolated, flagged
+``bytes_estimated``); ``--exact-bytes`` asks for every key instead.
+
+Layout-guard records (``ms1[_tag]_model__geometry``) are small Mooncake
+objects; reading their content needs a native client, which runs in a child
+process with a timeout (``probe_worker``) when ``--metadata`` is known, and is
+skipped with ``--no-records``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mooncake_span.ops import master_http
+from mooncake_span.ops.cli_common import (
+    add_connection_args,
+    admin_url,
+    parse_extra_config,
+    resolve_settings,
+)
+from mooncake_span.ops.native_log import resolve_native_log
+from mooncake_span.ops.probe_worker import probe
+from mooncake_span.span.geometry import classify_pool
+from mooncake_span.span.keys import KeySchema, RankTags
+from mooncake_span.span.object_layout import (
+    NamespaceFacts,
+    describe_object_layout,
+    parse_guard_key,
+    parse_object_key,
+    pool_inputs,
+)
+
+logger = logging.getLogger(__name__)
+
+OTHER_NAMESPACE = "(not mooncake-span)"
+_HTTP_TIMEOUT_S = 5.0
+_RECORD_TIMEOUT_S = 15.0
+
+
+@dataclass
+class _Namespace:
+    facts: NamespaceFacts | None
+    objects: int = 0
+    page_keys: set[str] = field(default_factory=set)
+    suffixes: dict[str, int] = field(default_factory=dict)
+    sample: list[str] = field(default_factory=list)
+
+
+def _reservoir_add(ns: _Namespace, key: str, limit: int, rng: random.Random) -> None:
+    if len(ns.sample) < limit:
+        ns.sample.append(key)
+        return
+    slot = rng.randrange(ns.objects)
+    if slot < limit:
+        ns.sample[slot] = key
+
+
+def _known_namespace(
+    namespaces: dict[str, _Namespace], key: str
+) -> tuple[_Namespace | None, str | None]:
+    """Fast path: a key of a namespace already seen (a prefix has 5 fields, 6 with a tag)."""
+    parts = key.split("_", 6)
+    for fields in (5, 6):
+        if len(parts) > fields:
+            ns = namespaces.get("_".join(parts[:fields]))
+            if ns is not None and ns.facts is not None:
+                return ns, "_".join(parts[fields:])
+    return None, None
+
+
+def scan_keys(
+    base_url: str, sample_per_namespace: int, timeout_s: float = _HTTP_TIMEOUT_S
+) -> tuple[dict[str, _Namespace], list[str], int]:
+    """Stream ``/get_all_keys`` once: namespaces, guard keys, total key count."""
+    rng = random.Random(0)
+    namespaces: dict[str, _Namespace] = {}
+    guard_keys: list[str] = []
+    total = 0
+    for key in master_http.iter_lines(base_url + "/get_all_keys", timeout_s):
+        total += 1
+        if parse_guard_key(key) is not None:
+            guard_keys.append(key)
+            continue
+        ns, rest = _known_namespace(namespaces, key)
+        if ns is None:
+            parsed = parse_object_key(key)
+            name = parsed.facts.key_prefix if parsed else OTHER_NAMESPACE
+            ns = namespaces.get(name)
+            if ns is None:
+                ns = namespaces[name] = _Namespace(parsed.facts if parsed else None)
+            rest = parsed.rest if parsed else None
+        ns.objects += 1
+        if rest is not None:
+            page_key, _, suffix = rest.partition("_")
+            ns.page_keys.add(page_key)
+            ns.suffixes["_" + suffix] = ns.suffixes.get("_" + suffix, 0) + 1
+        _reservoir_add(ns, key, sample_per_namespace, rng)
+    return namespaces, guard_keys, total
+
+
+def _bytes(base_url: str, ns: _Namespace, keys: list[str], exact: bool) -> dict[str, Any]:
+    sizes = [master_http.object_size_bytes(base_url, k, _HTTP_TIMEOUT_S) for k in keys]
+    known = [s for s in sizes if s is not None]
+    if ns.objects == 0:
+        return {"bytes": 0, "bytes_estimated": False, "sampled_objects": 0}
+    if not known:
+        return {"bytes": None, "bytes_estimated": not exact, "sampled_objects": 0}
+    if exact:
+        return {"bytes": sum(known), "bytes_estimated": False, "sampled_objects": len(known)}
+    return {
+        "bytes": round(sum(known) / len(known) * ns.objects),
+        "bytes_estimated": len(known) < ns.objects,
+        "sampled_objects": len(known),
+    }
+
+
+def _segments(samples: list[tuple[str, dict[str, str], float]]) -> list[dict[str, Any]]:
+    segments: dict[str, dict[str, Any]] = {}
+    for name, labels, value in samples:
+        seg = labels.get("segment")
+        if seg is None:
+            continue
+        entry = segments.setdefault(seg, {"name": seg})
+        if name == "segment_total_capacity_bytes":
+            entry["capacity_bytes"] = int(value)
+        elif name == "segment_allocated_bytes":
+            entry["used_bytes"] = int(value)
+    for entry in segments.values():
+        cap = entry.get("capacity_bytes")
+        entry["usage_ratio"] = (entry.get("used_bytes", 0) / cap) if cap else None
+    return sorted(segments.values(), key=lambda e: e["name"])
+
+
+def _master_summary(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
+    wanted = {
+        "master_key_count": "keys",
+        "master_allocated_bytes": "allocated_bytes",
+        "master_total_capacity_bytes": "capacity_bytes",
+        "master_client_count": "clients",
+        "master_active_clients": "clients",
+    }
+    out: dict[str, Any] = {}
+    for name, labels, value in samples:
+        if name in wanted and not labels:
+            out[wanted[name]] = int(value)
+    return out
+
+
+def _guard_layout(facts: NamespaceFacts, record_text: str | None, key: str) -> Any:
+    """The object layout from a guard record; None when the record is unreadable."""
+    from mooncake_span.store.layout_guard import GeometryRecord
+
+    if record_text is None:
+        return None
+    try:
+        record = GeometryRecord.from_json(record_text)
+    except (ValueError, KeyError, TypeError):
+        return None
+    kinds = {name: classify_pool(name) for name in record.pools}
+    pools = pool_inputs(record.pools, kinds)
+    return describe_object_layout(facts, pools, source="inspect", layout_guard_key=key)
+
+
+def _namespace_doc(
+    name: str,
+    ns: _Namespace,
+    bytes_info: dict[str, Any],
+    guard: dict[str, str | None],
+) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": name, "objects": ns.objects, **bytes_info}
+    if ns.facts is None:
+        doc["examples"] = ns.sample[:3]
+        return doc
+    facts = ns.facts
+    doc.update(asdict(facts))
+    doc["storage_page_tokens"] = facts.host_page_tokens * facts.pages_per_span
+    doc["storage_keys"] = len(ns.page_keys)
+    doc["components"] = dict(sorted(ns.suffixes.items()))
+    key = _guard_key_for(facts, guard)
+    doc["layout_guard"] = {"key": key, "found": key is not None, "record": None}
+    if key is not None and guard.get(key):
+        doc["layout_guard"]["record"] = json.loads(guard[key])
+        doc["object_layout"] = _guard_layout(facts, guard[key], key)
+        _fill_observed_suffixes(doc["object_layout"], ns.suffixes)
+    return doc
+
+
+def _fill_observed_suffixes(layout: dict[str, Any] | None, observed: dict[str, int]) -> None:
+    """A guard record has no rank scopes; a suffix seen in the keys for exactly one
+    rank of a component fills the gap (marked ``suffix_observed``)."""
+    if layout is None:
+        return
+    for pool in layout["hicache_object_layout"]["pools"]:
+        for i, comp in enumerate(pool["components"]):
+            seen = [sfx for sfx in observed if sfx.endswith("_" + comp["name"])]
+            if comp["suffix"] is None and len(seen) == 1:
+                comp["suffix"] = pool["suffixes"][i] = seen[0]
+                comp["suffix_observed"] = True
+
+
+def _guard_key_for(facts: NamespaceFacts, guard: dict[str, str | None]) -> str | None:
+    for key in guard:
+        if parse_guard_key(key) == (facts.tag, facts.model):
+            return key
+    return None
+
+
+def _facts_from_record(key: str, text: str | None) -> NamespaceFacts | None:
+    from mooncake_span.store.layout_guard import GeometryRecord
+
+    owner = parse_guard_key(key)
+    if text is None or owner is None:
+        return None
+    try:
+        record = GeometryRecord.from_json(text)
+    except (ValueError, KeyError, TypeError):
+        return None
+    tag, model = owner
+    host = record.host_page_tokens
+    schema = KeySchema(
+        model=model,
+        host_page_tokens=host,
+        pages_per_span=max(1, record.storage_page_tokens // max(1, host)),
+        layout=record.layout,
+        kv_dtype=record.kv_dtype,
+        ranks=RankTags.from_ranks(tp_rank=0),
+        tag=tag,
+    )
+    return NamespaceFacts.from_schema(schema)
+
+
+def _add_guarded_namespaces(namespaces: dict[str, _Namespace], guard: dict[str, str | None]):
+    """Namespaces whose guard record exists but whose objects are gone (or not yet written)."""
+    for key, text in guard.items():
+        facts = _facts_from_record(key, text)
+        if facts is not None and facts.key_prefix not in namespaces:
+            namespaces[facts.key_prefix] = _Namespace(facts)
+
+
+def collect(
+    base_url: str,
+    *,
+    sample_per_namespace: int = 32,
+    exact_bytes: bool = False,
+    read_records: Any = None,
+) -> dict[str, Any]:
+    """The inspect document. ``read_records(keys) -> {key: text|None}`` reads guard records."""
+    started = time.perf_counter()
+    limit = sys.maxsize if exact_bytes else sample_per_namespace
+    health = master_http.health(base_url, _HTTP_TIMEOUT_S)
+    samples = master_http.master_metrics(base_url, _HTTP_TIMEOUT_S)
+    namespaces, guard_keys, total = scan_keys(base_url, limit)
+    scanned_s = time.perf_counter() - started
+    guard: dict[str, str | None] = dict.fromkeys(guard_keys)
+    if guard_keys and read_records is not None:
+        guard.update(read_records(guard_keys))
+    _add_guarded_namespaces(namespaces, guard)
+    docs = [
+        _namespace_doc(name, ns, _bytes(base_url, ns, ns.sample, exact_bytes), guard)
+        for name, ns in sorted(namespaces.items(), key=lambda item: -item[1].objects)
+    ]
+    return {
+        "admin_url": base_url,
+        "health": health,
+        "master": _master_summary(samples),
+        "segments": _segments(samples),
+        "keys": {"total": total, "mode": "streamed", "scan_s": round(scanned_s, 3)},
+        "bytes_mode": "exact" if exact_bytes else f"sampled ({sample_per_namespace} per namespace)",
+        "layout_guard_records": sorted(guard_keys),
+        "namespaces": docs,
+        "elapsed_s": round(time.perf_counter() - started, 3),
+    }
+
+
+def _record_reader(args: argparse.Namespace, native_log: str | None) -> Any:
+    """Reads guard records through a probe child, or None when that cannot work."""
+    if args.no_records:
+        return None
+    try:
+        settings, _ = resolve_settings(args)
+    except ValueError as exc:
+        logger.warning("inspect: not reading layout-guard records: %s", exc)
+        return None
+
+    def read(keys: list[str]) -> dict[str, str | None]:
+        reply = probe(settings, timeout_s=_RECORD_TIMEOUT_S, native_log=native_log, read_keys=keys)
+        if "error" in reply:
+            logger.warning("inspect: layout-guard records unreadable: %s", reply["error"])
+        return reply.get("blobs") or {}
+
+    return read
+
+
+def _human_bytes(value: float | None) -> str:
+    if value is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return "?"
+
+
+def format_text(doc: dict[str, Any]) -> str:
+    master = doc["master"]
+    lines = [
+        f"master {doc['admin_url']}: role {doc['health'].get('role')}, "
+        f"{master.get('keys', '?')} keys, {_human_bytes(master.get('allocated_bytes'))} of "
+        f"{_human_bytes(master.get('capacity_bytes'))} used",
+        f"keys scanned: {doc['keys']['total']} ({doc['keys']['mode']}, "
+        f"{doc['keys']['scan_s']} s); bytes {doc['bytes_mode']}",
+        "",
+        "segments:",
+    ]
+    for seg in doc["segments"] or [{"name": "(none mounted)"}]:
+        ratio = seg.get("usage_ratio")
+        lines.append(
+            f"  {seg['name']:<28} {_human_bytes(seg.get('used_bytes')):>10} / "
+            f"{_human_bytes(seg.get('capacity_bytes')):>10}"
+            + (f"  {ratio:.1%}" if ratio is not None else "")
+        )
+    lines += ["", "namespaces:"]
+    for ns in doc["namespaces"] or [{"name": "(no objects)", "objects": 0, "bytes": 0}]:
+        approx = "~" if ns.get("bytes_estimated") else ""
+        line = f"  {ns['name']:<48} {ns['objects']:>8} objects {approx}{_human_bytes(ns['bytes'])}"
+        if "pages_per_span" in ns:
+            guard = ns["layout_guard"]
+            line += (
+                f"  K={ns['pages_per_span']} x {ns['host_page_tokens']} tokens, "
+                f"{ns['storage_keys']} storage keys, guard "
+                + ("record" if guard["record"] else "found" if guard["found"] else "none")
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run_inspect_command(args: argparse.Namespace) -> int:
+    base = args.admin_url.rstrip("/") if args.admin_url else None
+    if base is None:
+        try:
+            settings, extra = resolve_settings(args)
+        except ValueError as exc:
+            print(f"mooncake-span inspect: {exc}", file=sys.stderr)
+            return 2
+        base = admin_url(args, settings, extra or parse_extra_config(args.extra_config))
+    if base is None:
+        print(
+            "mooncake-span inspect: an etcd:// master has no single admin server; pass "
+            "--admin-url http://LEADER_HOST:METRICS_PORT",
+            file=sys.stderr,
+        )
+        return 2
+    native_log = resolve_native_log(args.native_log, "inspect")
+    try:
+        doc = collect(
+            base,
+            sample_per_namespace=args.sample,
+            exact_bytes=args.exact_bytes,
+            read_records=_record_reader(args, native_log),
+        )
+    except master_http.AdminError as exc:
+        print(f"mooncake-span inspect: the master's admin server: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(doc, indent=1) if args.json else format_text(doc), flush=True)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="namespaces, objects, bytes and segments of a Mooncake cluster",
+        description=(
+            "List the cluster's namespaces (model, tag, span geometry from the key prefixes and "
+            "the layout-guard records), objects, storage keys and bytes per namespace, segments "
+            "with capacity and usage, and the master's totals, from the master's HTTP admin API. "
+            "Keys are streamed; bytes are sampled per namespace unless --exact-bytes."
+        ),
+    )
+    add_connection_args(parser)
+    parser.add_argument(
+        "--sample",
+        type=int,
+        default=32,
+        metavar="N",
+        help="objects per namespace whose size is queried to estimate bytes (default 32)",
+    )
+    parser.add_argument(
+        "--exact-bytes",
+        action="store_true",
+        help="query every object's size (one HTTP request per key: slow on big stores)",
+    )
+    parser.add_argument(
+        "--no-records",
+        action="store_true",
+        help="do not start a store client to read layout-guard records",
+    )
+    parser.set_defaults(func=run_inspect_command)

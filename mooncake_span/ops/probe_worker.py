@@ -1,0 +1,170 @@
+"""Native-client probes for ``doctor`` and ``inspect``, run in a child process.
+
+``MooncakeDistributedStore.setup`` can block for minutes (a dead etcd) and a
+misconfigured client can abort the process, so the commands never call it
+in-process: they start ``python -m mooncake_span.ops.probe_worker`` with a
+JSON request on stdin, wait for it with a timeout, and read one JSON document
+from stdout. The child's stderr (Mooncake's native log) goes wherever the
+parent points it.
+
+Request: ``{"settings": {...setup arguments...}, "roundtrip_objects": N,
+"roundtrip_object_bytes": B, "read_keys": [...]}``. Reply: ``{"setup_s",
+"roundtrip": {...}, "blobs": {key: text or null}}`` or ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+import uuid
+from typing import Any
+
+
+def _roundtrip(store: Any, count: int, size_bytes: int) -> dict[str, Any]:
+    """Put, get and remove ``count`` objects; byte-exact check and timings."""
+    from mooncake.store import ReplicateConfig
+
+    prefix = f"mooncake-span-doctor-{uuid.uuid4().hex[:12]}"
+    keys = [f"{prefix}-{i}" for i in range(count)]
+    payloads = [os.urandom(size_bytes) for _ in keys]
+    sources = [ctypes.create_string_buffer(p, size_bytes) for p in payloads]
+    targets = [ctypes.create_string_buffer(size_bytes) for _ in keys]
+    config = ReplicateConfig()
+    config.replica_num = 1
+    started = time.perf_counter()
+    put_codes = store.batch_put_from_multi_buffers(
+        keys, [[ctypes.addressof(b)] for b in sources], [[size_bytes]] * count, config
+    )
+    put_s = time.perf_counter() - started
+    started = time.perf_counter()
+    get_codes = store.batch_get_into_multi_buffers(
+        keys, [[ctypes.addressof(b)] for b in targets], [[size_bytes]] * count
+    )
+    get_s = time.perf_counter() - started
+    exact = [t.raw == p for t, p in zip(targets, payloads, strict=True)]
+    removed = sum(store.remove(key, True) == 0 for key in keys)
+    return {
+        "objects": count,
+        "object_bytes": size_bytes,
+        "put_codes": list(put_codes),
+        "get_codes": list(get_codes),
+        "byte_exact": sum(exact),
+        "removed": removed,
+        "put_s": put_s,
+        "get_s": get_s,
+    }
+
+
+def run(request: dict[str, Any]) -> dict[str, Any]:
+    from mooncake.store import MooncakeDistributedStore
+
+    s = request["settings"]
+    store = MooncakeDistributedStore()
+    started = time.perf_counter()
+    rc = store.setup(
+        s["local_hostname"],
+        s["metadata_server"],
+        0,  # a probe contributes no memory: objects land on the cluster's nodes
+        int(s.get("local_buffer_size_bytes", 16 << 20)),
+        s["protocol"],
+        s.get("device_name", ""),
+        s["master_server_address"],
+    )
+    reply: dict[str, Any] = {"setup_rc": rc, "setup_s": time.perf_counter() - started}
+    if rc != 0:
+        reply["error"] = f"setup returned {rc}"
+        return reply
+    try:
+        if request.get("roundtrip_objects"):
+            reply["roundtrip"] = _roundtrip(
+                store, int(request["roundtrip_objects"]), int(request["roundtrip_object_bytes"])
+            )
+        blobs: dict[str, str | None] = {}
+        for key in request.get("read_keys", []):
+            size = int(store.get_size(key))
+            if size <= 0:
+                blobs[key] = None
+                continue
+            buffer = ctypes.create_string_buffer(size)
+            got = store.batch_get_into_multi_buffers([key], [[ctypes.addressof(buffer)]], [[size]])
+            blobs[key] = buffer.raw.decode("utf-8", "replace") if got == [size] else None
+        reply["blobs"] = blobs
+    finally:
+        store.close()
+    return reply
+
+
+def main() -> int:
+    request = json.loads(sys.stdin.read())
+    try:
+        reply = run(request)
+    except Exception as exc:  # reported to the parent, which decides what it means
+        reply = {"error": f"{type(exc).__name__}: {exc}"}
+    sys.stdout.write(json.dumps(reply) + "\n")
+    sys.stdout.flush()
+    # The native client's teardown can linger (etcd watches); the answer is out.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def probe(
+    settings: Any,
+    *,
+    timeout_s: float,
+    native_log: str | None,
+    roundtrip_objects: int = 0,
+    roundtrip_object_bytes: int = 1 << 20,
+    read_keys: list[str] | None = None,
+) -> dict[str, Any]:
+    """Run the probe child for ``settings`` (a MooncakeSettings); never blocks past timeout_s."""
+    import subprocess
+
+    request = {
+        "settings": {
+            "local_hostname": settings.local_hostname,
+            "metadata_server": settings.metadata_server,
+            "local_buffer_size_bytes": settings.local_buffer_size_bytes,
+            "protocol": settings.protocol,
+            "device_name": settings.device_name,
+            "master_server_address": settings.master_server_address,
+        },
+        "roundtrip_objects": roundtrip_objects,
+        "roundtrip_object_bytes": roundtrip_object_bytes,
+        "read_keys": list(read_keys or []),
+    }
+    env = dict(os.environ)
+    env.setdefault("MC_LOG_LEVEL", "WARNING")
+    # Bounded setup: one retry instead of ~15 against a dead etcd.
+    env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+    log = open(native_log, "ab") if native_log else None  # noqa: SIM115 -- closed below
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "mooncake_span.ops.probe_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log if log is not None else None,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            out, _ = child.communicate(json.dumps(request).encode(), timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, 9)
+            child.communicate()
+            return {"error": f"no answer within {timeout_s:.0f} s (setup blocked)"}
+    finally:
+        if log is not None:
+            log.close()
+    lines = out.decode(errors="replace").strip().splitlines()
+    if child.returncode != 0 or not lines:
+        return {"error": f"probe process exited with {child.returncode} and no answer"}
+    try:
+        return json.loads(lines[-1])
+    except ValueError:
+        return {"error": f"probe process answered {lines[-1][:200]!r}"}

@@ -1,0 +1,264 @@
+"""Router-facing description of the L3 object layout. Pure: dicts and ints only.
+
+A KV-aware router (or an operator) needs to know, without talking to a
+backend, which Mooncake objects one sglang storage key maps to and how big
+they are. sglang's own ``MooncakeStore.describe_l3_object_layout`` answers
+with ``enabled``, ``backend``, ``page_size`` and ``hicache_object_layout``
+(pools with their key suffixes and hit policies, the key prefix, MLA flag and
+pipeline rank). ``describe_object_layout`` returns the same fields, so a
+consumer of the upstream document reads this one unchanged, plus a ``span``
+section: namespace, K, host page, the key grammar, the rank suffixes and the
+byte size of every object.
+
+Worked example: K=4 over 64-token host pages, an MLA KV pool of 1 component
+with 4096 bytes per host page -> page_size 256 tokens, and each storage key
+``abc`` maps to the one object ``{prefix}_abc__k`` of 4 x 4096 = 16384 bytes.
+
+Both the backend (from its registered pools, which know each component's
+rank scope) and ``mooncake-span inspect`` (from a layout-guard record, which
+does not) build it; unknown facts are ``None``, never guessed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_span.span.geometry import PoolKind
+
+# The reverse of the prefix's layout codes; keys.py owns the table.
+from mooncake_span.span.keys import _LAYOUT_CODES as LAYOUT_CODES
+from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, RankTags, sanitize_token
+
+KEY_GRAMMAR = "{key_prefix}_{page_key}_{rank}_{component}"
+PREFIX_GRAMMAR = f"{KEY_SCHEMA_VERSION}[_{{tag}}]_{{model}}_h{{host_page_tokens}}x{{pages_per_span}}_{{layout_code}}_{{kv_dtype}}"  # noqa: E501
+LAYOUT_VERSION = 1
+# Pools whose hit is decided by their last pages only (sglang's default windows).
+_TRAILING_PAGES = {"mamba": 1}
+_GEOMETRY_TOKEN = re.compile(r"h([0-9]+)x([0-9]+)")
+
+
+@dataclass(frozen=True)
+class PoolLayoutInput:
+    """One pool as the description needs it.
+
+    ``scopes`` holds each component's rank scope ("replicated" / "sharded"),
+    or None when unknown (a layout-guard record does not carry it).
+    ``bytes_per_page`` is per pool page (``page_tokens`` tokens) and component.
+    """
+
+    name: str
+    kind: PoolKind
+    components: tuple[str, ...]
+    bytes_per_page: tuple[int, ...]
+    page_tokens: int
+    scopes: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class NamespaceFacts:
+    """What identifies one deployment's objects in the cluster."""
+
+    key_prefix: str
+    model: str
+    tag: str | None
+    host_page_tokens: int
+    pages_per_span: int
+    layout: str
+    kv_dtype: str
+
+    @classmethod
+    def from_schema(cls, schema: KeySchema) -> NamespaceFacts:
+        return cls(
+            key_prefix=schema.prefix,
+            model=sanitize_token(schema.model),
+            tag=sanitize_token(schema.tag) if schema.tag else None,
+            host_page_tokens=schema.host_page_tokens,
+            pages_per_span=schema.pages_per_span,
+            layout=schema.layout,
+            kv_dtype=sanitize_token(schema.kv_dtype),
+        )
+
+
+def pool_inputs(
+    shapes: Mapping[str, Any],
+    kinds: Mapping[str, PoolKind],
+    scopes: Mapping[str, tuple[str, ...]] | None = None,
+) -> list[PoolLayoutInput]:
+    """Inputs from layout-guard pool shapes (``components``, ``bytes_per_page``,
+    ``page_tokens`` attributes), with each pool's kind and, when known, scopes."""
+    return [
+        PoolLayoutInput(
+            name=name,
+            kind=kinds[name],
+            components=tuple(shape.components),
+            bytes_per_page=tuple(shape.bytes_per_page),
+            page_tokens=int(shape.page_tokens),
+            scopes=None if scopes is None else scopes.get(name),
+        )
+        for name, shape in shapes.items()
+    ]
+
+
+def _pool_pages_per_key(pool: PoolLayoutInput, storage_page_tokens: int) -> int | None:
+    if pool.kind is PoolKind.STATE or pool.page_tokens <= 0:
+        # State pools store a window that sglang picks per transfer.
+        return None
+    return max(1, storage_page_tokens // pool.page_tokens)
+
+
+def _suffix(rank: str | None, component: str) -> str | None:
+    return None if rank is None else f"_{rank}_{component}"
+
+
+def _describe_pool(
+    pool: PoolLayoutInput, ranks: RankTags | None, storage_page_tokens: int
+) -> dict[str, object]:
+    pages_per_key = _pool_pages_per_key(pool, storage_page_tokens)
+    components = []
+    for i, name in enumerate(pool.components):
+        scope = pool.scopes[i] if pool.scopes is not None else None
+        rank = None
+        if ranks is not None and scope is not None:
+            rank = ranks.replicated if scope == "replicated" else ranks.sharded
+        page_bytes = pool.bytes_per_page[i] if i < len(pool.bytes_per_page) else None
+        components.append(
+            {
+                "name": name,
+                "rank_scope": scope,
+                "suffix": _suffix(rank, name),
+                "bytes_per_pool_page": page_bytes,
+                "bytes_per_object": (
+                    None
+                    if pages_per_key is None or page_bytes is None
+                    else page_bytes * pages_per_key
+                ),
+            }
+        )
+    sizes = [c["bytes_per_object"] for c in components]
+    trailing = _TRAILING_PAGES.get(pool.name)
+    entry: dict[str, object] = {
+        "pool": pool.name,
+        "kind": pool.kind.value,
+        "suffixes": [c["suffix"] for c in components],
+        "hit_policy": "trailing_pages" if trailing else "all_pages",
+        "pool_page_tokens": pool.page_tokens,
+        "pool_pages_per_key": pages_per_key,
+        "components": components,
+        "bytes_per_key": None if None in sizes else sum(sizes),  # type: ignore[arg-type]
+    }
+    if trailing:
+        entry["trailing_pages"] = trailing
+    return entry
+
+
+def describe_object_layout(
+    facts: NamespaceFacts,
+    pools: Sequence[PoolLayoutInput],
+    *,
+    ranks: RankTags | None = None,
+    is_mla: bool | None = None,
+    pp_rank: int | None = None,
+    pp_size: int | None = None,
+    source: str = "backend",
+    layout_guard_key: str | None = None,
+) -> dict[str, object]:
+    """The layout document (JSON-ready). ``source`` says who built it."""
+    storage_page_tokens = facts.host_page_tokens * facts.pages_per_span
+    described = [_describe_pool(p, ranks, storage_page_tokens) for p in pools]
+    # The KV anchor first, as upstream lists it.
+    described.sort(key=lambda p: (p["kind"] != PoolKind.KV_ANCHOR.value, p["pool"]))
+    key_sizes = [p["bytes_per_key"] for p in described]
+    return {
+        "enabled": True,
+        "backend": "mooncake-span",
+        # sglang hands the backend one page key per storage page.
+        "page_size": storage_page_tokens,
+        "hicache_object_layout": {
+            "pools": described,
+            "key_prefix": facts.key_prefix,
+            "is_mla_backend": is_mla,
+            "pp_rank": pp_rank,
+            "pp_size": pp_size,
+        },
+        "span": {
+            "layout_version": LAYOUT_VERSION,
+            "source": source,
+            "namespace": facts.key_prefix,
+            "model": facts.model,
+            "tag": facts.tag,
+            "pages_per_span": facts.pages_per_span,
+            "host_page_tokens": facts.host_page_tokens,
+            "storage_page_tokens": storage_page_tokens,
+            "host_layout": facts.layout,
+            "kv_dtype": facts.kv_dtype,
+            "key_schema_version": KEY_SCHEMA_VERSION,
+            "key_grammar": KEY_GRAMMAR,
+            "key_prefix_grammar": PREFIX_GRAMMAR,
+            "rank_suffixes": (
+                None
+                if ranks is None
+                else {"replicated": ranks.replicated, "sharded": ranks.sharded}
+            ),
+            "layout_guard_key": layout_guard_key,
+            "bytes_per_key": None if None in key_sizes else sum(key_sizes),  # type: ignore[arg-type]
+        },
+    }
+
+
+_LAYOUT_NAMES = {code: name for name, code in LAYOUT_CODES.items()}
+GEOMETRY_SUFFIX = "__geometry"
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    """An object key split along the grammar; ``rest`` is ``{page_key}_{rank}_{component}``."""
+
+    facts: NamespaceFacts
+    rest: str
+
+
+def parse_object_key(key: str) -> ParsedKey | None:
+    """Split a mooncake-span object key; None for any other key (foreign, guard record).
+
+    Prefix fields are sanitized tokens without ``_``, so the split is exact:
+    ``ms1``, an optional tag, the model, ``h{host}x{K}``, layout code, dtype.
+    """
+    parts = key.split("_")
+    if parts[0] != KEY_SCHEMA_VERSION:
+        return None
+    for geometry_at in (2, 3):
+        match = _GEOMETRY_TOKEN.fullmatch(parts[geometry_at]) if len(parts) > geometry_at else None
+        if match is not None:
+            break
+    else:
+        return None
+    if len(parts) < geometry_at + 3 or not all(parts[1 : geometry_at + 3]):
+        return None
+    prefix = "_".join(parts[: geometry_at + 3])
+    facts = NamespaceFacts(
+        key_prefix=prefix,
+        model=parts[geometry_at - 1],
+        tag=parts[1] if geometry_at == 3 else None,
+        host_page_tokens=int(match.group(1)),
+        pages_per_span=int(match.group(2)),
+        layout=_LAYOUT_NAMES.get(parts[geometry_at + 1], parts[geometry_at + 1]),
+        kv_dtype=parts[geometry_at + 2],
+    )
+    rest = key[len(prefix) + 1 :]
+    return ParsedKey(facts, rest)
+
+
+def parse_guard_key(key: str) -> tuple[str | None, str] | None:
+    """``(tag, model)`` of a layout-guard record key ``ms1[_{tag}]_{model}__geometry``."""
+    if not key.startswith(KEY_SCHEMA_VERSION + "_") or not key.endswith(GEOMETRY_SUFFIX):
+        return None
+    body = key[len(KEY_SCHEMA_VERSION) + 1 : -len(GEOMETRY_SUFFIX)]
+    parts = body.split("_")
+    if len(parts) == 1 and parts[0]:
+        return None, parts[0]
+    if len(parts) == 2 and all(parts):
+        return parts[0], parts[1]
+    return None
