@@ -335,6 +335,19 @@ class SpanOptions:
     # Where the cluster-wide span geometry of this namespace is published.
     layout_guard: str = "store"
     layout_guard_etcd: str | None = None
+    # Failure domains (store/domains.py): co-locate each storage key's objects
+    # on one segment chosen by rendezvous hashing over the live segments.
+    placement: bool = True
+    # The master's admin HTTP server (its --metrics_port) that lists segments;
+    # None: http://<master host>:9003, Mooncake's default port.
+    master_admin_url: str | None = None
+    segment_refresh_s: float = 5.0
+    # How long a segment that failed a transfer is avoided (>= the master's
+    # client_ttl, 10 s by default, after which it drops a dead segment).
+    domain_bad_ttl_s: float = 15.0
+    # How long a key whose restore failed is reported absent (unless re-written).
+    lost_key_ttl_s: float = 30.0
+    lost_keys_max: int = 100_000
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -367,6 +380,26 @@ class SpanOptions:
             raise ConfigError("span_layout_guard='etcd' needs span_layout_guard_etcd=host:port")
         if self.layout_guard_etcd:
             _check_host_port(self.layout_guard_etcd, "etcd endpoint (span_layout_guard_etcd)")
+        self._check_domain_options()
+
+    def _check_domain_options(self) -> None:
+        url = self.master_admin_url
+        if url is not None and not re.fullmatch(r"https?://[^/\s]+", url.rstrip("/")):
+            raise ConfigError(
+                "span_master_admin_url must be http://HOST:PORT (the master's --metrics_port), "
+                f"got {url!r}"
+            )
+        for name, value in (
+            ("span_segment_refresh_s", self.segment_refresh_s),
+            ("span_domain_bad_ttl_s", self.domain_bad_ttl_s),
+            ("span_lost_key_ttl_s", self.lost_key_ttl_s),
+        ):
+            if not 0 < value <= 86_400:
+                raise ConfigError(f"{name} must be in (0, 86400] seconds, got {value}")
+        if not 1 <= self.lost_keys_max <= 10_000_000:
+            raise ConfigError(
+                f"span_lost_keys_max must be in 1..10000000, got {self.lost_keys_max}"
+            )
 
 
 # extra-config key -> (dataclass field, parser)
@@ -380,6 +413,12 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_group_ids": ("group_ids", parse_bool),
     "span_layout_guard": ("layout_guard", str),
     "span_layout_guard_etcd": ("layout_guard_etcd", str),
+    "span_placement": ("placement", parse_bool),
+    "span_master_admin_url": ("master_admin_url", str),
+    "span_segment_refresh_s": ("segment_refresh_s", float),
+    "span_domain_bad_ttl_s": ("domain_bad_ttl_s", float),
+    "span_lost_key_ttl_s": ("lost_key_ttl_s", float),
+    "span_lost_keys_max": ("lost_keys_max", parse_int),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
 

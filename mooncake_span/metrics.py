@@ -90,7 +90,7 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "breaker_opens_total": ("counter", "Times the circuit breaker opened", ()),
     "node_failures_total": (
         "counter",
-        "Failed transfers attributed to one storage node (failure domain)",
+        "Times a storage node (segment, a failure domain) was marked bad after a failed transfer",
         ("node",),
     ),
 }
@@ -109,6 +109,9 @@ class SpanMetrics:
 
         self.registry = registry if registry is not None else prom.REGISTRY
         self._collectors: dict[str, Any] = {}
+        # prometheus_client's labels() takes a lock and builds keys on every
+        # call; the backend's hot path asks for the same few children again.
+        self._children: dict[tuple[str, ...], Any] = {}
         for name, (kind, help_text, labels) in FAMILIES.items():
             self._collectors[name] = self._make(prom, name, kind, help_text, labels)
 
@@ -126,11 +129,16 @@ class SpanMetrics:
         # prometheus_client appends _total to counters itself.
         return prom.Counter(full.removesuffix("_total"), help_text, **kwargs)
 
+    def _child(self, name: str, *labels: str) -> Any:
+        key = (name, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._collectors[name].labels(*labels)
+        return child
+
     def observe_call(self, operation: str, outcome: str, duration_s: float) -> None:
         """One sglang-facing call; ``outcome``: ok, partial, miss, rejected or error."""
-        self._collectors["operation_duration_seconds"].labels(operation, outcome).observe(
-            duration_s
-        )
+        self._child("operation_duration_seconds", operation, outcome).observe(duration_s)
 
     def observe_transfer(
         self,
@@ -143,27 +151,25 @@ class SpanMetrics:
         moved_bytes: int,
     ) -> None:
         """What one pool's part of a get or set moved."""
-        c = self._collectors
         if ok_keys:
-            c["keys_total"].labels(operation, pool, "ok").inc(ok_keys)
+            self._child("keys_total", operation, pool, "ok").inc(ok_keys)
         if failed_keys:
-            c["keys_total"].labels(operation, pool, "failed").inc(failed_keys)
+            self._child("keys_total", operation, pool, "failed").inc(failed_keys)
         if pages:
-            c["pages_total"].labels(operation, pool).inc(pages)
+            self._child("pages_total", operation, pool).inc(pages)
         if moved_bytes:
-            c["bytes_total"].labels(operation, pool).inc(moved_bytes)
+            self._child("bytes_total", operation, pool).inc(moved_bytes)
 
     def observe_hit_query(self, queried_keys: int, hit_keys: int) -> None:
         hit_keys = max(0, min(hit_keys, queried_keys))
-        c = self._collectors["hit_query_keys_total"]
         if hit_keys:
-            c.labels("hit").inc(hit_keys)
+            self._child("hit_query_keys_total", "hit").inc(hit_keys)
         if queried_keys > hit_keys:
-            c.labels("miss").inc(queried_keys - hit_keys)
+            self._child("hit_query_keys_total", "miss").inc(queried_keys - hit_keys)
 
     def add_failed_objects(self, code: str, count: int) -> None:
         if count > 0:
-            self._collectors["failed_objects_total"].labels(code).inc(count)
+            self._child("failed_objects_total", code).inc(count)
 
     def add_breaker_opens(self, count: int) -> None:
         if count > 0:
@@ -174,7 +180,7 @@ class SpanMetrics:
 
     def add_node_failures(self, node: str, count: int = 1) -> None:
         if count > 0:
-            self._collectors["node_failures_total"].labels(node).inc(count)
+            self._child("node_failures_total", node).inc(count)
 
 
 _lock = threading.Lock()
@@ -223,15 +229,31 @@ class ClientStatsSync:
         self._lock = threading.Lock()
         self._seen_codes: dict[str, int] = {}
         self._seen_opens = 0
+        self._state: str | None = None  # None: the gauge was never set
+        self._seen_bad: frozenset[str] = frozenset()
 
     def sync(self, stats: Mapping[str, Any]) -> None:
-        codes = dict(stats.get("error_counts", {}))
+        codes = stats.get("error_counts", {})
         opens = int(stats.get("breaker_times_opened", 0))
+        state = str(stats.get("breaker_state", "closed"))
+        bad = frozenset(stats.get("bad_segments", ()))
         with self._lock:
+            if (codes, opens, state, bad) == (
+                self._seen_codes,
+                self._seen_opens,
+                self._state,
+                self._seen_bad,
+            ):
+                return  # the common case: nothing failed since the last call
             deltas = {code: n - self._seen_codes.get(code, 0) for code, n in codes.items()}
-            self._seen_codes = codes
+            newly_bad = bad - self._seen_bad
+            self._seen_codes = dict(codes)
             opened, self._seen_opens = opens - self._seen_opens, opens
+            self._state, self._seen_bad = state, bad
         for code, delta in deltas.items():
             self._metrics.add_failed_objects(code, delta)
         self._metrics.add_breaker_opens(opened)
-        self._metrics.set_breaker_state(str(stats.get("breaker_state", "closed")))
+        self._metrics.set_breaker_state(state)
+        # A storage node (segment) the client marked bad after a failed transfer.
+        for segment in newly_bad:
+            self._metrics.add_node_failures(segment)

@@ -255,6 +255,11 @@ def _print_ready(cluster: LocalCluster) -> None:
         "# environment for client processes:",
         *(f"export {name}={shlex.quote(value)}" for name, value in cluster.client_env().items()),
         "",
+        "# check a client host / list what is stored:",
+        f"mooncake-span doctor --master {cluster.master_address} --metadata "
+        f"{cluster.metadata_server} --admin-url {cluster.metrics_url}",
+        f"mooncake-span inspect --admin-url {cluster.metrics_url}",
+        "",
         "ready; press Ctrl-C to stop",
     ]
     print("\n".join(lines), flush=True)

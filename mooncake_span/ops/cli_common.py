@@ -48,7 +48,8 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="the master's HTTP admin server (its --metrics_port), e.g. http://HOST:9003 "
-        "(default: the master host on master_metrics_port from the config, else 9003)",
+        "(default: span_master_admin_url from the extra-config, else the master host on "
+        "master_metrics_port, else 9003)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     add_native_log_arg(parser)
@@ -110,5 +111,9 @@ def admin_url(
 ) -> str | None:
     if args.admin_url:
         return args.admin_url.rstrip("/")
+    # The backend's own option for the same server (failure-domain placement).
+    configured = extra.get("span_master_admin_url")
+    if configured:
+        return str(configured).rstrip("/")
     port = extra.get("master_metrics_port")
     return master_http.admin_url_for(settings.master_server_address, int(port) if port else None)

@@ -93,7 +93,8 @@ def _http_status(url: str) -> tuple[int | None, str]:
 def check_master(ctx: Context) -> list[Check]:
     s = ctx.settings
     if s.master_server_address.startswith("etcd://"):
-        return [Check("master", SKIP, "HA master behind etcd: see the etcd check")]
+        checks = [Check("master", SKIP, "HA masters behind etcd: see the etcd check")]
+        return checks + _check_admin(ctx)
     why = _tcp(s.master_server_address)
     if why is not None:
         ctx.failed.add("master")
@@ -106,6 +107,12 @@ def check_master(ctx: Context) -> list[Check]:
             )
         ]
     checks = [Check("master", PASS, f"master {s.master_server_address} accepts connections")]
+    return checks + _check_admin(ctx)
+
+
+def _check_admin(ctx: Context) -> list[Check]:
+    """The admin server's /health: role and HA state (the version is not published)."""
+    checks: list[Check] = []
     if ctx.admin_url is None:
         return checks
     try:

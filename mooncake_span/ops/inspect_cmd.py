@@ -29,7 +29,6 @@ from mooncake_span.ops import master_http
 from mooncake_span.ops.cli_common import (
     add_connection_args,
     admin_url,
-    parse_extra_config,
     resolve_settings,
 )
 from mooncake_span.ops.native_log import resolve_native_log
@@ -356,7 +355,7 @@ def run_inspect_command(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"mooncake-span inspect: {exc}", file=sys.stderr)
             return 2
-        base = admin_url(args, settings, extra or parse_extra_config(args.extra_config))
+        base = admin_url(args, settings, extra)
     if base is None:
         print(
             "mooncake-span inspect: an etcd:// master has no single admin server; pass "

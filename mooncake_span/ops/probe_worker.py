@@ -22,6 +22,8 @@ import time
 import uuid
 from typing import Any
 
+_KEEP_UNTIL_EXIT: list[Any] = []
+
 
 def _roundtrip(store: Any, count: int, size_bytes: int) -> dict[str, Any]:
     """Put, get and remove ``count`` objects; byte-exact check and timings."""
@@ -93,7 +95,13 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             blobs[key] = buffer.raw.decode("utf-8", "replace") if got == [size] else None
         reply["blobs"] = blobs
     finally:
-        store.close()
+        # With an etcd:// (HA) master, close() -- and the native destructor,
+        # which closes too -- waits 14-32 s on the leader watch. The probe holds
+        # no segment, so it keeps the client alive until os._exit in main().
+        if s["master_server_address"].startswith("etcd://"):
+            _KEEP_UNTIL_EXIT.append(store)
+        else:
+            store.close()
     return reply
 
 
@@ -142,7 +150,10 @@ def probe(
     env.setdefault("MC_LOG_LEVEL", "WARNING")
     # Bounded setup: one retry instead of ~15 against a dead etcd.
     env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")
-    log = open(native_log, "ab") if native_log else None  # noqa: SIM115 -- closed below
+    try:
+        log = open(native_log, "ab") if native_log else None  # noqa: SIM115 -- closed below
+    except OSError as exc:
+        return {"error": f"cannot write the native log {native_log}: {exc}"}
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "mooncake_span.ops.probe_worker"],

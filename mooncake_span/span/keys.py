@@ -143,6 +143,16 @@ class KeySchema:
         """Mooncake eviction group of every object of one storage key."""
         return f"{self.prefix}_{page_key}"
 
+    def domain_of(self, object_key: str) -> str:
+        """The failure domain (placement key) of an object key: the same string for
+        every component and rank of one storage key. That is its group id, cut at
+        the first "_" of the page key, which the suffix grammar leaves ambiguous;
+        keys outside this schema are their own domain."""
+        head = self.prefix + "_"
+        if not object_key.startswith(head):
+            return object_key
+        return head + object_key[len(head) :].split("_", 1)[0]
+
     def group_ids(self, page_keys: list[str], num_components: int) -> list[str]:
         """Group id of every object of ``object_keys(page_keys, ...)``, in the same order."""
         prefix = self.prefix

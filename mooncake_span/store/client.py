@@ -4,44 +4,41 @@
 conventions into plain Python ones, once:
 
 * per-object results become ``bool`` (put: rc 0; get: exactly the planned
-  number of bytes read; exists: 1) and every other return code is counted by
-  name for ``stats()``;
-* whole-call failures (a result list of the wrong length, an exception from the
-  binding, every entry a transport code) raise ``TransportError`` and feed the
-  circuit breaker; an open breaker refuses calls at once;
-* calls are split so that none carries more than ``max_buffers_per_call``
-  buffers (the TCP transport fails a batch partly past 2048 buffers per peer),
-  and a get never names one key twice (Mooncake would leave a buffer unwritten
-  while reporting success);
-* after ``close()`` every method raises ``StoreClosedError`` -- the native
-  client segfaults if it is called after close, so it is never reached again.
+  bytes read; exists: 1); every other code is counted by name for ``stats()``;
+* cluster-level failures (an exception, a wrong-length result, every entry an
+  RPC-level code) raise ``TransportError`` and feed the circuit breaker; a
+  TRANSFER_FAIL instead marks the failing segment's failure domain bad
+  (``domains.py``): its keys read as misses, every other segment is served;
+* each storage key's objects are placed on one segment by rendezvous hashing
+  (``span_placement``); with ``span_replica_num`` > 1 each copy is its own
+  object on its own segment, and a read falls back to the next copy;
+* calls carry at most ``max_buffers_per_call`` buffers and a get never names
+  one key twice (Mooncake would leave a buffer unwritten, reporting success);
+* after ``close()`` every method raises ``StoreClosedError`` (the native
+  client segfaults if called after close).
 
-Before ``setup`` the client also guards against the native library's blocking
-and aborting paths: metadata URLs are validated by ``config``; etcd and master
-endpoints are probed with a short TCP connect, because a dead etcd makes setup
-block for minutes; ``MC_TCP_STATUS_TIMEOUT_SEC`` (how long one stalled transfer
-may block, 30 s by default) and ``MC_STORE_CLIENT_SETUP_RETRIES`` get bounded
-defaults unless the operator already set them.
+Before ``setup`` the endpoints are probed with a short TCP connect (a dead etcd
+blocks setup for minutes) and ``MC_TCP_STATUS_TIMEOUT_SEC`` /
+``MC_STORE_CLIENT_SETUP_RETRIES`` get bounded defaults unless already set.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
-import os
 import re
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from mooncake_span.config import MooncakeSettings, SpanOptions
 from mooncake_span.errors import (
+    ErrorCode,
     SetupError,
     StoreClosedError,
     TransportError,
@@ -50,29 +47,36 @@ from mooncake_span.errors import (
 )
 from mooncake_span.span.plan import ObjectPlan, dedup_rounds, split_calls
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
-from mooncake_span.store.protocol import NativeStore
+from mooncake_span.store.domains import (
+    DomainHealth,
+    LostKeys,
+    copy_candidates,
+    copy_key,
+    is_cluster_failure,
+    live_copies,
+    put_targets,
+    suspect_copies,
+)
+from mooncake_span.store.native import (
+    REACHABILITY_TIMEOUT_S,
+    NativeBinding,
+    _probe_tcp,
+    native_env_defaults,
+    prepare_native_env,
+)
+from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
 
 logger = logging.getLogger(__name__)
 
-_REACHABILITY_TIMEOUT_S = 2.0
-_CLOSE_DRAIN_TIMEOUT_S = 60.0
-_EXISTS_KEYS_PER_CALL = 4096
-# Mooncake's TCP transport queues 1024 transfers per peer plus 1024 pending admissions.
-_TCP_QUEUE_BUFFERS = 2048
+# NativeBinding and native_env_defaults are imported from here by callers.
+__all__ = ["MooncakeClient", "NativeBinding", "load_native_binding", "native_env_defaults"]
+
 # Error counters live as long as the client and are keyed by code name, and an
 # unknown native code gets a label of its own (CODE_<n>): past this many
 # labels, new codes are counted together under _OTHER_CODES_LABEL. Bound: at
 # most _MAX_ERROR_LABELS + 1 code labels plus the five fixed ones.
 _MAX_ERROR_LABELS = 64
 _OTHER_CODES_LABEL = "CODE_OTHER"
-
-
-@dataclass(frozen=True)
-class NativeBinding:
-    """Where the store class comes from: the real wheel, or a fake in tests."""
-
-    store_factory: Callable[[], NativeStore]
-    replicate_config_factory: Callable[[], Any]
 
 
 def load_native_binding() -> NativeBinding:
@@ -87,23 +91,9 @@ def load_native_binding() -> NativeBinding:
     return NativeBinding(MooncakeDistributedStore, ReplicateConfig)
 
 
-def native_env_defaults(options: SpanOptions) -> dict[str, str]:
-    return {
-        # One stalled transfer (a partitioned peer) blocks this long, then -800.
-        "MC_TCP_STATUS_TIMEOUT_SEC": str(options.transfer_timeout_s),
-        # With etcd metadata, each setup retry can take ~12 s.
-        "MC_STORE_CLIENT_SETUP_RETRIES": "2",
-    }
-
-
-def _probe_tcp(endpoint: str, timeout_s: float) -> None:
-    host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise SetupError(f"cannot reach {endpoint}: {exc}") from exc
+_CLOSE_DRAIN_TIMEOUT_S = 60.0
+_EXISTS_KEYS_PER_CALL = 4096
+_TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
 
 
 class MooncakeClient:
@@ -125,34 +115,26 @@ class MooncakeClient:
         self._counters: collections.Counter[str] = collections.Counter()
         self._probe_key = f"mooncake-span-probe-{uuid.uuid4().hex}"
         self._supports_group_ids: bool | None = None
+        self._health = DomainHealth(options.domain_bad_ttl_s)
+        self._lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
+        self._directory: SegmentDirectory | None = None
+        # With placement, replicas are copies under their own keys (one per
+        # segment) so that a read can skip a dead copy; without it, Mooncake's.
+        self._copies = options.replica_num if options.placement else 1
+        # The placement key of an object key: objects with one domain share a
+        # segment. Set by the backend (KeySchema.domain_of); None: the key itself.
+        self.domain_of: Callable[[str], str] | None = None
 
     # ---- lifecycle -------------------------------------------------------
 
     def connect(self) -> None:
         """Set up the native client; SetupError says why it cannot."""
-        for name, value in native_env_defaults(self.options).items():
-            if name not in os.environ:
-                os.environ[name] = value
-                logger.info("mooncake-span: %s=%s (set it yourself to override)", name, value)
-        if (
-            self.settings.protocol == "tcp"
-            and self.options.max_buffers_per_call > _TCP_QUEUE_BUFFERS
-            and "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER" not in os.environ
-        ):
-            # Past the queue a TCP call does not just slow down: it stalls for
-            # Mooncake's 60 s transfer wait and every key in it fails.
-            logger.warning(
-                "mooncake-span: span_max_buffers_per_call=%d exceeds the TCP transport's %d "
-                "queued transfers per peer; raise MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER or lower "
-                "the option",
-                self.options.max_buffers_per_call,
-                _TCP_QUEUE_BUFFERS,
-            )
+        prepare_native_env(self.settings, self.options)
         endpoints = self.settings.etcd_endpoints()
         if not self.settings.master_server_address.startswith("etcd://"):
             endpoints.append(self.settings.master_server_address)
         for endpoint in endpoints:
-            _probe_tcp(endpoint, _REACHABILITY_TIMEOUT_S)
+            _probe_tcp(endpoint, REACHABILITY_TIMEOUT_S)
         binding = self._binding or load_native_binding()
         self._binding = binding
         store = binding.store_factory()
@@ -176,6 +158,10 @@ class MooncakeClient:
                 f"{s.master_server_address}, metadata {s.metadata_server}, protocol {s.protocol}"
             )
         self._store = store
+        if self.options.placement:
+            self._directory = start_directory(
+                self.settings.master_server_address, self.options, self._binding.list_segments
+            )
         logger.info(
             "mooncake-span connected to master %s (metadata %s, protocol %s, segment %d bytes) "
             "in %.2fs",
@@ -186,12 +172,18 @@ class MooncakeClient:
             time.monotonic() - started,
         )
 
+    def segments(self) -> tuple[str, ...]:
+        """The live segments placement chooses from (empty: Mooncake places objects)."""
+        return self._directory.segments if self._directory is not None else ()
+
     def close(self) -> None:
         """Idempotent. Waits (bounded) for calls in flight, then closes the native client."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
+            if self._directory is not None:
+                self._directory.stop()
             deadline = time.monotonic() + _CLOSE_DRAIN_TIMEOUT_S
             while self._inflight and time.monotonic() < deadline:
                 self._cond.wait(timeout=0.5)
@@ -232,15 +224,16 @@ class MooncakeClient:
                 self._cond.notify_all()
 
     def _record(self, op: str, codes: Sequence[int]) -> None:
-        """Count non-success codes; a call where every entry is a transport failure
-        counts against the breaker, any other answer proves the cluster is alive."""
+        """Count non-success codes; a call where every entry is a cluster-level
+        failure counts against the breaker, any other answer proves the master
+        is alive (a dead storage node is a failure domain, not the cluster)."""
         for code in codes:
             if code < 0:
                 label = code_name(code)
                 if label not in self._counters and len(self._counters) >= _MAX_ERROR_LABELS:
                     label = _OTHER_CODES_LABEL
                 self._counters[label] += 1
-        if codes and all(is_transport_failure(c) for c in codes):
+        if codes and all(is_cluster_failure(c) for c in codes):
             self._fail(op, f"all {len(codes)} entries failed ({code_name(codes[0])})")
         else:
             self._breaker.record_success()
@@ -278,6 +271,10 @@ class MooncakeClient:
         self._record(op, result)
         return result
 
+    def _invoke_one(self, op: str, fn: Callable[[Any], int]) -> int:
+        """A native call answering one int code, with the error accounting of ``_invoke``."""
+        return self._invoke(op, lambda s: [int(fn(s))], 1)[0]
+
     # ---- prober --------------------------------------------------------------
 
     def _start_prober(self) -> None:
@@ -312,23 +309,74 @@ class MooncakeClient:
                     )
                 return
 
+    # ---- failure domains -------------------------------------------------------
+
+    def _locate(
+        self, object_keys: Sequence[str], sizes: dict[str, int] | None = None
+    ) -> dict[str, set[str]]:
+        """Where the master says objects are (one RPC); {} if it does not answer."""
+        if not object_keys:
+            return {}
+        with contextlib.suppress(TransportError, StoreClosedError):
+            with self._native("batch_get_replica_desc") as store:
+                try:
+                    found = store.batch_get_replica_desc(list(object_keys))
+                    return replica_segments(found, sizes)
+                except Exception:  # observation only: unknown means "treat as lost"
+                    logger.debug("batch_get_replica_desc failed", exc_info=True)
+        return {}
+
+    def _domains(self, keys: Sequence[str]) -> list[str] | None:
+        return [self.domain_of(k) for k in keys] if self.domain_of is not None else None
+
+    def _live_rows(self, keys: Sequence[str]) -> list[list[str]]:
+        """Per key, the copies to try, in order; [] when all sit in bad failure domains.
+        Placement is computed only while some segment is bad, and costs one master
+        RPC only if a key was placed on a bad segment."""
+        bad = self._health.bad(time.monotonic())
+        if not bad:
+            if self._copies == 1:
+                return [[key] for key in keys]
+            return [[copy_key(key, r) for r in range(self._copies)] for key in keys]
+        rows = copy_candidates(keys, self._domains(keys), self.segments(), self._copies)
+        return live_copies(rows, bad, self._locate(suspect_copies(rows, bad)))
+
+    def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
+        """Mark bad the segments holding objects a transfer just failed on, as the
+        master locates them (placement may not have been followed). Only objects
+        of exactly the planned size count: a read into larger buffers also gets
+        -800, a wrong request and not a dead node."""
+        located = self._locate(list(planned_bytes), planned_bytes)
+        segments = set().union(*located.values())
+        if not segments:
+            return
+        fresh = self._health.mark_bad(segments, time.monotonic())
+        if fresh:
+            logger.warning(
+                "mooncake-span: %s failed on segment(s) %s; their keys read as misses for %.0fs",
+                op,
+                fresh,
+                self.options.domain_bad_ttl_s,
+            )
+        if self._directory is not None:
+            self._directory.wake()
+
     # ---- operations ------------------------------------------------------------
 
     def register_buffer(self, ptr: int, size_bytes: int) -> None:
         if size_bytes <= 0:
             return
-        with self._native("register_buffer") as store:
-            rc = store.register_buffer(ptr, size_bytes)
+        rc = self._invoke_one("register_buffer", lambda s: s.register_buffer(ptr, size_bytes))
         if rc != 0:
             raise SetupError(
                 f"register_buffer(ptr={ptr:#x}, {size_bytes} bytes) failed with {rc} "
                 f"({code_name(rc)})"
             )
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        out: list[bool] = []
+    def _exists_codes(self, keys: list[str]) -> list[int]:
+        out: list[int] = []
         for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
-            chunk = list(keys[start : start + _EXISTS_KEYS_PER_CALL])
+            chunk = keys[start : start + _EXISTS_KEYS_PER_CALL]
             codes = self._invoke(
                 "batch_is_exist", lambda s, keys=chunk: s.batch_is_exist(keys), len(chunk)
             )
@@ -336,12 +384,35 @@ class MooncakeClient:
                 # Nothing answered: a caller must not read this as "absent" and
                 # follow up with a put that would wait just as long.
                 raise TransportError(f"batch_is_exist: every key failed ({code_name(codes[0])})")
-            out += [code == 1 for code in codes]
+            out += codes
         return out
 
-    def _replicate_config(self, group_ids: Sequence[str] | None, hard_pin: bool = False) -> Any:
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether a readable copy is stored. Keys whose restore failed
+        recently, and keys whose every copy sits in a bad failure domain, are
+        absent without asking the master."""
+        if self._copies == 1 and not self._lost and not self._health.any_bad:
+            return [code == 1 for code in self._exists_codes(list(keys))]  # the common case
+        lost = self._lost.lost_mask(keys, time.monotonic())
+        rows = self._live_rows(keys)
+        asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
+        skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
+        if skipped:
+            self._counters["DOMAIN_BAD_SKIPPED"] += skipped
+        if any(lost):
+            self._counters["LOST_KEY_SKIPPED"] += sum(lost)
+        found = dict(zip(asked, self._exists_codes(asked), strict=True)) if asked else {}
+        return [
+            not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
+        ]
+
+    def _replicate_config(
+        self, group_ids: Sequence[str] | None, hard_pin: bool = False, segment: str = ""
+    ) -> Any:
         config = self._binding.replicate_config_factory()
-        config.replica_num = self.options.replica_num
+        config.replica_num = self.options.replica_num if self._copies == 1 else 1
+        if segment:
+            config.preferred_segment = segment
         if hard_pin and hasattr(config, "with_hard_pin"):
             config.with_hard_pin = True
         if group_ids is not None and self.options.group_ids:
@@ -360,32 +431,63 @@ class MooncakeClient:
     ) -> list[bool]:
         """Write objects that do not exist yet. Mooncake keeps the old value of an
         existing key and reports success, so callers check existence first.
-        ``hard_pin`` exempts the objects from eviction (small metadata only)."""
-        ok = [False] * len(keys)
+        Objects with the same ``domain_of`` land on the same segment. ``hard_pin``
+        exempts them from eviction (small metadata only). True only if every copy
+        was written."""
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
-        for call in split_calls(
-            [len(plans[i].ptrs) for i in unique], self.options.max_buffers_per_call
-        ):
-            idx = [unique[j] for j in call]
-            call_keys = [keys[i] for i in idx]
-            config = self._replicate_config(
-                [group_ids[i] for i in idx] if group_ids else None, hard_pin
-            )
-            codes = self._invoke(
-                "batch_put_from_multi_buffers",
-                lambda s, keys=call_keys, idx=idx, config=config: s.batch_put_from_multi_buffers(
-                    keys, [plans[i].ptrs for i in idx], [plans[i].sizes for i in idx], config
-                ),
-                len(idx),
-            )
-            for i, code in zip(idx, codes, strict=False):
-                ok[i] = code == 0
+        by_segment = put_targets(
+            [keys[i] for i in unique],
+            self._domains([keys[i] for i in unique]),
+            self.segments(),
+            self._copies,
+            self._health.bad(time.monotonic()),
+        )
+        written = collections.Counter()
+        for segment, entries in by_segment.items():
+            entries = [(unique[j], object_key) for j, object_key in entries]
+            codes = self._put_entries(entries, plans, group_ids, hard_pin, segment)
+            for (i, _), code in zip(entries, codes, strict=True):
+                written[i] += code == 0
+            if segment and codes and all(c == _TRANSFER_FAIL for c in codes):
+                fresh = self._health.mark_bad([segment], time.monotonic())
+                if fresh:
+                    logger.warning("mooncake-span: put failed on segment %s; avoiding it", segment)
+        ok = {i: written[i] == self._copies for i in unique}
+        self._lost.discard(keys[i] for i in unique if ok[i])
         return [ok[first[k]] for k in keys]
 
-    def get(self, keys: Sequence[str], plans: Sequence[ObjectPlan]) -> list[bool]:
-        """Read objects into the planned buffers; True only for a complete read."""
-        ok = [False] * len(keys)
+    def _put_entries(
+        self,
+        entries: list[tuple[int, str]],
+        plans: Sequence[ObjectPlan],
+        group_ids: Sequence[str] | None,
+        hard_pin: bool,
+        segment: str,
+    ) -> list[int]:
+        codes: list[int] = []
+        for call in split_calls(
+            [len(plans[i].ptrs) for i, _ in entries], self.options.max_buffers_per_call
+        ):
+            part = [entries[j] for j in call]
+            config = self._replicate_config(
+                [group_ids[i] for i, _ in part] if group_ids else None, hard_pin, segment
+            )
+            codes += self._invoke(
+                "batch_put_from_multi_buffers",
+                lambda s, part=part, config=config: s.batch_put_from_multi_buffers(
+                    [k for _, k in part],
+                    [plans[i].ptrs for i, _ in part],
+                    [plans[i].sizes for i, _ in part],
+                    config,
+                ),
+                len(part),
+            )
+        return codes
+
+    def _get_codes(self, keys: Sequence[str], plans: Sequence[ObjectPlan]) -> list[int]:
+        """One read attempt per key: the native code (bytes read, or an error)."""
+        out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
         for round_positions in dedup_rounds(keys):
             counts = [len(plans[i].ptrs) for i in round_positions]
             for call in split_calls(counts, self.options.max_buffers_per_call):
@@ -399,19 +501,60 @@ class MooncakeClient:
                     len(idx),
                 )
                 for i, code in zip(idx, codes, strict=False):
-                    if code == plans[i].nbytes:
-                        ok[i] = True
-                    elif code >= 0:
+                    out[i] = code
+                    if 0 <= code != plans[i].nbytes:
                         self._counters["SHORT_READ"] += 1
+        return out
+
+    def get(
+        self,
+        keys: Sequence[str],
+        plans: Sequence[ObjectPlan],
+    ) -> list[bool]:
+        """Read objects into the planned buffers; True only for a complete read.
+
+        Copies in a bad failure domain are skipped without a transfer; a copy
+        that fails is retried on the next one (at most ``span_replica_num``
+        attempts per key). A key that cannot be read is remembered as lost."""
+        candidates = self._live_rows(keys)
+        ok = [False] * len(keys)
+        failed_transport = [False] * len(keys)
+        pending = [i for i in range(len(keys)) if candidates[i]]
+        if len(pending) < len(keys):
+            self._counters["DOMAIN_BAD_SKIPPED"] += len(keys) - len(pending)
+        for attempt in range(self._copies):
+            pending = [i for i in pending if attempt < len(candidates[i])]
+            if not pending:
+                break
+            object_keys = [candidates[i][attempt] for i in pending]
+            codes = self._get_codes(object_keys, [plans[i] for i in pending])
+            dead: dict[str, int] = {}
+            for i, object_key, code in zip(pending, object_keys, codes, strict=True):
+                ok[i] = code == plans[i].nbytes
+                if code == _TRANSFER_FAIL:
+                    dead[object_key] = plans[i].nbytes
+                    failed_transport[i] = True
+            if dead:
+                self._mark_failed_domains("batch_get_into_multi_buffers", dead)
+            pending = [i for i in pending if not ok[i]]
+        lost = [
+            k
+            for i, k in enumerate(keys)
+            if not ok[i] and (failed_transport[i] or not candidates[i])
+        ]
+        if lost:
+            self._lost.add(lost, time.monotonic())
         return ok
 
     def remove(self, keys: Sequence[str]) -> int:
-        """Force-remove objects; returns how many were removed."""
+        """Force-remove objects (and their copies); returns how many keys were removed."""
         removed = 0
         for key in keys:
-            with self._native("remove") as store:
-                rc = store.remove(key, True)
-            removed += rc == 0
+            codes = []
+            for r in range(self._copies):
+                object_key = copy_key(key, r)
+                codes.append(self._invoke_one("remove", lambda s, k=object_key: s.remove(k, True)))
+            removed += 0 in codes
         return removed
 
     def remove_all(self) -> int:
@@ -434,8 +577,7 @@ class MooncakeClient:
         )[0]
 
     def read_blob(self, key: str) -> bytes | None:
-        with self._native("get_size") as store:
-            size = int(store.get_size(key))
+        size = self._invoke_one("get_size", lambda s: s.get_size(key))
         if size <= 0:
             return None
         buffer = ctypes.create_string_buffer(size)
@@ -450,4 +592,8 @@ class MooncakeClient:
             "breaker_state": snapshot.state.value,
             "breaker_consecutive_failures": snapshot.consecutive_failures,
             "breaker_times_opened": snapshot.times_opened,
+            "segments": list(self.segments()),
+            "bad_segments": sorted(self._health.bad(time.monotonic())),
+            "domains_marked_bad": self._health.times_marked,
+            "lost_keys": len(self._lost),
         }

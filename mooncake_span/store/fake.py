@@ -11,6 +11,14 @@ real client, which is what entitles unit tests to use it.
 Several ``FakeStore`` instances built on one ``FakeCluster`` share objects,
 like clients of one Mooncake cluster. ``FakeCluster.inject`` makes the next
 calls of an operation fail with a given code, for fault tests.
+
+With ``segments``, objects live on named segments as on real storage nodes
+(measured on 0.3.13.post1 with two nodes): a put honours
+``preferred_segment``; ``kill_segment`` makes a node's objects answer
+TRANSFER_FAIL to gets while ``batch_is_exist`` still says 1 and the master
+still lists the segment (the ``client_ttl`` window), and puts preferring it
+fail the same way; ``expire_dead`` ends that window (the segment and its
+objects disappear).
 """
 
 from __future__ import annotations
@@ -28,11 +36,38 @@ class FakeReplicateConfig:
     replica_num: int = 1
     group_ids: list[str] = field(default_factory=list)
     with_hard_pin: bool = False
+    preferred_segment: str = ""
+
+
+@dataclass(frozen=True)
+class _FakeBufferDescriptor:
+    transport_endpoint: str
+    size: int
+
+
+@dataclass(frozen=True)
+class _FakeMemoryDescriptor:
+    buffer_descriptor: _FakeBufferDescriptor
+
+
+@dataclass(frozen=True)
+class FakeReplica:
+    segment: str
+    size: int
+
+    def is_memory_replica(self) -> bool:
+        return True
+
+    def get_memory_descriptor(self) -> _FakeMemoryDescriptor:
+        return _FakeMemoryDescriptor(_FakeBufferDescriptor(self.segment, self.size))
 
 
 class FakeCluster:
-    def __init__(self, capacity_bytes: int = 1 << 40) -> None:
+    def __init__(self, capacity_bytes: int = 1 << 40, segments: tuple[str, ...] = ()) -> None:
         self.capacity_bytes = capacity_bytes
+        self.segments = list(segments)
+        self.dead: set[str] = set()
+        self.placement: dict[str, str] = {}
         self.objects: dict[str, bytes] = {}
         self.groups: dict[str, str] = {}
         self.lock = threading.Lock()
@@ -50,9 +85,37 @@ class FakeCluster:
     def used_bytes(self) -> int:
         return sum(len(v) for v in self.objects.values())
 
+    def live_segments(self) -> list[str]:
+        """What the master's /get_all_segments lists (dead ones until ``expire_dead``)."""
+        return list(self.segments)
+
+    def kill_segment(self, segment: str) -> None:
+        self.dead.add(segment)
+
+    def expire_dead(self) -> None:
+        with self.lock:
+            for key in [k for k, s in self.placement.items() if s in self.dead]:
+                self.objects.pop(key, None)
+                self.placement.pop(key, None)
+            self.segments = [s for s in self.segments if s not in self.dead]
+            self.dead.clear()
+
+    def add_segment(self, segment: str) -> None:
+        self.segments.append(segment)
+
+    def _place(self, key: str, preferred: str) -> str | None:
+        """The segment a new object goes to; None when that segment is dead."""
+        if not self.segments:
+            return ""
+        if preferred in self.segments:
+            return None if preferred in self.dead else preferred
+        # No (or an unknown) preference: Mooncake picks a segment itself.
+        return self.segments[hash(key) % len(self.segments)]
+
     def drop(self, key: str) -> bool:
         """Forget one object, as eviction would."""
         with self.lock:
+            self.placement.pop(key, None)
             return self.objects.pop(key, None) is not None
 
 
@@ -72,6 +135,9 @@ class FakeStore:
 
     def register_buffer(self, ptr: int, size: int) -> int:
         self._check()
+        fault = self._cluster._take_fault("register_buffer")
+        if fault is not None:
+            return fault
         return 0 if size > 0 else int(ErrorCode.INVALID_PARAMS)
 
     def close(self) -> int:
@@ -88,6 +154,16 @@ class FakeStore:
         with c.lock:
             return [1 if k in c.objects else 0 for k in keys]
 
+    def batch_get_replica_desc(self, keys: list[str]) -> dict[str, list[FakeReplica]]:
+        self._check()
+        c = self._cluster
+        with c.lock:
+            return {
+                k: [FakeReplica(c.placement.get(k, ""), len(c.objects[k]))]
+                for k in keys
+                if k in c.objects
+            }
+
     def _enter(self, op: str, keys: list[str], all_ptrs: list[list[int]]) -> list[int] | None:
         """Record a data call; an injected fault for ``op`` answers every key with it."""
         self._check()
@@ -103,6 +179,7 @@ class FakeStore:
         config: FakeReplicateConfig | None = None,
     ) -> list[int]:
         groups = list(getattr(config, "group_ids", None) or [])
+        preferred = getattr(config, "preferred_segment", "") or ""
         faulted = self._enter("batch_put_from_multi_buffers", keys, all_ptrs)
         if faulted is not None:
             return faulted
@@ -122,6 +199,11 @@ class FakeStore:
                 if c.used_bytes() + total > c.capacity_bytes:
                     out.append(int(ErrorCode.NO_AVAILABLE_HANDLE))
                     continue
+                segment = c._place(key, preferred)
+                if segment is None:
+                    out.append(int(ErrorCode.TRANSFER_FAIL))
+                    continue
+                c.placement[key] = segment
                 c.objects[key] = b"".join(
                     ctypes.string_at(p, s) for p, s in zip(ptrs, sizes, strict=False)
                 )
@@ -144,6 +226,9 @@ class FakeStore:
                 if value is None:
                     out.append(int(ErrorCode.OBJECT_NOT_FOUND))
                     continue
+                if c.placement.get(key) in c.dead:
+                    out.append(int(ErrorCode.TRANSFER_FAIL))
+                    continue
                 # Measured on the real client: buffers too small for the
                 # object are INVALID_PARAMS, too large a TRANSFER_FAIL.
                 if sum(sizes) < len(value):
@@ -161,6 +246,9 @@ class FakeStore:
 
     def remove(self, key: str, force: bool = False) -> int:
         self._check()
+        fault = self._cluster._take_fault("remove")
+        if fault is not None:
+            return fault
         return 0 if self._cluster.drop(key) else int(ErrorCode.OBJECT_NOT_FOUND)
 
     def remove_all(self, force: bool = False) -> int:
@@ -181,5 +269,8 @@ class FakeStore:
 
     def get_size(self, key: str) -> int:
         self._check()
+        fault = self._cluster._take_fault("get_size")
+        if fault is not None:
+            return fault
         value = self._cluster.objects.get(key)
         return len(value) if value is not None else int(ErrorCode.OBJECT_NOT_FOUND)

@@ -118,6 +118,22 @@ class StoreContract:
 
     # -- cases ------------------------------------------------------------------
 
+    def test_placement_puts_a_domain_on_one_listed_segment(
+        self, make_client, placement_options, key_namespace
+    ):
+        # What failure domains rely on: the segment list names the segments
+        # that preferred_segment accepts and that batch_get_replica_desc reports.
+        client = make_client(placement_options, fresh=True)
+        segments = client.segments()
+        assert segments, "placement found no segment list"
+        client.domain_of = lambda key: key.rsplit("-", 1)[0]
+        keys = [f"{key_namespace}.dom-{component}" for component in ("k", "indexer", "conv_0")]
+        self.put_objects(client, keys, 2, seed=61)
+        located = client._locate(keys)
+        homes = {segment for key in keys for segment in located.get(key, ())}
+        assert sorted(located) == sorted(keys)
+        assert len(homes) == 1 and homes <= set(segments), (homes, segments)
+
     @pytest.mark.parametrize("buffers", [1, 4, 9])
     def test_put_exists_get_multi_buffer_byte_exact(self, make_client, key_namespace, buffers):
         client = make_client()

@@ -3,10 +3,6 @@ description from the backend vs from ``mooncake-span inspect``."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -14,6 +10,7 @@ import pytest
 
 from mooncake_span.bench import pools as P
 from mooncake_span.ops.master_http import parse_prometheus
+from tests.integration.test_ops_tools import inspect_json
 from tests.span_helpers import slots_of
 
 pytestmark = pytest.mark.integration
@@ -93,28 +90,7 @@ def test_inspect_layout_matches_the_backend(span_store_factory, mooncake_cluster
     store = span_store_factory({PoolName.KV: kv}, storage_page_size=K * PAGE)
     assert store.batch_set_v1(["i0"], slots_of(list(range(K)), PAGE)) == [True]
     backend_doc = store.describe_l3_object_layout()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mooncake_span.ops.cli",
-            "inspect",
-            "--json",
-            "--master",
-            mooncake_cluster.master_address,
-            "--metadata",
-            mooncake_cluster.metadata_server,
-            "--admin-url",
-            mooncake_cluster.metrics_url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stderr
-    doc = json.loads(result.stdout)
+    doc = inspect_json(mooncake_cluster)
     (ns,) = [n for n in doc["namespaces"] if n["name"] == store.key_schema.prefix]
     assert ns["objects"] == 1 and ns["storage_keys"] == 1 and ns["pages_per_span"] == K
     inspected = ns["object_layout"]

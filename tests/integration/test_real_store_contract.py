@@ -80,6 +80,13 @@ class TestRealStoreContract(StoreContract):
                 pool.close_all()
 
     @pytest.fixture
+    def placement_options(self, mooncake_cluster) -> SpanOptions:
+        url = getattr(mooncake_cluster, "metrics_url", None)
+        if url is None:
+            pytest.skip("an external cluster does not say where its master's admin server is")
+        return SpanOptions(master_admin_url=url)
+
+    @pytest.fixture
     def make_client(self, _client_pool, key_namespace):
         yield _client_pool.get
         # Leave the shared cluster as we found it.

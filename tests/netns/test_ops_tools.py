@@ -35,20 +35,25 @@ def _extra(topology, cluster) -> str:
     return json.dumps(config)
 
 
-def test_doctor_across_hosts(pd_topology, pd_cluster, figures):
+def _doctor(topology, cluster, env=None):
     result = _run_cli(
-        pd_topology,
-        pd_cluster,
+        topology,
+        cluster,
         "doctor",
         "--json",
         "--extra-config",
-        _extra(pd_topology, pd_cluster),
+        _extra(topology, cluster),
         "--admin-url",
-        pd_cluster.metrics_url(),
+        cluster.metrics_url(),
+        env=env,
     )
     doc = json.loads(result.stdout)
-    checks = {c["name"]: c for c in doc["checks"]}
-    assert result.returncode == 0, doc
+    return result.returncode, doc, {c["name"]: c for c in doc["checks"]}
+
+
+def test_doctor_across_hosts(pd_topology, pd_cluster, figures):
+    rc, doc, checks = _doctor(pd_topology, pd_cluster)
+    assert rc == 0, doc
     for name in ("master", "master admin", "metadata", "etcd", "bind address", "round trip"):
         assert checks[name]["status"] == "PASS", checks[name]
     assert pd_topology.address(HOST) in checks["bind address"]["detail"]
@@ -63,20 +68,13 @@ def test_doctor_across_hosts(pd_topology, pd_cluster, figures):
 
 
 def test_doctor_loopback_bind_with_remote_master(pd_topology, pd_cluster):
-    result = _run_cli(
+    rc, _, checks = _doctor(
         pd_topology,
         pd_cluster,
-        "doctor",
-        "--json",
-        "--extra-config",
-        _extra(pd_topology, pd_cluster),
-        "--admin-url",
-        pd_cluster.metrics_url(),
         env={"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1"},
     )
-    doc = json.loads(result.stdout)
-    check = {c["name"]: c for c in doc["checks"]}["bind address"]
-    assert result.returncode == 1
+    check = checks["bind address"]
+    assert rc == 1
     assert check["status"] == "FAIL" and "remote" in check["detail"]
 
 

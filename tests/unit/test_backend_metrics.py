@@ -7,56 +7,31 @@ import pytest
 prom = pytest.importorskip("prometheus_client")
 
 from mooncake_span import metrics as M  # noqa: E402
-from mooncake_span.bench import pools as P  # noqa: E402
 from mooncake_span.errors import ErrorCode  # noqa: E402
 from mooncake_span.sglang_backend.observability import CallObserver, outcome_of  # noqa: E402
-from mooncake_span.store.client import NativeBinding  # noqa: E402
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore  # noqa: E402
-from tests.span_helpers import make_storage_config, slots_of  # noqa: E402
+from tests.span_helpers import slots_of  # noqa: E402
+from tests.unit.test_backend_faults import rig  # noqa: E402, F401 -- the fixture
 
 PAGE = 64
 K = 2
 
 
 @pytest.fixture
-def rig(monkeypatch):
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    cluster = FakeCluster()
-    store = MooncakeSpanStore(
-        make_storage_config(
-            {
-                "master_server_address": "127.0.0.1:1",
-                "metadata_server": "P2PHANDSHAKE",
-                "protocol": "tcp",
-                "storage_page_size": K * PAGE,
-                "span_breaker_failures": 2,
-                "span_breaker_probe_interval_s": 30,
-            }
-        ),
-        {},
-        binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
-    )
-    kv = P.build_mla_host("page_first", layers=2, host_pages=8)
-    store.register_mem_pool_host(kv)
-    store.register_mem_host_pool_v2(kv, PoolName.KV)
-    store.on_host_pools_registered()
+def metered(request):
+    """test_backend_faults' rig (fake cluster, K=2, breaker after 2 failures) with
+    a private registry; the backend's own observer uses the global one."""
+    store, cluster = request.getfixturevalue("rig")
     registry = prom.CollectorRegistry()
-    # A private registry per test; the backend's own observer uses the global one.
     store.observer = CallObserver(store.client, M.SpanMetrics(registry))
-    yield store, cluster, registry
-    store.close()
+    return store, cluster, registry
 
 
 def _v(registry, name, **labels):
     return registry.get_sample_value(name, labels) or 0.0
 
 
-def test_traffic_is_counted_by_operation_pool_and_outcome(rig):
-    store, _, registry = rig
+def test_traffic_is_counted_by_operation_pool_and_outcome(metered):
+    store, _, registry = metered
     page_bytes = store.pools["kv"].layout.flat_page_bytes
     assert store.batch_set_v1(["a", "b"], slots_of([0, 1, 2, 3], PAGE)) == [True, True]
     assert store.batch_exists(["a", "b", "zz"]) == 2
@@ -80,8 +55,8 @@ def test_traffic_is_counted_by_operation_pool_and_outcome(rig):
     assert _v(registry, "mooncake_span_hit_query_keys_total", result="miss") == 1
 
 
-def test_failed_objects_by_code_and_breaker(rig):
-    store, cluster, registry = rig
+def test_failed_objects_by_code_and_breaker(metered):
+    store, cluster, registry = metered
     cluster.inject("batch_is_exist", int(ErrorCode.RPC_FAIL), times=1000)
     assert store.batch_exists(["a"]) == 0
     assert store.batch_exists(["a"]) == 0
@@ -94,8 +69,8 @@ def test_failed_objects_by_code_and_breaker(rig):
     assert _v(registry, duration, operation="batch_exists", outcome="rejected") == 3
 
 
-def test_bad_input_is_a_rejected_call(rig):
-    store, _, registry = rig
+def test_bad_input_is_a_rejected_call(metered):
+    store, _, registry = metered
     assert store.batch_get_v1(["bad key"], slots_of([0, 1], PAGE)) == [False]
     duration = "mooncake_span_operation_duration_seconds_count"
     assert _v(registry, duration, operation="batch_get_v1", outcome="rejected") == 1
@@ -118,8 +93,8 @@ def test_outcome_of_results(result, outcome):
     assert outcome_of(result) == outcome
 
 
-def test_layout_description_from_the_backend(rig):
-    store, _, _ = rig
+def test_layout_description_from_the_backend(metered):
+    store, _, _ = metered
     doc = store.describe_l3_object_layout(sidecar_pool_specs=(), page_size=PAGE)
     (kv,) = doc["hicache_object_layout"]["pools"]
     page_bytes = store.pools["kv"].layout.flat_page_bytes

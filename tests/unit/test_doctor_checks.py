@@ -233,3 +233,16 @@ def test_pip_quiet_keeps_the_exit_status(tmp_path):
     script = f"source {REPO / 'scripts/lib/pip_quiet.sh'}; pip_quiet sh -c 'echo boom >&2; exit 3'"
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     assert result.returncode == 3 and "boom" in result.stderr
+
+
+def test_admin_url_sources_in_order():
+    from mooncake_span.ops.cli_common import admin_url
+
+    settings, _ = resolve_settings(_args("--master", "10.1.2.3:50051"), environ={})
+    assert admin_url(_args(), settings, {}) == "http://10.1.2.3:9003"
+    assert admin_url(_args(), settings, {"master_metrics_port": 9100}) == "http://10.1.2.3:9100"
+    extra = {"master_metrics_port": 9100, "span_master_admin_url": "http://m:9200/"}
+    assert admin_url(_args(), settings, extra) == "http://m:9200"
+    assert admin_url(_args("--admin-url", "http://x:1/"), settings, extra) == "http://x:1"
+    ha, _ = resolve_settings(_args("--master", "etcd://10.1.2.3:2379"), environ={})
+    assert admin_url(_args(), ha, {}) is None

@@ -6,6 +6,7 @@ The master address is a real listening socket of this test, so
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from mooncake_span.config import MooncakeSettings, SpanOptions
+from mooncake_span.errors import ErrorCode, SetupError, TransportError
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store.client import MooncakeClient, NativeBinding, native_env_defaults
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
@@ -42,7 +44,11 @@ def listening_master() -> Iterator[str]:
 class TestFakeStoreContract(StoreContract):
     @pytest.fixture
     def fake_cluster(self) -> FakeCluster:
-        return FakeCluster()
+        return FakeCluster(segments=("127.0.0.1:12001", "127.0.0.1:12002"))
+
+    @pytest.fixture
+    def placement_options(self) -> SpanOptions:
+        return SpanOptions(master_admin_url="http://127.0.0.1:1")
 
     @pytest.fixture
     def make_client(self, listening_master, fake_cluster, monkeypatch):
@@ -67,7 +73,11 @@ class TestFakeStoreContract(StoreContract):
                 global_segment_size_bytes=0,
             )
             client = MooncakeClient(
-                settings, options or SpanOptions(), NativeBinding(new_store, FakeReplicateConfig)
+                settings,
+                options or SpanOptions(),
+                NativeBinding(
+                    new_store, FakeReplicateConfig, lambda url: fake_cluster.live_segments()
+                ),
             )
             client.connect()
             clients.append(client)
@@ -134,3 +144,27 @@ class TestFakeStoreContract(StoreContract):
         assert client.stats()["error_counts"].get("SHORT_READ") == 1
         # The next call is answered normally again.
         assert client.get([key], [ObjectPlan([target.ctypes.data], [size])]) == [True]
+
+    @pytest.mark.parametrize("op", ["register_buffer", "get_size", "remove"])
+    def test_single_key_calls_feed_counters_and_breaker(
+        self, make_client, fake_cluster, key_namespace, op
+    ):
+        # These calls once bypassed the error accounting: a dead cluster seen
+        # only through them never opened the breaker.
+        client = make_client(SpanOptions(breaker_failures=2, breaker_probe_interval_s=60.0))
+        arena = self.arena(client, 64, seed=5)
+        key = f"{key_namespace}-one"
+        calls = {
+            "register_buffer": lambda: client.register_buffer(arena.ctypes.data, 64),
+            "get_size": lambda: client.read_blob(key),
+            "remove": lambda: client.remove([key]),
+        }
+        fake_cluster.inject(op, int(ErrorCode.RPC_FAIL), times=2)
+        for _ in range(2):
+            with contextlib.suppress(SetupError):  # register_buffer's own error type
+                calls[op]()
+        stats = client.stats()
+        assert stats["error_counts"]["RPC_FAIL"] == 2
+        assert stats["breaker_state"] == "open"
+        with pytest.raises(TransportError, match="breaker open"):
+            calls[op]()

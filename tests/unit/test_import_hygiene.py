@@ -100,7 +100,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=280,
         cwd=PACKAGE.parent,
     )
 

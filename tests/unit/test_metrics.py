@@ -123,3 +123,16 @@ def test_multiprocess_directory_is_honoured(tmp_path):
     assert any(tmp_path.iterdir()), "no multiprocess value files were written"
     assert 'mooncake_span_keys_total{operation="get",pool="kv",result="ok"} 4.0' in out.stdout
     assert "mooncake_span_breaker_state 1.0" in out.stdout
+
+
+def test_segments_marked_bad_count_as_node_failures():
+    registry = prom.CollectorRegistry()
+    sync = M.ClientStatsSync(M.get_metrics(registry))
+    node = {"node": "127.0.0.1:14001"}
+    sync.sync({"bad_segments": ["127.0.0.1:14001"]})
+    sync.sync({"bad_segments": ["127.0.0.1:14001"]})  # still bad: not a new failure
+    assert _value(registry, "mooncake_span_node_failures_total", node) == 1
+    sync.sync({"bad_segments": []})
+    sync.sync({"bad_segments": ["127.0.0.1:14001", "127.0.0.1:14002"]})
+    assert _value(registry, "mooncake_span_node_failures_total", node) == 2
+    assert _value(registry, "mooncake_span_node_failures_total", {"node": "127.0.0.1:14002"}) == 1

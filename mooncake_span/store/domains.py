@@ -1,0 +1,253 @@
+"""Failure domains: where a storage key's objects go, and which segments to avoid. Pure.
+
+A *failure domain* is one Mooncake segment (one storage-node process). Three
+pieces of state, each with a size bound, and no I/O (the caller supplies the
+clock and the segment list):
+
+* ``rank_segments`` orders the live segments for one domain key by rendezvous
+  (highest-random-weight) hashing. Every object of a storage key carries the
+  same domain key, so every process and rank that writes one of them prefers
+  the same segment, and the key lives or dies as a whole. Adding or removing a
+  segment moves only the keys that rank it first (about 1/N of them), so a new
+  node takes its share of new writes and is not flooded.
+* ``DomainHealth`` remembers segments that failed a transfer, for a bounded
+  time. Keys placed there read as misses without a transfer attempt, and
+  writes skip them, while every other segment is served as before.
+* ``LostKeys`` is the negative cache of objects whose restore failed: they are
+  not reported present again until they are written again or the TTL passes,
+  so a prefetch does not retry a lost key on every request.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+
+from mooncake_span.errors import ErrorCode, is_transport_failure
+
+
+def _weight(segment: str, domain_key: str) -> int:
+    digest = hashlib.blake2b(
+        domain_key.encode("utf-8", "surrogatepass"),
+        digest_size=8,
+        key=segment.encode("utf-8", "surrogatepass")[:64],
+    ).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rank_segments(
+    domain_key: str, segments: Sequence[str], bad: frozenset[str] = frozenset()
+) -> list[str]:
+    """``segments`` ordered by preference for ``domain_key``; segments in ``bad`` go last.
+
+    Deterministic across processes: it depends only on the two strings.
+    """
+    ranked = sorted(segments, key=lambda s: _weight(s, domain_key), reverse=True)
+    if bad:
+        ranked = [s for s in ranked if s not in bad] + [s for s in ranked if s in bad]
+    return ranked
+
+
+_TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
+
+
+def is_cluster_failure(code: int) -> bool:
+    """A failure of the master or the RPC layer, which is what the breaker is for.
+
+    A TRANSFER_FAIL names one peer (a dead or cut storage node): it marks that
+    failure domain bad instead of cutting the process off every live node."""
+    return code != _TRANSFER_FAIL and is_transport_failure(code)
+
+
+# Copy r >= 1 of an object (span_replica_num > 1 with placement) is stored under
+# its own key, so that a reader can pick the copy on a live segment.
+COPY_SEPARATOR = "~c"
+
+
+def copy_key(key: str, copy: int) -> str:
+    return key if copy == 0 else f"{key}{COPY_SEPARATOR}{copy}"
+
+
+def copy_candidates(
+    keys: Sequence[str],
+    domains: Sequence[str] | None,
+    segments: Sequence[str],
+    copies: int,
+) -> list[list[tuple[str, str]]]:
+    """Per key, its copies as (object key, segment placement chose for it), in
+    copy order ("" when there are fewer segments than copies).
+    ``domains`` (default: the keys) is the placement key of each key."""
+    out = []
+    for i, key in enumerate(keys):
+        ranking = rank_segments(domains[i] if domains else key, segments)
+        out.append(
+            [(copy_key(key, r), ranking[r] if r < len(ranking) else "") for r in range(copies)]
+        )
+    return out
+
+
+def suspect_copies(rows: Sequence[Sequence[tuple[str, str]]], bad: frozenset[str]) -> list[str]:
+    """Object keys placed on a bad segment, or placed by Mooncake (segment ""):
+    while some segment is bad, where they really are must be asked."""
+    return [obj for row in rows for obj, segment in row if not segment or segment in bad]
+
+
+def live_copies(
+    rows: Sequence[Sequence[tuple[str, str]]],
+    bad: frozenset[str],
+    located: Mapping[str, set[str]],
+) -> list[list[str]]:
+    """Per key, the copies worth a transfer, in copy order.
+
+    A copy placed on a healthy segment is kept. A suspect copy is kept only if
+    the master located it on a healthy segment (written there as a fallback,
+    before the segment list changed, or by Mooncake's own placement);
+    otherwise it is a miss without a transfer. An empty row: every copy is in
+    a bad failure domain (or gone)."""
+    return [
+        [
+            obj
+            for obj, segment in row
+            if (segment and segment not in bad) or any(s not in bad for s in located.get(obj, ()))
+        ]
+        for row in rows
+    ]
+
+
+def put_targets(
+    keys: Sequence[str],
+    domains: Sequence[str] | None,
+    segments: Sequence[str],
+    copies: int,
+    bad: frozenset[str],
+) -> dict[str, list[tuple[int, str]]]:
+    """Segment -> [(index into keys, object key)] to write there ("" = let Mooncake place).
+
+    Copy r goes to the r-th ranked segment; a copy whose segment is bad moves
+    to the next live segment no other copy of the key uses, so a node that
+    died costs new writes nothing once it is known bad."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    rankings: dict[str, list[str]] = {}  # a key's components share one domain
+    for i, key in enumerate(keys):
+        domain = domains[i] if domains else key
+        ranking = rankings.get(domain)
+        if ranking is None:
+            ranking = rankings[domain] = rank_segments(domain, segments)
+        chosen = ranking[:copies]
+        spare = [s for s in ranking[copies:] if s not in bad]
+        for r in range(copies):
+            segment = chosen[r] if r < len(chosen) else ""
+            if segment in bad:
+                segment = spare.pop(0) if spare else ""
+            out.setdefault(segment, []).append((i, copy_key(key, r)))
+    return out
+
+
+def _check_bounds(ttl_s: float, max_entries: int) -> None:
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+    if max_entries < 1:
+        raise ValueError(f"the entry bound must be >= 1, got {max_entries}")
+
+
+class DomainHealth:
+    """Segments that failed a transfer, each bad until ``ttl_s`` after its last failure.
+
+    At most ``max_segments`` are remembered (the oldest mark is dropped first),
+    so a storm of failures cannot grow it without bound.
+    """
+
+    def __init__(self, ttl_s: float, max_segments: int = 1024) -> None:
+        _check_bounds(ttl_s, max_segments)
+        self._ttl_s = ttl_s
+        self._max = max_segments
+        self._lock = threading.Lock()
+        self._bad_until: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.times_marked = 0
+
+    def mark_bad(self, segments: Iterable[str], now_s: float) -> list[str]:
+        """Mark segments bad; returns those that were not bad before (for logging)."""
+        fresh = []
+        with self._lock:
+            for segment in segments:
+                until = self._bad_until.pop(segment, None)
+                if until is None or until <= now_s:
+                    fresh.append(segment)
+                    self.times_marked += 1
+                self._bad_until[segment] = now_s + self._ttl_s
+                while len(self._bad_until) > self._max:
+                    self._bad_until.popitem(last=False)
+        return fresh
+
+    @property
+    def any_bad(self) -> bool:
+        """True while some mark may still be live (a cheap check without the clock)."""
+        return bool(self._bad_until)
+
+    def mark_good(self, segment: str) -> None:
+        with self._lock:
+            self._bad_until.pop(segment, None)
+
+    def bad(self, now_s: float) -> frozenset[str]:
+        """The segments bad at ``now_s`` (expired marks are dropped)."""
+        with self._lock:
+            expired = [s for s, until in self._bad_until.items() if until <= now_s]
+            for segment in expired:
+                del self._bad_until[segment]
+            return frozenset(self._bad_until)
+
+
+class LostKeys:
+    """Object keys whose restore failed: absent until re-written or ``ttl_s`` passes.
+
+    An LRU of at most ``max_keys`` entries; when full the oldest entry is
+    forgotten, which can only make a lost key look present again early (one
+    more failed restore), never hide a stored one for longer than the TTL.
+    """
+
+    def __init__(self, ttl_s: float, max_keys: int) -> None:
+        _check_bounds(ttl_s, max_keys)
+        self._ttl_s = ttl_s
+        self._max = max_keys
+        self._lock = threading.Lock()
+        self._until: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
+    def add(self, keys: Iterable[str], now_s: float) -> None:
+        with self._lock:
+            for key in keys:
+                self._until.pop(key, None)
+                self._until[key] = now_s + self._ttl_s
+                while len(self._until) > self._max:
+                    self._until.popitem(last=False)
+
+    def discard(self, keys: Iterable[str]) -> None:
+        if not self._until:  # the common case: nothing lost, no lock
+            return
+        with self._lock:
+            for key in keys:
+                self._until.pop(key, None)
+
+    def lost_mask(self, keys: Sequence[str], now_s: float) -> list[bool]:
+        """Per key, True while it is known lost."""
+        if not self._until:
+            return [False] * len(keys)
+        with self._lock:
+            # Entries are in expiry order (one TTL, re-adds move to the end).
+            while self._until and next(iter(self._until.values())) <= now_s:
+                self._until.popitem(last=False)
+            out = []
+            for key in keys:
+                until = self._until.get(key)
+                if until is not None and until <= now_s:
+                    del self._until[key]
+                    until = None
+                out.append(until is not None)
+            return out

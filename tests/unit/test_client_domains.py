@@ -1,0 +1,245 @@
+"""Failure domains in MooncakeClient, on the fake's segment model.
+
+The fake's segment behaviour (placement by ``preferred_segment``, a killed
+node answering TRANSFER_FAIL while still listed) is what two real storage
+nodes did; ``tests/faults/test_failure_domains.py`` runs the same scenario on a
+real cluster.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from mooncake_span.config import MooncakeSettings, SpanOptions
+from mooncake_span.errors import ErrorCode
+from mooncake_span.span.plan import ObjectPlan
+from mooncake_span.store.client import MooncakeClient, NativeBinding
+from mooncake_span.store.domains import copy_key, rank_segments
+from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+
+SEGMENTS = ("127.0.0.1:12001", "127.0.0.1:12002")
+COMPONENTS = ("kv", "indexer", "conv")
+OBJECT_BYTES = 512
+
+
+@pytest.fixture
+def master() -> Iterator[str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(4)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+def cluster() -> FakeCluster:
+    return FakeCluster(segments=SEGMENTS)
+
+
+@pytest.fixture
+def make_client(master, cluster):
+    clients = []
+
+    def make(**options) -> MooncakeClient:
+        options.setdefault("master_admin_url", "http://127.0.0.1:1")
+        client = MooncakeClient(
+            MooncakeSettings(
+                master_server_address=master, metadata_server="P2PHANDSHAKE", protocol="tcp"
+            ),
+            SpanOptions(**options),
+            NativeBinding(
+                lambda: FakeStore(cluster), FakeReplicateConfig, lambda url: cluster.live_segments()
+            ),
+        )
+        client.connect()
+        client.domain_of = lambda key: key.rsplit("__", 1)[0]
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+class Keys:
+    """24 storage keys x 3 components, each object filled with its own bytes."""
+
+    def __init__(self, n: int = 24) -> None:
+        self.domains = [f"ms1_m_h64x4_pf_bf16_{i:08x}" for i in range(n)]
+        self.objects = [f"{d}__{c}" for d in self.domains for c in COMPONENTS]
+        self.groups = [d for d in self.domains for _ in COMPONENTS]
+        rng = np.random.default_rng(7)
+        self.source = rng.integers(0, 256, len(self.objects) * OBJECT_BYTES, dtype=np.uint8)
+        self.target = np.zeros_like(self.source)
+
+    def plans(self, array: np.ndarray, idx: list[int]) -> list[ObjectPlan]:
+        base = array.ctypes.data
+        return [ObjectPlan([base + i * OBJECT_BYTES], [OBJECT_BYTES]) for i in idx]
+
+    def put(self, client: MooncakeClient) -> list[bool]:
+        idx = list(range(len(self.objects)))
+        return client.put(self.objects, self.plans(self.source, idx), self.groups)
+
+    def get_key(self, client: MooncakeClient, k: int) -> bool:
+        """Restore storage key ``k`` alone; True only if every component is byte-exact."""
+        idx = [k * len(COMPONENTS) + c for c in range(len(COMPONENTS))]
+        self.target[:] = 0
+        flags = client.get([self.objects[i] for i in idx], self.plans(self.target, idx))
+        exact = all(
+            ctypes.string_at(self.target.ctypes.data + i * OBJECT_BYTES, OBJECT_BYTES)
+            == self.source[i * OBJECT_BYTES : (i + 1) * OBJECT_BYTES].tobytes()
+            for i in idx
+        )
+        assert not (all(flags) and not exact), f"key {k} reported restored with wrong bytes"
+        return all(flags)
+
+    def home(self, k: int) -> str:
+        return rank_segments(self.domains[k], SEGMENTS)[0]
+
+
+def native_calls(cluster: FakeCluster, op: str) -> int:
+    return sum(1 for name, _ in cluster.calls if name == op)
+
+
+def test_every_object_of_a_key_lands_on_its_home_segment(make_client, cluster):
+    keys = Keys()
+    assert all(keys.put(make_client()))
+    for k in range(len(keys.domains)):
+        homes = {cluster.placement[o] for o in keys.objects[3 * k : 3 * k + 3]}
+        assert homes == {keys.home(k)}
+    used = {cluster.placement[o] for o in keys.objects}
+    assert used == set(SEGMENTS)  # spread, not all on one node
+
+
+def test_a_dead_node_costs_its_keys_only_and_no_live_key_waits(make_client, cluster):
+    keys = Keys()
+    writer, reader = make_client(), make_client()
+    assert all(keys.put(writer))
+    dead = SEGMENTS[0]
+    cluster.kill_segment(dead)
+    on_dead = [k for k in range(24) if keys.home(k) == dead]
+    # The first restore of every key: live ones succeed at once, dead ones fail.
+    restored = [keys.get_key(reader, k) for k in range(24)]
+    assert [k for k in range(24) if not restored[k]] == on_dead
+    assert reader.stats()["breaker_state"] == "closed"
+    assert reader.stats()["bad_segments"] == [dead]
+    # Now the dead node's keys are misses without a transfer, live ones still read.
+    cluster.calls.clear()
+    assert reader.exists(keys.objects) == [
+        keys.home(i // 3) != dead for i in range(len(keys.objects))
+    ]
+    assert not any(keys.get_key(reader, k) for k in on_dead)
+    assert all(keys.get_key(reader, k) for k in range(24) if k not in on_dead)
+    gets = native_calls(cluster, "batch_get_into_multi_buffers")
+    assert gets == 24 - len(on_dead)
+    # New writes avoid the dead node and restore.
+    fresh = Keys(8)
+    fresh.domains = [d + "-new" for d in fresh.domains]
+    fresh.objects = [f"{d}__{c}" for d in fresh.domains for c in COMPONENTS]
+    fresh.groups = [d for d in fresh.domains for _ in COMPONENTS]
+    assert all(fresh.put(reader))
+    assert {cluster.placement[o] for o in fresh.objects} == {SEGMENTS[1]}
+    assert all(fresh.get_key(reader, k) for k in range(8))
+
+
+def test_two_copies_survive_a_node_at_the_first_attempt(make_client, cluster):
+    keys = Keys()
+    client = make_client(replica_num=2)
+    assert all(keys.put(client))
+    for k in range(24):
+        placed = {cluster.placement[copy_key(keys.objects[3 * k], r)] for r in (0, 1)}
+        assert placed == set(SEGMENTS)
+    cluster.kill_segment(SEGMENTS[0])
+    assert all(keys.get_key(client, k) for k in range(24))
+    assert client.stats()["breaker_state"] == "closed"
+    # After the master drops the dead node, the surviving copy still serves.
+    cluster.expire_dead()
+    assert all(client.exists(keys.objects))
+    assert all(keys.get_key(client, k) for k in range(24))
+
+
+def test_a_failed_restore_is_not_a_hit_again_until_rewritten(make_client, cluster):
+    cluster.segments.clear()  # no failure domains: the negative cache alone
+    keys = Keys(2)
+    client = make_client(placement=False)
+    assert all(keys.put(client))
+    cluster.inject("batch_get_into_multi_buffers", int(ErrorCode.TRANSFER_FAIL))
+    assert not keys.get_key(client, 0)
+    cluster.calls.clear()
+    assert client.exists(keys.objects[:3]) == [False, False, False]
+    assert native_calls(cluster, "batch_is_exist") == 0
+    assert client.exists(keys.objects[3:]) == [True, True, True]
+    # Written again (the put keeps the stored value): a hit again.
+    assert all(keys.put(client))
+    assert client.exists(keys.objects[:3]) == [True, True, True]
+    assert keys.get_key(client, 0)
+
+
+def test_lost_keys_come_back_after_their_ttl(make_client, cluster, monkeypatch):
+    cluster.segments.clear()  # no failure domains: the negative cache alone
+    keys = Keys(1)
+    client = make_client(placement=False, lost_key_ttl_s=0.05)
+    assert all(keys.put(client))
+    cluster.inject("batch_get_into_multi_buffers", int(ErrorCode.TRANSFER_FAIL))
+    assert not keys.get_key(client, 0)
+    assert client.exists(keys.objects) == [False] * 3
+    import time
+
+    time.sleep(0.1)
+    assert client.exists(keys.objects) == [True] * 3
+
+
+def test_transfer_failures_never_open_the_breaker_but_rpc_failures_do(make_client, cluster):
+    cluster.segments.clear()  # no failure domains: the negative cache alone
+    keys = Keys(1)
+    client = make_client(breaker_failures=2, breaker_probe_interval_s=60.0, placement=False)
+    assert all(keys.put(client))
+    for _ in range(4):
+        cluster.inject("batch_get_into_multi_buffers", int(ErrorCode.TRANSFER_FAIL))
+        client.get(keys.objects, keys.plans(keys.target, [0, 1, 2]))
+    assert client.stats()["breaker_state"] == "closed"
+    for _ in range(2):
+        cluster.inject("batch_get_into_multi_buffers", int(ErrorCode.RPC_FAIL))
+        client.get(keys.objects, keys.plans(keys.target, [0, 1, 2]))
+    assert client.stats()["breaker_state"] == "open"
+
+
+def test_placement_follows_the_segment_list(make_client, cluster):
+    client = make_client(segment_refresh_s=0.05)
+    assert client.segments() == SEGMENTS
+    cluster.add_segment("127.0.0.1:12003")
+    import time
+
+    deadline = time.monotonic() + 5
+    while len(client.segments()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.segments() == (*SEGMENTS, "127.0.0.1:12003")
+
+
+def test_without_placement_a_dead_node_is_still_isolated(make_client, cluster):
+    # Mooncake places the objects; while a segment is bad the client asks the
+    # master where they are and skips only those on the dead node.
+    keys = Keys()
+    client = make_client(placement=False)
+    assert all(keys.put(client))
+    dead = SEGMENTS[0]
+    on_dead = {k for k in range(24) if cluster.placement[keys.objects[3 * k]] == dead}
+    assert 0 < len(on_dead) < 24
+    cluster.kill_segment(dead)
+    first = next(iter(on_dead))
+    assert not keys.get_key(client, first)
+    assert client.stats()["bad_segments"] == [dead]
+    failed_transfers = client.stats()["error_counts"]["TRANSFER_FAIL"]
+    restored = [keys.get_key(client, k) for k in range(24)]
+    # A key restores when none of its objects sat on the dead node; no
+    # transfer is attempted for an object known to sit there.
+    intact = [
+        all(cluster.placement[keys.objects[3 * k + c]] != dead for c in range(3)) for k in range(24)
+    ]
+    assert restored == intact
+    assert client.stats()["error_counts"]["TRANSFER_FAIL"] == failed_transfers
+    assert client.stats()["breaker_state"] == "closed"
