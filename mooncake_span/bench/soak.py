@@ -44,9 +44,10 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_span.bench.soak_report import OPS, analyse, format_table, write_outputs
+
 logger = logging.getLogger(__name__)
 
-OPS = ("batch_set_v2", "batch_set_v1", "batch_exists_v2", "batch_get_v1", "batch_get_v2")
 COLUMNS = (
     "t_s",
     "calls",
@@ -54,6 +55,7 @@ COLUMNS = (
     "heap_blocks",
     "traced_mb",
     "threads",
+    "python_threads",
     "fds",
     "segment_used_mb",
     "segment_capacity_mb",
@@ -348,60 +350,13 @@ def _sample(book: LatencyBook, metrics_url: str, tracing: bool) -> dict[str, flo
         "rss_mb": rss_mb,
         "heap_blocks": float(sys.getallocatedblocks()),
         "threads": float(threads),
+        "python_threads": float(threading.active_count()),
         "fds": float(len(os.listdir("/proc/self/fd"))),
         **_master_gauges(metrics_url),
     }
     if tracing:
         values["traced_mb"] = tracemalloc.get_traced_memory()[0] / (1 << 20)
     return values
-
-
-def analyse(samples: list[dict[str, Any]], config: SoakConfig) -> dict[str, Any]:
-    """Growth after warm-up: slopes per 100k calls, thread/fd ranges, the verdict."""
-    after = [s for s in samples if s["t_s"] >= config.warmup_s]
-    if len(after) < 3:
-        raise ValueError(f"only {len(after)} samples after the warm-up; run longer")
-    calls = np.array([s["calls"] for s in after])
-    span_calls = float(calls[-1] - calls[0])
-
-    def slope(column: str) -> float | None:
-        ys = np.array([s[column] if s[column] is not None else np.nan for s in after])
-        if np.isnan(ys).any() or span_calls <= 0:
-            return None
-        return float(np.polyfit(calls, ys, 1)[0] * 1e5)
-
-    threads = [int(s["threads"]) for s in after]
-    fds = [int(s["fds"]) for s in after]
-    summary = {
-        "calls_total": int(samples[-1]["calls"]),
-        "calls_after_warmup": int(span_calls),
-        "seconds_after_warmup": float(after[-1]["t_s"] - after[0]["t_s"]),
-        "rss_mb_after_warmup": float(after[0]["rss_mb"]),
-        "rss_mb_end": float(after[-1]["rss_mb"]),
-        "rss_mb_per_100k_calls": slope("rss_mb"),
-        "heap_blocks_per_100k_calls": slope("heap_blocks"),
-        "traced_mb_per_100k_calls": slope("traced_mb"),
-        "threads_min": min(threads),
-        "threads_max": max(threads),
-        "threads_growth": threads[-1] - threads[0],
-        "fds_min": min(fds),
-        "fds_max": max(fds),
-        "fds_growth": fds[-1] - fds[0],
-        "budget_mb_per_100k_calls": config.budget_mb_per_100k_calls,
-    }
-    failures = []
-    rss_slope = summary["rss_mb_per_100k_calls"]
-    if rss_slope is None or rss_slope > config.budget_mb_per_100k_calls:
-        failures.append(
-            f"RSS grows {rss_slope} MB per 100k calls (budget {config.budget_mb_per_100k_calls})"
-        )
-    if summary["threads_growth"] > config.thread_budget:
-        failures.append(f"threads grew by {summary['threads_growth']}")
-    if summary["fds_growth"] > config.fd_budget:
-        failures.append(f"open descriptors grew by {summary['fds_growth']}")
-    summary["failures"] = failures
-    summary["ok"] = not failures
-    return summary
 
 
 def run_soak(config: SoakConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -428,6 +383,13 @@ def run_soak(config: SoakConfig, say: Callable[[str], None] = print) -> dict[str
                 f"{config.storage_nodes * config.segment_bytes / 2**20:.0f} MiB of segments"
             )
             report = _drive(config, cluster, traffic, book, say)
+            stats = traffic.store.get_stats()
+            report["backend"] = {
+                "error_counts": stats.error_counts,
+                "rejected_calls": stats.rejected_calls,
+                "breaker_times_opened": stats.breaker_times_opened,
+                "dropped_metric_records": getattr(stats, "dropped_metric_records", None),
+            }
         finally:
             traffic.close()
     report["config"] = asdict(config)
@@ -458,11 +420,13 @@ def _drive(config, cluster, traffic, book, say) -> dict[str, Any]:  # noqa: ANN0
         if now >= config.duration_s:
             break
         if now >= next_sample:
-            samples.add(_sample(book, cluster.metrics_url, config.tracemalloc))
-            row = samples.data[samples.count - 1]
+            row = _sample(book, cluster.metrics_url, config.tracemalloc)
+            samples.add(row)
             say(
-                f"  t={now:6.0f}s calls={int(row[1]):>9} rss={row[2]:7.1f} MB "
-                f"threads={int(row[5])} fds={int(row[6])} segments={row[7]:.0f}/{row[8]:.0f} MB"
+                f"  t={now:6.0f}s calls={int(row['calls']):>9} rss={row['rss_mb']:7.1f} MB "
+                f"threads={int(row['threads'])} ({int(row['python_threads'])} Python) "
+                f"fds={int(row['fds'])} segments={row.get('segment_used_mb', 0):.0f}/"
+                f"{row.get('segment_capacity_mb', 0):.0f} MB"
             )
             next_sample += config.sample_interval_s
         if warm_snapshot is None and config.tracemalloc and now >= config.warmup_s:
@@ -565,6 +529,15 @@ def register_parser(subparsers: argparse._SubParsersAction, size_arg: Callable) 
         default=default.budget_mb_per_100k_calls,
         help="allowed RSS growth in MB per 100k calls after warm-up (default %(default)s)",
     )
+    soak.add_argument(
+        "--thread-budget",
+        type=int,
+        default=0,
+        help="allowed growth of the OS thread count after warm-up (default 0)",
+    )
+    soak.add_argument(
+        "--fd-budget", type=int, default=0, help="allowed growth of open fds (default 0)"
+    )
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--out", default="runs/soak", help="folder for soak.json and soak.png")
     soak.set_defaults(func=run_soak_command)
@@ -585,13 +558,14 @@ def run_soak_command(args: argparse.Namespace) -> int:
             storage_metrics=args.storage_metrics,
             tracemalloc=args.tracemalloc,
             budget_mb_per_100k_calls=args.budget,
+            thread_budget=args.thread_budget,
+            fd_budget=args.fd_budget,
             seed=args.seed,
         )
     except ValueError as exc:
         print(f"mooncake-span soak: {exc}", file=sys.stderr)
         return 2
-    from mooncake_span.bench.runner import native_stderr_to
-    from mooncake_span.bench.soak_report import format_table, write_outputs
+    from mooncake_span.ops.native_log import native_stderr_to
 
     os.makedirs(args.out, exist_ok=True)
     native_log = os.path.join(args.out, "native.log")

@@ -1,4 +1,4 @@
-"""Table, JSON and PNG of a ``mooncake-span soak`` report (see ``bench/soak.py``)."""
+"""Verdict, table, JSON and PNG of a ``mooncake-span soak`` report (see ``bench/soak.py``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,59 @@ import logging
 import os
 from typing import Any
 
-from mooncake_span.bench.soak import OPS
+import numpy as np
 
 logger = logging.getLogger(__name__)
+
+OPS = ("batch_set_v2", "batch_set_v1", "batch_exists_v2", "batch_get_v1", "batch_get_v2")
+
+
+def analyse(samples: list[dict[str, Any]], config: Any) -> dict[str, Any]:
+    """Growth after warm-up: slopes per 100k calls, thread/fd ranges, the verdict."""
+    after = [s for s in samples if s["t_s"] >= config.warmup_s]
+    if len(after) < 3:
+        raise ValueError(f"only {len(after)} samples after the warm-up; run longer")
+    calls = np.array([s["calls"] for s in after])
+    span_calls = float(calls[-1] - calls[0])
+
+    def slope(column: str) -> float | None:
+        ys = np.array([s[column] if s[column] is not None else np.nan for s in after])
+        if np.isnan(ys).any() or span_calls <= 0:
+            return None
+        return float(np.polyfit(calls, ys, 1)[0] * 1e5)
+
+    threads = [int(s["threads"]) for s in after]
+    fds = [int(s["fds"]) for s in after]
+    summary = {
+        "calls_total": int(samples[-1]["calls"]),
+        "calls_after_warmup": int(span_calls),
+        "seconds_after_warmup": float(after[-1]["t_s"] - after[0]["t_s"]),
+        "rss_mb_after_warmup": float(after[0]["rss_mb"]),
+        "rss_mb_end": float(after[-1]["rss_mb"]),
+        "rss_mb_per_100k_calls": slope("rss_mb"),
+        "heap_blocks_per_100k_calls": slope("heap_blocks"),
+        "traced_mb_per_100k_calls": slope("traced_mb"),
+        "threads_min": min(threads),
+        "threads_max": max(threads),
+        "threads_growth": threads[-1] - threads[0],
+        "fds_min": min(fds),
+        "fds_max": max(fds),
+        "fds_growth": fds[-1] - fds[0],
+        "budget_mb_per_100k_calls": config.budget_mb_per_100k_calls,
+    }
+    failures = []
+    rss_slope = summary["rss_mb_per_100k_calls"]
+    if rss_slope is None or rss_slope > config.budget_mb_per_100k_calls:
+        failures.append(
+            f"RSS grows {rss_slope} MB per 100k calls (budget {config.budget_mb_per_100k_calls})"
+        )
+    if summary["threads_growth"] > config.thread_budget:
+        failures.append(f"threads grew by {summary['threads_growth']}")
+    if summary["fds_growth"] > config.fd_budget:
+        failures.append(f"open descriptors grew by {summary['fds_growth']}")
+    summary["failures"] = failures
+    summary["ok"] = not failures
+    return summary
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -39,6 +89,7 @@ def format_table(report: dict[str, Any]) -> str:
         ),
         f"threads {s['threads_min']}..{s['threads_max']} (growth {s['threads_growth']}), "
         f"fds {s['fds_min']}..{s['fds_max']} (growth {s['fds_growth']})",
+        f"backend: {report.get('backend')}",
         "verdict: " + ("within budget" if s["ok"] else "; ".join(s["failures"])),
     ]
     for entry in report.get("tracemalloc_top_growth", [])[:8]:
