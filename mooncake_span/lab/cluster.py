@@ -194,6 +194,7 @@ class NetnsCluster:
             self.metadata_server,
             self.topology.address(host),
             global_segment_size_bytes,
+            None if self.spec.ha else self.metrics_url(0),
         )
 
     def describe(self) -> dict[str, object]:

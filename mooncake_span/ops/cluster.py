@@ -231,8 +231,14 @@ class LocalCluster:
 
     def client_config(self, global_segment_size_bytes: int = 0) -> dict[str, object]:
         """Client settings; the keys match SGLang's Mooncake ``extra_config`` keys."""
+        # With HA masters the leader moves; the default admin URL rule applies then.
+        admin_url = None if self.spec.ha_masters > 1 else self.metrics_url
         return sglang_client_config(
-            self.master_address, self.metadata_server, self.spec.host, global_segment_size_bytes
+            self.master_address,
+            self.metadata_server,
+            self.spec.host,
+            global_segment_size_bytes,
+            admin_url,
         )
 
     def client_env(self) -> dict[str, str]:

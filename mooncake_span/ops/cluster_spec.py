@@ -162,14 +162,23 @@ class ExternalCluster:
 
 
 def sglang_client_config(
-    master_address: str, metadata_server: str, host: str, global_segment_size_bytes: int
+    master_address: str,
+    metadata_server: str,
+    host: str,
+    global_segment_size_bytes: int,
+    admin_url: str | None = None,
 ) -> dict[str, object]:
     size_bytes = parse_size_bytes(global_segment_size_bytes)
     # Key names are the ones SGLang's Mooncake extra-config understands.
-    return {
+    config: dict[str, object] = {
         "master_server_address": master_address,
         "metadata_server": metadata_server,
         "protocol": "tcp",
         "local_hostname": host,
         "global_segment_size": size_bytes,
     }
+    if admin_url is not None:
+        # Failure-domain placement lists segments on the master's admin port;
+        # local clusters pick that port freely, so the default (9003) is wrong.
+        config["span_master_admin_url"] = admin_url
+    return config

@@ -123,6 +123,7 @@ def test_start_health_and_teardown_leaves_no_process(tmp_path):
             "protocol": "tcp",
             "local_hostname": "127.0.0.1",
             "global_segment_size": 1 << 20,
+            "span_master_admin_url": cluster.metrics_url,
         }
         assert cluster.client_env()["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
         for name in ("master0", "node0", "node1"):
