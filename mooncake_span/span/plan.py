@@ -151,6 +151,11 @@ class PlanBatch:
         return cls([p.ptrs for p in plans], [p.sizes for p in plans], [sum(p.sizes) for p in plans])
 
     @classmethod
+    def of(cls, plans: Sequence[ObjectPlan] | PlanBatch) -> PlanBatch:
+        """The columns of ``plans``, without a copy when they already are a PlanBatch."""
+        return plans if isinstance(plans, PlanBatch) else cls.from_plans(plans)
+
+    @classmethod
     def concat(cls, batches: Sequence[PlanBatch]) -> PlanBatch:
         if len(batches) == 1:
             return batches[0]

@@ -45,7 +45,7 @@ from mooncake_span.errors import (
     code_name,
     is_transport_failure,
 )
-from mooncake_span.span.plan import ObjectPlan, dedup_rounds, split_calls
+from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds, split_calls
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
 from mooncake_span.store.domains import (
     DomainHealth,
@@ -425,7 +425,7 @@ class MooncakeClient:
     def put(
         self,
         keys: Sequence[str],
-        plans: Sequence[ObjectPlan],
+        plans: Sequence[ObjectPlan] | PlanBatch,
         group_ids: Sequence[str] | None = None,
         hard_pin: bool = False,
     ) -> list[bool]:
@@ -434,6 +434,7 @@ class MooncakeClient:
         Objects with the same ``domain_of`` land on the same segment. ``hard_pin``
         exempts them from eviction (small metadata only). True only if every copy
         was written."""
+        batch = PlanBatch.of(plans)
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         segments = self.segments()
@@ -447,7 +448,7 @@ class MooncakeClient:
         written = collections.Counter()
         for segment, entries in by_segment.items():
             entries = [(unique[j], object_key) for j, object_key in entries]
-            codes = self._put_entries(entries, plans, group_ids, hard_pin, segment)
+            codes = self._put_entries(entries, batch, group_ids, hard_pin, segment)
             for (i, _), code in zip(entries, codes, strict=True):
                 written[i] += code == 0
             if segment and codes and all(c == _TRANSFER_FAIL for c in codes):
@@ -461,14 +462,14 @@ class MooncakeClient:
     def _put_entries(
         self,
         entries: list[tuple[int, str]],
-        plans: Sequence[ObjectPlan],
+        batch: PlanBatch,
         group_ids: Sequence[str] | None,
         hard_pin: bool,
         segment: str,
     ) -> list[int]:
         codes: list[int] = []
         for call in split_calls(
-            [len(plans[i].ptrs) for i, _ in entries], self.options.max_buffers_per_call
+            [len(batch.ptrs[i]) for i, _ in entries], self.options.max_buffers_per_call
         ):
             part = [entries[j] for j in call]
             config = self._replicate_config(
@@ -478,45 +479,42 @@ class MooncakeClient:
                 "batch_put_from_multi_buffers",
                 lambda s, part=part, config=config: s.batch_put_from_multi_buffers(
                     [k for _, k in part],
-                    [plans[i].ptrs for i, _ in part],
-                    [plans[i].sizes for i, _ in part],
+                    [batch.ptrs[i] for i, _ in part],
+                    [batch.sizes[i] for i, _ in part],
                     config,
                 ),
                 len(part),
             )
         return codes
 
-    def _get_codes(self, keys: Sequence[str], plans: Sequence[ObjectPlan]) -> list[int]:
+    def _get_codes(self, keys: Sequence[str], batch: PlanBatch) -> list[int]:
         """One read attempt per key: the native code (bytes read, or an error)."""
         out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
         for round_positions in dedup_rounds(keys):
-            counts = [len(plans[i].ptrs) for i in round_positions]
+            counts = [len(batch.ptrs[i]) for i in round_positions]
             for call in split_calls(counts, self.options.max_buffers_per_call):
                 idx = [round_positions[j] for j in call]
                 call_keys = [keys[i] for i in idx]
                 codes = self._invoke(
                     "batch_get_into_multi_buffers",
                     lambda s, keys=call_keys, idx=idx: s.batch_get_into_multi_buffers(
-                        keys, [plans[i].ptrs for i in idx], [plans[i].sizes for i in idx]
+                        keys, [batch.ptrs[i] for i in idx], [batch.sizes[i] for i in idx]
                     ),
                     len(idx),
                 )
                 for i, code in zip(idx, codes, strict=False):
                     out[i] = code
-                    if 0 <= code != plans[i].nbytes:
+                    if 0 <= code != batch.nbytes[i]:
                         self._counters["SHORT_READ"] += 1
         return out
 
-    def get(
-        self,
-        keys: Sequence[str],
-        plans: Sequence[ObjectPlan],
-    ) -> list[bool]:
+    def get(self, keys: Sequence[str], plans: Sequence[ObjectPlan] | PlanBatch) -> list[bool]:
         """Read objects into the planned buffers; True only for a complete read.
 
         Copies in a bad failure domain are skipped without a transfer; a copy
         that fails is retried on the next one (at most ``span_replica_num``
         attempts per key). A key that cannot be read is remembered as lost."""
+        batch = PlanBatch.of(plans)
         candidates = self._live_rows(keys)
         ok = [False] * len(keys)
         failed_transport = [False] * len(keys)
@@ -528,12 +526,12 @@ class MooncakeClient:
             if not pending:
                 break
             object_keys = [candidates[i][attempt] for i in pending]
-            codes = self._get_codes(object_keys, [plans[i] for i in pending])
+            codes = self._get_codes(object_keys, batch.take(pending))
             dead: dict[str, int] = {}
             for i, object_key, code in zip(pending, object_keys, codes, strict=True):
-                ok[i] = code == plans[i].nbytes
+                ok[i] = code == batch.nbytes[i]
                 if code == _TRANSFER_FAIL:
-                    dead[object_key] = plans[i].nbytes
+                    dead[object_key] = batch.nbytes[i]
                     failed_transport[i] = True
             if dead:
                 self._mark_failed_domains("batch_get_into_multi_buffers", dead)
