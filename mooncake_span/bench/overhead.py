@@ -5,9 +5,10 @@ sglang's upstream ``MooncakeStore`` and raw native calls) the way sglang's
 controller does, against two native stores:
 
 * ``NullStore``: the interface of ``MooncakeDistributedStore`` that the
-  adapters call, doing no copies and answering success codes. Its own time is
-  measured and subtracted, so what remains is the adapter's Python: what it
-  would cost at RDMA line rate, where the native side is a few microseconds.
+  adapters call, doing no copies and answering success codes. The CPU time
+  spent inside its methods is measured and subtracted, so what remains is the
+  adapter's Python: what it would cost at RDMA line rate, where the native
+  side is a few microseconds.
 * the real store of an in-process cluster (``same`` topology), every native
   method timed, so wall time splits into "inside Mooncake" and "own Python".
 
@@ -18,6 +19,7 @@ enabled as in a server. Every contender moves the same host pages per call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import socket
 import statistics
@@ -55,18 +57,34 @@ class NullReplicateConfig:
         self.with_hard_pin = False
 
 
+def _self_timed(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the calling thread's CPU time inside ``method`` to ``self.inside_s``."""
+
+    @functools.wraps(method)
+    def timed(self: NullStore, *args: Any, **kwargs: Any) -> Any:
+        started = time.thread_time()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.inside_s += time.thread_time() - started
+
+    return timed
+
+
 class NullStore:
     """``MooncakeDistributedStore``'s data interface, doing nothing.
 
     Puts record the key (so existence queries and gets answer like a store
     that kept the object) and copy no bytes; gets report the planned byte
-    count. Its own cost is a few C-level passes over the keys; the raw
-    contender, which is little more than these calls, shows how much.
+    count. The data and existence calls add their own CPU time to
+    ``inside_s`` (a few passes over the keys), which the bench subtracts
+    like the time inside a real store.
     """
 
     def __init__(self) -> None:
         self._keys: set[str] = set()
         self._values: dict[str, bytes] = {}
+        self.inside_s = 0.0
 
     def setup(self, *args: Any, **kwargs: Any) -> int:
         return 0
@@ -80,6 +98,7 @@ class NullStore:
     def close(self) -> int:
         return 0
 
+    @_self_timed
     def batch_is_exist(self, keys: list[str]) -> list[int]:
         known = self._keys
         return [1 if k in known else 0 for k in keys]
@@ -91,18 +110,22 @@ class NullStore:
         self._keys.update(keys)
         return [0] * len(keys)
 
+    @_self_timed
     def batch_put_from_multi_buffers(
         self, keys: list[str], ptrs: Any, sizes: Any, config: Any = None
     ) -> list[int]:
         return self._put(keys)
 
+    @_self_timed
     def batch_put_from(self, keys: list[str], ptrs: Any, sizes: Any, config: Any = None):
         return self._put(keys)
 
+    @_self_timed
     def batch_get_into_multi_buffers(self, keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
         known = self._keys
         return [sum(s) if k in known else _NOT_FOUND for k, s in zip(keys, sizes, strict=True)]
 
+    @_self_timed
     def batch_get_into(self, keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
         known = self._keys
         return [s if k in known else _NOT_FOUND for k, s in zip(keys, sizes, strict=True)]
@@ -135,11 +158,16 @@ class NullStore:
 class _CpuClock:
     """CPU time of the calling thread: the machine may be shared, and with the
     do-nothing store the adapter's Python all runs on this thread, so time
-    spent descheduled stays out. Nothing is subtracted (``inside_s`` is 0): the
-    do-nothing store's own few passes over the keys count as adapter time."""
+    spent descheduled stays out. ``inside_s``: the do-nothing store's own."""
 
     now = staticmethod(time.thread_time)
-    inside_s = 0.0
+
+    def __init__(self, store: NullStore) -> None:
+        self.store = store
+
+    @property
+    def inside_s(self) -> float:
+        return self.store.inside_s
 
 
 class _NativeClock:
@@ -380,7 +408,7 @@ def run_overhead(quick: bool = False, reps: int | None = None) -> dict[str, Any]
         for cell in default_cells(quick):
             if cell.store == "null":
                 native: Any = NullStore()
-                clock, config = _CpuClock(), null_config
+                clock, config = _CpuClock(native), null_config
             else:
                 if topology is None:
                     topology = stack.enter_context(Topology("same", BenchConfig()))
@@ -456,7 +484,7 @@ def profile_cell(family: str, size: str, contender: str, calls: int = 50) -> Any
     with _listening_port() as port:
         native = NullStore()
         config = {"master_server_address": port, "metadata_server": "P2PHANDSHAKE"}
-        rig = _Rig(Cell("null", family, size, 512, (contender,)), native, _CpuClock(), config)
+        rig = _Rig(Cell("null", family, size, 512, (contender,)), native, _CpuClock(native), config)
         try:
             batches = [rig.closures(contender, i)[0] for i in range(calls)]
             profiler = cProfile.Profile()

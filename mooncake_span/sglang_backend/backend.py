@@ -210,7 +210,7 @@ class MooncakeSpanStore(HiCacheStorage):
             tag=self._extra_tag,
         )
         # Failure domains (store/domains.py): one segment per storage key.
-        self.client.domain_of = self.key_schema.domain_of
+        self.client.router.domain_of = self.key_schema.domain_of
         self._bind(KV_POOL, mem_pool_host)
         for name, pool in list(self.pools.items()):
             if pool.kind is PoolKind.KV_DERIVED:

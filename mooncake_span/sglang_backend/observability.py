@@ -38,7 +38,10 @@ def _flags(result: Any) -> list[bool] | None:
 
 
 def outcome_of(result: Any) -> str:
-    flags = _flags(result)
+    if type(result) is list and result and set(map(type, result)) == {bool}:
+        flags = result  # per-key results of a data call: C-level passes only
+    else:
+        flags = _flags(result)
     if not flags:
         return "ok"
     done = sum(flags)
@@ -50,6 +53,7 @@ class CallObserver:
         self._client = client
         self._metrics = metrics if metrics is not None else get_metrics()
         self._sync = ClientStatsSync(self._metrics) if self._metrics is not None else None
+        self._revision: Any = None  # the client's stats_revision() at the last sync
 
     def call(self, op_name: str, failure: str | None, result: Any, elapsed_s: float) -> None:
         if self._metrics is None:
@@ -57,7 +61,10 @@ class CallObserver:
         try:
             outcome = failure or outcome_of(result)
             self._metrics.observe_call(op_name, outcome, elapsed_s)
-            self._sync.sync(self._client.stats())
+            revision = self._client.stats_revision()
+            if revision != self._revision:  # building stats() on every call costs more
+                self._revision = revision
+                self._sync.sync(self._client.stats())
         except Exception:  # metrics are best effort; the call's answer stands
             logger.debug("mooncake-span: metrics update failed", exc_info=True)
 

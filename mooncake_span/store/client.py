@@ -7,13 +7,11 @@ conventions into plain Python ones, once:
   bytes read; exists: 1); every other code is counted by name for ``stats()``;
 * cluster-level failures (an exception, a wrong-length result, every entry an
   RPC-level code) raise ``TransportError`` and feed the circuit breaker; a
-  TRANSFER_FAIL instead marks the failing segment's failure domain bad
-  (``domains.py``): its keys read as misses, every other segment is served;
-* each storage key's objects are placed on one segment by rendezvous hashing
-  (``span_placement``); with ``span_replica_num`` > 1 each copy is its own
-  object on its own segment, and a read falls back to the next copy;
-* calls carry at most ``max_buffers_per_call`` buffers and a get never names
-  one key twice (Mooncake would leave a buffer unwritten, reporting success);
+  TRANSFER_FAIL instead marks the failing segment's failure domain bad;
+* ``router.py`` decides where objects go and which copies to read; a call of
+  a healthy cluster goes out as the caller built it, in one native call, and
+  otherwise calls carry at most ``max_buffers_per_call`` buffers and a get
+  never names one key twice (Mooncake would leave a buffer unwritten);
 * after ``close()`` every method raises ``StoreClosedError`` (the native
   client segfaults if called after close).
 
@@ -28,6 +26,7 @@ import collections
 import contextlib
 import ctypes
 import logging
+import operator
 import re
 import threading
 import time
@@ -47,16 +46,7 @@ from mooncake_span.errors import (
 )
 from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds, split_calls
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
-from mooncake_span.store.domains import (
-    DomainHealth,
-    LostKeys,
-    copy_candidates,
-    copy_key,
-    is_cluster_failure,
-    live_copies,
-    put_targets,
-    suspect_copies,
-)
+from mooncake_span.store.domains import copy_key, is_cluster_failure
 from mooncake_span.store.native import (
     REACHABILITY_TIMEOUT_S,
     NativeBinding,
@@ -64,6 +54,8 @@ from mooncake_span.store.native import (
     native_env_defaults,
     prepare_native_env,
 )
+from mooncake_span.store.probe import RecoveryProbe
+from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
 
 logger = logging.getLogger(__name__)
@@ -111,19 +103,17 @@ class MooncakeClient:
         self._closed = False
         self._inflight = 0
         self._breaker = CircuitBreaker(options.breaker_failures)
-        self._prober: threading.Thread | None = None
+        self._prober = RecoveryProbe(
+            self._breaker, options.breaker_probe_interval_s, self._probe_once
+        )
         self._counters: collections.Counter[str] = collections.Counter()
         self._probe_key = f"mooncake-span-probe-{uuid.uuid4().hex}"
         self._supports_group_ids: bool | None = None
-        self._health = DomainHealth(options.domain_bad_ttl_s)
-        self._lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
         self._directory: SegmentDirectory | None = None
-        # With placement, replicas are copies under their own keys (one per
-        # segment) so that a read can skip a dead copy; without it, Mooncake's.
-        self._copies = options.replica_num if options.placement else 1
-        # The placement key of an object key: objects with one domain share a
-        # segment. Set by the backend (KeySchema.domain_of); None: the key itself.
-        self.domain_of: Callable[[str], str] | None = None
+        # Placement and failure domains; the backend sets router.domain_of.
+        self.router = DomainRouter(options, self.segments)
+        self._health, self._lost = self.router.health, self.router.lost
+        self._copies = self.router.copies
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -221,19 +211,23 @@ class MooncakeClient:
         finally:
             with self._cond:
                 self._inflight -= 1
-                self._cond.notify_all()
+                if self._closed:  # only close() waits for calls in flight
+                    self._cond.notify_all()
 
     def _record(self, op: str, codes: Sequence[int]) -> None:
         """Count non-success codes; a call where every entry is a cluster-level
         failure counts against the breaker, any other answer proves the master
         is alive (a dead storage node is a failure domain, not the cluster)."""
+        if not codes or min(codes) >= 0:
+            self._breaker.record_success()
+            return
         for code in codes:
             if code < 0:
                 label = code_name(code)
                 if label not in self._counters and len(self._counters) >= _MAX_ERROR_LABELS:
                     label = _OTHER_CODES_LABEL
                 self._counters[label] += 1
-        if codes and all(is_cluster_failure(c) for c in codes):
+        if all(is_cluster_failure(c) for c in codes):
             self._fail(op, f"all {len(codes)} entries failed ({code_name(codes[0])})")
         else:
             self._breaker.record_success()
@@ -246,7 +240,7 @@ class MooncakeClient:
                 op,
                 why,
             )
-            self._start_prober()
+            self._prober.start()
 
     def _invoke(self, op: str, fn: Callable[[Any], list[int]], expected_len: int) -> list[int]:
         with self._native(op) as store:
@@ -277,37 +271,21 @@ class MooncakeClient:
 
     # ---- prober --------------------------------------------------------------
 
-    def _start_prober(self) -> None:
+    def _probe_once(self) -> bool | None:
+        """One existence query past the breaker: did the cluster answer? None once closed."""
         with self._cond:
-            if self._prober is not None and self._prober.is_alive():
-                return
-            self._prober = threading.Thread(
-                target=self._probe_loop, name="mooncake-span-probe", daemon=True
-            )
-            self._prober.start()
-
-    def _probe_loop(self) -> None:
-        while True:
-            time.sleep(self.options.breaker_probe_interval_s)
+            if self._closed:
+                return None
+            self._inflight += 1
+        try:
+            codes = self._store.batch_is_exist([self._probe_key])
+            return isinstance(codes, list) and len(codes) == 1 and codes[0] in (0, 1)
+        except Exception:  # the cluster is still down
+            return False
+        finally:
             with self._cond:
-                if self._closed:
-                    return
-                self._inflight += 1
-            try:
-                codes = self._store.batch_is_exist([self._probe_key])
-                alive = isinstance(codes, list) and len(codes) == 1 and codes[0] in (0, 1)
-            except Exception:  # keep probing; the cluster is still down
-                alive = False
-            finally:
-                with self._cond:
-                    self._inflight -= 1
-                    self._cond.notify_all()
-            if alive:
-                if self._breaker.record_success():
-                    logger.warning(
-                        "mooncake-span: circuit breaker CLOSED, the cluster answers again"
-                    )
-                return
+                self._inflight -= 1
+                self._cond.notify_all()
 
     # ---- failure domains -------------------------------------------------------
 
@@ -317,29 +295,13 @@ class MooncakeClient:
         """Where the master says objects are (one RPC); {} if it does not answer."""
         if not object_keys:
             return {}
-        with contextlib.suppress(TransportError, StoreClosedError):
-            with self._native("batch_get_replica_desc") as store:
-                try:
-                    found = store.batch_get_replica_desc(list(object_keys))
-                    return replica_segments(found, sizes)
-                except Exception:  # observation only: unknown means "treat as lost"
-                    logger.debug("batch_get_replica_desc failed", exc_info=True)
+        suppress = contextlib.suppress(TransportError, StoreClosedError)
+        with suppress, self._native("batch_get_replica_desc") as store:
+            try:
+                return replica_segments(store.batch_get_replica_desc(list(object_keys)), sizes)
+            except Exception:  # observation only: unknown means "treat as lost"
+                logger.debug("batch_get_replica_desc failed", exc_info=True)
         return {}
-
-    def _domains(self, keys: Sequence[str]) -> list[str] | None:
-        return [self.domain_of(k) for k in keys] if self.domain_of is not None else None
-
-    def _live_rows(self, keys: Sequence[str]) -> list[list[str]]:
-        """Per key, the copies to try, in order; [] when all sit in bad failure domains.
-        Placement is computed only while some segment is bad, and costs one master
-        RPC only if a key was placed on a bad segment."""
-        bad = self._health.bad(time.monotonic())
-        if not bad:
-            if self._copies == 1:
-                return [[key] for key in keys]
-            return [[copy_key(key, r) for r in range(self._copies)] for key in keys]
-        rows = copy_candidates(keys, self._domains(keys), self.segments(), self._copies)
-        return live_copies(rows, bad, self._locate(suspect_copies(rows, bad)))
 
     def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
         """Mark bad the segments holding objects a transfer just failed on, as the
@@ -394,7 +356,7 @@ class MooncakeClient:
         if self._copies == 1 and not self._lost and not self._health.any_bad:
             return [code == 1 for code in self._exists_codes(list(keys))]  # the common case
         lost = self._lost.lost_mask(keys, time.monotonic())
-        rows = self._live_rows(keys)
+        rows = self.router.read_rows(keys, self._locate)
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
         skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
         if skipped:
@@ -435,29 +397,49 @@ class MooncakeClient:
         exempts them from eviction (small metadata only). True only if every copy
         was written."""
         batch = PlanBatch.of(plans)
+        segment = self.router.direct_segment() if self.router.direct(keys, batch) else None
+        if segment is not None:
+            codes = self._put_call(
+                list(keys), batch.ptrs, batch.sizes, group_ids, hard_pin, segment
+            )
+            self._check_segment(segment, codes)
+            ok = [code == 0 for code in codes]
+            self._lost.discard(k for k, good in zip(keys, ok, strict=True) if good)
+            return ok
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
-        segments = self.segments()
-        by_segment = put_targets(
-            [keys[i] for i in unique],
-            self._domains([keys[i] for i in unique]) if segments else None,
-            segments,
-            self._copies,
-            self._health.bad(time.monotonic()),
-        )
         written = collections.Counter()
-        for segment, entries in by_segment.items():
+        for segment, entries in self.router.put_groups([keys[i] for i in unique]).items():
             entries = [(unique[j], object_key) for j, object_key in entries]
             codes = self._put_entries(entries, batch, group_ids, hard_pin, segment)
             for (i, _), code in zip(entries, codes, strict=True):
                 written[i] += code == 0
-            if segment and codes and all(c == _TRANSFER_FAIL for c in codes):
-                fresh = self._health.mark_bad([segment], time.monotonic())
-                if fresh:
-                    logger.warning("mooncake-span: put failed on segment %s; avoiding it", segment)
+            self._check_segment(segment, codes)
         ok = {i: written[i] == self._copies for i in unique}
         self._lost.discard(keys[i] for i in unique if ok[i])
         return [ok[first[k]] for k in keys]
+
+    def _check_segment(self, segment: str, codes: list[int]) -> None:
+        """A put that failed to transfer every object to its segment marks it bad."""
+        if segment and codes and all(c == _TRANSFER_FAIL for c in codes):
+            if self._health.mark_bad([segment], time.monotonic()):
+                logger.warning("mooncake-span: put failed on segment %s; avoiding it", segment)
+
+    def _put_call(
+        self,
+        keys: list[str],
+        ptrs: list[list[int]],
+        sizes: list[list[int]],
+        group_ids: Sequence[str] | None,
+        hard_pin: bool,
+        segment: str,
+    ) -> list[int]:
+        config = self._replicate_config(group_ids, hard_pin, segment)
+        return self._invoke(
+            "batch_put_from_multi_buffers",
+            lambda s: s.batch_put_from_multi_buffers(keys, ptrs, sizes, config),
+            len(keys),
+        )
 
     def _put_entries(
         self,
@@ -472,18 +454,13 @@ class MooncakeClient:
             [len(batch.ptrs[i]) for i, _ in entries], self.options.max_buffers_per_call
         ):
             part = [entries[j] for j in call]
-            config = self._replicate_config(
-                [group_ids[i] for i, _ in part] if group_ids else None, hard_pin, segment
-            )
-            codes += self._invoke(
-                "batch_put_from_multi_buffers",
-                lambda s, part=part, config=config: s.batch_put_from_multi_buffers(
-                    [k for _, k in part],
-                    [batch.ptrs[i] for i, _ in part],
-                    [batch.sizes[i] for i, _ in part],
-                    config,
-                ),
-                len(part),
+            codes += self._put_call(
+                [k for _, k in part],
+                [batch.ptrs[i] for i, _ in part],
+                [batch.sizes[i] for i, _ in part],
+                [group_ids[i] for i, _ in part] if group_ids else None,
+                hard_pin,
+                segment,
             )
         return codes
 
@@ -494,19 +471,22 @@ class MooncakeClient:
             counts = [len(batch.ptrs[i]) for i in round_positions]
             for call in split_calls(counts, self.options.max_buffers_per_call):
                 idx = [round_positions[j] for j in call]
-                call_keys = [keys[i] for i in idx]
-                codes = self._invoke(
-                    "batch_get_into_multi_buffers",
-                    lambda s, keys=call_keys, idx=idx: s.batch_get_into_multi_buffers(
-                        keys, [batch.ptrs[i] for i in idx], [batch.sizes[i] for i in idx]
-                    ),
-                    len(idx),
-                )
+                codes = self._get_call([keys[i] for i in idx], batch.take(idx))
                 for i, code in zip(idx, codes, strict=False):
                     out[i] = code
-                    if 0 <= code != batch.nbytes[i]:
-                        self._counters["SHORT_READ"] += 1
         return out
+
+    def _get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
+        codes = self._invoke(
+            "batch_get_into_multi_buffers",
+            lambda s: s.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes),
+            len(keys),
+        )
+        if codes != batch.nbytes:
+            short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
+            if short:
+                self._counters["SHORT_READ"] += short
+        return codes
 
     def get(self, keys: Sequence[str], plans: Sequence[ObjectPlan] | PlanBatch) -> list[bool]:
         """Read objects into the planned buffers; True only for a complete read.
@@ -515,7 +495,17 @@ class MooncakeClient:
         that fails is retried on the next one (at most ``span_replica_num``
         attempts per key). A key that cannot be read is remembered as lost."""
         batch = PlanBatch.of(plans)
-        candidates = self._live_rows(keys)
+        if self.router.direct(keys, batch):
+            codes = self._get_call(list(keys), batch)
+            ok = list(map(operator.eq, codes, batch.nbytes))
+            if not all(ok):
+                failed = zip(keys, batch.nbytes, codes, strict=True)
+                dead = {k: n for k, n, code in failed if code == _TRANSFER_FAIL}
+                if dead:
+                    self._mark_failed_domains("batch_get_into_multi_buffers", dead)
+                    self._lost.add(list(dead), time.monotonic())
+            return ok
+        candidates = self.router.read_rows(keys, self._locate)
         ok = [False] * len(keys)
         failed_transport = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]
@@ -549,11 +539,10 @@ class MooncakeClient:
         """Force-remove objects (and their copies); returns how many keys were removed."""
         removed = 0
         for key in keys:
-            codes = []
-            for r in range(self._copies):
-                object_key = copy_key(key, r)
-                codes.append(self._invoke_one("remove", lambda s, k=object_key: s.remove(k, True)))
-            removed += 0 in codes
+            copies = [copy_key(key, r) for r in range(self._copies)]
+            removed += 0 in [
+                self._invoke_one("remove", lambda s, k=k: s.remove(k, True)) for k in copies
+            ]
         return removed
 
     def remove_all(self) -> int:
@@ -583,6 +572,11 @@ class MooncakeClient:
         if not self.get([key], [ObjectPlan([ctypes.addressof(buffer)], [size])])[0]:
             return None
         return buffer.raw
+
+    def stats_revision(self) -> tuple[int, bool, int]:
+        """Cheap to read; changes whenever ``stats()`` has news for the metrics
+        (every failure is counted, and the breaker and segment marks follow them)."""
+        return sum(self._counters.values()), self._breaker.is_open, self._health.times_marked
 
     def stats(self) -> dict[str, Any]:
         snapshot: BreakerSnapshot = self._breaker.snapshot()

@@ -56,7 +56,7 @@ def make_client(master, cluster):
             ),
         )
         client.connect()
-        client.domain_of = lambda key: key.rsplit("__", 1)[0]
+        client.router.domain_of = lambda key: key.rsplit("__", 1)[0]
         clients.append(client)
         return client
 

@@ -1,0 +1,96 @@
+"""Which objects a store call touches, and on which segment. No I/O.
+
+``DomainRouter`` holds one client's failure-domain state (segments marked
+bad, keys whose restore failed, the number of copies per key) and decides,
+per call:
+
+* whether the call can go to Mooncake exactly as the caller built it, in one
+  native call: one copy per key, no segment marked bad, no key named twice,
+  every buffer within one call's budget. That is nearly every call of a
+  healthy cluster, and it costs a few C-level passes over the keys instead of
+  per-object Python;
+* which segment each object of a put is placed on (rendezvous hashing of its
+  domain key, ``domains.py``);
+* which copies of a key are worth a read while some segment is bad.
+
+Where the master says a suspect object lives is an RPC; the client makes it
+and passes the answer in (``locate``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from mooncake_span.config import SpanOptions
+from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.domains import (
+    DomainHealth,
+    LostKeys,
+    copy_candidates,
+    copy_key,
+    live_copies,
+    put_targets,
+    suspect_copies,
+)
+
+# Object key -> the segments the master reports holding it.
+Locate = Callable[[list[str]], dict[str, set[str]]]
+
+
+class DomainRouter:
+    def __init__(self, options: SpanOptions, segments: Callable[[], tuple[str, ...]]) -> None:
+        # With placement, replicas are copies under their own keys (one per
+        # segment) so that a read can skip a dead copy; without it, Mooncake's.
+        self.copies = options.replica_num if options.placement else 1
+        self.health = DomainHealth(options.domain_bad_ttl_s)
+        self.lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
+        self.segments = segments
+        self._max_buffers = options.max_buffers_per_call
+        # The placement key of an object key: objects with one domain share a
+        # segment. Set by the backend (KeySchema.domain_of); None: the key itself.
+        self.domain_of: Callable[[str], str] | None = None
+
+    def direct(self, keys: Sequence[str], batch: PlanBatch) -> bool:
+        """True when one native call can carry ``keys`` and ``batch`` as they are."""
+        return (
+            self.copies == 1
+            and not self.health.any_bad
+            and len(set(keys)) == len(keys)
+            and sum(map(len, batch.ptrs)) <= self._max_buffers
+        )
+
+    def direct_segment(self) -> str | None:
+        """The segment every object of a direct put goes to ("": Mooncake places
+        it), or None when placement has to rank segments per key."""
+        segments = self.segments()
+        if len(segments) > 1:
+            return None
+        return segments[0] if segments else ""
+
+    def put_groups(self, keys: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
+        """Segment -> [(index into keys, object key)]: every copy of every key."""
+        segments = self.segments()
+        return put_targets(
+            keys,
+            self._domains(keys) if segments else None,
+            segments,
+            self.copies,
+            self.health.bad(time.monotonic()),
+        )
+
+    def read_rows(self, keys: Sequence[str], locate: Locate) -> list[list[str]]:
+        """Per key, the copies to try, in order; [] when all sit in bad failure domains.
+        Placement is computed only while some segment is bad, and ``locate`` is
+        called only if a key was placed on a bad segment."""
+        bad = self.health.bad(time.monotonic())
+        if not bad:
+            if self.copies == 1:
+                return [[key] for key in keys]
+            return [[copy_key(key, r) for r in range(self.copies)] for key in keys]
+        rows = copy_candidates(keys, self._domains(keys), self.segments(), self.copies)
+        suspects = suspect_copies(rows, bad)
+        return live_copies(rows, bad, locate(suspects) if suspects else {})
+
+    def _domains(self, keys: Sequence[str]) -> list[str] | None:
+        return [self.domain_of(k) for k in keys] if self.domain_of is not None else None
