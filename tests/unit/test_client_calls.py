@@ -1,0 +1,127 @@
+"""How many native calls one client put/get makes, on the contract-checked fake.
+
+A healthy cluster's call goes to Mooncake as built (one native call, no
+per-object work); a repeated key, a buffer budget overrun, copies or a bad
+segment fall back to the per-object path, which must still give the same
+answers.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from mooncake_span.config import MooncakeSettings, SpanOptions
+from mooncake_span.errors import ErrorCode
+from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.client import MooncakeClient, NativeBinding
+from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+
+OBJECT_BYTES = 256
+BUFFERS = 4
+PUT = "batch_put_from_multi_buffers"
+GET = "batch_get_into_multi_buffers"
+
+
+@pytest.fixture
+def master() -> Iterator[str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(4)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture
+def make_client(master):
+    clients = []
+
+    def make(cluster: FakeCluster, **options) -> MooncakeClient:
+        options.setdefault("master_admin_url", "http://127.0.0.1:1")
+        client = MooncakeClient(
+            MooncakeSettings(
+                master_server_address=master, metadata_server="P2PHANDSHAKE", protocol="tcp"
+            ),
+            SpanOptions(**options),
+            NativeBinding(
+                lambda: FakeStore(cluster), FakeReplicateConfig, lambda url: cluster.live_segments()
+            ),
+        )
+        client.connect()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def _plans(array: np.ndarray, count: int) -> PlanBatch:
+    """``count`` objects of BUFFERS buffers each, laid out back to back in ``array``."""
+    step = OBJECT_BYTES // BUFFERS
+    base = array.ctypes.data
+    ptrs = [[base + i * OBJECT_BYTES + j * step for j in range(BUFFERS)] for i in range(count)]
+    return PlanBatch(ptrs, [[step] * BUFFERS] * count, [OBJECT_BYTES] * count)
+
+
+def _ops(cluster: FakeCluster) -> list[str]:
+    return [op for op, _ in cluster.calls if op in (PUT, GET)]
+
+
+@pytest.mark.parametrize("segments", [(), ("127.0.0.1:12001",)])
+def test_a_healthy_batch_is_one_native_call_each_way(make_client, segments):
+    cluster = FakeCluster(segments=segments)
+    client = make_client(cluster)
+    keys = [f"obj-{i}" for i in range(128)]
+    source = np.random.default_rng(1).integers(0, 256, 128 * OBJECT_BYTES, dtype=np.uint8)
+    target = np.zeros_like(source)
+    assert client.put(keys, _plans(source, 128)) == [True] * 128
+    assert client.get(keys, _plans(target, 128)) == [True] * 128
+    assert _ops(cluster) == [PUT, GET]
+    assert np.array_equal(source, target)
+    if segments:
+        assert set(cluster.placement.values()) == set(segments)
+
+
+def test_a_repeated_key_and_a_small_budget_split_the_call(make_client):
+    cluster = FakeCluster()
+    client = make_client(cluster, max_buffers_per_call=2 * BUFFERS)
+    source = np.arange(4 * OBJECT_BYTES, dtype=np.uint32).astype(np.uint8)
+    assert client.put(["a", "b", "c", "a"], _plans(source, 4)) == [True] * 4
+    assert _ops(cluster) == [PUT, PUT]  # "a" once, three objects in calls of two
+    cluster.calls.clear()
+    target = np.zeros_like(source)
+    assert client.get(["a", "b", "a"], _plans(target, 3)) == [True] * 3
+    # rounds without a repeated key, then the budget: [a, b] and [a]
+    assert _ops(cluster) == [GET, GET]
+    first = target[:OBJECT_BYTES]
+    assert np.array_equal(first, source[:OBJECT_BYTES])
+    assert np.array_equal(target[2 * OBJECT_BYTES : 3 * OBJECT_BYTES], first)
+
+
+def test_a_failed_direct_read_is_a_miss_and_the_key_is_remembered_lost(make_client):
+    cluster = FakeCluster(segments=("127.0.0.1:12001",))
+    client = make_client(cluster)
+    source = np.ones(2 * OBJECT_BYTES, dtype=np.uint8)
+    assert client.put(["x", "y"], _plans(source, 2)) == [True, True]
+    cluster.inject(GET, int(ErrorCode.TRANSFER_FAIL))
+    assert client.get(["x", "y"], _plans(np.zeros_like(source), 2)) == [False, False]
+    assert client.stats()["lost_keys"] == 2
+    # A lost key reads as absent until it is written again.
+    assert client.exists(["x", "y"]) == [False, False]
+    assert client.stats()["error_counts"]["TRANSFER_FAIL"] == 2
+
+
+def test_a_short_read_is_counted_and_is_a_miss(make_client):
+    cluster = FakeCluster()
+    client = make_client(cluster)
+    source = np.ones(OBJECT_BYTES, dtype=np.uint8)
+    assert client.put(["x"], _plans(source, 1)) == [True]
+    store = client._store
+    real_get = store.batch_get_into_multi_buffers
+    store.batch_get_into_multi_buffers = lambda *a: [c - 1 for c in real_get(*a)]
+    assert client.get(["x"], _plans(np.zeros_like(source), 1)) == [False]
+    assert client.stats()["error_counts"]["SHORT_READ"] == 1
+    assert client.stats()["lost_keys"] == 0

@@ -1,0 +1,59 @@
+"""The overhead bench's do-nothing store and one measured cell.
+
+``bench --overhead`` subtracts the CPU time spent inside ``NullStore`` from the
+adapters' time, so the null store has to answer like a store that kept the
+objects (or the contenders' results would not be checked) and has to count
+its own time.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncake_span.bench import overhead as O
+from mooncake_span.errors import ErrorCode
+
+
+def test_null_store_answers_like_a_store_that_kept_the_objects():
+    store = O.NullStore()
+    assert store.batch_is_exist(["a", "b"]) == [0, 0]
+    assert store.batch_put_from_multi_buffers(["a"], [[1, 2]], [[10, 20]], None) == [0]
+    assert store.batch_is_exist(["a", "b"]) == [1, 0]
+    assert store.batch_get_into_multi_buffers(["a", "b"], [[1, 2], [3]], [[10, 20], [5]]) == [
+        30,
+        int(ErrorCode.OBJECT_NOT_FOUND),
+    ]
+    assert store.batch_get_into(["a"], [7], [99]) == [99]
+    assert store.remove_all(True) == 1
+    assert store.batch_is_exist(["a"]) == [0]
+
+
+def test_null_store_counts_its_own_cpu_time():
+    store = O.NullStore()
+    keys = [f"k{i}" for i in range(20000)]
+    before = store.inside_s
+    store.batch_put_from_multi_buffers(keys, [[0]] * len(keys), [[1]] * len(keys), None)
+    store.batch_is_exist(keys)
+    assert store.inside_s > before
+
+
+@pytest.mark.parametrize("contender", ["span-K4", "upstream"])
+def test_one_null_cell_measures_adapter_time_net_of_the_store(contender):
+    with O._listening_port() as port:
+        native = O.NullStore()
+        config = {"master_server_address": port, "metadata_server": "P2PHANDSHAKE"}
+        cell = O.Cell("null", "mla", O.SMALL, 64, (contender,))
+        rig = O._Rig(cell, native, O._CpuClock(native), config)
+        try:
+            samples = O._measure(rig, contender, reps=1, calls_per_rep=1)
+        finally:
+            rig.close()
+    assert {s.op for s in samples} == {"put", "get", "exists"}
+    expected_keys = 64 // 4 if contender == "span-K4" else 64
+    for sample in samples:
+        assert sample.keys_per_call == expected_keys
+        assert 0 <= sample.inside_us < sample.wall_us
+        assert sample.python_us == pytest.approx(sample.wall_us - sample.inside_us)
+    rows = [O._row(s) for s in samples]
+    table = O.format_overhead({"rows": rows})
+    assert f"| null | mla | {O.SMALL} | 64 | {contender} |" in table

@@ -1,0 +1,87 @@
+"""DomainRouter: when a call goes to Mooncake as built, and where objects go.
+
+The client's one-call path rests on ``direct``: it must say no whenever the
+call needs per-object handling (copies, a bad segment, a repeated key, more
+buffers than one call may carry), because the direct path skips all of it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mooncake_span.config import SpanOptions
+from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.domains import rank_segments
+from mooncake_span.store.router import DomainRouter
+
+
+def _batch(buffers_per_object: list[int]) -> PlanBatch:
+    ptrs = [[4096 * (i + 1) + j for j in range(n)] for i, n in enumerate(buffers_per_object)]
+    sizes = [[1] * n for n in buffers_per_object]
+    return PlanBatch(ptrs, sizes, [n for n in buffers_per_object])
+
+
+def _router(segments: tuple[str, ...] = (), **options) -> DomainRouter:
+    return DomainRouter(SpanOptions(**options), lambda: segments)
+
+
+def test_a_healthy_call_goes_as_built():
+    router = _router(max_buffers_per_call=8)
+    assert router.direct(["a", "b", "c"], _batch([2, 3, 3]))
+
+
+@pytest.mark.parametrize(
+    ("keys", "buffers", "why"),
+    [
+        (["a", "b", "a"], [1, 1, 1], "a key named twice"),
+        (["a", "b"], [5, 4], "more buffers than one call carries"),
+    ],
+)
+def test_calls_that_need_splitting_are_not_direct(keys, buffers, why):
+    assert not _router(max_buffers_per_call=8).direct(keys, _batch(buffers)), why
+
+
+def test_copies_and_bad_segments_are_not_direct():
+    copies = _router(("s1", "s2"), replica_num=2, placement=True)
+    assert not copies.direct(["a"], _batch([1]))
+    router = _router(("s1", "s2"))
+    router.health.mark_bad(["s2"], time.monotonic())
+    assert not router.direct(["a"], _batch([1]))
+
+
+def test_direct_segment_follows_the_segment_list():
+    assert _router(()).direct_segment() == ""
+    assert _router(("s1",)).direct_segment() == "s1"
+    assert _router(("s1", "s2")).direct_segment() is None
+
+
+def test_put_groups_place_every_component_of_a_key_together():
+    router = _router(("s1", "s2", "s3"))
+    router.domain_of = lambda key: key.split("/")[0]
+    keys = [f"k{i}/{c}" for i in range(20) for c in ("kv", "idx")]
+    groups = router.put_groups(keys)
+    where = {obj: seg for seg, entries in groups.items() for _, obj in entries}
+    assert sorted(where) == sorted(keys)
+    for i in range(20):
+        expected = rank_segments(f"k{i}", ("s1", "s2", "s3"))[0]
+        assert where[f"k{i}/kv"] == where[f"k{i}/idx"] == expected
+
+
+def test_read_rows_ask_the_master_only_about_suspect_copies():
+    router = _router(("s1", "s2"))
+    asked: list[list[str]] = []
+
+    def locate(objects: list[str]) -> dict[str, set[str]]:
+        asked.append(objects)
+        return {}
+
+    keys = [f"k{i}" for i in range(10)]
+    assert router.read_rows(keys, locate) == [[k] for k in keys]
+    assert asked == []
+    router.health.mark_bad(["s2"], time.monotonic())
+    rows = router.read_rows(keys, locate)
+    on_bad = {k for k in keys if rank_segments(k, ("s1", "s2"))[0] == "s2"}
+    assert asked == [sorted(on_bad, key=keys.index)]
+    assert rows == [[] if k in on_bad else [k] for k in keys]
