@@ -195,8 +195,8 @@ class MooncakeClient:
 
     # ---- guarded native access ---------------------------------------------
 
-    @contextmanager
-    def _native(self, op: str) -> Iterator[Any]:
+    def _enter(self, op: str) -> Any:
+        """Count a call in flight and hand out the native store, or raise why not."""
         with self._cond:
             if self._closed:
                 raise StoreClosedError(f"{op} called after close()")
@@ -206,13 +206,21 @@ class MooncakeClient:
                 self._counters["BREAKER_REJECTED"] += 1
                 raise TransportError(f"{op} refused: circuit breaker open (cluster unreachable)")
             self._inflight += 1
+            return self._store
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            if self._closed:  # only close() waits for calls in flight
+                self._cond.notify_all()
+
+    @contextmanager
+    def _native(self, op: str) -> Iterator[Any]:
+        store = self._enter(op)
         try:
-            yield self._store
+            yield store
         finally:
-            with self._cond:
-                self._inflight -= 1
-                if self._closed:  # only close() waits for calls in flight
-                    self._cond.notify_all()
+            self._leave()
 
     def _record(self, op: str, codes: Sequence[int]) -> None:
         """Count non-success codes; a call where every entry is a cluster-level
@@ -243,13 +251,15 @@ class MooncakeClient:
             self._prober.start()
 
     def _invoke(self, op: str, fn: Callable[[Any], list[int]], expected_len: int) -> list[int]:
-        with self._native(op) as store:
-            try:
-                result = fn(store)
-            except Exception as exc:  # the binding's own errors are whole-call failures
-                self._counters["EXCEPTION"] += 1
-                self._fail(op, repr(exc))
-                raise TransportError(f"{op} raised {exc!r}") from exc
+        store = self._enter(op)  # not _native(): a generator costs more on the hot path
+        try:
+            result = fn(store)
+        except Exception as exc:  # the binding's own errors are whole-call failures
+            self._counters["EXCEPTION"] += 1
+            self._fail(op, repr(exc))
+            raise TransportError(f"{op} raised {exc!r}") from exc
+        finally:
+            self._leave()
         if not isinstance(result, list) or len(result) != expected_len:
             # e.g. the empty list an uninitialised client returns
             self._counters["BAD_RESULT_LENGTH"] += 1
@@ -283,9 +293,7 @@ class MooncakeClient:
         except Exception:  # the cluster is still down
             return False
         finally:
-            with self._cond:
-                self._inflight -= 1
-                self._cond.notify_all()
+            self._leave()
 
     # ---- failure domains -------------------------------------------------------
 
