@@ -355,38 +355,42 @@ class _Rig:
         return [put, get, lambda: len(keys)]
 
 
-def _measure(rig: _Rig, name: str, reps: int, calls_per_rep: int) -> list[Sample]:
-    """Median over ``reps`` of per-call wall and native time, per op."""
-    per_op: dict[str, list[tuple[float, float]]] = {"put": [], "get": [], "exists": []}
-    keys_per_call = 0
+def _measure(rig: _Rig, names: tuple[str, ...], reps: int, calls_per_rep: int) -> list[Sample]:
+    """Median over ``reps`` of per-call wall and native time, per contender and op.
+
+    Contenders take turns within each repetition, so a slow spell of a shared
+    machine hits all of them and not one contender's whole block."""
+    per_op: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    keys_per_call: dict[str, int] = {}
     for rep in range(reps + 1):  # rep 0 warms up
-        batches = []
-        for c in range(calls_per_rep):
-            fns, keys_per_call = rig.closures(name, rep * calls_per_rep + c)
-            batches.append(fns)
-        for op, op_index in (("put", 0), ("exists", 2), ("get", 1)):
-            before_inside = rig.clock.inside_s
-            started = rig.clock.now()
-            results = [fns[op_index]() for fns in batches]
-            wall = rig.clock.now() - started
-            inside = rig.clock.inside_s - before_inside
-            _check(name, op, results, keys_per_call)
-            if rep:
-                per_op[op].append((wall / calls_per_rep, inside / calls_per_rep))
-        rig.native.remove_all(True)
-    samples = []
-    for op, values in per_op.items():
-        samples.append(
-            Sample(
-                rig.cell,
-                name,
-                op,
-                keys_per_call,
-                statistics.median(v[0] for v in values) * 1e6,
-                statistics.median(v[1] for v in values) * 1e6,
-            )
+        for name in names:
+            batches = []
+            for c in range(calls_per_rep):
+                fns, keys_per_call[name] = rig.closures(name, rep * calls_per_rep + c)
+                batches.append(fns)
+            for op, op_index in (("put", 0), ("exists", 2), ("get", 1)):
+                before_inside = rig.clock.inside_s
+                started = rig.clock.now()
+                results = [fns[op_index]() for fns in batches]
+                wall = rig.clock.now() - started
+                inside = rig.clock.inside_s - before_inside
+                _check(name, op, results, keys_per_call[name])
+                if rep:
+                    per_op.setdefault((name, op), []).append(
+                        (wall / calls_per_rep, inside / calls_per_rep)
+                    )
+            rig.native.remove_all(True)
+    return [
+        Sample(
+            rig.cell,
+            name,
+            op,
+            keys_per_call[name],
+            statistics.median(v[0] for v in values) * 1e6,
+            statistics.median(v[1] for v in values) * 1e6,
         )
-    return samples
+        for (name, op), values in per_op.items()
+    ]
 
 
 def _check(name: str, op: str, results: list[Any], keys_per_call: int) -> None:
@@ -417,8 +421,7 @@ def run_overhead(quick: bool = False, reps: int | None = None) -> dict[str, Any]
             rig = _Rig(cell, native, clock, config)
             try:
                 calls = max(1, 2048 // cell.pages_per_call)
-                for name in cell.contenders:
-                    rows += [_row(s) for s in _measure(rig, name, reps, calls)]
+                rows += [_row(s) for s in _measure(rig, cell.contenders, reps, calls)]
             finally:
                 rig.close()
                 if topology is not None:

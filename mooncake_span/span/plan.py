@@ -56,7 +56,7 @@ class PageLayout:
     def page_bytes(self, component: int) -> int:
         return sum(self.slot_bytes[b] for b in self.components[component])
 
-    @property
+    @cached_property
     def flat_page_bytes(self) -> int:
         """Bytes of one host page over all stored components (sglang's flat page)."""
         return sum(self.page_bytes(c) for c in range(len(self.components)))
