@@ -151,10 +151,15 @@ class KeySchema:
         every component and rank of one storage key. That is its group id, cut at
         the first "_" of the page key, which the suffix grammar leaves ambiguous;
         keys outside this schema are their own domain."""
-        head = self.prefix + "_"
+        head = self._head
         if not object_key.startswith(head):
             return object_key
-        return head + object_key[len(head) :].split("_", 1)[0]
+        cut = object_key.find("_", len(head))
+        return object_key if cut < 0 else object_key[:cut]
+
+    @cached_property
+    def _head(self) -> str:
+        return self.prefix + "_"
 
     def group_ids(self, page_keys: list[str], num_components: int) -> list[str]:
         """Group id of every object of ``object_keys(page_keys, ...)``, in the same order."""

@@ -166,6 +166,13 @@ class PlanBatch:
             out.nbytes += batch.nbytes
         return out
 
+    def part(self, span: range) -> PlanBatch:
+        """Objects ``span.start .. span.stop - 1``; the batch itself when that is all."""
+        if span.start == 0 and span.stop == len(self.ptrs):
+            return self
+        cut = slice(span.start, span.stop)
+        return PlanBatch(self.ptrs[cut], self.sizes[cut], self.nbytes[cut])
+
     def take(self, index: Sequence[int]) -> PlanBatch:
         ptrs, sizes, nbytes = self.ptrs, self.sizes, self.nbytes
         return PlanBatch(

@@ -405,11 +405,15 @@ class MooncakeClient:
         exempts them from eviction (small metadata only). True only if every copy
         was written."""
         batch = PlanBatch.of(plans)
-        segment = self.router.direct_segment() if self.router.direct(keys, batch) else None
+        segment = self.router.direct_segment() if self.router.direct(keys) else None
         if segment is not None:
-            codes = self._put_call(
-                list(keys), batch.ptrs, batch.sizes, group_ids, hard_pin, segment
-            )
+            keys, codes = list(keys), []
+            for span in self.router.calls(batch):
+                part = batch.part(span)
+                groups = group_ids[span.start : span.stop] if group_ids else None
+                codes += self._put_call(
+                    keys[span.start : span.stop], part.ptrs, part.sizes, groups, hard_pin, segment
+                )
             self._check_segment(segment, codes)
             ok = [code == 0 for code in codes]
             self._lost.discard(k for k, good in zip(keys, ok, strict=True) if good)
@@ -503,8 +507,10 @@ class MooncakeClient:
         that fails is retried on the next one (at most ``span_replica_num``
         attempts per key). A key that cannot be read is remembered as lost."""
         batch = PlanBatch.of(plans)
-        if self.router.direct(keys, batch):
-            codes = self._get_call(list(keys), batch)
+        if self.router.direct(keys):
+            keys, codes = list(keys), []
+            for span in self.router.calls(batch):
+                codes += self._get_call(keys[span.start : span.stop], batch.part(span))
             ok = list(map(operator.eq, codes, batch.nbytes))
             if not all(ok):
                 failed = zip(keys, batch.nbytes, codes, strict=True)
@@ -565,21 +571,15 @@ class MooncakeClient:
 
     def create_blob(self, key: str, data: bytes) -> bool:
         """Store ``data`` under ``key`` unless the key exists; True if this call wrote it."""
-        if self.exists([key])[0]:
-            return False
         buffer = ctypes.create_string_buffer(data, len(data))
-        return self.put(
-            [key], [ObjectPlan([ctypes.addressof(buffer)], [len(data)])], hard_pin=True
-        )[0]
+        plan = [ObjectPlan([ctypes.addressof(buffer)], [len(data)])]
+        return not self.exists([key])[0] and self.put([key], plan, hard_pin=True)[0]
 
     def read_blob(self, key: str) -> bytes | None:
         size = self._invoke_one("get_size", lambda s: s.get_size(key))
-        if size <= 0:
-            return None
-        buffer = ctypes.create_string_buffer(size)
-        if not self.get([key], [ObjectPlan([ctypes.addressof(buffer)], [size])])[0]:
-            return None
-        return buffer.raw
+        buffer = ctypes.create_string_buffer(max(size, 1))
+        plan = [ObjectPlan([ctypes.addressof(buffer)], [size])]
+        return buffer.raw if size > 0 and self.get([key], plan)[0] else None
 
     def stats_revision(self) -> tuple[int, bool, int]:
         """Cheap to read; changes whenever ``stats()`` has news for the metrics

@@ -4,11 +4,11 @@
 bad, keys whose restore failed, the number of copies per key) and decides,
 per call:
 
-* whether the call can go to Mooncake exactly as the caller built it, in one
-  native call: one copy per key, no segment marked bad, no key named twice,
-  every buffer within one call's budget. That is nearly every call of a
-  healthy cluster, and it costs a few C-level passes over the keys instead of
-  per-object Python;
+* whether the call can go to Mooncake as the caller built it: one copy per
+  key, no segment marked bad, no key named twice. That is nearly every call
+  of a healthy cluster; it costs a few C-level passes over the keys instead
+  of per-object Python, and the objects go in consecutive slices of at most
+  ``max_buffers_per_call`` buffers (one native call when they fit);
 * which segment each object of a put is placed on (rendezvous hashing of its
   domain key, ``domains.py``);
 * which copies of a key are worth a read while some segment is bad.
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from mooncake_span.config import SpanOptions
-from mooncake_span.span.plan import PlanBatch
+from mooncake_span.span.plan import PlanBatch, split_calls
 from mooncake_span.store.domains import (
     DomainHealth,
     LostKeys,
@@ -51,14 +51,18 @@ class DomainRouter:
         # segment. Set by the backend (KeySchema.domain_of); None: the key itself.
         self.domain_of: Callable[[str], str] | None = None
 
-    def direct(self, keys: Sequence[str], batch: PlanBatch) -> bool:
-        """True when one native call can carry ``keys`` and ``batch`` as they are."""
-        return (
-            self.copies == 1
-            and not self.health.any_bad
-            and len(set(keys)) == len(keys)
-            and sum(map(len, batch.ptrs)) <= self._max_buffers
-        )
+    def direct(self, keys: Sequence[str]) -> bool:
+        """True when the objects can go to Mooncake in the caller's order, cut only
+        by the buffer budget (``calls``): one copy per key, no segment marked bad,
+        no key named twice."""
+        return self.copies == 1 and not self.health.any_bad and len(set(keys)) == len(keys)
+
+    def calls(self, batch: PlanBatch) -> list[range]:
+        """Consecutive objects per native call, each within the buffer budget."""
+        counts = list(map(len, batch.ptrs))
+        if sum(counts) <= self._max_buffers:
+            return [range(len(counts))]
+        return split_calls(counts, self._max_buffers)
 
     def direct_segment(self) -> str | None:
         """The segment every object of a direct put goes to ("": Mooncake places
@@ -93,4 +97,4 @@ class DomainRouter:
         return live_copies(rows, bad, locate(suspects) if suspects else {})
 
     def _domains(self, keys: Sequence[str]) -> list[str] | None:
-        return [self.domain_of(k) for k in keys] if self.domain_of is not None else None
+        return list(map(self.domain_of, keys)) if self.domain_of is not None else None

@@ -125,3 +125,18 @@ def test_a_short_read_is_counted_and_is_a_miss(make_client):
     assert client.get(["x"], _plans(np.zeros_like(source), 1)) == [False]
     assert client.stats()["error_counts"]["SHORT_READ"] == 1
     assert client.stats()["lost_keys"] == 0
+
+
+def test_unique_keys_over_the_budget_go_in_consecutive_calls(make_client):
+    cluster = FakeCluster()
+    client = make_client(cluster, max_buffers_per_call=2 * BUFFERS)
+    keys = [f"obj-{i}" for i in range(5)]
+    source = np.random.default_rng(3).integers(0, 256, 5 * OBJECT_BYTES, dtype=np.uint8)
+    groups = [f"group-{i // 2}" for i in range(5)]
+    assert client.put(keys, _plans(source, 5), groups) == [True] * 5
+    assert [n for op, n in cluster.calls if op == PUT] == [8, 8, 4]
+    assert [cluster.groups[k] for k in keys] == groups
+    target = np.zeros_like(source)
+    assert client.get(keys, _plans(target, 5)) == [True] * 5
+    assert [n for op, n in cluster.calls if op == GET] == [8, 8, 4]
+    assert np.array_equal(source, target)

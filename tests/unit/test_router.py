@@ -27,28 +27,37 @@ def _router(segments: tuple[str, ...] = (), **options) -> DomainRouter:
     return DomainRouter(SpanOptions(**options), lambda: segments)
 
 
-def test_a_healthy_call_goes_as_built():
+def test_a_healthy_call_goes_as_built_in_one_call_when_it_fits():
     router = _router(max_buffers_per_call=8)
-    assert router.direct(["a", "b", "c"], _batch([2, 3, 3]))
+    assert router.direct(["a", "b", "c"])
+    assert router.calls(_batch([2, 3, 3])) == [range(3)]
+
+
+def test_a_repeated_key_is_not_direct():
+    assert not _router().direct(["a", "b", "a"])
 
 
 @pytest.mark.parametrize(
-    ("keys", "buffers", "why"),
+    ("buffers", "expected"),
     [
-        (["a", "b", "a"], [1, 1, 1], "a key named twice"),
-        (["a", "b"], [5, 4], "more buffers than one call carries"),
+        ([5, 4], [range(0, 1), range(1, 2)]),
+        ([3, 3, 3, 3], [range(0, 2), range(2, 4)]),
+        ([9, 1], [range(0, 1), range(1, 2)]),  # too large for the budget: alone
     ],
 )
-def test_calls_that_need_splitting_are_not_direct(keys, buffers, why):
-    assert not _router(max_buffers_per_call=8).direct(keys, _batch(buffers)), why
+def test_a_batch_over_the_budget_goes_in_consecutive_slices(buffers, expected):
+    router = _router(max_buffers_per_call=8)
+    calls = router.calls(_batch(buffers))
+    assert calls == expected
+    assert [i for span in calls for i in span] == list(range(len(buffers)))
 
 
 def test_copies_and_bad_segments_are_not_direct():
     copies = _router(("s1", "s2"), replica_num=2, placement=True)
-    assert not copies.direct(["a"], _batch([1]))
+    assert not copies.direct(["a"])
     router = _router(("s1", "s2"))
     router.health.mark_bad(["s2"], time.monotonic())
-    assert not router.direct(["a"], _batch([1]))
+    assert not router.direct(["a"])
 
 
 def test_direct_segment_follows_the_segment_list():
