@@ -207,6 +207,9 @@ class Cell:
     size: str  # SMALL or LARGE
     pages_per_call: int
     contenders: tuple[str, ...]
+    # Storage segments the span client places keys on (null store only): each
+    # put then ranks them per storage key, as on a cluster of that many nodes.
+    segments: int = 0
 
 
 def default_cells(quick: bool) -> list[Cell]:
@@ -219,6 +222,8 @@ def default_cells(quick: bool) -> list[Cell]:
         Cell("null", "dsa", large, 512, ("span-K4", "upstream", "raw-K4")),
         Cell("null", "mla", small, 4096, ("span-K4", "span-K8", "upstream", "raw-K4")),
         Cell("null", "dsa", small, 4096, ("span-K4", "upstream", "raw-K4")),
+        Cell("null", "mla", small, 512, ("span-K4", "upstream"), segments=8),
+        Cell("null", "dsa", small, 512, ("span-K4", "upstream"), segments=8),
         Cell("same", "mla", small, 512, ("span-K4", "span-K4-nogroup", "upstream", "raw-K4")),
         Cell("same", "dsa", small, 512, ("span-K4", "upstream", "raw-K4")),
     ]
@@ -280,7 +285,10 @@ class _Rig:
             from mooncake_span.sglang_backend.backend import MooncakeSpanStore
 
             config = C._storage_config(self.model, self._extra(spec), f"oh-{spec.name}")
-            binding = NativeBinding(lambda: self.native, self._replicate_config)
+            segments = [f"10.0.0.{i}:15000" for i in range(self.cell.segments)]
+            binding = NativeBinding(
+                lambda: self.native, self._replicate_config, lambda _url: list(segments)
+            )
             store = MooncakeSpanStore(config, {}, binding=binding)
             C._register(store, self.parts)
             store.on_host_pools_registered()
@@ -448,13 +456,15 @@ def _row(s: Sample) -> dict[str, Any]:
 def format_overhead(result: dict[str, Any]) -> str:
     """Markdown table: own Python per host page / per key, and native time per page."""
     lines = [
-        "| store | model | page | pages/call | contender | keys/call | put µs/page (µs/key) "
-        "| get µs/page (µs/key) | exists µs/page | put native µs/page | get native µs/page |",
+        "| store (segments) | model | page | pages/call | contender | keys/call "
+        "| put µs/page (µs/key) | get µs/page (µs/key) | exists µs/page "
+        "| put native µs/page | get native µs/page |",
         "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     grouped: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
     for row in result["rows"]:
-        key = (row["store"], row["family"], row["size"], row["pages_per_call"], row["contender"])
+        store = row["store"] + (f" ({row['segments']})" if row.get("segments") else "")
+        key = (store, row["family"], row["size"], row["pages_per_call"], row["contender"])
         grouped.setdefault(key, {})[row["op"]] = row
     for (store, family, size, pages, name), ops in grouped.items():
         put, get, ex = ops["put"], ops["get"], ops["exists"]

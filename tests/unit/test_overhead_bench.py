@@ -58,3 +58,30 @@ def test_one_null_cell_measures_adapter_time_net_of_the_store():
     table = O.format_overhead({"rows": [O._row(s) for s in samples]})
     for contender in contenders:
         assert f"| null | mla | {O.SMALL} | 64 | {contender} |" in table
+
+
+def test_a_cell_with_segments_places_every_span_put_on_them():
+    with O._listening_port() as port:
+        native = O.NullStore()
+        config = {"master_server_address": port, "metadata_server": "P2PHANDSHAKE"}
+        cell = O.Cell("null", "mla", O.SMALL, 64, ("span-K4",), segments=3)
+        rig = O._Rig(cell, native, O._CpuClock(native), config)
+        seen: list[str] = []
+        put = native.batch_put_from_multi_buffers
+
+        def record(keys, ptrs, sizes, config=None):
+            seen.append(config.preferred_segment)
+            return put(keys, ptrs, sizes, config)
+
+        native.batch_put_from_multi_buffers = record
+        try:
+            samples = O._measure(rig, ("span-K4",), reps=1, calls_per_rep=1)
+        finally:
+            rig.close()
+    assert len(samples) == 3
+    assert seen and set(seen) <= {f"10.0.0.{i}:15000" for i in range(3)}
+    # 16 keys per call over 3 segments: one native put per segment used
+    assert len(set(seen)) > 1
+    rows = [O._row(s) for s in samples]
+    assert {row["segments"] for row in rows} == {3}
+    assert "| null (3) | mla |" in O.format_overhead({"rows": rows})
