@@ -405,16 +405,18 @@ class MooncakeClient:
         exempts them from eviction (small metadata only). True only if every copy
         was written."""
         batch = PlanBatch.of(plans)
-        segment = self.router.direct_segment() if self.router.direct(keys) else None
-        if segment is not None:
-            keys, codes = list(keys), []
-            for span in self.router.calls(batch):
-                part = batch.part(span)
-                groups = group_ids[span.start : span.stop] if group_ids else None
-                codes += self._put_call(
-                    keys[span.start : span.stop], part.ptrs, part.sizes, groups, hard_pin, segment
+        if self.router.direct(keys):
+            keys, codes = list(keys), [0] * len(keys)
+            for segment, rows in self.router.direct_groups(keys):
+                if rows is None:
+                    codes = self._put_part(keys, batch, group_ids, hard_pin, segment)
+                    break
+                groups = [group_ids[i] for i in rows] if group_ids else None
+                part = self._put_part(
+                    [keys[i] for i in rows], batch.take(rows), groups, hard_pin, segment
                 )
-            self._check_segment(segment, codes)
+                for i, code in zip(rows, part, strict=True):
+                    codes[i] = code
             ok = [code == 0 for code in codes]
             self._lost.discard(k for k, good in zip(keys, ok, strict=True) if good)
             return ok
@@ -422,58 +424,42 @@ class MooncakeClient:
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         written = collections.Counter()
         for segment, entries in self.router.put_groups([keys[i] for i in unique]).items():
-            entries = [(unique[j], object_key) for j, object_key in entries]
-            codes = self._put_entries(entries, batch, group_ids, hard_pin, segment)
-            for (i, _), code in zip(entries, codes, strict=True):
+            rows = [unique[j] for j, _ in entries]
+            groups = [group_ids[i] for i in rows] if group_ids else None
+            part = [k for _, k in entries]
+            codes = self._put_part(part, batch.take(rows), groups, hard_pin, segment)
+            for i, code in zip(rows, codes, strict=True):
                 written[i] += code == 0
-            self._check_segment(segment, codes)
         ok = {i: written[i] == self._copies for i in unique}
         self._lost.discard(keys[i] for i in unique if ok[i])
         return [ok[first[k]] for k in keys]
 
-    def _check_segment(self, segment: str, codes: list[int]) -> None:
-        """A put that failed to transfer every object to its segment marks it bad."""
-        if segment and codes and all(c == _TRANSFER_FAIL for c in codes):
-            if self._health.mark_bad([segment], time.monotonic()):
-                logger.warning("mooncake-span: put failed on segment %s; avoiding it", segment)
-
-    def _put_call(
+    def _put_part(
         self,
         keys: list[str],
-        ptrs: list[list[int]],
-        sizes: list[list[int]],
-        group_ids: Sequence[str] | None,
-        hard_pin: bool,
-        segment: str,
-    ) -> list[int]:
-        config = self._replicate_config(group_ids, hard_pin, segment)
-        return self._invoke(
-            "batch_put_from_multi_buffers",
-            lambda s: s.batch_put_from_multi_buffers(keys, ptrs, sizes, config),
-            len(keys),
-        )
-
-    def _put_entries(
-        self,
-        entries: list[tuple[int, str]],
         batch: PlanBatch,
         group_ids: Sequence[str] | None,
         hard_pin: bool,
         segment: str,
     ) -> list[int]:
+        """Objects onto one segment, in calls within the buffer budget. Every
+        object failing to transfer there marks the segment bad."""
         codes: list[int] = []
-        for call in split_calls(
-            [len(batch.ptrs[i]) for i, _ in entries], self.options.max_buffers_per_call
-        ):
-            part = [entries[j] for j in call]
-            codes += self._put_call(
-                [k for _, k in part],
-                [batch.ptrs[i] for i, _ in part],
-                [batch.sizes[i] for i, _ in part],
-                [group_ids[i] for i, _ in part] if group_ids else None,
-                hard_pin,
-                segment,
+        for span in self.router.calls(batch):
+            part = batch.part(span)
+            config = self._replicate_config(
+                group_ids[span.start : span.stop] if group_ids else None, hard_pin, segment
             )
+            codes += self._invoke(
+                "batch_put_from_multi_buffers",
+                lambda s, k=keys[span.start : span.stop], p=part, c=config: (
+                    s.batch_put_from_multi_buffers(k, p.ptrs, p.sizes, c)
+                ),
+                len(span),
+            )
+        if segment and codes and all(c == _TRANSFER_FAIL for c in codes):
+            if self._health.mark_bad([segment], time.monotonic()):
+                logger.warning("mooncake-span: put failed on segment %s; avoiding it", segment)
         return codes
 
     def _get_codes(self, keys: Sequence[str], batch: PlanBatch) -> list[int]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from mooncake_span.config import SpanOptions
 from mooncake_span.span.plan import PlanBatch, split_calls
 from mooncake_span.store.domains import (
@@ -31,6 +33,7 @@ from mooncake_span.store.domains import (
     copy_key,
     live_copies,
     put_targets,
+    segment_weights,
     suspect_copies,
 )
 
@@ -64,13 +67,20 @@ class DomainRouter:
             return [range(len(counts))]
         return split_calls(counts, self._max_buffers)
 
-    def direct_segment(self) -> str | None:
-        """The segment every object of a direct put goes to ("": Mooncake places
-        it), or None when placement has to rank segments per key."""
+    def direct_groups(self, keys: Sequence[str]) -> list[tuple[str, list[int] | None]]:
+        """(segment, positions in keys) per segment a direct put writes to; positions
+        None: all of them. Segment "": Mooncake places the objects (no segment list)."""
         segments = self.segments()
-        if len(segments) > 1:
-            return None
-        return segments[0] if segments else ""
+        if len(segments) <= 1:
+            return [(segments[0] if segments else "", None)]
+        chosen = np.argmax(segment_weights(self._domains(keys) or keys, segments), axis=1)
+        order = np.argsort(chosen, kind="stable")
+        bounds = np.cumsum(np.bincount(chosen, minlength=len(segments)))[:-1]
+        return [
+            (segments[int(chosen[rows[0]])], rows.tolist())
+            for rows in np.split(order, bounds)
+            if len(rows)
+        ]
 
     def put_groups(self, keys: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
         """Segment -> [(index into keys, object key)]: every copy of every key."""

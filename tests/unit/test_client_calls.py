@@ -18,6 +18,7 @@ from mooncake_span.config import MooncakeSettings, SpanOptions
 from mooncake_span.errors import ErrorCode
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient, NativeBinding
+from mooncake_span.store.domains import rank_segments
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 
 OBJECT_BYTES = 256
@@ -140,3 +141,27 @@ def test_unique_keys_over_the_budget_go_in_consecutive_calls(make_client):
     assert client.get(keys, _plans(target, 5)) == [True] * 5
     assert [n for op, n in cluster.calls if op == GET] == [8, 8, 4]
     assert np.array_equal(source, target)
+
+
+def test_a_direct_put_over_several_segments_places_and_answers_per_key(make_client):
+    segments = ("127.0.0.1:12001", "127.0.0.1:12002", "127.0.0.1:12003")
+    cluster = FakeCluster(segments=segments)
+    client = make_client(cluster)
+    client.router.domain_of = lambda key: key.split("#")[0]
+    keys = [f"d{i}#{c}" for i in range(30) for c in ("kv", "idx")]
+    groups = [k.split("#")[0] for k in keys]
+    source = np.random.default_rng(5).integers(0, 256, len(keys) * OBJECT_BYTES, dtype=np.uint8)
+    cluster.objects[keys[7]] = b"x" * OBJECT_BYTES  # stored already: Mooncake answers 0
+    assert client.put(keys, _plans(source, len(keys)), groups) == [True] * len(keys)
+    puts = [n for op, n in cluster.calls if op == PUT]
+    assert len(puts) == len({rank_segments(g, segments)[0] for g in groups})
+    for key, group in zip(keys, groups, strict=True):
+        if key != keys[7]:
+            assert cluster.placement[key] == rank_segments(group, segments)[0]
+            assert cluster.groups[key] == group
+    target = np.zeros_like(source)
+    ok = client.get(keys, _plans(target, len(keys)))
+    assert ok == [True] * len(keys)
+    mine = [i for i in range(len(keys)) if i != 7]
+    view = target.reshape(len(keys), OBJECT_BYTES)
+    assert np.array_equal(view[mine], source.reshape(len(keys), OBJECT_BYTES)[mine])

@@ -60,10 +60,24 @@ def test_copies_and_bad_segments_are_not_direct():
     assert not router.direct(["a"])
 
 
-def test_direct_segment_follows_the_segment_list():
-    assert _router(()).direct_segment() == ""
-    assert _router(("s1",)).direct_segment() == "s1"
-    assert _router(("s1", "s2")).direct_segment() is None
+def test_direct_groups_follow_the_segment_list():
+    assert _router(()).direct_groups(["a", "b"]) == [("", None)]
+    assert _router(("s1",)).direct_groups(["a", "b"]) == [("s1", None)]
+
+
+def test_direct_groups_put_each_key_on_its_first_ranked_segment():
+    segments = ("s1", "s2", "s3", "s4")
+    router = _router(segments)
+    router.domain_of = lambda key: key.split("/")[0]
+    keys = [f"k{i}/{c}" for i in range(40) for c in ("kv", "idx")]
+    groups = router.direct_groups(keys)
+    positions = sorted(i for _, rows in groups for i in rows)
+    assert positions == list(range(len(keys)))  # every object once
+    assert len({segment for segment, _ in groups}) == len(groups) > 1
+    for segment, rows in groups:
+        assert rows == sorted(rows)  # the caller's order within a segment
+        for i in rows:
+            assert rank_segments(keys[i].split("/")[0], segments)[0] == segment
 
 
 def test_put_groups_place_every_component_of_a_key_together():
