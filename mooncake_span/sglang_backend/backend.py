@@ -377,7 +377,11 @@ class MooncakeSpanStore(HiCacheStorage):
         groups = None
         if any(t.group_ids is not None for t in todos):
             groups = [g for t in todos for g in t.group_ids or ()]
-        return self.client.put(keys, plans, groups)
+        if len(todos) == 1:
+            domains = todos[0].domains
+        else:
+            domains = [d for t in todos for d in t.domains or ()]
+        return self.client.put(keys, plans, groups, domains=domains)
 
     def _account(
         self, is_set: bool, batch: PoolBatch, results: list[bool], elapsed_s: float

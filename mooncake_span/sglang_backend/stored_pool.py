@@ -113,6 +113,9 @@ class Transfer:
     object_indices: list[int] | None  # None: every object of the batch, in order
     plans: PlanBatch
     group_ids: list[str] | None
+    # A put's placement key per object: its storage key's group id, whether or
+    # not group ids are sent (a key's objects share one failure domain).
+    domains: list[str] | None = None
 
 
 class StoredPool:
@@ -201,8 +204,12 @@ class StoredPool:
         ncomp = self.num_components
         if not any(stored):
             # Nothing stored yet (every get, most puts): all objects go, in order.
-            groups = schema.group_ids(batch.page_keys, ncomp) if is_set and group_ids else None
-            return Transfer(None, self.plans(batch, None, is_set), groups)
+            groups = domains = None
+            if is_set:
+                groups = schema.group_ids(batch.page_keys, ncomp)
+                domains = schema.domains(batch.page_keys, ncomp, groups)
+            plans = self.plans(batch, None, is_set)
+            return Transfer(None, plans, groups if group_ids else None, domains)
         rows = [i for i, whole in enumerate(self.fold(stored)) if not whole]
         row_plans = self.plans(batch, rows, is_set) if rows else PlanBatch([], [], [])
         objects, picked = [], []
@@ -211,10 +218,11 @@ class StoredPool:
                 if not stored[row * ncomp + c]:
                     objects.append(row * ncomp + c)
                     picked.append(pos * ncomp + c)
-        groups = None
-        if is_set and group_ids:
+        groups = domains = None
+        if is_set:
             groups = [schema.group_id(batch.page_keys[i // ncomp]) for i in objects]
-        return Transfer(objects, row_plans.take(picked), groups)
+            domains = [schema.domain_of(batch.object_keys[i]) for i in objects]
+        return Transfer(objects, row_plans.take(picked), groups if group_ids else None, domains)
 
     def plans(self, batch: PoolBatch, rows: list[int] | None, is_set: bool) -> PlanBatch:
         """Plans for every component of keys ``rows`` (None: all keys), key-major,

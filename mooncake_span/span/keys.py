@@ -161,6 +161,17 @@ class KeySchema:
     def _head(self) -> str:
         return self.prefix + "_"
 
+    def domains(
+        self, page_keys: list[str], num_components: int, group_ids: list[str] | None = None
+    ) -> list[str]:
+        """``domain_of`` of every object of ``object_keys(page_keys, ...)``, in the same
+        order, without parsing object keys: the group ids (``group_ids`` if given)
+        unless a page key holds a "_", where ``domain_of`` cuts."""
+        if "_" not in "".join(page_keys):
+            return group_ids if group_ids is not None else self.group_ids(page_keys, num_components)
+        cut = [self._head + key.split("_", 1)[0] for key in page_keys]
+        return cut if num_components == 1 else [d for d in cut for _ in range(num_components)]
+
     def group_ids(self, page_keys: list[str], num_components: int) -> list[str]:
         """Group id of every object of ``object_keys(page_keys, ...)``, in the same order."""
         prefix = self.prefix + "_"

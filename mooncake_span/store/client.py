@@ -398,16 +398,17 @@ class MooncakeClient:
         plans: Sequence[ObjectPlan] | PlanBatch,
         group_ids: Sequence[str] | None = None,
         hard_pin: bool = False,
+        domains: Sequence[str] | None = None,
     ) -> list[bool]:
         """Write objects that do not exist yet. Mooncake keeps the old value of an
         existing key and reports success, so callers check existence first.
-        Objects with the same ``domain_of`` land on the same segment. ``hard_pin``
-        exempts them from eviction (small metadata only). True only if every copy
-        was written."""
+        Objects with the same domain (``domains``, else ``router.domain_of``) land
+        on the same segment. ``hard_pin`` exempts them from eviction (small
+        metadata only). True only if every copy was written."""
         batch = PlanBatch.of(plans)
         if self.router.direct(keys):
             keys, codes = list(keys), [0] * len(keys)
-            for segment, rows in self.router.direct_groups(keys):
+            for segment, rows in self.router.direct_groups(keys, domains):
                 if rows is None:
                     codes = self._put_part(keys, batch, group_ids, hard_pin, segment)
                     break
@@ -423,7 +424,8 @@ class MooncakeClient:
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         written = collections.Counter()
-        for segment, entries in self.router.put_groups([keys[i] for i in unique]).items():
+        mine = [domains[i] for i in unique] if domains is not None else None
+        for segment, entries in self.router.put_groups([keys[i] for i in unique], mine).items():
             rows = [unique[j] for j, _ in entries]
             groups = [group_ids[i] for i in rows] if group_ids else None
             part = [k for _, k in entries]

@@ -30,13 +30,14 @@ import numpy as np
 
 from mooncake_span.errors import ErrorCode, is_transport_failure
 
-# Rendezvous weights: w(domain, segment) = mix64(crc32(domain) * _GOLDEN ^ seed(segment)),
-# with seed a 64-bit hash of the segment name and mix64 the splitmix64
-# finalizer. One C-level hash per domain and one numpy pass over
-# (domains x segments): ranking a 128-key put over 32 segments with one keyed
-# hash per pair cost 6.8 ms of Python; this costs well under a tenth of it.
+# Rendezvous weights: w(domain, segment) = mix(crc32(domain) * _GOLDEN ^ seed(segment)),
+# with seed a 64-bit hash of the segment name and mix one xorshift-multiply
+# round (odd multiplier: a bijection that carries every bit into the high
+# ones, which decide the comparison). One C-level hash per domain and a few
+# numpy passes over (domains x segments): ranking a 128-key put over 32
+# segments with one keyed hash per pair cost 6.8 ms of Python.
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_MIX = np.uint64(0xBF58476D1CE4E5B9)
 _SEEDS: dict[str, np.uint64] = {}
 _MAX_SEEDS = 4096
 
@@ -62,11 +63,8 @@ def segment_weights(domain_keys: Sequence[str], segments: Sequence[str]) -> np.n
     )
     seeds = np.array([_seed(s) for s in segments], dtype=np.uint64)
     x = (hashes * _GOLDEN)[:, None] ^ seeds[None, :]
-    x ^= x >> np.uint64(30)
-    x *= _MIX[0]
-    x ^= x >> np.uint64(27)
-    x *= _MIX[1]
     x ^= x >> np.uint64(31)
+    x *= _MIX
     return x
 
 

@@ -67,27 +67,29 @@ class DomainRouter:
             return [range(len(counts))]
         return split_calls(counts, self._max_buffers)
 
-    def direct_groups(self, keys: Sequence[str]) -> list[tuple[str, list[int] | None]]:
+    def direct_groups(
+        self, keys: Sequence[str], domains: Sequence[str] | None = None
+    ) -> list[tuple[str, list[int] | None]]:
         """(segment, positions in keys) per segment a direct put writes to; positions
-        None: all of them. Segment "": Mooncake places the objects (no segment list)."""
+        None: all of them. Segment "": Mooncake places the objects (no segment list).
+        ``domains``: the placement key of every key, if the caller has them."""
         segments = self.segments()
         if len(segments) <= 1:
             return [(segments[0] if segments else "", None)]
-        chosen = np.argmax(segment_weights(self._domains(keys) or keys, segments), axis=1)
-        order = np.argsort(chosen, kind="stable")
-        bounds = np.cumsum(np.bincount(chosen, minlength=len(segments)))[:-1]
-        return [
-            (segments[int(chosen[rows[0]])], rows.tolist())
-            for rows in np.split(order, bounds)
-            if len(rows)
-        ]
+        weights = segment_weights(self._domains(keys, domains) or keys, segments)
+        rows: dict[int, list[int]] = {}
+        for i, chosen in enumerate(np.argmax(weights, axis=1).tolist()):
+            rows.setdefault(chosen, []).append(i)
+        return [(segments[chosen], positions) for chosen, positions in rows.items()]
 
-    def put_groups(self, keys: Sequence[str]) -> dict[str, list[tuple[int, str]]]:
+    def put_groups(
+        self, keys: Sequence[str], domains: Sequence[str] | None = None
+    ) -> dict[str, list[tuple[int, str]]]:
         """Segment -> [(index into keys, object key)]: every copy of every key."""
         segments = self.segments()
         return put_targets(
             keys,
-            self._domains(keys) if segments else None,
+            self._domains(keys, domains) if segments else None,
             segments,
             self.copies,
             self.health.bad(time.monotonic()),
@@ -106,5 +108,11 @@ class DomainRouter:
         suspects = suspect_copies(rows, bad)
         return live_copies(rows, bad, locate(suspects) if suspects else {})
 
-    def _domains(self, keys: Sequence[str]) -> list[str] | None:
+    def _domains(
+        self, keys: Sequence[str], given: Sequence[str] | None = None
+    ) -> Sequence[str] | None:
+        if given is not None:
+            if len(given) != len(keys):
+                raise ValueError(f"{len(given)} placement domains for {len(keys)} keys")
+            return given
         return list(map(self.domain_of, keys)) if self.domain_of is not None else None

@@ -385,3 +385,22 @@ def test_non_ascii_whitespace_and_control_chars_are_rejected(char):
 @given(st.lists(st.text(alphabet="0123456789abcdef", min_size=1, max_size=64), max_size=10))
 def test_hex_digests_always_pass(keys):
     assert check_page_keys(keys) == keys
+
+
+# ---------------------------------------------------------------------------
+# Placement domains of a call, built from page keys
+
+
+@given(
+    st.lists(
+        st.text(alphabet="abcdef0123456789_-", min_size=1, max_size=20), min_size=1, max_size=8
+    ),
+    st.sampled_from([(MLA_KV,), (K, V), (MLA_KV, INDEXER, CONV0)]),
+)
+@settings(max_examples=200, deadline=None)
+def test_domains_of_a_call_equal_domain_of_each_object_key(page_keys, components):
+    s = schema()
+    expected = [s.domain_of(k) for k in s.object_keys(page_keys, components)]
+    assert s.domains(page_keys, len(components)) == expected
+    groups = s.group_ids(page_keys, len(components))
+    assert s.domains(page_keys, len(components), groups) == expected

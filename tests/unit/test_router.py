@@ -108,3 +108,16 @@ def test_read_rows_ask_the_master_only_about_suspect_copies():
     on_bad = {k for k in keys if rank_segments(k, ("s1", "s2"))[0] == "s2"}
     assert asked == [sorted(on_bad, key=keys.index)]
     assert rows == [[] if k in on_bad else [k] for k in keys]
+
+
+def test_given_domains_replace_domain_of_and_must_match_the_keys():
+    router = _router(("s1", "s2", "s3"))
+    router.domain_of = lambda key: pytest.fail("domain_of called although domains were given")
+    keys = [f"obj{i}" for i in range(12)]
+    domains = [f"d{i // 3}" for i in range(12)]
+    groups = router.direct_groups(keys, domains)
+    where = {i: segment for segment, rows in groups for i in rows}
+    for i in range(12):
+        assert where[i] == rank_segments(domains[i], ("s1", "s2", "s3"))[0]
+    with pytest.raises(ValueError, match="11 placement domains for 12 keys"):
+        router.direct_groups(keys, domains[:-1])
