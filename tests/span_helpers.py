@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+import socket
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,3 +37,34 @@ def scattered_pages(total_pages: int, count: int, seed: int) -> list[int]:
 def slots_of(pages: list[int], page_tokens: int) -> torch.Tensor:
     """Token slots of ``pages`` in the given order, as sglang passes host_indices."""
     return torch.cat([torch.arange(p * page_tokens, (p + 1) * page_tokens) for p in pages])
+
+
+@contextlib.contextmanager
+def listening_port() -> Iterator[str]:
+    """A loopback address that accepts TCP connections: the client's reachability
+    probe of the master succeeds, and nothing else ever talks to it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(4)
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def fake_client(master: str, cluster: Any, **options: Any) -> Any:
+    """A connected MooncakeClient on the contract-checked fake; placement reads
+    the fake cluster's live segments (the admin URL is never dialled)."""
+    from mooncake_span.config import MooncakeSettings, SpanOptions
+    from mooncake_span.store.client import MooncakeClient, NativeBinding
+    from mooncake_span.store.fake import FakeReplicateConfig, FakeStore
+
+    options.setdefault("master_admin_url", "http://127.0.0.1:1")
+    client = MooncakeClient(
+        MooncakeSettings(
+            master_server_address=master, metadata_server="P2PHANDSHAKE", protocol="tcp"
+        ),
+        SpanOptions(**options),
+        NativeBinding(
+            lambda: FakeStore(cluster), FakeReplicateConfig, lambda url: cluster.live_segments()
+        ),
+    )
+    client.connect()
+    return client

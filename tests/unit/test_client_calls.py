@@ -8,18 +8,15 @@ answers.
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
-from mooncake_span.config import MooncakeSettings, SpanOptions
 from mooncake_span.errors import ErrorCode
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store.client import MooncakeClient, NativeBinding
+from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domains import rank_segments
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span.store.fake import FakeCluster
+from tests.span_helpers import fake_client, listening_port
 
 OBJECT_BYTES = 256
 BUFFERS = 4
@@ -28,35 +25,18 @@ GET = "batch_get_into_multi_buffers"
 
 
 @pytest.fixture
-def master() -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(4)
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
-
-
-@pytest.fixture
-def make_client(master):
+def make_client():
     clients = []
+    with listening_port() as master:
 
-    def make(cluster: FakeCluster, **options) -> MooncakeClient:
-        options.setdefault("master_admin_url", "http://127.0.0.1:1")
-        client = MooncakeClient(
-            MooncakeSettings(
-                master_server_address=master, metadata_server="P2PHANDSHAKE", protocol="tcp"
-            ),
-            SpanOptions(**options),
-            NativeBinding(
-                lambda: FakeStore(cluster), FakeReplicateConfig, lambda url: cluster.live_segments()
-            ),
-        )
-        client.connect()
-        clients.append(client)
-        return client
+        def make(cluster: FakeCluster, **options) -> MooncakeClient:
+            client = fake_client(master, cluster, **options)
+            clients.append(client)
+            return client
 
-    yield make
-    for client in clients:
-        client.close()
+        yield make
+        for client in clients:
+            client.close()
 
 
 def _plans(array: np.ndarray, count: int) -> PlanBatch:

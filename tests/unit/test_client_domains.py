@@ -9,30 +9,20 @@ real cluster.
 from __future__ import annotations
 
 import ctypes
-import socket
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from mooncake_span.config import MooncakeSettings, SpanOptions
 from mooncake_span.errors import ErrorCode
 from mooncake_span.span.plan import ObjectPlan
-from mooncake_span.store.client import MooncakeClient, NativeBinding
+from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domains import copy_key, rank_segments
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span.store.fake import FakeCluster
+from tests.span_helpers import fake_client, listening_port
 
 SEGMENTS = ("127.0.0.1:12001", "127.0.0.1:12002")
 COMPONENTS = ("kv", "indexer", "conv")
 OBJECT_BYTES = 512
-
-
-@pytest.fixture
-def master() -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(4)
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture
@@ -41,28 +31,19 @@ def cluster() -> FakeCluster:
 
 
 @pytest.fixture
-def make_client(master, cluster):
+def make_client(cluster):
     clients = []
+    with listening_port() as master:
 
-    def make(**options) -> MooncakeClient:
-        options.setdefault("master_admin_url", "http://127.0.0.1:1")
-        client = MooncakeClient(
-            MooncakeSettings(
-                master_server_address=master, metadata_server="P2PHANDSHAKE", protocol="tcp"
-            ),
-            SpanOptions(**options),
-            NativeBinding(
-                lambda: FakeStore(cluster), FakeReplicateConfig, lambda url: cluster.live_segments()
-            ),
-        )
-        client.connect()
-        client.router.domain_of = lambda key: key.rsplit("__", 1)[0]
-        clients.append(client)
-        return client
+        def make(**options) -> MooncakeClient:
+            client = fake_client(master, cluster, **options)
+            client.router.domain_of = lambda key: key.rsplit("__", 1)[0]
+            clients.append(client)
+            return client
 
-    yield make
-    for client in clients:
-        client.close()
+        yield make
+        for client in clients:
+            client.close()
 
 
 class Keys:
