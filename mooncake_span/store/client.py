@@ -86,6 +86,10 @@ def load_native_binding() -> NativeBinding:
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
 _EXISTS_KEYS_PER_CALL = 4096
 _TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
+# Mooncake 0.3.13's put with group ids costs more per object the more objects
+# one call carries: a 1024-object MHA put took 148 ms in one call and 46 ms in
+# calls of 64 (32 ms without group ids); a 256-object one 23 vs 19 ms.
+_GROUPED_PUT_OBJECTS = 64
 
 
 class MooncakeClient:
@@ -447,7 +451,8 @@ class MooncakeClient:
         """Objects onto one segment, in calls within the buffer budget. Every
         object failing to transfer there marks the segment bad."""
         codes: list[int] = []
-        for span in self.router.calls(batch):
+        grouped = bool(group_ids) and self.options.group_ids
+        for span in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
             part = batch.part(span)
             config = self._replicate_config(
                 group_ids[span.start : span.stop] if group_ids else None, hard_pin, segment

@@ -60,12 +60,20 @@ class DomainRouter:
         no key named twice."""
         return self.copies == 1 and not self.health.any_bad and len(set(keys)) == len(keys)
 
-    def calls(self, batch: PlanBatch) -> list[range]:
-        """Consecutive objects per native call, each within the buffer budget."""
+    def calls(self, batch: PlanBatch, max_objects: int = 0) -> list[range]:
+        """Consecutive objects per native call, each within the buffer budget and,
+        if ``max_objects`` is set, at most that many objects."""
         counts = list(map(len, batch.ptrs))
-        if sum(counts) <= self._max_buffers:
+        if sum(counts) <= self._max_buffers and not 0 < max_objects < len(counts):
             return [range(len(counts))]
-        return split_calls(counts, self._max_buffers)
+        spans = split_calls(counts, self._max_buffers)
+        if max_objects > 0:
+            spans = [
+                range(start, min(start + max_objects, span.stop))
+                for span in spans
+                for start in range(span.start, span.stop, max_objects)
+            ]
+        return spans
 
     def direct_groups(
         self, keys: Sequence[str], domains: Sequence[str] | None = None

@@ -145,3 +145,18 @@ def test_a_direct_put_over_several_segments_places_and_answers_per_key(make_clie
     mine = [i for i in range(len(keys)) if i != 7]
     view = target.reshape(len(keys), OBJECT_BYTES)
     assert np.array_equal(view[mine], source.reshape(len(keys), OBJECT_BYTES)[mine])
+
+
+@pytest.mark.parametrize("with_groups", [True, False])
+def test_a_put_with_group_ids_goes_in_calls_of_at_most_64_objects(make_client, with_groups):
+    cluster = FakeCluster()
+    client = make_client(cluster)
+    count = 150
+    keys = [f"obj-{i}" for i in range(count)]
+    source = np.ones(count * OBJECT_BYTES, dtype=np.uint8)
+    groups = [f"g{i // 2}" for i in range(count)] if with_groups else None
+    assert client.put(keys, _plans(source, count), groups) == [True] * count
+    objects_per_call = [n // BUFFERS for op, n in cluster.calls if op == PUT]
+    assert objects_per_call == ([64, 64, 22] if with_groups else [150])
+    if with_groups:
+        assert [cluster.groups[k] for k in keys] == groups

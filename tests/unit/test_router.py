@@ -121,3 +121,16 @@ def test_given_domains_replace_domain_of_and_must_match_the_keys():
         assert where[i] == rank_segments(domains[i], ("s1", "s2", "s3"))[0]
     with pytest.raises(ValueError, match="11 placement domains for 12 keys"):
         router.direct_groups(keys, domains[:-1])
+
+
+def test_an_object_cap_cuts_every_call_further():
+    router = _router(max_buffers_per_call=8)
+    assert router.calls(_batch([1] * 10), max_objects=4) == [range(0, 4), range(4, 8), range(8, 10)]
+    # the buffer budget first ([0..8) and [8..10)), then at most 3 objects per call
+    assert router.calls(_batch([1] * 10), max_objects=3) == [
+        range(0, 3),
+        range(3, 6),
+        range(6, 8),
+        range(8, 10),
+    ]
+    assert router.calls(_batch([1] * 4), max_objects=4) == [range(4)]
