@@ -113,8 +113,8 @@ class Transfer:
     object_indices: list[int] | None  # None: every object of the batch, in order
     plans: PlanBatch
     group_ids: list[str] | None
-    # A put's placement key per object: its storage key's group id, whether or
-    # not group ids are sent (a key's objects share one failure domain).
+    # A put's placement key per object (KeySchema.domains), whether or not group
+    # ids are sent: all objects of a storage key share one failure domain.
     domains: list[str] | None = None
 
 
