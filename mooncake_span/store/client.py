@@ -44,7 +44,7 @@ from mooncake_span.errors import (
     code_name,
     is_transport_failure,
 )
-from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds, split_calls
+from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
 from mooncake_span.store.domains import copy_key, is_cluster_failure
 from mooncake_span.store.native import (
@@ -473,11 +473,11 @@ class MooncakeClient:
         """One read attempt per key: the native code (bytes read, or an error)."""
         out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
         for round_positions in dedup_rounds(keys):
-            counts = [len(batch.ptrs[i]) for i in round_positions]
-            for call in split_calls(counts, self.options.max_buffers_per_call):
-                idx = [round_positions[j] for j in call]
-                codes = self._get_call([keys[i] for i in idx], batch.take(idx))
-                for i, code in zip(idx, codes, strict=False):
+            rows = batch.take(round_positions)
+            for span in self.router.calls(rows):  # the one place the buffer budget is cut
+                idx = round_positions[span.start : span.stop]
+                codes = self._get_call([keys[i] for i in idx], rows.part(span))
+                for i, code in zip(idx, codes, strict=True):
                     out[i] = code
         return out
 
