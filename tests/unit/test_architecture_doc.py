@@ -1,0 +1,159 @@
+"""docs/architecture.md may only name code that exists.
+
+Every code span of the page is classified and checked against the package as
+it is now, so renaming or deleting a module, class or function without
+updating the page fails here:
+
+- ``pkg/module.py`` (or ``mooncake_span/...``, ``tests/...``, ``docs/...``): the file exists;
+- ``pkg/module.Name[.attr]`` and ``module.Name[.attr]``: the module imports and the
+  attribute chain resolves (``module.method``: a method of one of the module's classes);
+- ``Name[.attr]`` (CamelCase) and bare ``snake_case`` identifiers: defined somewhere in the
+  package or its tests (a module, class, function, method or module-level name), an option
+  key of ``config.py``, or one of the few
+  sglang / Mooncake / tool names the page talks about (``EXTERNAL``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import re
+import sys
+
+import pytest
+
+from mooncake_span import config
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "mooncake_span"
+DOC = ROOT / "docs" / "architecture.md"
+
+# Names of sglang, Mooncake and other tools that the page mentions on purpose.
+EXTERNAL = {
+    "HiCacheStorage",
+    "HiCacheStorageConfig",
+    "HiCacheController",
+    "HybridCacheController",
+    "PoolTransfer",
+    "PoolTransferResult",
+    "MooncakeStore",
+    "MooncakeDistributedStore",
+    "ReplicateConfig",
+    "StorageBackendFactory",
+    "InstrumentedRemoteConnector",
+    "batch_get_into_multi_buffers",
+    "batch_put_from_multi_buffers",
+    "batch_is_exist",
+    "batch_get_replica_desc",
+    "register_buffer",
+    "get_page_buffer_meta",
+    "register_mem_pool_host",
+    "register_mem_host_pool_v2",
+    "on_host_pools_registered",
+    "load_plugins",
+    "etcd3gw",
+    "prometheus_client",
+    "setns",
+    "service_ready",
+}
+
+_PATH = re.compile(r"^[\w./-]+\.py$")
+_DOTTED = re.compile(r"^(?:[a-z_]+/)*[a-z_]+(?:\.[A-Za-z_]\w*)+$")
+_CAMEL = re.compile(r"^[A-Z][a-z]+[A-Za-z0-9]*(?:\.[A-Za-z_]\w*)*$")
+_SNAKE = re.compile(r"^_?[a-z]+(?:_[a-z0-9]+)+$")
+
+
+def _spans() -> list[str]:
+    text = DOC.read_text()
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks are examples
+    return sorted(set(re.findall(r"`([^`\n]+)`", text)))
+
+
+def _defined_names() -> set[str]:
+    # Option keys are names the page may use too (span_*, sglang's keys we read).
+    names: set[str] = {"mooncake_span", *config._SPAN_KEYS, *config.FOREIGN_KEYS}
+    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
+        names.add(path.stem)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    for leaf in ast.walk(target):
+                        if isinstance(leaf, ast.Name):
+                            names.add(leaf.id)
+                        elif isinstance(leaf, ast.Attribute):
+                            names.add(leaf.attr)
+    return names
+
+
+def _module_for(dotted: str) -> tuple[object, list[str]] | None:
+    """Import the longest package module prefix of ``dotted``; the rest is attributes."""
+    head, *rest = dotted.split(".")
+    candidates = [head.replace("/", ".")]
+    if "/" not in head:
+        candidates += [
+            ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
+            for p in PACKAGE.rglob(f"{head}.py")
+        ]
+    for candidate in candidates:
+        name = candidate if candidate.startswith("mooncake_span") else f"mooncake_span.{candidate}"
+        try:
+            return importlib.import_module(name), rest
+        except ImportError:
+            continue
+    return None
+
+
+def _resolves(module: object, attrs: list[str]) -> bool:
+    """``module.a.b``; ``module.method`` also names a method of a class of the module."""
+    if attrs and not hasattr(module, attrs[0]):
+        owners = [c for c in vars(module).values() if isinstance(c, type) and hasattr(c, attrs[0])]
+        if not owners:
+            return False
+        module = owners[0]
+    target = module
+    for attr in attrs:
+        if not hasattr(target, attr):
+            return False
+        target = getattr(target, attr)
+    return True
+
+
+def _problem(span: str, defined: set[str]) -> str | None:
+    token = span.split("(")[0].strip()
+    if _PATH.match(token):
+        found = (
+            (ROOT / token).exists()
+            or (PACKAGE / token).exists()
+            or any((ROOT / "tests").rglob(token))
+        )
+        return None if found else "no such file"
+    foreign = token.split(".")[0] in sys.stdlib_module_names | {"sglang", "mooncake", "torch"}
+    if _DOTTED.match(token) and not foreign:
+        located = _module_for(token)
+        if located is None:
+            return "no such module"
+        return None if _resolves(*located) else "no such attribute"
+    first = token.split(".")[0]
+    if _CAMEL.match(token):
+        return None if first in defined or first in EXTERNAL else "not defined in the package"
+    if _SNAKE.match(token):
+        return None if token in defined or token in EXTERNAL else "not defined in the package"
+    return None
+
+
+def test_every_code_name_on_the_architecture_page_exists():
+    defined = _defined_names()
+    problems = {span: why for span in _spans() if (why := _problem(span, defined))}
+    assert problems == {}
+
+
+@pytest.mark.parametrize(
+    "span",
+    ["store/no_such_module.py", "store/client.NoSuchClass", "NoSuchRouter", "no_such_function"],
+)
+def test_a_missing_name_is_reported(span):
+    assert _problem(span, _defined_names()) is not None
