@@ -1,6 +1,8 @@
 """Size and repetition rules for the package, and the native-store protocol.
 
-- no file in ``mooncake_span/`` over 600 lines;
+Files are split where their roles split, not at a line count, so there is no
+file-size rule; functions are held short because a long one hides its steps.
+
 - no function over 60 lines in the runtime packages (``span/``, ``store/``,
   ``sglang_backend/``);
 - no run of 6 identical code lines appearing twice inside those packages;
@@ -22,22 +24,12 @@ from mooncake_span.store.protocol import NativeStore
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mooncake_span"
 RUNTIME = ("span", "store", "sglang_backend")
-MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
 WINDOW_LINES = 6
 
 
 def _runtime_files() -> list[pathlib.Path]:
     return sorted(p for pkg in RUNTIME for p in (PACKAGE / pkg).rglob("*.py"))
-
-
-def test_no_file_in_the_package_is_over_the_limit():
-    long_files = {
-        str(p.relative_to(PACKAGE)): n
-        for p in PACKAGE.rglob("*.py")
-        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
-    }
-    assert long_files == {}
 
 
 def test_no_runtime_function_is_over_the_limit():
