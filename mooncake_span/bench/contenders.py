@@ -138,13 +138,13 @@ class WorkloadRunner:
             "span_max_buffers_per_call": spec.max_buffers_per_call,
             "span_group_ids": spec.group_ids,
         }
-        # K=1 is configured as a stock deployment is: no storage_page_size.
+        config = _storage_config(model, extra, f"bench-{self.nonce}")
+        # K=1 is configured as a stock deployment is (no storage_page_size
+        # anywhere); K>1 as a span-aware build hands it over, on the config.
         if spec.pages_per_key > 1:
-            extra["storage_page_size"] = model.page_tokens * spec.pages_per_key
+            config.storage_page_size = model.page_tokens * spec.pages_per_key
         binding = NativeBinding(lambda: self.store, ReplicateConfig)
-        store = MooncakeSpanStore(
-            _storage_config(self.w.model, extra, f"bench-{self.nonce}"), {}, binding=binding
-        )
+        store = MooncakeSpanStore(config, {}, binding=binding)
         _register(store, self.parts)
         store.on_host_pools_registered()
         return store
