@@ -112,3 +112,26 @@ def test_controller_stock_glm_geometry(mooncake_cluster, key_namespace, layout, 
         assert harness.mismatches(restored, backup) == []
         stats = harness.backend.get_stats()
         assert stats.rejected_calls == {}
+
+
+def test_extra_config_span_on_a_stock_controller_warns_and_misses(
+    mooncake_cluster, key_namespace, caplog
+):
+    """What the registration warning says: stock 0.5.23's controller hashes one
+    64-token host page per key, so an extra-config storage_page_size of 256
+    makes every call fail the stride rule: nothing is stored, every query
+    misses, nothing wrong is restored."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="mooncake_span.sglang_backend.storage_page")
+    config = _config(mooncake_cluster, interface_v1=True, storage_page_size=256)
+    with build_dsa_harness(config, model_name=key_namespace) as harness:
+        (warning,) = [r.getMessage() for r in caplog.records if r.name.endswith("storage_page")]
+        assert "storage_page_size=256" in warning and "64-token host page" in warning
+        assert harness.backend.geometry.pages_per_span == 4
+        backup = harness.backup(4, seed=3)
+        assert backup.completed_tokens == 0
+        query = harness.hit_query(list(backup.token_ids))
+        assert query.hit_pages == 0
+        assert harness.prefetch(query).pages == {}
+        assert harness.backend.get_stats().rejected_calls
