@@ -120,26 +120,31 @@ class WorkloadRunner:
 
     @property
     def storage_page_tokens(self) -> int:
-        return HOST_PAGE_TOKENS * (DSA_INDEX_KPOOL if self.w.model.family == "dsa" else 1)
+        return self.w.model.page_tokens * (DSA_INDEX_KPOOL if self.w.model.family == "dsa" else 1)
 
     def _extra(self) -> dict[str, Any]:
         return {**self.topology.client_config, "span_layout_guard": "off"}
 
     def _make_span(self, spec: ContenderSpec) -> MooncakeSpanStore:
-        if self.w.model.family == "dsa" and spec.pages_per_key != DSA_INDEX_KPOOL:
+        model = self.w.model
+        if model.family == "dsa" and spec.pages_per_key != DSA_INDEX_KPOOL:
             raise ValueError("the compressed DSA model's storage page is 4 host pages")
+        if model.family == "dsa-stock" and spec.pages_per_key != 1:
+            raise ValueError("stock sglang 0.5.23 stores one 256-token host page per key")
         from mooncake.store import ReplicateConfig
 
         extra = {
             **self._extra(),
-            "storage_page_size": HOST_PAGE_TOKENS * spec.pages_per_key,
             "span_max_buffers_per_call": spec.max_buffers_per_call,
             "span_group_ids": spec.group_ids,
         }
+        config = _storage_config(model, extra, f"bench-{self.nonce}")
+        # K=1 is configured as a stock deployment is (no storage_page_size
+        # anywhere); K>1 as a span-aware build hands it over, on the config.
+        if spec.pages_per_key > 1:
+            config.storage_page_size = model.page_tokens * spec.pages_per_key
         binding = NativeBinding(lambda: self.store, ReplicateConfig)
-        store = MooncakeSpanStore(
-            _storage_config(self.w.model, extra, f"bench-{self.nonce}"), {}, binding=binding
-        )
+        store = MooncakeSpanStore(config, {}, binding=binding)
         _register(store, self.parts)
         store.on_host_pools_registered()
         return store
@@ -184,7 +189,7 @@ class WorkloadRunner:
         put, get, exists = builder(spec, keys, src, dst)
         exists_all = None
         if spec.kind in ("span", "upstream"):
-            exists_all = _backend_exists(self.backends[name], keys, self.w.model.family == "dsa")
+            exists_all = _backend_exists(self.backends[name], keys, self.w.model.has_sidecars)
         return PreparedRun(put, get, exists, exists_all, len(keys), k, src, dst)
 
     def _call_pages(self, pages: np.ndarray, c: int) -> np.ndarray:
@@ -315,7 +320,8 @@ class WorkloadRunner:
         step_pages = (
             self.w.pages_per_call if spec.kind == "span" else self._upstream_pages_per_call()
         )
-        dsa = self.w.model.family == "dsa"
+        dsa = self.w.model.has_sidecars
+        page_tokens = self.w.model.page_tokens
         puts, gets, exists = [], [], []
         for c in range(self.calls):
             s_call, d_call = self._call_pages(src, c), self._call_pages(dst, c)
@@ -325,8 +331,8 @@ class WorkloadRunner:
             for lo in range(0, len(s_call), step_pages):
                 sub_keys = call_keys[lo // k : (lo + step_pages) // k]
                 s_slots, d_slots = (
-                    _slots(s_call[lo : lo + step_pages]),
-                    _slots(d_call[lo : lo + step_pages]),
+                    _slots(s_call[lo : lo + step_pages], page_tokens),
+                    _slots(d_call[lo : lo + step_pages], page_tokens),
                 )
                 last = lo + step_pages >= len(s_call)
                 put_steps.append(

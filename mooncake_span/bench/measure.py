@@ -14,7 +14,7 @@ import numpy as np
 
 from mooncake_span.bench.contenders import WorkloadRunner
 from mooncake_span.bench.native import NativeCounters, TimedNativeStore
-from mooncake_span.bench.workloads import HOST_PAGE_TOKENS, ContenderSpec, Workload
+from mooncake_span.bench.workloads import ContenderSpec, Workload
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def summarize(
     pages = workload.pages_per_run
     keys = pages // spec.pages_per_key
     calls = workload.pages_per_run // workload.pages_per_call
-    tokens = pages * HOST_PAGE_TOKENS
+    tokens = pages * workload.model.page_tokens
     out: dict[str, Any] = {
         "pages_per_key": spec.pages_per_key,
         "keys_per_run": keys,

@@ -57,6 +57,37 @@ def _slot_views(layout: PageLayout) -> list[np.ndarray]:
     return views
 
 
+def _stock_parts(
+    model: ModelShape, layout: str, host_pages: int, state_slots: int
+) -> list[tuple[PoolName, Any, bool]]:
+    # sglang sizes these pools itself (host = ratio x device): one device page
+    # and one device state slot, so the ratio is the host page count.
+    from mooncake_span.bench.stock_glm import build_stock_glm_pools
+
+    pools = build_stock_glm_pools(
+        layout,
+        host_to_device_ratio=float(max(host_pages, state_slots)),
+        layers=model.layers,
+        mamba_layers=model.mamba_layers,
+        draft_layers=model.draft_layers,
+        kv_lora_rank=model.kv_lora_rank,
+        rope_dim=model.rope_dim,
+        device_pages=1,
+        mamba_slots=1,
+    ).pools
+    kv = pools[PoolName.KV]
+    if kv.page_size != model.page_tokens or kv.size < host_pages * kv.page_size:
+        raise ValueError(
+            f"{model.label}: sglang built {kv.size // kv.page_size} host pages of "
+            f"{kv.page_size} tokens, {host_pages} of {model.page_tokens} needed"
+        )
+    return [
+        (PoolName.KV, kv, True),
+        (PoolName.INDEXER, pools[PoolName.INDEXER], True),
+        (PoolName.MAMBA, pools[PoolName.MAMBA], False),
+    ]
+
+
 def build_parts(
     model: ModelShape, layout: str, host_pages: int, state_slots: int
 ) -> list[PoolPart]:
@@ -76,6 +107,8 @@ def build_parts(
             (PoolName.INDEXER, pools[PoolName.INDEXER], True),
             (PoolName.MAMBA, pools[PoolName.MAMBA], False),
         ]
+    elif model.family == "dsa-stock":
+        named = _stock_parts(model, layout, host_pages, state_slots)
     elif model.family == "mla":
         kv = P.build_mla_host(
             layout,

@@ -3,7 +3,9 @@
 Every contender moves the *same host pages* of the *same real sglang host
 pools* in the same run:
 
-* ``span-K<k>``: ``MooncakeSpanStore`` with ``storage_page_size = 64*k``
+* ``span-K<k>``: ``MooncakeSpanStore`` with ``storage_page_size = 64*k`` on the
+  storage config, as a span-aware sglang build hands it over (K=1: none, as on
+  stock 0.5.23; the stock GLM-5.3-Flash cell is K=1 on 256-token pages)
   (``batch_set_v1``/``batch_get_v1``, plus ``batch_set_v2``/``batch_get_v2``
   for the DSA indexer and Mamba sidecars, the way sglang's controller calls it);
 * ``upstream``: sglang 0.5.23's own ``MooncakeStore`` on the same pools, one
@@ -69,6 +71,7 @@ from mooncake_span.bench.workloads import (
     MODELS,
     SCHEMA,
     SMALL,
+    STOCK,
     TINY_LAYERS,
     BenchConfig,
     ContenderSpec,
@@ -85,6 +88,7 @@ __all__ = [
     "MODELS",
     "SCHEMA",
     "SMALL",
+    "STOCK",
     "TINY_LAYERS",
     "BenchConfig",
     "ContenderSpec",

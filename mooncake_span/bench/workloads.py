@@ -16,7 +16,7 @@ TCP_BUFFERS_PER_CALL = 2048
 _VERIFY_CHUNK_BYTES = 64 << 20
 _MiB = 1 << 20
 
-SECTIONS = ("grid", "batch", "coalesce", "chunks")
+SECTIONS = ("grid", "batch", "coalesce", "chunks", "stock")
 TOPOLOGIES = ("same", "tcp")
 
 
@@ -28,7 +28,10 @@ TOPOLOGIES = ("same", "tcp")
 class ModelShape:
     """Host pool dimensions of one model family; page bytes follow from them."""
 
-    family: str  # "dsa" (MLA KV + DSA indexer + Mamba), "mla" or "mha"
+    # "dsa" (MLA KV + DSA indexer + Mamba, span shape), "dsa-stock" (the same
+    # model as stock sglang 0.5.23 builds it: 256-token pages, KDA state, packed
+    # MTP draft layers), "mla" or "mha"
+    family: str
     size: str  # label of the KV page size
     layers: int
     kv_lora_rank: int = 0
@@ -36,10 +39,17 @@ class ModelShape:
     heads: int = 0
     head_dim: int = 0
     mamba_layers: int = 2
+    page_tokens: int = HOST_PAGE_TOKENS  # host page
+    draft_layers: int = 0  # MTP layers packed behind the target layers
 
     @property
     def is_mla(self) -> bool:
         return self.family != "mha"
+
+    @property
+    def has_sidecars(self) -> bool:
+        """DSA indexer and Mamba/KDA state next to the KV pool."""
+        return self.family in ("dsa", "dsa-stock")
 
     @property
     def label(self) -> str:
@@ -47,12 +57,16 @@ class ModelShape:
 
     @property
     def kv_page_bytes(self) -> int:
+        layers = self.layers + self.draft_layers
         if self.is_mla:
-            return self.layers * HOST_PAGE_TOKENS * (self.kv_lora_rank + self.rope_dim) * 2
-        return 2 * self.layers * HOST_PAGE_TOKENS * self.heads * self.head_dim * 2
+            return layers * self.page_tokens * (self.kv_lora_rank + self.rope_dim) * 2
+        return 2 * layers * self.page_tokens * self.heads * self.head_dim * 2
 
 
 SMALL, LARGE, TINY_LAYERS = "64KiB", "2.5MiB", "78x2KiB"
+STOCK = "320KiB"
+# Stock sglang 0.5.23 forces a 64 * index_kpool = 256-token page for compressed DSA.
+STOCK_PAGE_TOKENS = 256
 
 # bf16 everywhere. Small pages are 1 KiB/token (64 KiB per 64-token page);
 # large ones use DeepSeek-V3 MLA dims (512 + 64) over 35 layers and a
@@ -67,6 +81,17 @@ MODELS: dict[tuple[str, str], ModelShape] = {
     ("mha", SMALL): ModelShape("mha", SMALL, layers=4, heads=1, head_dim=64),
     ("mha", LARGE): ModelShape("mha", LARGE, layers=40, heads=2, head_dim=128),
     ("mla", TINY_LAYERS): ModelShape("mla", TINY_LAYERS, layers=78, kv_lora_rank=8, rope_dim=8),
+    # dsa-64KiB's per-token dims at the stock 256-token page, plus one packed
+    # MTP draft layer: (4 + 1) * 256 * 128 * 2 bytes of KV per key.
+    ("dsa-stock", STOCK): ModelShape(
+        "dsa-stock",
+        STOCK,
+        layers=4,
+        kv_lora_rank=112,
+        rope_dim=16,
+        page_tokens=STOCK_PAGE_TOKENS,
+        draft_layers=1,
+    ),
 }
 # The compressed DSA model's radix (storage) page is 64 * index_kpool tokens.
 DSA_INDEX_KPOOL = 4
@@ -193,6 +218,8 @@ class _Sizes:
     families: tuple[str, ...]
     spans: tuple[str, ...]
     limit_probe: bool
+    stock_run: int  # 256-token host pages (one key each)
+    stock_call: int
 
 
 FULL_SIZES = _Sizes(
@@ -207,6 +234,8 @@ FULL_SIZES = _Sizes(
     families=("dsa", "mla", "mha"),
     spans=("span-K1", "span-K2", "span-K4", "span-K8"),
     limit_probe=True,
+    stock_run=512,
+    stock_call=128,
 )
 QUICK_SIZES = _Sizes(
     small_run=256,
@@ -220,7 +249,40 @@ QUICK_SIZES = _Sizes(
     families=("dsa", "mla"),
     spans=("span-K1", "span-K4"),
     limit_probe=False,
+    stock_run=64,
+    stock_call=32,
 )
+
+
+def _stock_workloads(topo: str, z: _Sizes) -> list[Workload]:
+    """GLM-5.3-Flash as stock 0.5.23 runs it (one key per 256-token host page)
+    beside its span shape (one key per 4 host pages of 64): the same tokens
+    and keys per call and per run."""
+    local = ("memcpy",) if topo == "same" else ()
+    nogroup = ("span-K1-nogroup",) if topo == "same" else ()
+    span = MODELS[("dsa", SMALL)]
+    return [
+        Workload(
+            "stock",
+            topo,
+            MODELS[("dsa-stock", STOCK)],
+            "page_first",
+            z.stock_run,
+            z.stock_call,
+            # KV + indexer + state objects per key: group ids cost inside
+            # Mooncake, so show K=1 without them too where that cost shows.
+            (*local, "raw-1buf", "raw-K1", "span-K1", *nogroup, "upstream"),
+        ),
+        Workload(
+            "stock",
+            topo,
+            span,
+            "page_first",
+            DSA_INDEX_KPOOL * z.stock_run,
+            DSA_INDEX_KPOOL * z.stock_call,
+            (*local, "raw-K4", "span-K4", "upstream"),
+        ),
+    ]
 
 
 def plan_workloads(config: BenchConfig) -> list[Workload]:
@@ -287,6 +349,8 @@ def plan_workloads(config: BenchConfig) -> list[Workload]:
                     ("raw-K4", "span-K4", "raw-K4@consec", "span-K4@consec", "upstream"),
                 )
             )
+        if "stock" in config.sections:
+            out += _stock_workloads(topo, z)
         if "chunks" in config.sections and not local:
             pages = 4 * z.chunk_keys
             sweep = tuple(f"span-K4-mb{mb}" for mb in (512, 1024, 2048))

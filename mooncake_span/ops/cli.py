@@ -393,10 +393,12 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--sections",
-        default="grid,batch,coalesce,chunks",
+        default="grid,batch,coalesce,chunks,stock",
         metavar="LIST",
         help="comma list of grid, batch (batch-size sweep), coalesce (layer_first consecutive vs "
-        "scattered), chunks (span_max_buffers_per_call sweep over TCP) (default all)",
+        "scattered), chunks (span_max_buffers_per_call sweep over TCP), stock (GLM-5.3-Flash as "
+        "stock sglang 0.5.23 runs it, K=1 on 256-token pages, beside its span shape) "
+        "(default all)",
     )
     bench.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", default=None, metavar="PATH", help="write a PNG summary plot")

@@ -70,6 +70,7 @@ from mooncake_span.sglang_backend.stats import (
     RateLimitedLog,
     SpanStorageMetrics,
 )
+from mooncake_span.sglang_backend.storage_page import resolve_storage_page_tokens
 from mooncake_span.sglang_backend.stored_pool import (
     PoolBatch,
     StagedPool,
@@ -96,21 +97,6 @@ logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 # Per-key results of a v2 call, keyed by the transfers' pool names.
 TransferResults = dict[Any, list[bool]]
-
-
-def _read_storage_page_tokens(storage_config: Any, options: SpanOptions) -> int | None:
-    """Tokens per storage key, or None for "the host page" (K=1).
-
-    Span-aware sglang builds carry ``storage_page_size`` on the config and the
-    controller slices host indices by it, so when the field exists it wins,
-    0 included (0 = host page). sglang 0.5.23 has no such field; then the
-    extra-config option applies.
-    """
-    if hasattr(storage_config, "storage_page_size"):
-        value = storage_config.storage_page_size
-    else:
-        value = options.storage_page_size
-    return int(value) if value else None
 
 
 def _hit_query(transfer: Any, page_exists: list[bool]) -> PoolHitQuery:
@@ -196,7 +182,7 @@ class MooncakeSpanStore(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         host_page = int(getattr(mem_pool_host, "page_size", 0) or 1)
         self.geometry = SpanGeometry.resolve(
-            host_page, _read_storage_page_tokens(self.storage_config, self.options)
+            host_page, resolve_storage_page_tokens(self.storage_config, self.options, host_page)
         )
         dtype = str(getattr(mem_pool_host, "dtype", "none")).removeprefix("torch.")
         model = getattr(self.storage_config, "model_name", None) or "model"

@@ -15,7 +15,11 @@ server. Three pool sets:
 * ``build_compressed_dsa_harness``: MLA KV + compressed DSA INDEXER + MAMBA
   (the GLM-5.3-Flash pool set of ``build_hybrid_mamba_stack``), optionally in
   span mode: one storage key per ``64 * index_kpool``-token tree page, i.e.
-  ``index_kpool`` host pages per key (see ``_SpanHybridCacheController``).
+  ``index_kpool`` host pages per key (see ``_SpanHybridCacheController``);
+* ``build_stock_glm_harness``: the same model as stock 0.5.23 runs it
+  (``mooncake_span.bench.stock_glm``): 256-token pages everywhere, KDA state,
+  MTP draft layers packed into KV and INDEXER, K=1; built by sglang's own
+  ``build_hybrid_mamba_stack`` (controller included) where it runs.
 
 Each harness runs a backup (``write_storage`` + backup ack), a hit query
 (``_storage_hit_query`` + ``_sync_prefetch_hit_query``, as the prefetch thread
@@ -48,6 +52,7 @@ import torch
 import torch.distributed as dist
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.hicache_storage import (
     STORAGE_BATCH_SIZE,
     PoolHitPolicy,
@@ -61,6 +66,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
 )
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
     build_host_pool_group,
+    build_hybrid_mamba_stack,
     build_pool_entry,
 )
 from sglang.srt.mem_cache.pool_host import HostPoolGroup
@@ -81,6 +87,13 @@ from mooncake_span.bench.pools import (
     sglang_cpu_runtime,
     wipe_pages,
 )
+from mooncake_span.bench.stock_glm import (
+    STOCK_INDEX_KPOOL,
+    StockGlmDevice,
+    build_stock_glm_group,
+    make_stock_glm_device,
+    mamba_layout_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +105,7 @@ __all__ = [
     "build_compressed_dsa_harness",
     "build_dsa_harness",
     "build_mamba_swa_harness",
+    "build_stock_glm_harness",
 ]
 
 # The trailing-page placeholder UnifiedRadixCache puts in SWA/MAMBA prefetch
@@ -745,6 +759,105 @@ def build_compressed_dsa_harness(
             controller=controller,
             group=group,
             page_tokens=storage_page_tokens,
+            kv_derived_pools=frozenset({PoolName.KV, PoolName.INDEXER}),
+            backup_sidecars=lambda harness, keys: [
+                _mamba_backup(mamba_host, keys),
+                _indexer_backup(keys),
+            ],
+            query_sidecars=lambda harness, keys: [_mamba_query(), _indexer_query()],
+        )
+
+
+def _stock_glm_stack(
+    device: StockGlmDevice,
+    *,
+    layout: str,
+    tp_group: Any,
+    extra_config: Mapping[str, Any],
+    model_name: str,
+) -> tuple[HostPoolGroup, HybridCacheController]:
+    """sglang's ``build_hybrid_mamba_stack`` builds pools and controller, as
+    ``_MambaStrategy`` does; it refuses layer_first (the Mamba host pool
+    asserts), so that layout composes the same builders with the KDA state
+    page_first and constructs the controller the same way."""
+    if mamba_layout_for(layout) == layout:
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=device.req_to_token,
+            token_to_kv_pool_allocator=device.allocator,
+            page_size=device.page_tokens,
+            tp_cache_group=tp_group,
+            mtp_draft_device_pools=device.drafts,
+        )
+        group, controller, _ = build_hybrid_mamba_stack(
+            params=params,
+            decls=device.kv.host_pool_decls(),
+            mamba_pool=device.mamba,
+            full_layer_mapping=device.full_layer_mapping,
+            start_layer=0,
+            load_cache_event=threading.Event(),
+            storage_backend="dynamic",
+            use_mla=True,
+            model_name=model_name,
+            storage_backend_extra_config=dict(extra_config),
+        )
+        return group, controller
+    group = build_stock_glm_group(device, layout)
+    controller = _controller(
+        HybridCacheController,
+        allocator=device.allocator,
+        group=group,
+        page_tokens=device.page_tokens,
+        tp_group=tp_group,
+        extra_config=extra_config,
+        model_name=model_name,
+        transfer_layer_id_max=device.transfer_layer_id_max,
+    )
+    return group, controller
+
+
+def build_stock_glm_harness(
+    extra_config: Mapping[str, Any],
+    *,
+    layout: str = "page_first",
+    layers: int = 2,
+    mamba_layers: int = 2,
+    draft_layers: int = 1,
+    index_kpool: int = STOCK_INDEX_KPOOL,
+    device_pages: int = 2,
+    host_to_device_ratio: float = 4.0,
+    mamba_slots: int = 8,
+    model_name: str = "harness-stock-glm",
+) -> ControllerHarness:
+    """GLM-5.3-Flash on stock 0.5.23: MLA KV + compressed DSA INDEXER (both
+    with ``draft_layers`` packed MTP layers) + KDA state, one key per
+    ``64 * index_kpool``-token host page (K=1)."""
+    with ExitStack() as stack:
+        tp_group = stack.enter_context(_single_rank_process_group())
+        stack.enter_context(
+            sglang_cpu_runtime(layout=layout, host_to_device_ratio=host_to_device_ratio)
+        )
+        device = make_stock_glm_device(
+            layers=layers,
+            mamba_layers=mamba_layers,
+            draft_layers=draft_layers,
+            index_kpool=index_kpool,
+            device_pages=device_pages,
+            mamba_slots=mamba_slots,
+        )
+        group, controller = _stock_glm_stack(
+            device,
+            layout=layout,
+            tp_group=tp_group,
+            extra_config=extra_config,
+            model_name=model_name,
+        )
+        mamba_host = group.get_pool(PoolName.MAMBA)
+        return ControllerHarness(
+            stack=stack.pop_all(),
+            controller=controller,
+            group=group,
+            page_tokens=device.page_tokens,
             kv_derived_pools=frozenset({PoolName.KV, PoolName.INDEXER}),
             backup_sidecars=lambda harness, keys: [
                 _mamba_backup(mamba_host, keys),

@@ -2,7 +2,8 @@
 
 The end-to-end test runs every contender kind (memcpy, raw-1buf, raw-K4,
 span-K1/K4, span with a small ``span_max_buffers_per_call``, upstream
-MooncakeStore) on real sglang host pools in both topologies, and checks the
+MooncakeStore) on real sglang host pools in both topologies (the stock
+GLM-5.3-Flash pool set among them), and checks the
 result document: its schema, that every get was verified byte for byte, that
 every transfer completed, and that the target table is filled in.
 """
@@ -75,7 +76,16 @@ def test_contender_names_and_plans() -> None:
     with pytest.raises(ValueError):
         ContenderSpec.parse("span-4")
     quick = plan_workloads(BenchConfig(quick=True, reps=1))
-    assert {w.section for w in quick} == {"grid", "batch", "coalesce", "chunks"}
+    assert {w.section for w in quick} == {"grid", "batch", "coalesce", "chunks", "stock"}
+    # the stock GLM-5.3-Flash cell (K=1, 256-token pages) beside its span shape,
+    # with equal tokens per call
+    stock = [w for w in quick if w.section == "stock" and w.topology == "same"]
+    assert [(w.model.label, w.model.page_tokens) for w in stock] == [
+        ("dsa-stock-320KiB", 256),
+        ("dsa-64KiB", 64),
+    ]
+    assert stock[0].pages_per_call * 256 == stock[1].pages_per_call * 64
+    assert "span-K1" in stock[0].contenders and "span-K4" in stock[1].contenders
     assert all("memcpy" not in w.contenders for w in quick if w.topology != "same")
     # the >2048-buffer probe breaks the client: full runs only, isolated, last
     full = plan_workloads(BenchConfig(reps=1))
@@ -93,7 +103,18 @@ def test_tiny_bench_end_to_end(tmp_path) -> None:
     small = B.MODELS[("dsa", B.SMALL)]
     mla = B.MODELS[("mla", B.SMALL)]
     tiny = B.MODELS[("mla", B.TINY_LAYERS)]
+    stock = B.MODELS[("dsa-stock", B.STOCK)]
     workloads = [
+        # GLM-5.3-Flash as stock 0.5.23 builds it: K=1 on 256-token pages
+        B.Workload(
+            "stock",
+            "same",
+            stock,
+            "page_first",
+            8,
+            4,
+            ("memcpy", "raw-1buf", "raw-K1", "span-K1", "upstream"),
+        ),
         B.Workload(
             "grid",
             "same",
@@ -171,6 +192,12 @@ def test_tiny_bench_end_to_end(tmp_path) -> None:
 
     table = B.format_table(result)
     assert "grid/same/dsa-64KiB/page_first/P16" in table and "targets" in table
+    assert "stock/same/dsa-stock-320KiB/page_first/P4" in table
+    stock_row = result["workloads"][0]
+    # KV + indexer per page, each with the packed draft layer: (4+1) layers x
+    # 256 tokens x 128 B of KV, (4+1) x 64 rows x 132 B of index keys
+    assert stock_row["kv_page_bytes"] == 5 * 256 * 128 * 2
+    assert stock_row["page_bytes_all_pools"] == 5 * 256 * 128 * 2 + 5 * 64 * 132
     png = tmp_path / "bench.png"
     B.write_plot(result, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

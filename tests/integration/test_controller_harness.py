@@ -21,6 +21,7 @@ from tests.harness.controller import (  # noqa: E402
     build_compressed_dsa_harness,
     build_dsa_harness,
     build_mamba_swa_harness,
+    build_stock_glm_harness,
 )
 from tests.harness.memory_backend import TransferRecord, memory_backend_config  # noqa: E402
 
@@ -263,3 +264,58 @@ def test_failed_backend_construction_releases_global_state():
     assert not dist.is_initialized()
     with build_dsa_harness(_config(False)) as harness:
         assert harness.backup(1).completed_tokens == PAGE_TOKENS
+
+
+STOCK_PAGE_TOKENS = 256  # deepseek_v2.py: 64 * index_kpool for compressed DSA
+
+
+@pytest.mark.parametrize("interface_v1", [False, True], ids=["generic", "v1"])
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
+def test_stock_glm_geometry_is_byte_exact(layout, interface_v1):
+    # GLM-5.3-Flash on stock 0.5.23: 256-token host pages, one key per host
+    # page, MTP draft layer packed into KV and INDEXER, KDA state.
+    with build_stock_glm_harness(_config(interface_v1), layout=layout, draft_layers=1) as harness:
+        assert (harness.page_tokens, harness.host_pages_per_key) == (STOCK_PAGE_TOKENS, 1)
+        assert not hasattr(harness.backend.storage_config, "storage_page_size")
+        kv, indexer = harness.pool(PoolName.KV), harness.pool(PoolName.INDEXER)
+        assert kv.page_size == indexer.page_size == STOCK_PAGE_TOKENS
+        # 2 target + 1 packed draft layer in both KV-derived pools; the
+        # indexer page holds 256 / index_kpool = 64 rows of 132 bytes per layer.
+        assert kv.layer_num == indexer.layer_num == 3
+        assert indexer.indexer_page_stride_size == 64 * 132
+        assert kv.get_dummy_flat_data_page().nbytes == 3 * STOCK_PAGE_TOKENS * 48 * 2
+        assert indexer.get_dummy_flat_data_page().nbytes == 3 * 64 * 132
+        assert type(harness.pool(PoolName.MAMBA)).__name__ == "MambaPoolHost"
+
+        backup = harness.backup(3, seed=7)
+        assert backup.completed_tokens == 3 * STOCK_PAGE_TOKENS
+        query = harness.hit_query(list(backup.token_ids) + harness.fresh_tokens(1))
+        assert (query.hit_pages, query.hit_tokens) == (3, 3 * STOCK_PAGE_TOKENS)
+        restored = harness.prefetch(query)
+        assert restored.completed_tokens == 3 * STOCK_PAGE_TOKENS
+        assert {n: len(p) for n, p in restored.pages.items()} == {
+            PoolName.KV: 3,
+            PoolName.INDEXER: 3,
+            PoolName.MAMBA: 1,
+        }
+        assert harness.mismatches(restored, backup) == []
+
+        (set_v2,) = harness.backend.calls_named("batch_set_v2")
+        assert set_v2.transfers == (
+            TransferRecord("mamba", 1, 1, "trailing_pages", None, False),
+            TransferRecord("indexer", 3, 3 * STOCK_PAGE_TOKENS, "all_pages", "kv", False),
+        )
+
+
+def test_stock_glm_harness_catches_a_wrong_draft_layer():
+    with build_stock_glm_harness(_config(True), draft_layers=1) as harness:
+        backup = harness.backup(2, seed=3)
+        key = backup.keys[0]
+        stored = bytearray(backup.pages[PoolName.KV][key])
+        # The packed draft layer is the last third of a page_first MLA page
+        # (token-major, layer-minor rows): flip one byte of its last row.
+        stored[-1] ^= 0xFF
+        harness.backend.set(key, torch.frombuffer(stored, dtype=torch.uint8))
+        restored = harness.prefetch(harness.hit_query(backup.token_ids))
+        problems = harness.mismatches(restored, backup)
+        assert len(problems) == 1 and problems[0].startswith(f"kv:{key[:12]}")
