@@ -12,6 +12,7 @@ check FAILs, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -25,12 +26,13 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mooncake_span.config import MooncakeSettings, load_span_options
+from mooncake_span.config import MooncakeSettings, RankInfo, load_span_options
 from mooncake_span.errors import MooncakeSpanError, code_name
 from mooncake_span.ops import master_http
 from mooncake_span.ops.cli_common import add_connection_args, admin_url, resolve_settings
 from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
+from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,14 @@ class Context:
     model: str | None = None
     tag: str | None = None
     failed: set[str] = field(default_factory=set)
+    # The rank whose settings were resolved, and how many ranks of the server share this host.
+    ranks: RankInfo = field(default_factory=RankInfo)
+    local_ranks: int = 1
+    # Host KV pool bytes per rank (sglang's --hicache-size), registered too; 0 = unknown.
+    host_pool_bytes: int = 0
+    # tp_rank -> the NIC the device_name map gives it, for the other local ranks.
+    rank_devices: dict[int, str] = field(default_factory=dict)
+    ib_path: str = _IB_PATH
 
     def remaining_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -309,42 +319,94 @@ def _meminfo() -> dict[str, int]:
     return info
 
 
+def _nics(device_name: str) -> list[str]:
+    return [d.strip() for d in device_name.replace(";", ",").split(",") if d.strip()]
+
+
 def check_device(ctx: Context) -> list[Check]:
+    """This rank's NIC (from a device_name map: the entry for its tp_rank) exists here."""
     s = ctx.settings
     if s.protocol != "rdma":
         return [Check("device", PASS, f"protocol {s.protocol}: no RDMA device needed")]
-    checks = []
-    devices = sorted(os.listdir(_IB_PATH)) if os.path.isdir(_IB_PATH) else []
-    wanted = [d for d in s.device_name.replace(";", ",").split(",") if d]
+    root = ctx.ib_path
+    devices = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    rank = ctx.ranks.tp_rank
+    wanted = _nics(s.device_name)
     missing = [d for d in wanted if d not in devices]
+    data = {"tp_rank": rank, "device_name": s.device_name, "present": devices}
     if not devices or missing:
-        checks.append(
-            Check(
-                "rdma device",
-                FAIL,
-                f"RDMA devices here: {devices or 'none'}; configured: {wanted or 'auto'}",
-                "install the RDMA driver / pick a listed device_name, or use protocol tcp",
-            )
+        check = Check(
+            "rdma device",
+            FAIL,
+            f"tp_rank {rank}: device_name gives {wanted or 'none (auto)'}, missing "
+            f"{missing or wanted or 'any'}; {root} holds {devices or 'no device'}",
+            "install the RDMA driver / correct this rank's entry of the device_name map "
+            "(a listed device), or use protocol tcp",
+            data,
+        )
+    elif not wanted:
+        check = Check(
+            "rdma device",
+            WARN,
+            f"tp_rank {rank}: device_name names no NIC (empty, or the map leaves this rank "
+            f"out): Mooncake picks one of {devices} itself",
+            'map every rank to its own NIC: device_name = {"0": "mlx5_0", "1": "mlx5_1", ...}',
+            data,
         )
     else:
-        checks.append(Check("rdma device", PASS, f"RDMA devices {devices}"))
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    need = s.global_segment_size_bytes + s.local_buffer_size_bytes
-    if soft != resource.RLIM_INFINITY and soft < need:
+        check = Check("rdma device", PASS, f"tp_rank {rank}: {wanted} present in {root}")
+        check.data = data
+    checks = [check]
+    others = {r: d for r, d in ctx.rank_devices.items() if r != rank}
+    absent = {r: d for r, d in others.items() if not d or any(n not in devices for n in _nics(d))}
+    if absent:
         checks.append(
             Check(
-                "memlock",
-                FAIL,
-                f"memlock limit {soft} bytes < {need} bytes to register (segment + buffer)",
-                "ulimit -l unlimited (or LimitMEMLOCK=infinity / --ulimit memlock=-1 in "
-                "containers)",
+                "rdma device (other ranks)",
+                WARN,
+                f"local ranks whose NIC is missing here or unnamed: {absent}",
+                "fix those entries of the device_name map",
+                {"absent": absent},
             )
         )
-    else:
-        checks.append(Check("memlock", PASS, "memlock limit is enough for registration"))
     pages = _meminfo().get("HugePages_Total", 0)
     checks.append(Check("hugepages", PASS, f"{pages} huge pages configured (optional)"))
     return checks
+
+
+def registered_bytes(ctx: Context) -> int:
+    """What one rank registers: its segment share, the local buffer and its host pools."""
+    s = ctx.settings
+    return s.global_segment_size_bytes + s.local_buffer_size_bytes + ctx.host_pool_bytes
+
+
+def check_memlock(ctx: Context) -> list[Check]:
+    """RLIMIT_MEMLOCK is per process, and each rank is a process registering its own memory."""
+    if ctx.settings.protocol != "rdma":
+        return [Check("memlock", PASS, f"protocol {ctx.settings.protocol}: nothing is pinned")]
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    need = registered_bytes(ctx)
+    pools = " (host pools unknown)"
+    if ctx.host_pool_bytes:
+        pools = f" + host pools {ctx.host_pool_bytes}"
+    what = (
+        f"segment {ctx.settings.global_segment_size_bytes} + buffer "
+        f"{ctx.settings.local_buffer_size_bytes}{pools} = {need} bytes per rank"
+    )
+    data = {"limit_bytes": None if soft == resource.RLIM_INFINITY else soft, "need_bytes": need}
+    if soft != resource.RLIM_INFINITY and soft < need:
+        return [
+            Check(
+                "memlock",
+                FAIL,
+                f"memlock limit {soft} bytes < {what}",
+                "ulimit -l unlimited (or LimitMEMLOCK=infinity / --ulimit memlock=-1 in "
+                "containers)",
+                data,
+            )
+        ]
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    return [Check("memlock", PASS, f"memlock limit {limit} covers {what}", None, data)]
 
 
 def check_syn_retries(ctx: Context) -> list[Check]:
@@ -368,20 +430,25 @@ def check_syn_retries(ctx: Context) -> list[Check]:
 
 
 def check_memory(ctx: Context) -> list[Check]:
+    """Every local rank's segment share, buffer and host pools against free host memory."""
     s = ctx.settings
-    need = s.global_segment_size_bytes + s.local_buffer_size_bytes
+    per_rank = registered_bytes(ctx)
+    need = per_rank * ctx.local_ranks
     available = _meminfo().get("MemAvailable")
     if available is None:
         return [Check("memory", SKIP, "MemAvailable unknown")]
     detail = (
-        f"segment {s.global_segment_size_bytes} + buffer {s.local_buffer_size_bytes} bytes vs "
-        f"{available} bytes available"
+        f"segment {s.global_segment_size_bytes} + buffer {s.local_buffer_size_bytes}"
+        + (f" + host pools {ctx.host_pool_bytes}" if ctx.host_pool_bytes else "")
+        + f" bytes per rank x {ctx.local_ranks} local ranks = {need} bytes vs {available} "
+        "bytes available"
     )
-    data = {"need_bytes": need, "available_bytes": available}
+    data = {"need_bytes": need, "per_rank_bytes": per_rank, "available_bytes": available}
+    fix = "lower global_segment_size (per server, split over tp x pp) or free memory"
     if need > available:
-        return [Check("memory", FAIL, detail, "lower global_segment_size or free memory", data)]
+        return [Check("memory", FAIL, detail, fix, data)]
     if need > 0.8 * available:
-        return [Check("memory", WARN, detail, "leave headroom: lower global_segment_size", data)]
+        return [Check("memory", WARN, detail, "leave headroom: " + fix, data)]
     return [Check("memory", PASS, detail, None, data)]
 
 
@@ -479,6 +546,7 @@ CHECKS = (
     check_etcd,
     check_bind,
     check_device,
+    check_memlock,
     check_syn_retries,
     check_memory,
     check_store,
@@ -489,8 +557,12 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
     ctx = Context(deadline=time.monotonic() + DEADLINE_S, model=args.model, tag=args.tag)
     ctx.native_log = resolve_native_log(args.native_log, "doctor")
     try:
-        ctx.settings, ctx.extra = resolve_settings(args)
-    except MooncakeSpanError as exc:
+        ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)
+        ctx.local_ranks = args.local_ranks or ctx.ranks.ranks_per_server
+        ctx.host_pool_bytes = parse_size_bytes(args.host_pool_bytes)
+        ctx.settings, ctx.extra = resolve_settings(args, ranks=ctx.ranks)
+        ctx.rank_devices = _local_rank_devices(args, ctx)
+    except (MooncakeSpanError, ValueError) as exc:
         return [Check("config", FAIL, str(exc), "fix the configuration source named above")], ctx
     s = ctx.settings
     ctx.admin_url = admin_url(args, s, ctx.extra)
@@ -499,14 +571,27 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
             "config",
             PASS,
             f"master {s.master_server_address}, metadata {s.metadata_server}, protocol "
-            f"{s.protocol}, local_hostname {s.local_hostname}, segment "
-            f"{s.global_segment_size_bytes} bytes (from {s.source})",
+            f"{s.protocol}, local_hostname {s.local_hostname}, tenant {s.tenant_id}, segment "
+            f"{s.global_segment_size_bytes} bytes per rank (tp_rank {ctx.ranks.tp_rank} of "
+            f"tp {ctx.ranks.tp_size} x pp {ctx.ranks.pp_size}), admin {ctx.admin_url} "
+            f"(master_metrics_port {s.master_metrics_port}) (from {s.source})",
             data={"settings": asdict(s)},
         )
     ]
     for check in CHECKS:
         checks += check(ctx)
     return checks, ctx
+
+
+def _local_rank_devices(args: argparse.Namespace, ctx: Context) -> dict[int, str]:
+    """tp_rank -> NIC for every tp rank on this host (the device_name map resolved per rank)."""
+    if ctx.settings.protocol != "rdma":
+        return {}
+    devices = {}
+    for rank in range(min(ctx.ranks.tp_size, ctx.local_ranks)):
+        ranks = dataclasses.replace(ctx.ranks, tp_rank=rank)
+        devices[rank] = resolve_settings(args, ranks=ranks)[0].device_name
+    return devices
 
 
 def format_text(checks: list[Check]) -> str:
@@ -556,4 +641,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model", default=None, help="model name whose layout-guard record to read"
     )
     parser.add_argument("--tag", default=None, help="extra_backend_tag of that namespace")
+    ranks = parser.add_argument_group(
+        "deployment", "the sglang rank to check, as its HiCacheStorageConfig would name it"
+    )
+    ranks.add_argument("--tp-rank", type=int, default=0, help="tp_rank (picks the NIC of a map)")
+    ranks.add_argument("--tp-size", type=int, default=1, help="the server's tp_size")
+    ranks.add_argument("--pp-size", type=int, default=1, help="the server's pp_size")
+    ranks.add_argument(
+        "--local-ranks",
+        type=int,
+        default=0,
+        help="ranks of the server on this host (default tp_size x pp_size)",
+    )
+    ranks.add_argument(
+        "--host-pool-bytes",
+        default="0",
+        help="host KV pool bytes per rank (--hicache-size), registered with the segment",
+    )
     parser.set_defaults(func=run_doctor_command)

@@ -243,8 +243,10 @@ def test_bad_extra_config_raises_config_error(override, fragments):
         assert fragment in str(excinfo.value)
 
 
-def test_client_server_address_alone_selects_extra_config_and_demands_a_master():
-    with pytest.raises(ConfigError, match=r"master_server_address is required \(extra_config\)"):
+def test_client_server_address_selects_extra_config_and_is_refused():
+    # Upstream it only serves standalone_storage (refused here); it still picks
+    # the extra-config source, so the environment's master is not used instead.
+    with pytest.raises(ConfigError, match=r"client_server_address \(extra_config\)"):
         load_mooncake_settings(
             {"client_server_address": "10.0.0.1:50052"}, environ={"MOONCAKE_MASTER": ENV_MASTER}
         )
