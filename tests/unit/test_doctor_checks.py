@@ -13,7 +13,7 @@ import pytest
 
 from mooncake_span.config import MooncakeSettings
 from mooncake_span.errors import ConfigError
-from mooncake_span.ops import doctor
+from mooncake_span.ops import doctor, doctor_host
 from mooncake_span.ops.cli_common import add_connection_args, resolve_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,7 +177,8 @@ def test_this_hosts_sys_class_infiniband_is_reported_as_it_is():
     # This machine has no RDMA NIC: the real root must say so, not pass.
     ctx = _ctx(protocol="rdma", device_name="mlx5_0")
     (check, *_) = doctor.check_device(ctx)
-    present = sorted(os.listdir(doctor._IB_PATH)) if os.path.isdir(doctor._IB_PATH) else []
+    root = doctor_host._IB_PATH
+    present = sorted(os.listdir(root)) if os.path.isdir(root) else []
     assert check.status == ("PASS" if "mlx5_0" in present else "FAIL")
     assert check.data["present"] == present
 
@@ -212,7 +213,7 @@ def _resolve_ctx(args, ib_path):
     ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)
     ctx.local_ranks = args.local_ranks or ctx.ranks.ranks_per_server
     ctx.settings, ctx.extra = resolve_settings(args, environ={}, ranks=ctx.ranks)
-    ctx.rank_devices = doctor._local_rank_devices(args, ctx)
+    ctx.rank_devices = doctor_host._local_rank_devices(args, ctx)
     ctx.ib_path = str(ib_path)
     return ctx
 
@@ -255,7 +256,7 @@ def test_memory_counts_every_local_rank(tmp_path):
     ("limit", "status"), [(64 << 10, "FAIL"), (1 << 40, "PASS"), (resource.RLIM_INFINITY, "PASS")]
 )
 def test_memlock_against_what_one_rank_registers(monkeypatch, limit, status):
-    monkeypatch.setattr(doctor.resource, "getrlimit", lambda _which: (limit, limit))
+    monkeypatch.setattr(doctor_host.resource, "getrlimit", lambda _which: (limit, limit))
     ctx = _ctx(protocol="rdma", global_segment_size_bytes=1 << 30)
     ctx.host_pool_bytes = 2 << 30
     (check,) = doctor.check_memlock(ctx)
@@ -265,7 +266,7 @@ def test_memlock_against_what_one_rank_registers(monkeypatch, limit, status):
 
 
 def test_memlock_is_not_needed_over_tcp(monkeypatch):
-    monkeypatch.setattr(doctor.resource, "getrlimit", lambda _which: (0, 0))
+    monkeypatch.setattr(doctor_host.resource, "getrlimit", lambda _which: (0, 0))
     (check,) = doctor.check_memlock(_ctx(protocol="tcp", global_segment_size_bytes=1 << 30))
     assert check.status == "PASS" and "tcp" in check.detail
 
