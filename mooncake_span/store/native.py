@@ -109,7 +109,8 @@ def setup_store(store: NativeStore, settings: MooncakeSettings, **arguments: Any
             raise SetupError(f"cannot create ssd_offload_path: {exc}") from exc
     try:
         rc = store.setup(**arguments)
-    except (TypeError, RuntimeError) as exc:
+    # ValueError: e.g. "Invalid FileStorage configuration" for a bad SSD offload setup.
+    except (TypeError, RuntimeError, ValueError) as exc:
         raise SetupError(f"Mooncake setup raised {exc!r}") from exc
     if rc != 0:
         raise SetupError(

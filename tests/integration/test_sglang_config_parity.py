@@ -212,12 +212,53 @@ def _cluster_keys(mooncake_cluster: Any) -> dict[str, Any]:
     return config
 
 
+@pytest.fixture(scope="module")
+def offload_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A master started with --enable_offload: without it SSD offload setups fail (-1300)."""
+    from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
+    from tests.conftest import require_mooncake
+
+    require_mooncake(need_binaries=True)
+    spec = ClusterSpec(
+        master_extra_args=("--enable_offload=true",),
+        log_dir=tmp_path_factory.mktemp("offload-cluster"),
+    )
+    with LocalCluster(spec) as cluster:
+        yield cluster
+
+
+SSD_CASES = [c for c in CASES if c[1].get("enable_ssd_offload")]
+
+
+@pytest.mark.parametrize(
+    ("keys", "ranks", "source"), [c[1:] for c in SSD_CASES], ids=[c[0] for c in SSD_CASES]
+)
+def test_ssd_offload_sets_up_alike_on_an_offload_master(
+    keys, ranks, source, offload_cluster, recorded_setups, monkeypatch, tmp_path
+):
+    errors = _run_case(keys, ranks, source, offload_cluster, recorded_setups, monkeypatch, tmp_path)
+    assert errors == (None, None)
+    # Both made the same per-rank directory under the configured path.
+    (rank_dir,) = (tmp_path / "ssd").iterdir()
+    assert rank_dir.name == "rank_0_{tp_rank}_0_0".format(**ranks)
+
+
 @pytest.mark.parametrize(
     ("keys", "ranks", "source"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
 def test_same_setup_arguments_as_sglang(
     keys, ranks, source, mooncake_cluster, recorded_setups, monkeypatch, tmp_path
 ):
+    sglang_error, ours_error = _run_case(
+        keys, ranks, source, mooncake_cluster, recorded_setups, monkeypatch, tmp_path
+    )
+    # This master runs without --enable_offload: SSD offload fails setup (-1300) for both.
+    if not keys.get("enable_ssd_offload"):
+        assert sglang_error is None and ours_error is None, (sglang_error, ours_error)
+
+
+def _run_case(keys, ranks, source, mooncake_cluster, recorded_setups, monkeypatch, tmp_path):
+    """Build both backends from one input; assert the same setup arguments; return both errors."""
     for name, value in mooncake_cluster.client_env().items():
         monkeypatch.setenv(name, value)
     for name in _ENV_NAMES:
@@ -250,6 +291,27 @@ def test_same_setup_arguments_as_sglang(
     theirs, ours = recorded_setups
     assert ours == theirs
     assert (sglang_error is None) == (ours_error is None), (sglang_error, ours_error)
-    if "ssd" not in str(keys):
-        # Without SSD offload the CPU wheel sets up every case.
-        assert sglang_error is None and ours_error is None, (sglang_error, ours_error)
+    return sglang_error, ours_error
+
+
+def test_master_metrics_port_alone_feeds_placement(mooncake_cluster, monkeypatch, key_namespace):
+    """Without span_master_admin_url the segment list comes from master_metrics_port."""
+    from mooncake_span.sglang_backend import MooncakeSpanStore
+
+    for name, value in mooncake_cluster.client_env().items():
+        monkeypatch.setenv(name, value)
+    base = _cluster_keys(mooncake_cluster)
+    if "master_metrics_port" not in base:
+        pytest.skip("the cluster publishes no admin port")
+    store = MooncakeSpanStore(_storage_config({**base, "global_segment_size": 0}, {}), {})
+    try:
+        assert store.options.master_admin_url is None
+        assert store.client.segments(), "placement found no segment on master_metrics_port"
+    finally:
+        store.close()
+    wrong = {**base, "global_segment_size": 0, "master_metrics_port": 1}
+    store = MooncakeSpanStore(_storage_config(wrong, {}), {})
+    try:
+        assert store.client.segments() == ()
+    finally:
+        store.close()
