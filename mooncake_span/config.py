@@ -22,7 +22,8 @@ them, given the rank sglang passes the backend (``RankInfo``):
 ``global_segment_size`` is per server and split over tp_size x pp_size, a JSON
 ``device_name`` map picks this tp_rank's NIC, and ``ssd_offload_path`` gets the
 per-rank sub-directory ``rank_<dp>_<tp>_<pp>_<attn_cp>``. Every key
-``MooncakeStore`` reads either means the same here or is refused.
+``MooncakeStore`` reads either means the same here or is refused. The loader
+lives in :mod:`mooncake_span.mooncake_settings` and is re-exported here.
 
 ``SpanOptions`` -- mooncake-span's own knobs. Precedence: extra-config keys,
 then ``MOONCAKE_SPAN_<NAME>`` environment variables, then defaults. Its keys
@@ -357,7 +358,9 @@ def _apply_group_semantics(
     """
     if extra.get("enable_group_semantics") is None:
         return
-    wanted = _flag(extra["enable_group_semantics"], "enable_group_semantics", "extra_config")
+    wanted = parse_sglang_flag(
+        extra["enable_group_semantics"], "enable_group_semantics", "extra_config"
+    )
     if "group_ids" in values and values["group_ids"] != wanted:
         raise ConfigError(
             f"enable_group_semantics={wanted} contradicts span_group_ids={values['group_ids']} "
@@ -372,17 +375,29 @@ from mooncake_span.mooncake_settings import (  # noqa: E402
     ENV_KEYS,
     MooncakeSettings,
     RankInfo,
-    _flag,
     load_mooncake_settings,
+    parse_sglang_flag,
     resolve_device,
 )
 
 __all__ = [
+    "CONFIG_PATH_ENV",
+    "DEFAULT_MASTER_METRICS_PORT",
+    "DEFAULT_TENANT_ID",
     "ENV_KEYS",
+    "FOREIGN_KEYS",
+    "KNOWN_PROTOCOLS",
+    "LAYOUT_GUARD_MODES",
+    "MOONCAKE_KEYS",
+    "SPAN_ENV_PREFIX",
     "MooncakeSettings",
     "RankInfo",
     "SpanOptions",
     "load_mooncake_settings",
     "load_span_options",
+    "parse_bool",
+    "parse_int",
     "resolve_device",
+    "validate_master_address",
+    "validate_metadata_server",
 ]

@@ -177,7 +177,8 @@ _ENV_TRUE = {"true", "1", "yes", "y"}
 _ENV_FALSE = {"false", "0", "no", "n"}
 
 
-def _flag(value: Any, key: str, source: str) -> bool:
+def parse_sglang_flag(value: Any, key: str, source: str) -> bool:
+    """A boolean as sglang reads it from `source` (stricter: what it would misread is refused)."""
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
     if source == "environment" and isinstance(value, str):
@@ -251,7 +252,7 @@ def _tenant(value: Any, source: str) -> str:
 
 
 def _refuse_standalone(values: Mapping[str, Any], source: str) -> None:
-    if values.get("standalone_storage") is not None and _flag(
+    if values.get("standalone_storage") is not None and parse_sglang_flag(
         values["standalone_storage"], "standalone_storage", source
     ):
         raise ConfigError(
@@ -280,7 +281,7 @@ def _settings_from_mapping(
     segment_bytes = _size(
         values.get("global_segment_size", _DEFAULT_GLOBAL_SEGMENT), "global_segment_size"
     )
-    ssd = _flag(values.get("enable_ssd_offload", False), "enable_ssd_offload", source)
+    ssd = parse_sglang_flag(values.get("enable_ssd_offload", False), "enable_ssd_offload", source)
     ssd_path = _ssd_path(values.get("ssd_offload_path"), ranks, source)
     if ssd_path is not None and not ssd:
         logger.warning(
@@ -312,7 +313,7 @@ def _settings_from_mapping(
         tenant_id=_tenant(values.get("tenant_id"), source),
         enable_ssd_offload=ssd,
         ssd_offload_path=ssd_path,
-        check_server=_flag(values.get("check_server", False), "check_server", source),
+        check_server=parse_sglang_flag(values.get("check_server", False), "check_server", source),
         master_metrics_port=_port(
             values.get("master_metrics_port", DEFAULT_MASTER_METRICS_PORT),
             "master_metrics_port",
