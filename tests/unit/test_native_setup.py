@@ -72,3 +72,31 @@ def test_check_server_waits_for_a_segment_then_gives_up():
     with pytest.raises(SetupError, match="check_server.*http://m:9003"):
         wait_for_segments("http://m:9003", lambda _url: [], timeout_s=0.1, poll_s=0.02)
     assert time.monotonic() - started < 2
+
+
+def test_the_adapter_finds_the_engine_sglang_started(monkeypatch):
+    # sglang keeps the engine its PD disaggregation started in a module global;
+    # starting a real one needs an RDMA NIC, so a stand-in with its three methods
+    # takes that slot here.
+    from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as te
+
+    from mooncake_span.sglang_backend.connection import shared_transfer_engine
+
+    handle = object()
+
+    class StartedEngine:
+        def get_session_id(self) -> str:
+            return "10.0.0.9:15000"
+
+        def get_ib_device(self) -> str:
+            return "mlx5_3"
+
+        def get_engine(self) -> object:
+            return handle
+
+    monkeypatch.setattr(te, "_mooncake_transfer_engine", None)
+    assert shared_transfer_engine() is None
+    monkeypatch.setattr(te, "_mooncake_transfer_engine", StartedEngine())
+    shared = shared_transfer_engine()
+    assert (shared.session_id, shared.ib_device) == ("10.0.0.9:15000", "mlx5_3")
+    assert setup_arguments(MooncakeSettings(**RDMA), shared)["engine"] is handle
