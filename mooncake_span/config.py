@@ -11,10 +11,19 @@ can switch backends without touching its config:
 2. else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``;
 3. else ``MOONCAKE_*`` environment variables (``MOONCAKE_MASTER`` required).
 
-Within one source, missing keys take sglang's defaults. ``local_hostname``
-follows upstream: ``MOONCAKE_LOCAL_HOSTNAME`` or ``LOCAL_HOSTNAME`` from the
-process environment win over the chosen source, so one shared extra-config can
-serve many hosts. Sizes accept ints and strings such as ``"4gb"``.
+Within one source, missing keys take sglang's defaults (and ``protocol``
+falls back to ``MOONCAKE_PROTOCOL``, as upstream). ``local_hostname`` follows
+upstream: ``MOONCAKE_LOCAL_HOSTNAME`` or ``LOCAL_HOSTNAME`` from the process
+environment win over the chosen source, so one shared extra-config can serve
+many hosts. Sizes accept ints and strings such as ``"4gb"``.
+
+The values are resolved per rank the way ``MooncakeStore.__init__`` resolves
+them, given the rank sglang passes the backend (``RankInfo``):
+``global_segment_size`` is per server and split over tp_size x pp_size, a JSON
+``device_name`` map picks this tp_rank's NIC, and ``ssd_offload_path`` gets the
+per-rank sub-directory ``rank_<dp>_<tp>_<pp>_<attn_cp>``. Every key
+``MooncakeStore`` reads either means the same here or is refused. The loader
+lives in :mod:`mooncake_span.mooncake_settings` and is re-exported here.
 
 ``SpanOptions`` -- mooncake-span's own knobs. Precedence: extra-config keys,
 then ``MOONCAKE_SPAN_<NAME>`` environment variables, then defaults. Its keys
@@ -25,7 +34,6 @@ default).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -34,7 +42,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mooncake_span.errors import ConfigError
-from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +54,36 @@ _DEFAULT_METADATA_SERVER = "P2PHANDSHAKE"
 _DEFAULT_GLOBAL_SEGMENT = "4gb"
 _DEFAULT_PROTOCOL = "rdma"
 _DEFAULT_LOCAL_BUFFER_BYTES = 16 * 1024 * 1024
+DEFAULT_TENANT_ID = "default"
+DEFAULT_MASTER_METRICS_PORT = 9003
 
 KNOWN_PROTOCOLS = ("tcp", "rdma", "efa", "nvlink", "nvlink_intra", "cxl", "ascend", "hip", "barex")
 
+# The keys sglang 0.5.23's MooncakeStore reads; load_mooncake_settings gives
+# each its upstream meaning or refuses it. (local_buffer_size is ours: upstream
+# always passes 16 MiB.)
+MOONCAKE_KEYS = frozenset(
+    {
+        "master_server_address",
+        "client_server_address",
+        "standalone_storage",
+        "local_hostname",
+        "metadata_server",
+        "global_segment_size",
+        "local_buffer_size",
+        "protocol",
+        "device_name",
+        "master_metrics_port",
+        "check_server",
+        "enable_ssd_offload",
+        "ssd_offload_path",
+        "tenant_id",
+    }
+)
+
 # Keys other components read from the same extra-config dict (sglang's
-# factory and controller, upstream MooncakeStore). They are not ours to reject.
+# factory and controller; extra_backend_tag and enable_group_semantics are
+# read by the backend). They are not ours to reject.
 FOREIGN_KEYS = frozenset(
     {
         "backend_name",
@@ -66,20 +98,6 @@ FOREIGN_KEYS = frozenset(
         "hicache_storage_pass_prefix_keys",
         "extra_backend_tag",
         "enable_group_semantics",
-        "master_metrics_port",
-        "check_server",
-        "standalone_storage",
-        "client_server_address",
-        "enable_ssd_offload",
-        "ssd_offload_path",
-        "tenant_id",
-        "local_hostname",
-        "metadata_server",
-        "global_segment_size",
-        "local_buffer_size",
-        "protocol",
-        "device_name",
-        "master_server_address",
     }
 )
 
@@ -147,136 +165,6 @@ def validate_metadata_server(value: str) -> str:
     raise ConfigError(
         f"invalid metadata server (metadata_server) {value!r}: scheme {scheme!r} is not supported; "
         "use 'P2PHANDSHAKE', 'http://HOST:PORT/metadata' or 'etcd://HOST:PORT'"
-    )
-
-
-@dataclass(frozen=True, kw_only=True)
-class MooncakeSettings:
-    """Arguments of ``MooncakeDistributedStore.setup`` plus where they came from."""
-
-    master_server_address: str
-    metadata_server: str = _DEFAULT_METADATA_SERVER
-    local_hostname: str = _DEFAULT_LOCAL_HOSTNAME
-    global_segment_size_bytes: int = parse_size_bytes(_DEFAULT_GLOBAL_SEGMENT)
-    local_buffer_size_bytes: int = _DEFAULT_LOCAL_BUFFER_BYTES
-    protocol: str = _DEFAULT_PROTOCOL
-    device_name: str = ""
-    source: str = "explicit"
-
-    def __post_init__(self) -> None:
-        validate_master_address(self.master_server_address)
-        validate_metadata_server(self.metadata_server)
-        if not self.local_hostname:
-            raise ConfigError("local_hostname must not be empty")
-        if self.global_segment_size_bytes < 0:
-            raise ConfigError(
-                f"global_segment_size must be >= 0 bytes, got {self.global_segment_size_bytes}"
-            )
-        if self.local_buffer_size_bytes <= 0:
-            raise ConfigError(
-                f"local_buffer_size must be > 0 bytes, got {self.local_buffer_size_bytes}"
-            )
-        if self.protocol not in KNOWN_PROTOCOLS:
-            raise ConfigError(
-                f"protocol {self.protocol!r} is not one Mooncake supports; "
-                f"choose one of {', '.join(KNOWN_PROTOCOLS)}"
-            )
-
-    def etcd_endpoints(self) -> list[str]:
-        """host:port of every etcd endpoint setup would contact (master and metadata)."""
-        endpoints: list[str] = []
-        if self.master_server_address.startswith("etcd://"):
-            endpoints += _etcd_endpoints(self.master_server_address[len("etcd://") :])
-        md = self.metadata_server
-        if md.startswith("etcd://"):
-            endpoints += _etcd_endpoints(md[len("etcd://") :].split("/", 1)[0])
-        elif md != "P2PHANDSHAKE" and "://" not in md:
-            endpoints += _etcd_endpoints(md)
-        return endpoints
-
-
-def _size(value: Any, key: str) -> int:
-    try:
-        return parse_size_bytes(value)
-    except ValueError as exc:
-        raise ConfigError(f"{key}: {exc}") from exc
-
-
-def _resolve_local_hostname(environ: Mapping[str, str], source: Mapping[str, Any]) -> str:
-    # Process environment first: a shared extra-config must not pin every host
-    # to the same name (same rule as upstream MooncakeStore).
-    for name in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):
-        if environ.get(name):
-            return environ[name]
-    return str(source.get("local_hostname") or _DEFAULT_LOCAL_HOSTNAME)
-
-
-def _settings_from_mapping(
-    values: Mapping[str, Any], environ: Mapping[str, str], source: str
-) -> MooncakeSettings:
-    if values.get("standalone_storage"):
-        raise ConfigError(
-            "standalone_storage=True (a separate mooncake_client owning the segment) is not "
-            "supported by mooncake-span; run the store client in-process "
-            "(global_segment_size=0 for a pure client) and dedicated storage nodes instead"
-        )
-    if not values.get("master_server_address"):
-        raise ConfigError(f"master_server_address is required ({source})")
-    return MooncakeSettings(
-        master_server_address=str(values["master_server_address"]),
-        metadata_server=str(values.get("metadata_server", _DEFAULT_METADATA_SERVER)),
-        local_hostname=_resolve_local_hostname(environ, values),
-        global_segment_size_bytes=_size(
-            values.get("global_segment_size", _DEFAULT_GLOBAL_SEGMENT), "global_segment_size"
-        ),
-        local_buffer_size_bytes=_size(
-            values.get("local_buffer_size", _DEFAULT_LOCAL_BUFFER_BYTES), "local_buffer_size"
-        ),
-        protocol=str(values.get("protocol", environ.get("MOONCAKE_PROTOCOL", _DEFAULT_PROTOCOL))),
-        device_name=str(values.get("device_name", "")),
-        source=source,
-    )
-
-
-def load_mooncake_settings(
-    extra_config: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
-) -> MooncakeSettings:
-    """Resolve the Mooncake connection with upstream MooncakeStore's precedence."""
-    environ = os.environ if environ is None else environ
-    extra = extra_config or {}
-    if extra.get("master_server_address") is not None or extra.get("client_server_address"):
-        return _settings_from_mapping(extra, environ, "extra_config")
-    path = environ.get(CONFIG_PATH_ENV)
-    if path:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                values = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read {CONFIG_PATH_ENV}={path!r}: {exc}") from exc
-        if not isinstance(values, dict):
-            raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} must hold a JSON object")
-        return _settings_from_mapping(values, environ, f"file {path}")
-    if not environ.get("MOONCAKE_MASTER"):
-        raise ConfigError(
-            "no Mooncake master configured: set master_server_address in "
-            f"--hicache-storage-backend-extra-config, or {CONFIG_PATH_ENV}, or MOONCAKE_MASTER"
-        )
-    return _settings_from_mapping(
-        {
-            "master_server_address": environ["MOONCAKE_MASTER"],
-            "metadata_server": environ.get(
-                "MOONCAKE_TE_META_DATA_SERVER", _DEFAULT_METADATA_SERVER
-            ),
-            "global_segment_size": environ.get(
-                "MOONCAKE_GLOBAL_SEGMENT_SIZE", _DEFAULT_GLOBAL_SEGMENT
-            ),
-            "protocol": environ.get("MOONCAKE_PROTOCOL", _DEFAULT_PROTOCOL),
-            "device_name": environ.get("MOONCAKE_DEVICE", ""),
-            "standalone_storage": environ.get("MOONCAKE_STANDALONE_STORAGE", "").lower()
-            in ("1", "true", "yes"),
-        },
-        environ,
-        "environment",
     )
 
 
@@ -451,7 +339,65 @@ def load_span_options(
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{key} ({origin}) is invalid: {raw!r} ({exc})") from exc
         sources[field_name] = origin
-    strays = sorted(k for k in extra if not _is_our_key(k) and k not in FOREIGN_KEYS)
+    _apply_group_semantics(extra, values, sources)
+    strays = sorted(
+        k for k in extra if not _is_our_key(k) and k not in FOREIGN_KEYS | MOONCAKE_KEYS
+    )
     if strays:
         logger.warning("ignoring extra-config keys no component reads: %s", strays)
     return SpanOptions(**values, sources=sources)
+
+
+def _apply_group_semantics(
+    extra: Mapping[str, Any], values: dict[str, Any], sources: dict[str, str]
+) -> None:
+    """sglang's ``enable_group_semantics`` (eviction group ids) sets ``span_group_ids``.
+
+    Absent, group ids stay on (a span key owns several objects); set, it means
+    what it means upstream; contradicting ``span_group_ids`` is refused.
+    """
+    if extra.get("enable_group_semantics") is None:
+        return
+    wanted = parse_sglang_flag(
+        extra["enable_group_semantics"], "enable_group_semantics", "extra_config"
+    )
+    if "group_ids" in values and values["group_ids"] != wanted:
+        raise ConfigError(
+            f"enable_group_semantics={wanted} contradicts span_group_ids={values['group_ids']} "
+            f"({sources['group_ids']}); set only one of them"
+        )
+    values["group_ids"] = wanted
+    sources["group_ids"] = "extra_config (enable_group_semantics)"
+
+
+# The per-rank MooncakeSettings live in their own module; these names stay importable from here.
+from mooncake_span.mooncake_settings import (  # noqa: E402
+    ENV_KEYS,
+    MooncakeSettings,
+    RankInfo,
+    load_mooncake_settings,
+    parse_sglang_flag,
+    resolve_device,
+)
+
+__all__ = [
+    "CONFIG_PATH_ENV",
+    "DEFAULT_MASTER_METRICS_PORT",
+    "DEFAULT_TENANT_ID",
+    "ENV_KEYS",
+    "FOREIGN_KEYS",
+    "KNOWN_PROTOCOLS",
+    "LAYOUT_GUARD_MODES",
+    "MOONCAKE_KEYS",
+    "SPAN_ENV_PREFIX",
+    "MooncakeSettings",
+    "RankInfo",
+    "SpanOptions",
+    "load_mooncake_settings",
+    "load_span_options",
+    "parse_bool",
+    "parse_int",
+    "resolve_device",
+    "validate_master_address",
+    "validate_metadata_server",
+]

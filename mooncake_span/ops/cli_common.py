@@ -16,9 +16,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from mooncake_span.config import MooncakeSettings, load_mooncake_settings
+from mooncake_span.config import MooncakeSettings, RankInfo, load_mooncake_settings
 from mooncake_span.errors import ConfigError
-from mooncake_span.ops import master_http
 from mooncake_span.ops.native_log import add_native_log_arg
 
 # Commands pointed at a cluster by flags alone talk TCP unless told otherwise
@@ -49,7 +48,7 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="the master's HTTP admin server (its --metrics_port), e.g. http://HOST:9003 "
         "(default: span_master_admin_url from the extra-config, else the master host on "
-        "master_metrics_port, else 9003)",
+        "master_metrics_port from the config source, default 9003)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     add_native_log_arg(parser)
@@ -76,9 +75,11 @@ def parse_extra_config(text: str | None) -> dict[str, Any]:
 
 
 def resolve_settings(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    ranks: RankInfo | None = None,
 ) -> tuple[MooncakeSettings, dict[str, Any]]:
-    """Settings the backend would use, with the command-line flags on top."""
+    """Settings the backend of rank ``ranks`` would use, with the command-line flags on top."""
     environ = os.environ if environ is None else environ
     extra = parse_extra_config(args.extra_config)
     overlay = {
@@ -91,13 +92,13 @@ def resolve_settings(
         if value
     }
     try:
-        base = load_mooncake_settings(extra, environ)
+        base = load_mooncake_settings(extra, environ, ranks)
     except ConfigError:
         if not args.master:
             raise
         # No config source at all: the flags are the whole configuration.
         overlay.setdefault("protocol", FLAG_ONLY_PROTOCOL)
-        settings = load_mooncake_settings({**extra, **overlay}, environ)
+        settings = load_mooncake_settings({**extra, **overlay}, environ, ranks)
         return dataclasses.replace(settings, source="command line"), extra
     if not overlay:
         return base, extra
@@ -115,5 +116,5 @@ def admin_url(
     configured = extra.get("span_master_admin_url")
     if configured:
         return str(configured).rstrip("/")
-    port = extra.get("master_metrics_port")
-    return master_http.admin_url_for(settings.master_server_address, int(port) if port else None)
+    # master_metrics_port from whichever source the settings came from.
+    return settings.admin_url()

@@ -16,21 +16,33 @@ import ipaddress
 import json
 import logging
 import os
-import resource
 import socket
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-from mooncake_span.config import MooncakeSettings, load_span_options
+from mooncake_span.config import RankInfo, load_span_options
 from mooncake_span.errors import MooncakeSpanError, code_name
 from mooncake_span.ops import master_http
 from mooncake_span.ops.cli_common import add_connection_args, admin_url, resolve_settings
+from mooncake_span.ops.doctor_host import (
+    FAIL,
+    PASS,
+    SKIP,
+    WARN,
+    Check,
+    Context,
+    _local_rank_devices,
+    check_device,
+    check_memlock,
+    check_memory,
+)
 from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
+from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,32 +51,6 @@ _NET_TIMEOUT_S = 2.0
 _ROUNDTRIP_OBJECTS = 4
 _ROUNDTRIP_OBJECT_BYTES = 1 << 20
 _SYN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_syn_retries"
-_IB_PATH = "/sys/class/infiniband"
-PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
-
-
-@dataclass
-class Check:
-    name: str
-    status: str
-    detail: str
-    fix: str | None = None
-    data: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Context:
-    settings: MooncakeSettings | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    admin_url: str | None = None
-    native_log: str | None = None
-    deadline: float = 0.0
-    model: str | None = None
-    tag: str | None = None
-    failed: set[str] = field(default_factory=set)
-
-    def remaining_s(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
 
 
 def _tcp(endpoint: str, timeout_s: float = _NET_TIMEOUT_S) -> str | None:
@@ -295,58 +281,6 @@ def check_bind(ctx: Context) -> list[Check]:
     return [Check(name, PASS, agree, None, data)]
 
 
-def _meminfo() -> dict[str, int]:
-    info = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    info[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    except OSError:
-        pass
-    return info
-
-
-def check_device(ctx: Context) -> list[Check]:
-    s = ctx.settings
-    if s.protocol != "rdma":
-        return [Check("device", PASS, f"protocol {s.protocol}: no RDMA device needed")]
-    checks = []
-    devices = sorted(os.listdir(_IB_PATH)) if os.path.isdir(_IB_PATH) else []
-    wanted = [d for d in s.device_name.replace(";", ",").split(",") if d]
-    missing = [d for d in wanted if d not in devices]
-    if not devices or missing:
-        checks.append(
-            Check(
-                "rdma device",
-                FAIL,
-                f"RDMA devices here: {devices or 'none'}; configured: {wanted or 'auto'}",
-                "install the RDMA driver / pick a listed device_name, or use protocol tcp",
-            )
-        )
-    else:
-        checks.append(Check("rdma device", PASS, f"RDMA devices {devices}"))
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    need = s.global_segment_size_bytes + s.local_buffer_size_bytes
-    if soft != resource.RLIM_INFINITY and soft < need:
-        checks.append(
-            Check(
-                "memlock",
-                FAIL,
-                f"memlock limit {soft} bytes < {need} bytes to register (segment + buffer)",
-                "ulimit -l unlimited (or LimitMEMLOCK=infinity / --ulimit memlock=-1 in "
-                "containers)",
-            )
-        )
-    else:
-        checks.append(Check("memlock", PASS, "memlock limit is enough for registration"))
-    pages = _meminfo().get("HugePages_Total", 0)
-    checks.append(Check("hugepages", PASS, f"{pages} huge pages configured (optional)"))
-    return checks
-
-
 def check_syn_retries(ctx: Context) -> list[Check]:
     try:
         with open(_SYN_RETRIES_PATH, encoding="ascii") as fh:
@@ -365,24 +299,6 @@ def check_syn_retries(ctx: Context) -> list[Check]:
             {"value": value},
         )
     ]
-
-
-def check_memory(ctx: Context) -> list[Check]:
-    s = ctx.settings
-    need = s.global_segment_size_bytes + s.local_buffer_size_bytes
-    available = _meminfo().get("MemAvailable")
-    if available is None:
-        return [Check("memory", SKIP, "MemAvailable unknown")]
-    detail = (
-        f"segment {s.global_segment_size_bytes} + buffer {s.local_buffer_size_bytes} bytes vs "
-        f"{available} bytes available"
-    )
-    data = {"need_bytes": need, "available_bytes": available}
-    if need > available:
-        return [Check("memory", FAIL, detail, "lower global_segment_size or free memory", data)]
-    if need > 0.8 * available:
-        return [Check("memory", WARN, detail, "leave headroom: lower global_segment_size", data)]
-    return [Check("memory", PASS, detail, None, data)]
 
 
 def _guard_key(ctx: Context) -> str | None:
@@ -479,6 +395,7 @@ CHECKS = (
     check_etcd,
     check_bind,
     check_device,
+    check_memlock,
     check_syn_retries,
     check_memory,
     check_store,
@@ -489,8 +406,12 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
     ctx = Context(deadline=time.monotonic() + DEADLINE_S, model=args.model, tag=args.tag)
     ctx.native_log = resolve_native_log(args.native_log, "doctor")
     try:
-        ctx.settings, ctx.extra = resolve_settings(args)
-    except MooncakeSpanError as exc:
+        ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)
+        ctx.local_ranks = args.local_ranks or ctx.ranks.ranks_per_server
+        ctx.host_pool_bytes = parse_size_bytes(args.host_pool_bytes)
+        ctx.settings, ctx.extra = resolve_settings(args, ranks=ctx.ranks)
+        ctx.rank_devices = _local_rank_devices(args, ctx)
+    except (MooncakeSpanError, ValueError) as exc:
         return [Check("config", FAIL, str(exc), "fix the configuration source named above")], ctx
     s = ctx.settings
     ctx.admin_url = admin_url(args, s, ctx.extra)
@@ -499,8 +420,10 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
             "config",
             PASS,
             f"master {s.master_server_address}, metadata {s.metadata_server}, protocol "
-            f"{s.protocol}, local_hostname {s.local_hostname}, segment "
-            f"{s.global_segment_size_bytes} bytes (from {s.source})",
+            f"{s.protocol}, local_hostname {s.local_hostname}, tenant {s.tenant_id}, segment "
+            f"{s.global_segment_size_bytes} bytes per rank (tp_rank {ctx.ranks.tp_rank} of "
+            f"tp {ctx.ranks.tp_size} x pp {ctx.ranks.pp_size}), admin {ctx.admin_url} "
+            f"(master_metrics_port {s.master_metrics_port}) (from {s.source})",
             data={"settings": asdict(s)},
         )
     ]
@@ -556,4 +479,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model", default=None, help="model name whose layout-guard record to read"
     )
     parser.add_argument("--tag", default=None, help="extra_backend_tag of that namespace")
+    ranks = parser.add_argument_group(
+        "deployment", "the sglang rank to check, as its HiCacheStorageConfig would name it"
+    )
+    ranks.add_argument("--tp-rank", type=int, default=0, help="tp_rank (picks the NIC of a map)")
+    ranks.add_argument("--tp-size", type=int, default=1, help="the server's tp_size")
+    ranks.add_argument("--pp-size", type=int, default=1, help="the server's pp_size")
+    ranks.add_argument(
+        "--local-ranks",
+        type=int,
+        default=0,
+        help="ranks of the server on this host (default tp_size x pp_size)",
+    )
+    ranks.add_argument(
+        "--host-pool-bytes",
+        default="0",
+        help="host KV pool bytes per rank (--hicache-size), registered with the segment",
+    )
     parser.set_defaults(func=run_doctor_command)

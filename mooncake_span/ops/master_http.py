@@ -21,21 +21,12 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_METRICS_PORT = 9003  # mooncake_master's default --metrics_port
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 class AdminError(RuntimeError):
     """The admin server did not answer, or answered something unexpected."""
-
-
-def admin_url_for(master_address: str, port: int | None) -> str | None:
-    """``http://HOST:PORT`` of a ``HOST:PORT`` master's admin server; None for etcd:// masters."""
-    if master_address.startswith("etcd://"):
-        return None
-    host = master_address.rpartition(":")[0]
-    return f"http://{host}:{port or DEFAULT_METRICS_PORT}"
 
 
 def get_text(url: str, timeout_s: float) -> str:

@@ -67,13 +67,15 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     store = MooncakeDistributedStore()
     started = time.perf_counter()
     rc = store.setup(
-        s["local_hostname"],
-        s["metadata_server"],
-        0,  # a probe contributes no memory: objects land on the cluster's nodes
-        int(s.get("local_buffer_size_bytes", 16 << 20)),
-        s["protocol"],
-        s.get("device_name", ""),
-        s["master_server_address"],
+        local_hostname=s["local_hostname"],
+        metadata_server=s["metadata_server"],
+        global_segment_size=0,  # a probe contributes no memory: objects land on the nodes
+        local_buffer_size=int(s.get("local_buffer_size_bytes", 16 << 20)),
+        protocol=s["protocol"],
+        rdma_devices=s.get("device_name", ""),
+        master_server_addr=s["master_server_address"],
+        # The round trip must run in the deployment's tenant, or it proves nothing.
+        tenant_id=s.get("tenant_id", "default"),
     )
     reply: dict[str, Any] = {"setup_rc": rc, "setup_s": time.perf_counter() - started}
     if rc != 0:
@@ -141,6 +143,7 @@ def probe(
             "protocol": settings.protocol,
             "device_name": settings.device_name,
             "master_server_address": settings.master_server_address,
+            "tenant_id": settings.tenant_id,
         },
         "roundtrip_objects": roundtrip_objects,
         "roundtrip_object_bytes": roundtrip_object_bytes,

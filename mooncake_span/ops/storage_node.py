@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 from mooncake_span.config import CONFIG_PATH_ENV, MooncakeSettings, load_mooncake_settings
 from mooncake_span.errors import ConfigError
+from mooncake_span.store.native import setup_arguments
 from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
@@ -157,15 +158,10 @@ def main(argv: list[str] | None = None) -> int:
 
     store = MooncakeDistributedStore()
     started_s = time.monotonic()
-    rc = store.setup(
-        settings.local_hostname,
-        settings.metadata_server,
-        settings.global_segment_size_bytes,
-        settings.local_buffer_size_bytes,
-        settings.protocol,
-        settings.device_name,
-        settings.master_server_address,
-    )
+    if settings.ssd_offload_path is not None:
+        os.makedirs(settings.ssd_offload_path, exist_ok=True)
+    # By name, as the backend: tenant_id and the SSD options reach a storage node too.
+    rc = store.setup(**setup_arguments(settings))
     setup_s = time.monotonic() - started_s
     if rc != 0:
         logger.error(

@@ -44,13 +44,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from mooncake_span.config import (
-    MooncakeSettings,
-    SpanOptions,
-    load_mooncake_settings,
-    load_span_options,
-)
+from mooncake_span.config import MooncakeSettings, SpanOptions, load_span_options
 from mooncake_span.errors import InvalidRequestError, MooncakeSpanError, RegistrationError
+from mooncake_span.sglang_backend.connection import rank_settings, shared_transfer_engine
 from mooncake_span.sglang_backend.guard import (
     miss_count,
     miss_flag,
@@ -127,7 +123,7 @@ class MooncakeSpanStore(HiCacheStorage):
         self.storage_config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.options = options or load_span_options(extra)
-        self.settings = settings or load_mooncake_settings(extra)
+        self.settings = settings or rank_settings(extra, storage_config)
         if getattr(storage_config, "should_split_heads", False):
             raise RegistrationError(
                 "heterogeneous-TP head splitting (page_head layout with tp_lcm_size) is not "
@@ -154,7 +150,7 @@ class MooncakeSpanStore(HiCacheStorage):
         self.mem_pool_host = None
         self.geometry: SpanGeometry | None = None
         self.key_schema: KeySchema | None = None
-        self.client = MooncakeClient(self.settings, self.options, binding)
+        self.client = MooncakeClient(self.settings, self.options, binding, shared_transfer_engine())
         self.client.connect()
         self.observer = CallObserver(self.client)  # mooncake_span_* Prometheus metrics
 

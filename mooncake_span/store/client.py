@@ -50,9 +50,13 @@ from mooncake_span.store.domains import copy_key, is_cluster_failure
 from mooncake_span.store.native import (
     REACHABILITY_TIMEOUT_S,
     NativeBinding,
+    SharedEngine,
     _probe_tcp,
     native_env_defaults,
     prepare_native_env,
+    setup_arguments,
+    setup_store,
+    wait_for_segments,
 )
 from mooncake_span.store.probe import RecoveryProbe
 from mooncake_span.store.router import DomainRouter
@@ -98,10 +102,13 @@ class MooncakeClient:
         settings: MooncakeSettings,
         options: SpanOptions,
         binding: NativeBinding | None = None,
+        shared_engine: SharedEngine | None = None,
     ) -> None:
         self.settings = settings
         self.options = options
         self._binding = binding
+        # A transfer engine this process already runs, reused when it serves the settings.
+        self._shared_engine = shared_engine
         self._store: Any = None
         self._cond = threading.Condition()
         self._closed = False
@@ -123,45 +130,35 @@ class MooncakeClient:
 
     def connect(self) -> None:
         """Set up the native client; SetupError says why it cannot."""
-        prepare_native_env(self.settings, self.options)
-        endpoints = self.settings.etcd_endpoints()
-        if not self.settings.master_server_address.startswith("etcd://"):
-            endpoints.append(self.settings.master_server_address)
+        s = self.settings
+        prepare_native_env(s, self.options)
+        endpoints = s.etcd_endpoints()
+        if not s.master_server_address.startswith("etcd://"):
+            endpoints.append(s.master_server_address)
         for endpoint in endpoints:
             _probe_tcp(endpoint, REACHABILITY_TIMEOUT_S)
         binding = self._binding or load_native_binding()
         self._binding = binding
+        # span_master_admin_url overrides the master host on master_metrics_port.
+        admin_url = self.options.master_admin_url or s.admin_url()
+        if s.check_server:
+            if admin_url is None:
+                raise SetupError("check_server with an etcd master needs span_master_admin_url")
+            wait_for_segments(admin_url, binding.list_segments)
         store = binding.store_factory()
-        s = self.settings
         started = time.monotonic()
-        try:
-            rc = store.setup(
-                s.local_hostname,
-                s.metadata_server,
-                s.global_segment_size_bytes,
-                s.local_buffer_size_bytes,
-                s.protocol,
-                s.device_name,
-                s.master_server_address,
-            )
-        except (TypeError, RuntimeError) as exc:
-            raise SetupError(f"Mooncake setup raised {exc!r}") from exc
-        if rc != 0:
-            raise SetupError(
-                f"Mooncake setup failed with code {rc} ({code_name(rc)}) for master "
-                f"{s.master_server_address}, metadata {s.metadata_server}, protocol {s.protocol}"
-            )
+        setup_store(store, s, **setup_arguments(s, self._shared_engine))
         self._store = store
         if self.options.placement:
-            self._directory = start_directory(
-                self.settings.master_server_address, self.options, self._binding.list_segments
-            )
+            self._directory = start_directory(admin_url, self.options, binding.list_segments)
         logger.info(
-            "mooncake-span connected to master %s (metadata %s, protocol %s, segment %d bytes) "
-            "in %.2fs",
+            "mooncake-span connected to master %s (metadata %s, protocol %s, device %r, "
+            "tenant %r, segment %d bytes) in %.2fs",
             s.master_server_address,
             s.metadata_server,
             s.protocol,
+            s.device_name,
+            s.tenant_id,
             s.global_segment_size_bytes,
             time.monotonic() - started,
         )

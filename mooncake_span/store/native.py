@@ -1,23 +1,29 @@
 """How the client reaches the native library: the binding, its environment defaults,
-and the reachability probe run before ``setup`` (which can block for minutes)."""
+the reachability probe run before ``setup`` (which can block for minutes), and
+``setup`` itself, called with every option by name as sglang's MooncakeStore
+passes it (``setup_arguments``)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mooncake_span.config import MooncakeSettings, SpanOptions
-from mooncake_span.errors import SetupError
+from mooncake_span.errors import SetupError, code_name
 from mooncake_span.store.protocol import NativeStore
 from mooncake_span.store.segments import fetch_segments
 
 logger = logging.getLogger(__name__)
 
 REACHABILITY_TIMEOUT_S = 2.0
+# check_server waits this long for a segment, as sglang's MooncakeStore does.
+CHECK_SERVER_TIMEOUT_S = 600.0
+_CHECK_SERVER_POLL_S = 3.0
 # Mooncake's TCP transport queues 1024 transfers per peer plus 1024 pending admissions.
 TCP_QUEUE_BUFFERS = 2048
 
@@ -30,6 +36,89 @@ class NativeBinding:
     replicate_config_factory: Callable[[], Any]
     # Lists the live segment names given the admin URL (None: no answer).
     list_segments: Callable[[str], list[str] | None] = fetch_segments
+
+
+@dataclass(frozen=True)
+class SharedEngine:
+    """A transfer engine this process already runs (sglang's PD disaggregation started it)."""
+
+    session_id: str
+    ib_device: str
+    # Called only when the engine is reused.
+    engine: Callable[[], Any]
+
+    def serves(self, settings: MooncakeSettings) -> bool:
+        """sglang 0.5.23's rule: same NIC ("" for both counts), P2P handshake metadata, RDMA."""
+        return (
+            settings.device_name == self.ib_device
+            and settings.metadata_server == "P2PHANDSHAKE"
+            and settings.protocol == "rdma"
+        )
+
+
+def setup_arguments(
+    settings: MooncakeSettings, shared: SharedEngine | None = None
+) -> dict[str, Any]:
+    """Keyword arguments of ``MooncakeDistributedStore.setup`` for these settings.
+
+    A reused engine brings its own session id, which then names this client.
+    """
+    reuse = shared is not None and shared.serves(settings)
+    return {
+        "local_hostname": shared.session_id if reuse else settings.local_hostname,
+        "metadata_server": settings.metadata_server,
+        "global_segment_size": settings.global_segment_size_bytes,
+        "local_buffer_size": settings.local_buffer_size_bytes,
+        "protocol": settings.protocol,
+        "rdma_devices": settings.device_name,
+        "master_server_addr": settings.master_server_address,
+        "engine": shared.engine() if reuse else None,
+        "enable_ssd_offload": settings.enable_ssd_offload,
+        "ssd_offload_path": settings.ssd_offload_path or "",
+        "tenant_id": settings.tenant_id,
+    }
+
+
+def wait_for_segments(
+    url: str,
+    list_segments: Callable[[str], list[str] | None],
+    timeout_s: float = CHECK_SERVER_TIMEOUT_S,
+    poll_s: float = _CHECK_SERVER_POLL_S,
+) -> None:
+    """``check_server``: return once the master lists a segment; SetupError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if list_segments(url):
+            return
+        left_s = deadline - time.monotonic()
+        if left_s <= 0:
+            raise SetupError(
+                f"check_server: the master's admin server {url} listed no segment within "
+                f"{timeout_s:.0f} s; start storage nodes or check master_metrics_port"
+            )
+        logger.info("mooncake-span: check_server: waiting for a segment at %s", url)
+        time.sleep(min(poll_s, left_s))
+
+
+def setup_store(store: NativeStore, settings: MooncakeSettings, **arguments: Any) -> None:
+    """Call ``setup`` by keyword; SetupError says why it failed."""
+    if settings.ssd_offload_path is not None:
+        try:
+            os.makedirs(settings.ssd_offload_path, exist_ok=True)
+        except OSError as exc:
+            raise SetupError(f"cannot create ssd_offload_path: {exc}") from exc
+    try:
+        rc = store.setup(**arguments)
+    # ValueError: e.g. "Invalid FileStorage configuration" for a bad SSD offload setup.
+    except (TypeError, RuntimeError, ValueError) as exc:
+        raise SetupError(f"Mooncake setup raised {exc!r}") from exc
+    if rc != 0:
+        raise SetupError(
+            f"Mooncake setup failed with code {rc} ({code_name(rc)}) for master "
+            f"{settings.master_server_address}, metadata {settings.metadata_server}, "
+            f"protocol {settings.protocol}, device {settings.device_name!r}, "
+            f"tenant {settings.tenant_id!r}"
+        )
 
 
 def native_env_defaults(options: SpanOptions) -> dict[str, str]:

@@ -14,15 +14,21 @@ from typing import Any, Protocol
 
 
 class NativeStore(Protocol):
+    # Called with keywords only (the names of the wheel's keyword overload).
     def setup(
         self,
+        *,
         local_hostname: str,
         metadata_server: str,
         global_segment_size: int,
         local_buffer_size: int,
         protocol: str,
-        device_name: str,
-        master_server_address: str,
+        rdma_devices: str,
+        master_server_addr: str,
+        engine: Any = ...,
+        enable_ssd_offload: bool = ...,
+        ssd_offload_path: str = ...,
+        tenant_id: str = ...,
     ) -> int: ...
 
     def register_buffer(self, buffer_ptr: int, size: int) -> int: ...

@@ -21,15 +21,6 @@ from mooncake_span.config import SpanOptions
 logger = logging.getLogger(__name__)
 
 _FETCH_TIMEOUT_S = 1.0
-MOONCAKE_DEFAULT_ADMIN_PORT = 9003
-
-
-def admin_url_for(master_server_address: str) -> str | None:
-    """Mooncake's default admin URL on the master's host; None for etcd-discovered masters."""
-    if master_server_address.startswith("etcd://"):
-        return None
-    host = master_server_address.rpartition(":")[0] or master_server_address
-    return f"http://{host}:{MOONCAKE_DEFAULT_ADMIN_PORT}"
 
 
 def fetch_segments(admin_url: str) -> list[str] | None:
@@ -124,18 +115,19 @@ class SegmentDirectory:
 
 
 def start_directory(
-    master_server_address: str,
+    admin_url: str | None,
     options: SpanOptions,
     list_segments: Callable[[str], list[str] | None],
 ) -> SegmentDirectory | None:
-    """A running directory for this master, or None when no admin URL is known."""
-    url = options.master_admin_url or admin_url_for(master_server_address)
-    if url is None:
+    """A running directory for the master's admin server, or None when no URL is known."""
+    if admin_url is None:
         logger.warning(
             "mooncake-span: placement needs span_master_admin_url with an etcd master; "
             "objects are placed by Mooncake alone"
         )
         return None
-    directory = SegmentDirectory(lambda: list_segments(url), options.segment_refresh_s, url)
+    directory = SegmentDirectory(
+        lambda: list_segments(admin_url), options.segment_refresh_s, admin_url
+    )
     directory.start()
     return directory

@@ -243,8 +243,10 @@ def test_bad_extra_config_raises_config_error(override, fragments):
         assert fragment in str(excinfo.value)
 
 
-def test_client_server_address_alone_selects_extra_config_and_demands_a_master():
-    with pytest.raises(ConfigError, match=r"master_server_address is required \(extra_config\)"):
+def test_client_server_address_selects_extra_config_and_is_refused():
+    # Upstream it only serves standalone_storage (refused here); it still picks
+    # the extra-config source, so the environment's master is not used instead.
+    with pytest.raises(ConfigError, match=r"client_server_address \(extra_config\)"):
         load_mooncake_settings(
             {"client_server_address": "10.0.0.1:50052"}, environ={"MOONCAKE_MASTER": ENV_MASTER}
         )
@@ -574,3 +576,179 @@ def test_integer_options_reject_non_integers(bad):
 
     with pytest.raises(ConfigError, match="span_transfer_timeout_s"):
         load_span_options({"span_transfer_timeout_s": bad}, environ={})
+
+
+# ---------------------------------------------------------------------------
+# sglang 0.5.23 MooncakeStore keys, resolved per rank (issue 17)
+
+from mooncake_span.config import RankInfo  # noqa: E402
+
+TP8_RANK3 = RankInfo(tp_rank=3, tp_size=8)
+NIC_MAP = json.dumps({str(r): f"mlx5_{r}" for r in range(8)})
+
+
+def _extra(**keys):
+    return {"master_server_address": EXTRA_MASTER, "protocol": "tcp", **keys}
+
+
+@pytest.mark.parametrize(
+    ("size", "ranks", "expected"),
+    [
+        ("8gb", TP8_RANK3, 1 << 30),
+        (" 8GB ", TP8_RANK3, 1 << 30),
+        (8 << 30, TP8_RANK3, 1 << 30),
+        ("8gb", RankInfo(tp_rank=0, tp_size=4, pp_rank=1, pp_size=2), 1 << 30),
+        ("8gb", RankInfo(), 8 << 30),
+        ("8gb", None, 8 << 30),  # no storage config: not split, as upstream
+        (1000, RankInfo(tp_size=3), 333),  # floor division, as upstream
+    ],
+)
+def test_global_segment_size_is_per_server(size, ranks, expected):
+    got = load_mooncake_settings(_extra(global_segment_size=size), environ={}, ranks=ranks)
+    assert got.global_segment_size_bytes == expected
+
+
+@pytest.mark.parametrize(
+    ("device_name", "ranks", "expected"),
+    [
+        (NIC_MAP, TP8_RANK3, "mlx5_3"),
+        (json.dumps({r: f"mlx5_{r}" for r in range(8)}), TP8_RANK3, "mlx5_3"),
+        (json.dumps({"0": "mlx5_0"}), TP8_RANK3, ""),  # missing rank -> "" as upstream
+        ("  " + NIC_MAP, TP8_RANK3, "mlx5_3"),
+        (NIC_MAP, None, ""),
+        ("mlx5_0,mlx5_1", TP8_RANK3, "mlx5_0,mlx5_1"),  # not a map: every rank uses it
+        ("", TP8_RANK3, ""),
+    ],
+)
+def test_device_name_map_resolves_this_ranks_nic(device_name, ranks, expected):
+    got = load_mooncake_settings(_extra(device_name=device_name), environ={}, ranks=ranks)
+    assert got.device_name == expected
+
+
+@pytest.mark.parametrize(
+    ("device_name", "fragment"),
+    [
+        ("{not json", "not a JSON rank -> NIC map"),
+        ('{"0": ["mlx5_0"]}', "non-strings"),
+        ({"0": "mlx5_0"}, "must be a string"),  # a JSON object, not JSON text: upstream crashes
+    ],
+)
+def test_bad_device_maps_are_refused(device_name, fragment):
+    with pytest.raises(ConfigError, match="device_name") as excinfo:
+        load_mooncake_settings(_extra(device_name=device_name), environ={}, ranks=TP8_RANK3)
+    assert fragment in str(excinfo.value)
+
+
+def test_tenant_id_defaults_and_blank_means_default():
+    assert load_mooncake_settings(_extra(), environ={}).tenant_id == "default"
+    assert load_mooncake_settings(_extra(tenant_id="  "), environ={}).tenant_id == "default"
+    assert load_mooncake_settings(_extra(tenant_id=" a "), environ={}).tenant_id == "a"
+    env = {"MOONCAKE_MASTER": ENV_MASTER, "MOONCAKE_TENANT_ID": "t-env"}
+    assert load_mooncake_settings(None, environ=env).tenant_id == "t-env"
+
+
+def test_ssd_offload_path_gets_the_per_rank_subdir():
+    ranks = RankInfo(tp_rank=3, tp_size=8, pp_rank=1, pp_size=2, dp_rank=2, attn_cp_rank=1)
+    got = load_mooncake_settings(
+        _extra(enable_ssd_offload=True, ssd_offload_path="/nvme/mc"), environ={}, ranks=ranks
+    )
+    assert got.enable_ssd_offload is True
+    assert got.ssd_offload_path == "/nvme/mc/rank_2_3_1_1"
+    assert (
+        load_mooncake_settings(_extra(ssd_offload_path="/x"), environ={}).ssd_offload_path == "/x"
+    )
+
+
+def test_ssd_path_without_enable_is_passed_and_warned(caplog):
+    with caplog.at_level(logging.WARNING, logger="mooncake_span.config"):
+        got = load_mooncake_settings(_extra(ssd_offload_path="/x"), environ={}, ranks=RankInfo())
+    assert (got.enable_ssd_offload, got.ssd_offload_path) == (False, "/x/rank_0_0_0_0")
+    assert any("enable_ssd_offload" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("override", "fragments"),
+    [
+        ({"check_server": "false"}, ["check_server", "'false'", "JSON true/false"]),
+        ({"enable_ssd_offload": "yes"}, ["enable_ssd_offload"]),
+        ({"ssd_offload_path": ""}, ["ssd_offload_path"]),
+        ({"master_metrics_port": "nine"}, ["master_metrics_port"]),
+        ({"master_metrics_port": 70000}, ["master_metrics_port", "70000"]),
+        ({"tenant_id": ["a"]}, ["tenant_id"]),
+        ({"client_server_address": "h:1"}, ["client_server_address", "standalone_storage"]),
+    ],
+)
+def test_sglang_keys_with_bad_values_are_refused(override, fragments):
+    with pytest.raises(ConfigError) as excinfo:
+        load_mooncake_settings(_extra(**override), environ={})
+    for fragment in fragments:
+        assert fragment in str(excinfo.value)
+
+
+def test_environment_flags_use_sglangs_words():
+    env = {
+        "MOONCAKE_MASTER": ENV_MASTER,
+        "MOONCAKE_CHECK_SERVER": "Y",
+        "MOONCAKE_ENABLE_SSD_OFFLOAD": "true",
+        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "/ssd",
+        "MOONCAKE_MASTER_METRICS_PORT": "9100",
+        "MOONCAKE_DEVICE": NIC_MAP,
+        "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16gb",
+    }
+    got = load_mooncake_settings(None, environ=env, ranks=TP8_RANK3)
+    assert got.check_server and got.enable_ssd_offload
+    assert got.ssd_offload_path == "/ssd/rank_0_3_0_0"
+    assert (got.master_metrics_port, got.device_name) == (9100, "mlx5_3")
+    assert got.global_segment_size_bytes == 2 << 30
+    assert got.admin_url() == "http://10.0.0.3:9100"
+    with pytest.raises(ConfigError, match="MOONCAKE_CHECK_SERVER|check_server"):
+        load_mooncake_settings(None, environ={**env, "MOONCAKE_CHECK_SERVER": "maybe"})
+
+
+def test_env_is_not_read_for_keys_a_config_source_leaves_out():
+    # Upstream reads only the defaults of MOONCAKE_* when a config source is
+    # chosen (protocol excepted); so does the loader.
+    env = {"MOONCAKE_DEVICE": "mlx5_9", "MOONCAKE_TENANT_ID": "t", "MOONCAKE_PROTOCOL": "tcp"}
+    got = load_mooncake_settings({"master_server_address": EXTRA_MASTER}, environ=env)
+    assert (got.device_name, got.tenant_id, got.protocol) == ("", "default", "tcp")
+
+
+def test_admin_url_is_none_for_etcd_masters():
+    got = load_mooncake_settings(
+        _extra(master_server_address="etcd://e:2379", master_metrics_port=9100), environ={}
+    )
+    assert got.admin_url() is None
+
+
+@pytest.mark.parametrize(
+    ("group", "span", "expected"), [(True, None, True), (False, None, False), (None, None, True)]
+)
+def test_enable_group_semantics_sets_group_ids(group, span, expected):
+    extra = {} if group is None else {"enable_group_semantics": group}
+    assert load_span_options(extra, environ={}).group_ids is expected
+
+
+def test_enable_group_semantics_contradicting_span_group_ids_is_refused():
+    with pytest.raises(ConfigError, match="enable_group_semantics"):
+        load_span_options({"enable_group_semantics": False, "span_group_ids": True}, environ={})
+
+
+def test_sglang_keys_draw_no_stray_warning(caplog):
+    keys = {k: 1 for k in ("tenant_id", "check_server", "master_metrics_port", "ssd_offload_path")}
+    with caplog.at_level(logging.WARNING, logger="mooncake_span.config"):
+        load_span_options(keys, environ={})
+    assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    "ranks",
+    [
+        dict(tp_size=0),
+        dict(tp_rank=8, tp_size=8),
+        dict(pp_rank=2, pp_size=2),
+        dict(dp_rank=-1),
+    ],
+)
+def test_rank_info_validates(ranks):
+    with pytest.raises(ConfigError):
+        RankInfo(**ranks)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 
 from mooncake_span.config import MooncakeSettings
 from mooncake_span.errors import ConfigError
-from mooncake_span.ops import doctor
+from mooncake_span.ops import doctor, doctor_host
 from mooncake_span.ops.cli_common import add_connection_args, resolve_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,18 +156,138 @@ def test_segment_larger_than_memory_fails():
     assert check.status == "PASS"
 
 
-def test_rdma_without_devices_fails(monkeypatch, tmp_path):
-    monkeypatch.setattr(doctor, "_IB_PATH", str(tmp_path / "none"))
-    checks = doctor.check_device(_ctx(protocol="rdma", device_name="mlx5_0"))
+def test_rdma_without_devices_fails(tmp_path):
+    ctx = _ctx(protocol="rdma", device_name="mlx5_0")
+    ctx.ib_path = str(tmp_path / "none")
+    checks = doctor.check_device(ctx)
     assert checks[0].status == "FAIL" and "mlx5_0" in checks[0].detail
-    assert {c.name for c in checks} == {"rdma device", "memlock", "hugepages"}
+    assert "no device" in checks[0].detail and str(tmp_path / "none") in checks[0].detail
+    assert {c.name for c in checks} == {"rdma device", "hugepages"}
 
 
-def test_rdma_with_the_named_device_passes(monkeypatch, tmp_path):
+def test_rdma_with_the_named_device_passes(tmp_path):
     (tmp_path / "mlx5_0").mkdir()
-    monkeypatch.setattr(doctor, "_IB_PATH", str(tmp_path))
-    checks = doctor.check_device(_ctx(protocol="rdma", device_name="mlx5_0"))
+    ctx = _ctx(protocol="rdma", device_name="mlx5_0")
+    ctx.ib_path = str(tmp_path)
+    checks = doctor.check_device(ctx)
     assert checks[0].status == "PASS"
+
+
+def test_this_hosts_sys_class_infiniband_is_reported_as_it_is():
+    # This machine has no RDMA NIC: the real root must say so, not pass.
+    ctx = _ctx(protocol="rdma", device_name="mlx5_0")
+    (check, *_) = doctor.check_device(ctx)
+    root = doctor_host._IB_PATH
+    present = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    assert check.status == ("PASS" if "mlx5_0" in present else "FAIL")
+    assert check.data["present"] == present
+
+
+def _tp8_doctor(tmp_path, device_map, tp_rank, nics):
+    for nic in nics:
+        (tmp_path / nic).mkdir()
+    extra = {
+        "master_server_address": "127.0.0.1:50051",
+        "protocol": "rdma",
+        "device_name": json.dumps(device_map),
+        "global_segment_size": "8gb",
+        "master_metrics_port": 9111,
+    }
+    args = _doctor_args(
+        "--extra-config", json.dumps(extra), "--tp-size", "8", "--tp-rank", str(tp_rank)
+    )
+    return args
+
+
+def _doctor_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    doctor.register(sub)
+    return parser.parse_args(["doctor", *argv])
+
+
+def _resolve_ctx(args, ib_path):
+    from mooncake_span.config import RankInfo
+
+    ctx = doctor.Context()
+    ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)
+    ctx.local_ranks = args.local_ranks or ctx.ranks.ranks_per_server
+    ctx.settings, ctx.extra = resolve_settings(args, environ={}, ranks=ctx.ranks)
+    ctx.rank_devices = doctor_host._local_rank_devices(args, ctx)
+    ctx.ib_path = str(ib_path)
+    return ctx
+
+
+def test_the_nic_of_this_rank_comes_from_the_map(tmp_path):
+    device_map = {str(r): f"mlx5_{r}" for r in range(8)}
+    args = _tp8_doctor(tmp_path, device_map, 3, ["mlx5_3"])
+    ctx = _resolve_ctx(args, tmp_path)
+    assert ctx.settings.device_name == "mlx5_3"
+    assert ctx.settings.global_segment_size_bytes == 1 << 30
+    checks = doctor.check_device(ctx)
+    assert checks[0].status == "PASS" and "tp_rank 3" in checks[0].detail
+    # The other seven local ranks' NICs are not on this (test) host.
+    others = next(c for c in checks if c.name == "rdma device (other ranks)")
+    assert others.status == "WARN" and sorted(others.data["absent"]) == [0, 1, 2, 4, 5, 6, 7]
+
+
+def test_a_rank_the_map_leaves_out_warns_and_a_missing_nic_fails(tmp_path):
+    args = _tp8_doctor(tmp_path, {"0": "mlx5_0"}, 5, ["mlx5_0"])
+    (check, *_) = doctor.check_device(_resolve_ctx(args, tmp_path))
+    assert check.status == "WARN" and "leaves this rank" in check.detail
+    args = _tp8_doctor(tmp_path, {"5": "mlx5_9"}, 5, [])
+    (check, *_) = doctor.check_device(_resolve_ctx(args, tmp_path))
+    assert check.status == "FAIL" and "mlx5_9" in check.detail and "tp_rank 5" in check.detail
+
+
+def test_memory_counts_every_local_rank(tmp_path):
+    args = _tp8_doctor(tmp_path, {}, 0, [])
+    ctx = _resolve_ctx(args, tmp_path)
+    (check,) = doctor.check_memory(ctx)
+    per_rank = (1 << 30) + (16 << 20)
+    assert check.data["per_rank_bytes"] == per_rank
+    assert check.data["need_bytes"] == 8 * per_rank and "x 8 local ranks" in check.detail
+    ctx.local_ranks, ctx.host_pool_bytes = 2, 4 << 30
+    (check,) = doctor.check_memory(ctx)
+    assert check.data["need_bytes"] == 2 * (per_rank + (4 << 30))
+
+
+@pytest.mark.parametrize(
+    ("limit", "status"), [(64 << 10, "FAIL"), (1 << 40, "PASS"), (resource.RLIM_INFINITY, "PASS")]
+)
+def test_memlock_against_what_one_rank_registers(monkeypatch, limit, status):
+    monkeypatch.setattr(doctor_host.resource, "getrlimit", lambda _which: (limit, limit))
+    ctx = _ctx(protocol="rdma", global_segment_size_bytes=1 << 30)
+    ctx.host_pool_bytes = 2 << 30
+    (check,) = doctor.check_memlock(ctx)
+    assert check.status == status
+    assert check.data["need_bytes"] == (1 << 30) + (16 << 20) + (2 << 30)
+    assert (status == "FAIL") == ("ulimit -l" in (check.fix or ""))
+
+
+def test_memlock_is_not_needed_over_tcp(monkeypatch):
+    monkeypatch.setattr(doctor_host.resource, "getrlimit", lambda _which: (0, 0))
+    (check,) = doctor.check_memlock(_ctx(protocol="tcp", global_segment_size_bytes=1 << 30))
+    assert check.status == "PASS" and "tcp" in check.detail
+
+
+def test_admin_port_comes_from_master_metrics_port_of_any_source(tmp_path):
+    from mooncake_span.ops.cli_common import admin_url
+
+    args = _tp8_doctor(tmp_path, {}, 0, [])
+    ctx = _resolve_ctx(args, tmp_path)
+    assert admin_url(args, ctx.settings, ctx.extra) == "http://127.0.0.1:9111"
+    path = tmp_path / "mooncake.json"
+    path.write_text(
+        json.dumps({"master_server_address": "10.9.9.9:1", "master_metrics_port": 9222})
+    )
+    settings, extra = resolve_settings(
+        _args(), environ={"SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": str(path)}
+    )
+    assert admin_url(_args(), settings, extra) == "http://10.9.9.9:9222"
+    env = {"MOONCAKE_MASTER": "10.8.8.8:1", "MOONCAKE_MASTER_METRICS_PORT": "9333"}
+    settings, extra = resolve_settings(_args(), environ=env)
+    assert admin_url(_args(), settings, extra) == "http://10.8.8.8:9333"
 
 
 def test_store_checks_are_skipped_after_a_foundation_failure():
@@ -240,7 +362,6 @@ def test_admin_url_sources_in_order():
 
     settings, _ = resolve_settings(_args("--master", "10.1.2.3:50051"), environ={})
     assert admin_url(_args(), settings, {}) == "http://10.1.2.3:9003"
-    assert admin_url(_args(), settings, {"master_metrics_port": 9100}) == "http://10.1.2.3:9100"
     extra = {"master_metrics_port": 9100, "span_master_admin_url": "http://m:9200/"}
     assert admin_url(_args(), settings, extra) == "http://m:9200"
     assert admin_url(_args("--admin-url", "http://x:1/"), settings, extra) == "http://x:1"

@@ -1,0 +1,47 @@
+"""This rank's Mooncake connection: its settings, and the transfer engine to reuse.
+
+``rank_settings`` resolves the config for the rank sglang's
+``HiCacheStorageConfig`` names (segment split over tp x pp, the NIC of a
+device map, the per-rank SSD directory).
+
+sglang's Mooncake PD disaggregation (and its other Mooncake users) start one
+shared ``MooncakeTransferEngine`` per process; 0.5.23's ``MooncakeStore`` hands
+it to ``setup`` when it serves the same NIC, so the process does not register
+its memory and open its RDMA connections twice. The client decides the match
+(``SharedEngine.serves``); this module only finds the engine, so that the
+store package never imports sglang.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from mooncake_span.config import MooncakeSettings, RankInfo, load_mooncake_settings
+from mooncake_span.store.native import SharedEngine
+
+logger = logging.getLogger(__name__)
+
+
+def rank_settings(extra: Mapping[str, Any], storage_config: Any) -> MooncakeSettings:
+    """The settings of the rank ``storage_config`` describes (None: no rank, as upstream)."""
+    return load_mooncake_settings(extra, ranks=RankInfo.from_storage_config(storage_config))
+
+
+def shared_transfer_engine() -> SharedEngine | None:
+    """The engine sglang started, or None (none started, or an sglang without the hook)."""
+    try:
+        from sglang.srt.distributed.parallel_state import get_mooncake_transfer_engine
+
+        engine = get_mooncake_transfer_engine()
+    except Exception:  # noqa: BLE001 - any failure means "no engine to reuse", as upstream
+        logger.debug("mooncake-span: no shared Mooncake transfer engine to reuse", exc_info=True)
+        return None
+    if engine is None:
+        return None
+    return SharedEngine(
+        session_id=str(engine.get_session_id()),
+        ib_device=str(engine.get_ib_device() or ""),
+        engine=engine.get_engine,
+    )
