@@ -63,6 +63,7 @@ from mooncake_span.sglang_backend.guard import (
 )
 from mooncake_span.sglang_backend.observability import CallObserver, describe_layout
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
+from mooncake_span.sglang_backend.staging import Stager
 from mooncake_span.sglang_backend.stats import (
     METRIC_WINDOW,
     UNPOLLED_WINDOW,
@@ -84,12 +85,8 @@ from mooncake_span.span.hits import PoolHitQuery, compute_hits, leading_run
 from mooncake_span.span.keys import KeySchema, RankTags, check_page_keys
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient, NativeBinding
-from mooncake_span.store.layout_guard import (
-    EtcdRegistry,
-    GeometryRecord,
-    check_or_publish,
-    namespace_key,
-)
+from mooncake_span.store.layout_guard import GeometryRecord, check_layout_guard
+from mooncake_span.store.staging import StagingArena
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +167,12 @@ class MooncakeSpanStore(HiCacheStorage):
         self.key_schema: KeySchema | None = None
         self.client = MooncakeClient(self.settings, self.options, binding)
         self.client.connect()
+        arena = StagingArena(
+            self.options.staging_buffer_size_bytes,
+            self.client.register_buffer,
+            float(self.options.transfer_timeout_s),
+        )
+        self.stager = Stager(self.client, arena)  # registered memory for unregistered bytes
         self.observer = CallObserver(self.client)  # mooncake_span_* Prometheus metrics
 
     # ---- registration (control path: errors raise) -------------------------------
@@ -231,7 +234,9 @@ class MooncakeSpanStore(HiCacheStorage):
     def on_host_pools_registered(self) -> None:
         if self.key_schema is None:
             raise RegistrationError("on_host_pools_registered() before register_mem_pool_host()")
-        self.layout_guard_result = self._check_layout_guard()
+        self.layout_guard_result = check_layout_guard(
+            self.options, self.key_schema, self.geometry_record(), self.client, self.stager.arena
+        )
         logger.info(
             "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages, "
             "pools %s",
@@ -244,23 +249,6 @@ class MooncakeSpanStore(HiCacheStorage):
 
     def geometry_record(self) -> GeometryRecord:
         return geometry_record(self.geometry, self.key_schema, self.pools)
-
-    def _check_layout_guard(self) -> str:
-        mode = self.options.layout_guard
-        if mode == "off":
-            return "off"
-        key = namespace_key(self.key_schema.model, self.key_schema.tag)
-        if mode == "etcd":
-            registry = EtcdRegistry(self.options.layout_guard_etcd)
-            return check_or_publish(self.geometry_record(), key, registry.read, registry.create)
-
-        def read(k: str) -> str | None:
-            blob = self.client.read_blob(k)
-            return None if blob is None else blob.decode()
-
-        return check_or_publish(
-            self.geometry_record(), key, read, lambda k, v: self.client.create_blob(k, v.encode())
-        )
 
     def _bind(self, name: str, host_pool: Any) -> None:
         kind = classify_pool(name)
@@ -334,8 +322,6 @@ class MooncakeSpanStore(HiCacheStorage):
             count = len(batch.object_keys)
             per_key = batch.pool.per_key_results(batch, done[offset : offset + count])
             offset += count
-            if not is_set:
-                batch.pool.finish_get(batch, per_key)
             out.append(per_key)
         self.observer.moved(is_set, batches, out)
         return out
@@ -352,6 +338,8 @@ class MooncakeSpanStore(HiCacheStorage):
                 batch.pool.transfer(batch, stored[offset : offset + count], is_set, schema, groups)
             )
             offset += count
+        if any(b.staged for b in batches):
+            return self.stager.move(batches, todos, stored, is_set, self._io)
         if all(t.object_indices is None for t in todos):
             # Every object moves, in order: no per-object bookkeeping.
             return self._io(object_keys, todos, is_set) if object_keys else []
