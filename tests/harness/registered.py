@@ -86,12 +86,10 @@ class CheckedStore:
         return call
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name in _CHECKED:
-            return self._checked(name, attr)
         if any(part in name for part in _UNCHECKED):
             raise UnregisteredMemoryError(f"{name} is a zero-copy call CheckedStore cannot check")
-        return attr
+        attr = getattr(self._inner, name)
+        return self._checked(name, attr) if name in _CHECKED else attr
 
 
 def checked_binding(base: NativeBinding, stores: list[CheckedStore]) -> NativeBinding:

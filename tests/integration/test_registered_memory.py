@@ -74,7 +74,9 @@ def _round_trip_v1_v2(store, pools, pages_per_key: int) -> None:
         P.wipe_pages(pools[name], [1] if name == PoolName.MAMBA else starts)
     assert store.batch_get_v1(keys, slots) == [True] * len(keys)
     if transfers:
-        got = store.batch_get_v2([PoolTransfer(t.name, host_indices=t.host_indices, keys=t.keys) for t in transfers])
+        got = store.batch_get_v2(
+            [PoolTransfer(t.name, host_indices=t.host_indices, keys=t.keys) for t in transfers]
+        )
         assert all(all(v) for v in got.values()), got
     for name, expected in refs.items():
         where = [1] if name == PoolName.MAMBA else starts
