@@ -257,6 +257,9 @@ class MooncakeSpanStore(HiCacheStorage):
         pool = pool_class(name, host_pool, kind, shape.page_tokens, shape.components, shape.layout)
         if kind is PoolKind.KV_DERIVED and self.geometry is not None:
             self.geometry.check_pool_page(name, pool.page_tokens)
+        if (pool.staged or name == KV_POOL) and not pool.is_logical and self.geometry:
+            pages_per_key = self.geometry.storage_page_tokens // pool.page_tokens
+            self.stager.check_row(name, pool.layout.flat_page_bytes * pages_per_key, pool.staged)
         for ptr, size in shape.buffers:
             self.client.register_buffer(ptr, size)
         self.pools[name] = pool

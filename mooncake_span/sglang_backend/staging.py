@@ -10,15 +10,19 @@ parts; this module copies and calls.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
+from mooncake_span.errors import RegistrationError
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.plan import PlanBatch, plan_objects_from_flat
 from mooncake_span.span.staging import StagedPart, next_part, rows_left_bytes
 from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.staging import StagingArena
+
+logger = logging.getLogger(__name__)
 
 # (object keys, their transfers, is_set) -> per-object flags: the backend's zero-copy I/O.
 DirectIO = Callable[[list[str], list[Transfer], bool], list[bool]]
@@ -31,6 +35,19 @@ class Stager:
         self.client = client
         self.arena = arena
         self._view = torch.frombuffer(arena.memory, dtype=torch.uint8)
+
+    def check_row(self, pool_name: str, row_bytes: int, staged: bool) -> None:
+        """A key row that cannot fit the arena: a staged pool would miss every
+        call (refused at startup); the KV pool only on the generic path (warned)."""
+        if row_bytes <= self.arena.size_bytes:
+            return
+        what = (
+            f"pool {pool_name!r}: one storage key is {row_bytes} bytes, more than the "
+            f"{self.arena.size_bytes}-byte staging arena; raise span_staging_buffer_size"
+        )
+        if staged:
+            raise RegistrationError(f"{what} (every transfer of this pool stages through it)")
+        logger.warning("mooncake-span: %s, or the generic path (interface_v1 off) misses", what)
 
     def move(
         self,

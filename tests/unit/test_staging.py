@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mooncake_span.bench import pools as P
-from mooncake_span.errors import ErrorCode, InvalidRequestError
+from mooncake_span.errors import ErrorCode, InvalidRequestError, RegistrationError
 from mooncake_span.span.staging import ByteRanges, largest_gap, next_part, rows_left_bytes
 from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
@@ -262,7 +262,20 @@ def test_a_key_row_larger_than_the_arena_is_a_logged_miss(make_store, caplog):
         assert store.batch_set(["big"], _values(store, 1, seed=2)) is False
         assert store.batch_get(["big"]) == [None]
     assert "raise span_staging_buffer_size" in caplog.text
+    assert "generic path (interface_v1 off) misses" in caplog.text  # warned at registration
     assert _puts(cluster) == before and cluster.unregistered_buffers == 0
+
+
+def test_a_staged_pool_whose_key_row_exceeds_the_arena_is_refused_at_startup(make_store):
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    dsa = P.build_dsa_pools("layer_first", layers=2, host_pages=8)
+    with pytest.raises(RegistrationError, match="pool 'indexer': one storage key is"):
+        make_store(
+            FakeCluster(),
+            {PoolName.KV: dsa.kv, PoolName.INDEXER: dsa.indexer},
+            span_staging_buffer_size="4kb",
+        )
 
 
 def test_the_layer_first_indexer_stages_through_the_arena_under_concurrent_callers(make_store):
