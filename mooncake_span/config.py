@@ -200,6 +200,7 @@ def parse_bool(value: Any, key: str) -> bool:
 
 
 LAYOUT_GUARD_MODES = ("off", "store", "etcd")
+_DEFAULT_STAGING_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,6 +237,9 @@ class SpanOptions:
     # How long a key whose restore failed is reported absent (unless re-written).
     lost_key_ttl_s: float = 30.0
     lost_keys_max: int = 100_000
+    # The registered arena that staged pools, the generic path and the layout
+    # guard move bytes through (store/staging.py); a call larger than it is cut.
+    staging_buffer_size_bytes: int = _DEFAULT_STAGING_BYTES
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -269,6 +273,11 @@ class SpanOptions:
         if self.layout_guard_etcd:
             _check_host_port(self.layout_guard_etcd, "etcd endpoint (span_layout_guard_etcd)")
         self._check_domain_options()
+        if not 1 << 12 <= self.staging_buffer_size_bytes <= 1 << 40:
+            raise ConfigError(
+                "span_staging_buffer_size must be in 4kb..1tb, got "
+                f"{self.staging_buffer_size_bytes} bytes"
+            )
 
     def _check_domain_options(self) -> None:
         url = self.master_admin_url
@@ -307,6 +316,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_domain_bad_ttl_s": ("domain_bad_ttl_s", float),
     "span_lost_key_ttl_s": ("lost_key_ttl_s", float),
     "span_lost_keys_max": ("lost_keys_max", parse_int),
+    "span_staging_buffer_size": ("staging_buffer_size_bytes", parse_size_bytes),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
 

@@ -32,21 +32,26 @@ def _roundtrip(store: Any, count: int, size_bytes: int) -> dict[str, Any]:
     prefix = f"mooncake-span-doctor-{uuid.uuid4().hex[:12]}"
     keys = [f"{prefix}-{i}" for i in range(count)]
     payloads = [os.urandom(size_bytes) for _ in keys]
-    sources = [ctypes.create_string_buffer(p, size_bytes) for p in payloads]
-    targets = [ctypes.create_string_buffer(size_bytes) for _ in keys]
+    # One registered arena (RDMA reads only registered memory): sources, then targets.
+    arena = ctypes.create_string_buffer(b"".join(payloads), 2 * count * size_bytes)
+    _KEEP_UNTIL_EXIT.append(arena)  # registered for the client's lifetime
+    base = ctypes.addressof(arena)
+    store.register_buffer(base, 2 * count * size_bytes)
+    sources = [base + i * size_bytes for i in range(count)]
+    targets = [base + (count + i) * size_bytes for i in range(count)]
     config = ReplicateConfig()
     config.replica_num = 1
     started = time.perf_counter()
     put_codes = store.batch_put_from_multi_buffers(
-        keys, [[ctypes.addressof(b)] for b in sources], [[size_bytes]] * count, config
+        keys, [[p] for p in sources], [[size_bytes]] * count, config
     )
     put_s = time.perf_counter() - started
     started = time.perf_counter()
     get_codes = store.batch_get_into_multi_buffers(
-        keys, [[ctypes.addressof(b)] for b in targets], [[size_bytes]] * count
+        keys, [[p] for p in targets], [[size_bytes]] * count
     )
     get_s = time.perf_counter() - started
-    exact = [t.raw == p for t, p in zip(targets, payloads, strict=True)]
+    exact = [ctypes.string_at(t, size_bytes) == p for t, p in zip(targets, payloads, strict=True)]
     removed = sum(store.remove(key, True) == 0 for key in keys)
     return {
         "objects": count,
@@ -88,13 +93,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             )
         blobs: dict[str, str | None] = {}
         for key in request.get("read_keys", []):
-            size = int(store.get_size(key))
-            if size <= 0:
-                blobs[key] = None
-                continue
-            buffer = ctypes.create_string_buffer(size)
-            got = store.batch_get_into_multi_buffers([key], [[ctypes.addressof(buffer)]], [[size]])
-            blobs[key] = buffer.raw.decode("utf-8", "replace") if got == [size] else None
+            # get() copies through the client's own registered buffer.
+            data = store.get(key) if int(store.get_size(key)) > 0 else b""
+            blobs[key] = data.decode("utf-8", "replace") if data else None
         reply["blobs"] = blobs
     finally:
         # With an etcd:// (HA) master, close() -- and the native destructor,

@@ -59,6 +59,7 @@ from mooncake_span.sglang_backend.guard import (
 )
 from mooncake_span.sglang_backend.observability import CallObserver, describe_layout
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
+from mooncake_span.sglang_backend.staging import Stager
 from mooncake_span.sglang_backend.stats import (
     METRIC_WINDOW,
     UNPOLLED_WINDOW,
@@ -81,12 +82,8 @@ from mooncake_span.span.hits import PoolHitQuery, compute_hits, leading_run
 from mooncake_span.span.keys import KeySchema, RankTags, check_page_keys
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient, NativeBinding
-from mooncake_span.store.layout_guard import (
-    EtcdRegistry,
-    GeometryRecord,
-    check_or_publish,
-    namespace_key,
-)
+from mooncake_span.store.layout_guard import GeometryRecord, check_layout_guard
+from mooncake_span.store.staging import StagingArena
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +149,12 @@ class MooncakeSpanStore(HiCacheStorage):
         self.key_schema: KeySchema | None = None
         self.client = MooncakeClient(self.settings, self.options, binding, shared_transfer_engine())
         self.client.connect()
+        arena = StagingArena(
+            self.options.staging_buffer_size_bytes,
+            self.client.register_buffer,
+            float(self.options.transfer_timeout_s),
+        )
+        self.stager = Stager(self.client, arena)  # registered memory for unregistered bytes
         self.observer = CallObserver(self.client)  # mooncake_span_* Prometheus metrics
 
     # ---- registration (control path: errors raise) -------------------------------
@@ -213,7 +216,9 @@ class MooncakeSpanStore(HiCacheStorage):
     def on_host_pools_registered(self) -> None:
         if self.key_schema is None:
             raise RegistrationError("on_host_pools_registered() before register_mem_pool_host()")
-        self.layout_guard_result = self._check_layout_guard()
+        self.layout_guard_result = check_layout_guard(
+            self.options, self.key_schema, self.geometry_record(), self.client, self.stager.arena
+        )
         logger.info(
             "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages, "
             "pools %s",
@@ -227,23 +232,6 @@ class MooncakeSpanStore(HiCacheStorage):
     def geometry_record(self) -> GeometryRecord:
         return geometry_record(self.geometry, self.key_schema, self.pools)
 
-    def _check_layout_guard(self) -> str:
-        mode = self.options.layout_guard
-        if mode == "off":
-            return "off"
-        key = namespace_key(self.key_schema.model, self.key_schema.tag)
-        if mode == "etcd":
-            registry = EtcdRegistry(self.options.layout_guard_etcd)
-            return check_or_publish(self.geometry_record(), key, registry.read, registry.create)
-
-        def read(k: str) -> str | None:
-            blob = self.client.read_blob(k)
-            return None if blob is None else blob.decode()
-
-        return check_or_publish(
-            self.geometry_record(), key, read, lambda k, v: self.client.create_blob(k, v.encode())
-        )
-
     def _bind(self, name: str, host_pool: Any) -> None:
         kind = classify_pool(name)
         shape = describe_pool(name, host_pool, is_mla=self.is_mla)
@@ -251,6 +239,9 @@ class MooncakeSpanStore(HiCacheStorage):
         pool = pool_class(name, host_pool, kind, shape.page_tokens, shape.components, shape.layout)
         if kind is PoolKind.KV_DERIVED and self.geometry is not None:
             self.geometry.check_pool_page(name, pool.page_tokens)
+        if (pool.staged or name == KV_POOL) and not pool.is_logical and self.geometry:
+            pages_per_key = self.geometry.storage_page_tokens // pool.page_tokens
+            self.stager.check_row(name, pool.layout.flat_page_bytes * pages_per_key, pool.staged)
         for ptr, size in shape.buffers:
             self.client.register_buffer(ptr, size)
         self.pools[name] = pool
@@ -316,8 +307,6 @@ class MooncakeSpanStore(HiCacheStorage):
             count = len(batch.object_keys)
             per_key = batch.pool.per_key_results(batch, done[offset : offset + count])
             offset += count
-            if not is_set:
-                batch.pool.finish_get(batch, per_key)
             out.append(per_key)
         self.observer.moved(is_set, batches, out)
         return out
@@ -334,6 +323,8 @@ class MooncakeSpanStore(HiCacheStorage):
                 batch.pool.transfer(batch, stored[offset : offset + count], is_set, schema, groups)
             )
             offset += count
+        if any(b.staged for b in batches):
+            return self.stager.move(batches, todos, stored, is_set, self._io)
         if all(t.object_indices is None for t in todos):
             # Every object moves, in order: no per-object bookkeeping.
             return self._io(object_keys, todos, is_set) if object_keys else []

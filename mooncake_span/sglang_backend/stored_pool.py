@@ -7,12 +7,15 @@ fold from per-object flags to per-key results. The backend only loops over
 pools, so the object order is written down here and nowhere else.
 
 Pools whose host pages cannot be addressed by an affine pointer model (the DSA
-indexer in layer_first) are a :class:`StagedPool`: their bytes go through one
-contiguous staging tensor, filled before a put and copied back after a get.
+indexer in layer_first) are a :class:`StagedPool`: their bytes go through the
+registered staging arena (``staging.py``), a flat key row per storage key,
+filled before a put and copied back after a get. The generic path's flat
+tensors (sglang's own, unregistered) travel the same way.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +32,6 @@ from mooncake_span.span.plan import (
     PlanBatch,
     pages_of_slots,
     plan_batch,
-    plan_objects_from_flat,
 )
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry
 
@@ -99,11 +101,20 @@ class PoolBatch:
     object_keys: list[str] = field(default_factory=list)
     # Generic (non zero-copy) calls: one flat span tensor per key instead of host pages.
     flat_bases: list[int] | None = None
-    staging: torch.Tensor | None = None
 
     @property
     def pages_per_key(self) -> int:
         return int(self.key_pages.shape[1])
+
+    @property
+    def staged(self) -> bool:
+        """Do this batch's bytes move through the staging arena?"""
+        return self.flat_bases is not None or self.pool.staged
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one key's flat row (its K flat pages, every component)."""
+        return self.pool.layout.flat_page_bytes * self.pages_per_key
 
 
 @dataclass
@@ -111,7 +122,7 @@ class Transfer:
     """The objects of one batch that still have to move, with their plans."""
 
     object_indices: list[int] | None  # None: every object of the batch, in order
-    plans: PlanBatch
+    plans: PlanBatch | None  # None: a staged batch (the stager plans each part)
     group_ids: list[str] | None
     # A put's placement key per object (KeySchema.domains), whether or not group
     # ids are sent: all objects of a storage key share one failure domain.
@@ -120,6 +131,8 @@ class Transfer:
 
 class StoredPool:
     """A host pool's storage model: object keys, plans, group ids, per-key fold."""
+
+    staged = False
 
     def __init__(
         self,
@@ -208,10 +221,12 @@ class StoredPool:
             if is_set:
                 groups = schema.group_ids(batch.page_keys, ncomp)
                 domains = schema.domains(batch.page_keys, ncomp, groups)
-            plans = self.plans(batch, None, is_set)
+            plans = None if batch.staged else self.plans(batch, None)
             return Transfer(None, plans, groups if group_ids else None, domains)
         rows = [i for i, whole in enumerate(self.fold(stored)) if not whole]
-        row_plans = self.plans(batch, rows, is_set) if rows else PlanBatch([], [], [])
+        row_plans = None
+        if not batch.staged:
+            row_plans = self.plans(batch, rows) if rows else PlanBatch([], [], [])
         objects, picked = [], []
         for pos, row in enumerate(rows):
             for c in range(ncomp):
@@ -222,16 +237,12 @@ class StoredPool:
         if is_set:
             groups = [schema.group_id(batch.page_keys[i // ncomp]) for i in objects]
             domains = [schema.domain_of(batch.object_keys[i]) for i in objects]
-        return Transfer(objects, row_plans.take(picked), groups if group_ids else None, domains)
+        plans = None if row_plans is None else row_plans.take(picked)
+        return Transfer(objects, plans, groups if group_ids else None, domains)
 
-    def plans(self, batch: PoolBatch, rows: list[int] | None, is_set: bool) -> PlanBatch:
+    def plans(self, batch: PoolBatch, rows: list[int] | None) -> PlanBatch:
         """Plans for every component of keys ``rows`` (None: all keys), key-major,
-        component-minor."""
-        if batch.flat_bases is not None:
-            bases = batch.flat_bases if rows is None else [batch.flat_bases[i] for i in rows]
-            return PlanBatch.from_plans(
-                plan_objects_from_flat(self.layout, bases, batch.pages_per_key)
-            )
+        component-minor, in the host pool's own (registered) memory."""
         pages = batch.key_pages if rows is None else batch.key_pages[rows]
         # host_pages() already checked the page range.
         return plan_batch(self.layout, pages, checked=True)
@@ -242,8 +253,13 @@ class StoredPool:
             return [True] * len(batch.page_keys)
         return clamp_after_first_failure(self.fold(object_flags))
 
-    def finish_get(self, batch: PoolBatch, per_key: list[bool]) -> None:
-        """Zero-copy pools already hold the bytes; staged pools copy them back."""
+    def stage_row(self, batch: PoolBatch, row: int, arena: torch.Tensor, offset: int) -> None:
+        """Copy key ``row``'s flat row into ``arena`` at ``offset`` (before a put)."""
+        ctypes.memmove(arena.data_ptr() + offset, batch.flat_bases[row], batch.row_bytes)
+
+    def unstage_row(self, batch: PoolBatch, row: int, arena: torch.Tensor, offset: int) -> None:
+        """Copy key ``row``'s flat row back from ``arena`` (after a get)."""
+        ctypes.memmove(batch.flat_bases[row], arena.data_ptr() + offset, batch.row_bytes)
 
     def moved_bytes(self, batch: PoolBatch, per_key: Sequence[bool]) -> int:
         if self.is_logical:
@@ -252,40 +268,28 @@ class StoredPool:
 
 
 class StagedPool(StoredPool):
-    """A pool without zero-copy pointers: stage flat pages, then unstage after a get."""
+    """A pool without zero-copy pointers: its flat pages are copied to and from the arena."""
 
-    def plans(self, batch: PoolBatch, rows: list[int] | None, is_set: bool) -> PlanBatch:
+    staged = True
+
+    def stage_row(self, batch: PoolBatch, row: int, arena: torch.Tensor, offset: int) -> None:
         if batch.flat_bases is not None:
-            return super().plans(batch, rows, is_set)
-        if rows is None:
-            rows = list(range(len(batch.page_keys)))
-        flat_bytes = self.layout.slot_bytes[0]
-        pages_per_key = batch.pages_per_key
-        batch.staging = torch.empty(
-            (len(batch.page_keys), pages_per_key, flat_bytes), dtype=torch.uint8
-        )
-        if is_set:
-            self._stage(batch, rows)
-        row_bytes = pages_per_key * flat_bytes
-        base = batch.staging.data_ptr()
-        return PlanBatch.from_plans(
-            plan_objects_from_flat(self.layout, [base + i * row_bytes for i in rows], pages_per_key)
-        )
+            return super().stage_row(batch, row, arena, offset)
+        flat_bytes = self.layout.flat_page_bytes
+        for j, page in enumerate(batch.key_pages[row].tolist()):
+            data = self.host_pool.get_data_page(page * self.page_tokens, flat=True)
+            start = offset + j * flat_bytes
+            arena[start : start + flat_bytes].copy_(data.contiguous().view(torch.uint8).reshape(-1))
+        return None
 
-    def _stage(self, batch: PoolBatch, rows: list[int]) -> None:
-        for i in rows:
-            for j, page in enumerate(batch.key_pages[i].tolist()):
-                data = self.host_pool.get_data_page(page * self.page_tokens, flat=True)
-                batch.staging[i, j].copy_(data.contiguous().view(torch.uint8).reshape(-1))
-
-    def finish_get(self, batch: PoolBatch, per_key: list[bool]) -> None:
-        if batch.staging is None:
-            return
+    def unstage_row(self, batch: PoolBatch, row: int, arena: torch.Tensor, offset: int) -> None:
+        if batch.flat_bases is not None:
+            return super().unstage_row(batch, row, arena, offset)
+        flat_bytes = self.layout.flat_page_bytes
         dtype = self.host_pool.get_dummy_flat_data_page().dtype
-        for i, ok in enumerate(per_key):
-            if not ok:
-                break
-            for j, page in enumerate(batch.key_pages[i].tolist()):
-                self.host_pool.set_from_flat_data_page(
-                    page * self.page_tokens, batch.staging[i, j].view(dtype)
-                )
+        for j, page in enumerate(batch.key_pages[row].tolist()):
+            start = offset + j * flat_bytes
+            self.host_pool.set_from_flat_data_page(
+                page * self.page_tokens, arena[start : start + flat_bytes].view(dtype)
+            )
+        return None

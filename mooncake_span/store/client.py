@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import logging
 import operator
 import re
@@ -559,17 +558,9 @@ class MooncakeClient:
         with self._native("remove_by_regex") as store:
             return int(store.remove_by_regex(pattern, True))
 
-    def create_blob(self, key: str, data: bytes) -> bool:
-        """Store ``data`` under ``key`` unless the key exists; True if this call wrote it."""
-        buffer = ctypes.create_string_buffer(data, len(data))
-        plan = [ObjectPlan([ctypes.addressof(buffer)], [len(data)])]
-        return not self.exists([key])[0] and self.put([key], plan, hard_pin=True)[0]
-
-    def read_blob(self, key: str) -> bytes | None:
-        size = self._invoke_one("get_size", lambda s: s.get_size(key))
-        buffer = ctypes.create_string_buffer(max(size, 1))
-        plan = [ObjectPlan([ctypes.addressof(buffer)], [size])]
-        return buffer.raw if size > 0 and self.get([key], plan)[0] else None
+    def size_of(self, key: str) -> int:
+        """The stored size of ``key`` in bytes, or a negative native code."""
+        return self._invoke_one("get_size", lambda s: s.get_size(key))
 
     def stats_revision(self) -> tuple[int, bool, int]:
         """Cheap to read; changes whenever ``stats()`` has news for the metrics

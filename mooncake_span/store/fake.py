@@ -19,16 +19,27 @@ TRANSFER_FAIL to gets while ``batch_is_exist`` still says 1 and the master
 still lists the segment (the ``client_ttl`` window), and puts preferring it
 fail the same way; ``expire_dead`` ends that window (the segment and its
 objects disappear).
+
+RDMA's rule holds here: a buffer of a zero-copy call that lies outside every
+region given to ``register_buffer`` on this ``FakeStore`` fails its object
+with TRANSFER_FAIL (what the RDMA transport answers when it finds no memory
+registration), is logged, and is counted in
+``FakeCluster.unregistered_buffers``; nothing is read or written there. So
+every test on the fake checks that only registered memory is sent.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import re
 import threading
 from dataclasses import dataclass, field
 
 from mooncake_span.errors import ErrorCode
+from mooncake_span.span.staging import ByteRanges
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,6 +84,7 @@ class FakeCluster:
         self.lock = threading.Lock()
         self._faults: dict[str, list[int]] = {}
         self.calls: list[tuple[str, int]] = []
+        self.unregistered_buffers = 0
 
     def inject(self, op: str, code: int, times: int = 1) -> None:
         """The next ``times`` calls of ``op`` answer ``code`` for every key."""
@@ -123,6 +135,7 @@ class FakeStore:
     def __init__(self, cluster: FakeCluster | None = None) -> None:
         self._cluster = cluster or FakeCluster()
         self._closed = False
+        self.registered = ByteRanges()
 
     def _check(self) -> None:
         if self._closed:
@@ -138,7 +151,10 @@ class FakeStore:
         fault = self._cluster._take_fault("register_buffer")
         if fault is not None:
             return fault
-        return 0 if size > 0 else int(ErrorCode.INVALID_PARAMS)
+        if size <= 0:
+            return int(ErrorCode.INVALID_PARAMS)
+        self.registered.add(ptr, size)
+        return 0
 
     def close(self) -> int:
         self._closed = True
@@ -171,6 +187,21 @@ class FakeStore:
         fault = self._cluster._take_fault(op)
         return None if fault is None else [fault] * len(keys)
 
+    def _unregistered(self, op: str, key: str, ptrs: list[int], sizes: list[int]) -> bool:
+        """Does the object name memory outside the registered regions (an RDMA failure)?"""
+        outside = self.registered.uncovered(ptrs, sizes)
+        if outside:
+            self._cluster.unregistered_buffers += len(outside)
+            logger.warning(
+                "FakeStore %s %r: %d buffer(s) outside registered memory, first %#x (%d bytes)",
+                op,
+                key,
+                len(outside),
+                outside[0][0],
+                outside[0][1],
+            )
+        return bool(outside)
+
     def batch_put_from_multi_buffers(
         self,
         keys: list[str],
@@ -192,6 +223,9 @@ class FakeStore:
                 total = sum(sizes)
                 if not key or total <= 0 or any(s <= 0 for s in sizes):
                     out.append(int(ErrorCode.INVALID_PARAMS))
+                    continue
+                if self._unregistered("put", key, ptrs, sizes):
+                    out.append(int(ErrorCode.TRANSFER_FAIL))
                     continue
                 if key in c.objects:
                     out.append(0)
@@ -234,7 +268,7 @@ class FakeStore:
                 if sum(sizes) < len(value):
                     out.append(int(ErrorCode.INVALID_PARAMS))
                     continue
-                if sum(sizes) > len(value):
+                if sum(sizes) > len(value) or self._unregistered("get", key, ptrs, sizes):
                     out.append(int(ErrorCode.TRANSFER_FAIL))
                     continue
                 offset = 0

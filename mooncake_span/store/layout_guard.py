@@ -20,10 +20,15 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncake_span.errors import LayoutConflictError
-from mooncake_span.span.keys import KEY_SCHEMA_VERSION, sanitize_token
+from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, sanitize_token
+from mooncake_span.store.staging import StagingArena, create_blob, read_blob
+
+if TYPE_CHECKING:
+    from mooncake_span.config import SpanOptions
+    from mooncake_span.store.client import MooncakeClient
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +126,32 @@ def check_or_publish(
         )
     logger.info("mooncake-span layout guard: geometry matches the published record %s", key)
     return "matched"
+
+
+def check_layout_guard(
+    options: SpanOptions,
+    schema: KeySchema,
+    record: GeometryRecord,
+    client: MooncakeClient,
+    arena: StagingArena,
+) -> str:
+    """Run the guard ``span_layout_guard`` selects: "off", "published" or "matched".
+    The ``store`` record moves through the registered staging ``arena``."""
+    mode = options.layout_guard
+    if mode == "off":
+        return "off"
+    key = namespace_key(schema.model, schema.tag)
+    if mode == "etcd":
+        registry = EtcdRegistry(options.layout_guard_etcd)
+        return check_or_publish(record, key, registry.read, registry.create)
+
+    def read(k: str) -> str | None:
+        blob = read_blob(client, arena, k)
+        return None if blob is None else blob.decode()
+
+    return check_or_publish(
+        record, key, read, lambda k, v: create_blob(client, arena, k, v.encode())
+    )
 
 
 class EtcdRegistry:

@@ -12,7 +12,8 @@ from tests.span_helpers import make_storage_config
 
 @pytest.fixture
 def span_store_factory(mooncake_cluster: Any, key_namespace: str) -> Iterator[Callable[..., Any]]:
-    """``factory(pools, *, storage_page_size, is_mla=True, **extra)`` -> registered store.
+    """``factory(pools, *, storage_page_size, is_mla=True, binding=None, **extra)`` ->
+    registered store (``binding``: the native store class, e.g. a checking proxy).
 
     ``pools`` maps sglang PoolName -> host pool; KV is the anchor. The model
     name is the test's key namespace, so tests never see each other's objects.
@@ -29,6 +30,7 @@ def span_store_factory(mooncake_cluster: Any, key_namespace: str) -> Iterator[Ca
         is_mla: bool = True,
         model_name: str | None = None,
         tp_rank: int = 0,
+        binding: Any = None,
         **extra: Any,
     ) -> Any:
         from sglang.srt.mem_cache.hicache_storage import PoolName
@@ -42,6 +44,7 @@ def span_store_factory(mooncake_cluster: Any, key_namespace: str) -> Iterator[Ca
                 config, is_mla=is_mla, model_name=model_name or key_namespace, tp_rank=tp_rank
             ),
             {},
+            binding=binding,
         )
         stores.append(store)
         store.register_mem_pool_host(pools[PoolName.KV])

@@ -57,19 +57,21 @@ class Keys:
         self.source = rng.integers(0, 256, len(self.objects) * OBJECT_BYTES, dtype=np.uint8)
         self.target = np.zeros_like(self.source)
 
-    def plans(self, array: np.ndarray, idx: list[int]) -> list[ObjectPlan]:
+    def plans(self, client: MooncakeClient, array: np.ndarray, idx: list[int]) -> list[ObjectPlan]:
+        """Objects ``idx`` of ``array``, registered with ``client`` (RDMA's rule)."""
+        client.register_buffer(array.ctypes.data, array.nbytes)
         base = array.ctypes.data
         return [ObjectPlan([base + i * OBJECT_BYTES], [OBJECT_BYTES]) for i in idx]
 
     def put(self, client: MooncakeClient) -> list[bool]:
         idx = list(range(len(self.objects)))
-        return client.put(self.objects, self.plans(self.source, idx), self.groups)
+        return client.put(self.objects, self.plans(client, self.source, idx), self.groups)
 
     def get_key(self, client: MooncakeClient, k: int) -> bool:
         """Restore storage key ``k`` alone; True only if every component is byte-exact."""
         idx = [k * len(COMPONENTS) + c for c in range(len(COMPONENTS))]
         self.target[:] = 0
-        flags = client.get([self.objects[i] for i in idx], self.plans(self.target, idx))
+        flags = client.get([self.objects[i] for i in idx], self.plans(client, self.target, idx))
         exact = all(
             ctypes.string_at(self.target.ctypes.data + i * OBJECT_BYTES, OBJECT_BYTES)
             == self.source[i * OBJECT_BYTES : (i + 1) * OBJECT_BYTES].tobytes()
@@ -179,13 +181,14 @@ def test_transfer_failures_never_open_the_breaker_but_rpc_failures_do(make_clien
     keys = Keys(1)
     client = make_client(breaker_failures=2, breaker_probe_interval_s=60.0, placement=False)
     assert all(keys.put(client))
+    plans = keys.plans(client, keys.target, [0, 1, 2])  # registering answers the breaker
     for _ in range(4):
         cluster.inject("batch_get_into_multi_buffers", int(ErrorCode.TRANSFER_FAIL))
-        client.get(keys.objects, keys.plans(keys.target, [0, 1, 2]))
+        client.get(keys.objects, plans)
     assert client.stats()["breaker_state"] == "closed"
     for _ in range(2):
         cluster.inject("batch_get_into_multi_buffers", int(ErrorCode.RPC_FAIL))
-        client.get(keys.objects, keys.plans(keys.target, [0, 1, 2]))
+        client.get(keys.objects, plans)
     assert client.stats()["breaker_state"] == "open"
 
 

@@ -156,7 +156,7 @@ class TestFakeStoreContract(StoreContract):
         key = f"{key_namespace}-one"
         calls = {
             "register_buffer": lambda: client.register_buffer(arena.ctypes.data, 64),
-            "get_size": lambda: client.read_blob(key),
+            "get_size": lambda: client.size_of(key),
             "remove": lambda: client.remove([key]),
         }
         fake_cluster.inject(op, int(ErrorCode.RPC_FAIL), times=2)

@@ -1,0 +1,96 @@
+"""Registered-memory bookkeeping and byte budgets. Pure (no I/O).
+
+Over RDMA every buffer of a zero-copy Mooncake call must lie inside a region
+given to ``register_buffer``. Memory sglang allocates per call (the generic
+path's tensors) or that has no affine page model (staged pools) therefore
+moves through one registered staging arena, leased per call: these helpers
+decide which free gap of the arena a lease takes and how many objects fit in
+the bytes a lease got. ``ByteRanges`` is the rule itself, shared by the fake
+store and the tests' checking wrapper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from mooncake_span.errors import InvalidRequestError
+
+# Leases start on this boundary (a cache line): neighbours never share one.
+LEASE_ALIGN_BYTES = 64
+
+
+class ByteRanges:
+    """Registered ``[ptr, ptr + size)`` regions; ``covers`` is RDMA's check."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] = []
+
+    def add(self, ptr: int, size_bytes: int) -> None:
+        self._ranges.append((int(ptr), int(ptr) + int(size_bytes)))
+
+    def covers(self, ptr: int, size_bytes: int) -> bool:
+        """Is ``[ptr, ptr + size_bytes)`` inside one registered region?"""
+        end = ptr + size_bytes
+        return any(start <= ptr and end <= stop for start, stop in self._ranges)
+
+    def uncovered(self, ptrs: Iterable[int], sizes: Iterable[int]) -> list[tuple[int, int]]:
+        """The (ptr, size) buffers outside every registered region."""
+        return [(p, s) for p, s in zip(ptrs, sizes, strict=True) if not self.covers(p, s)]
+
+    def __len__(self) -> int:
+        return len(self._ranges)
+
+
+def align_up(nbytes: int, align_bytes: int = LEASE_ALIGN_BYTES) -> int:
+    return -(-nbytes // align_bytes) * align_bytes
+
+
+def largest_gap(leased: Iterable[tuple[int, int]], capacity_bytes: int) -> tuple[int, int]:
+    """(offset, size) of the largest free aligned gap between ``leased``
+    (offset, size) regions of an arena of ``capacity_bytes``; size 0 if none."""
+    best = (0, 0)
+    cursor = 0
+    for offset, size in sorted(leased) + [(capacity_bytes, 0)]:
+        if offset - cursor > best[1]:
+            best = (cursor, offset - cursor)
+        cursor = max(cursor, align_up(offset + size))
+    return best
+
+
+@dataclass(frozen=True)
+class StagedPart:
+    """One native call of a staged transfer: ``objects`` (positions in the
+    transfer's object list) and the key ``rows`` they belong to; row ``rows[k]``
+    sits at ``k * row_bytes`` in the lease."""
+
+    objects: range
+    rows: list[int]
+
+
+def rows_left_bytes(row_of: Sequence[int], start: int, row_bytes: int) -> int:
+    """Bytes the key rows of objects ``start..`` take (what a lease would want)."""
+    return len(set(row_of[start:])) * row_bytes
+
+
+def next_part(row_of: Sequence[int], start: int, lease_bytes: int, row_bytes: int) -> StagedPart:
+    """The objects from ``start`` on whose rows fit in ``lease_bytes``.
+
+    ``row_of`` is each object's key row, non-decreasing (objects are key-major,
+    so all objects of a row are neighbours). The part holds whole rows only;
+    a lease smaller than one row is a caller error."""
+    capacity_rows = lease_bytes // row_bytes
+    if capacity_rows < 1:
+        raise InvalidRequestError(
+            f"a {lease_bytes}-byte lease cannot hold one {row_bytes}-byte key row"
+        )
+    rows: list[int] = []
+    end = start
+    while end < len(row_of):
+        row = row_of[end]
+        if not rows or rows[-1] != row:
+            if len(rows) == capacity_rows:
+                break
+            rows.append(row)
+        end += 1
+    return StagedPart(range(start, end), rows)

@@ -1,0 +1,126 @@
+"""The staging arena: one registered buffer that memory sglang owns moves through.
+
+Zero-copy Mooncake calls may only name registered memory (RDMA's rule). Host
+pools are registered whole at startup; everything else -- the generic path's
+tensors, staged pools' pages, the layout-guard record -- is copied into a
+lease of this arena, sent from there, and copied out after a get.
+
+A lease is a free gap of the arena, granted between ``min_bytes`` (one
+object or key row: the caller cannot go smaller) and ``want_bytes`` (the
+whole call). Concurrent callers (sglang's prefetch and backup threads) get
+smaller leases while the arena is shared and cut their calls to fit; one
+that cannot get even ``min_bytes`` waits at most ``timeout_s`` and then gets
+a ``StagingBusyError``. A lease never outlives one native call, so every
+wait ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mooncake_span.errors import InvalidRequestError, MooncakeSpanError
+from mooncake_span.span.plan import ObjectPlan
+from mooncake_span.span.staging import align_up, largest_gap
+
+if TYPE_CHECKING:
+    from mooncake_span.store.client import MooncakeClient
+
+logger = logging.getLogger(__name__)
+
+
+class StagingBusyError(MooncakeSpanError, TimeoutError):
+    """No lease of the staging arena became free in time."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    ptr: int
+    offset: int
+    size_bytes: int
+
+
+class StagingArena:
+    """``size_bytes`` of anonymous memory, registered once through ``register``."""
+
+    def __init__(
+        self, size_bytes: int, register: Callable[[int, int], None], timeout_s: float
+    ) -> None:
+        if size_bytes <= 0:
+            raise InvalidRequestError(f"staging arena must be > 0 bytes, got {size_bytes}")
+        # mmap: page-aligned (what NIC registration pins) and committed on first touch.
+        self._memory = mmap.mmap(-1, size_bytes)
+        self.base_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
+        self.size_bytes = size_bytes
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._leased: dict[int, int] = {}  # offset -> bytes
+        self.waits = 0
+        register(self.base_ptr, size_bytes)
+
+    @property
+    def memory(self) -> memoryview:
+        return memoryview(self._memory)
+
+    def _grant(self, want_bytes: int, min_bytes: int) -> Lease | None:
+        offset, free = largest_gap(self._leased.items(), self.size_bytes)
+        if free < min_bytes:
+            return None
+        size = min(free, align_up(want_bytes))
+        self._leased[offset] = size
+        return Lease(self.base_ptr + offset, offset, size)
+
+    @contextmanager
+    def lease(self, want_bytes: int, min_bytes: int) -> Iterator[Lease]:
+        """A lease of ``min_bytes`` to ``want_bytes``, waiting at most ``timeout_s``."""
+        if min_bytes > self.size_bytes:
+            raise InvalidRequestError(
+                f"{min_bytes} bytes cannot be staged: the staging arena holds {self.size_bytes} "
+                "bytes (raise span_staging_buffer_size)"
+            )
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            granted = self._grant(want_bytes, min_bytes)
+            while granted is None:
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise StagingBusyError(
+                        f"no {min_bytes}-byte lease of the {self.size_bytes}-byte staging arena "
+                        f"freed within {self.timeout_s}s ({len(self._leased)} leases held)"
+                    )
+                self.waits += 1
+                self._cond.wait(timeout=left_s)
+                granted = self._grant(want_bytes, min_bytes)
+        try:
+            yield granted
+        finally:
+            with self._cond:
+                del self._leased[granted.offset]
+                self._cond.notify_all()
+
+
+def create_blob(client: MooncakeClient, arena: StagingArena, key: str, data: bytes) -> bool:
+    """Store ``data`` under ``key`` unless the key exists; True if this call wrote it."""
+    if client.exists([key])[0]:
+        return False
+    with arena.lease(len(data), len(data)) as lease:
+        ctypes.memmove(lease.ptr, data, len(data))
+        return client.put([key], [ObjectPlan([lease.ptr], [len(data)])], hard_pin=True)[0]
+
+
+def read_blob(client: MooncakeClient, arena: StagingArena, key: str) -> bytes | None:
+    """The bytes stored under ``key``, or None when it cannot be read."""
+    size = client.size_of(key)
+    if size <= 0:
+        return None
+    with arena.lease(size, size) as lease:
+        if not client.get([key], [ObjectPlan([lease.ptr], [size])])[0]:
+            return None
+        return ctypes.string_at(lease.ptr, size)
