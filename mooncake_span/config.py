@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mooncake_span.errors import ConfigError
+from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
