@@ -348,6 +348,9 @@ class SpanOptions:
     # How long a key whose restore failed is reported absent (unless re-written).
     lost_key_ttl_s: float = 30.0
     lost_keys_max: int = 100_000
+    # After a no-space put answer (NO_AVAILABLE_HANDLE), puts pause this long
+    # or until a put in flight succeeds (store/pressure.py); 0 disables.
+    full_cooldown_s: float = 1.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -396,6 +399,11 @@ class SpanOptions:
         ):
             if not 0 < value <= 86_400:
                 raise ConfigError(f"{name} must be in (0, 86400] seconds, got {value}")
+        if not 0 <= self.full_cooldown_s <= 3600:
+            raise ConfigError(
+                f"span_full_cooldown_s must be in [0, 3600] seconds (0 disables), "
+                f"got {self.full_cooldown_s}"
+            )
         if not 1 <= self.lost_keys_max <= 10_000_000:
             raise ConfigError(
                 f"span_lost_keys_max must be in 1..10000000, got {self.lost_keys_max}"
@@ -419,6 +427,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_domain_bad_ttl_s": ("domain_bad_ttl_s", float),
     "span_lost_key_ttl_s": ("lost_key_ttl_s", float),
     "span_lost_keys_max": ("lost_keys_max", parse_int),
+    "span_full_cooldown_s": ("full_cooldown_s", float),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
 

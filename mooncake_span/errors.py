@@ -78,6 +78,7 @@ class ErrorCode(enum.IntEnum):
     RPC_TIMEOUT = -901
     ETCD_OPERATION_ERROR = -1000
     UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    TENANT_QUOTA_EXCEEDED = -1700
 
 
 # Codes that mean "the cluster (master, network, a peer) did not answer", as
