@@ -54,6 +54,7 @@ from mooncake_span.store.native import (
     _probe_tcp,
     native_env_defaults,
     prepare_native_env,
+    replicate_config,
 )
 from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, SKIPPED_CODE, PutPressure
 from mooncake_span.store.probe import RecoveryProbe
@@ -115,7 +116,6 @@ class MooncakeClient:
         self._counters: collections.Counter[str] = collections.Counter()
         self.pressure = PutPressure(options.full_cooldown_s)
         self._probe_key = f"mooncake-span-probe-{uuid.uuid4().hex}"
-        self._supports_group_ids: bool | None = None
         self._directory: SegmentDirectory | None = None
         # Placement and failure domains; the backend sets router.domain_of.
         self.router = DomainRouter(options, self.segments)
@@ -383,22 +383,6 @@ class MooncakeClient:
             not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
         ]
 
-    def _replicate_config(
-        self, group_ids: Sequence[str] | None, hard_pin: bool = False, segment: str = ""
-    ) -> Any:
-        config = self._binding.replicate_config_factory()
-        config.replica_num = self.options.replica_num if self._copies == 1 else 1
-        if segment:
-            config.preferred_segment = segment
-        if hard_pin and hasattr(config, "with_hard_pin"):
-            config.with_hard_pin = True
-        if group_ids is not None and self.options.group_ids:
-            if self._supports_group_ids is None:
-                self._supports_group_ids = hasattr(config, "group_ids")
-            if self._supports_group_ids:
-                config.group_ids = list(group_ids)
-        return config
-
     def put(
         self,
         keys: Sequence[str],
@@ -461,8 +445,12 @@ class MooncakeClient:
                 codes += [SKIPPED_CODE] * len(span)
                 continue
             part = batch.part(span)
-            config = self._replicate_config(
-                group_ids[span.start : span.stop] if group_ids else None, hard_pin, segment
+            config = replicate_config(
+                self._binding.replicate_config_factory,
+                self.options.replica_num if self._copies == 1 else 1,
+                group_ids[span.start : span.stop] if grouped else None,
+                hard_pin,
+                segment,
             )
             codes += self.pressure.record(
                 self._invoke(

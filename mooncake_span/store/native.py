@@ -1,12 +1,13 @@
 """How the client reaches the native library: the binding, its environment defaults,
-and the reachability probe run before ``setup`` (which can block for minutes)."""
+the reachability probe run before ``setup`` (which can block for minutes), and the
+``ReplicateConfig`` of a put."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,3 +72,23 @@ def prepare_native_env(settings: MooncakeSettings, options: SpanOptions) -> None
             options.max_buffers_per_call,
             TCP_QUEUE_BUFFERS,
         )
+
+
+def replicate_config(
+    factory: Callable[[], Any],
+    replica_num: int,
+    group_ids: Sequence[str] | None,
+    hard_pin: bool,
+    segment: str,
+) -> Any:
+    """The ``ReplicateConfig`` of one put call. Fields an older wheel lacks
+    (``with_hard_pin``, ``group_ids``) are left out rather than failing the put."""
+    config = factory()
+    config.replica_num = replica_num
+    if segment:
+        config.preferred_segment = segment
+    if hard_pin and hasattr(config, "with_hard_pin"):
+        config.with_hard_pin = True
+    if group_ids is not None and hasattr(config, "group_ids"):
+        config.group_ids = list(group_ids)
+    return config
