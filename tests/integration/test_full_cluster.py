@@ -1,6 +1,6 @@
 """The put cool-down on a genuinely full segment of a real master.
 
-A 4 MiB storage node is filled with hard-pinned objects that are then leased
+A 16 MiB storage node is filled with hard-pinned objects that are then leased
 (a 10-minute lease), so nothing can be evicted: every further put is answered
 ``NO_AVAILABLE_HANDLE``. Native put calls are counted by a wrapper around the
 real store; no timing is asserted.
@@ -20,8 +20,8 @@ from mooncake_span.store.pressure import FULL_SKIPPED_LABEL
 
 pytestmark = pytest.mark.integration
 
-SEGMENT_BYTES = 4 << 20
-OBJECT_BYTES = 256 << 10
+SEGMENT_BYTES = 16 << 20  # the smallest segment Mooncake accepts
+OBJECT_BYTES = 1 << 20
 # Bound of the fill: more objects than the segment can hold.
 MAX_FILL_OBJECTS = SEGMENT_BYTES // OBJECT_BYTES + 8
 BATCH = 4
