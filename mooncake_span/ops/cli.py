@@ -150,8 +150,7 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=CLUSTER_UP_EVICTION_RATIO,
         metavar="RATIO",
-        help="share of objects one eviction pass frees, in (0, 1] (default: %(default)s; "
-        "Mooncake's is 0.05)",
+        help="share of objects one eviction pass frees, in (0, 1] (default: %(default)s)",
     )
     up.add_argument(
         "--log-dir",

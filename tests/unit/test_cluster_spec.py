@@ -241,5 +241,5 @@ def test_cluster_up_starts_masters_with_the_measured_eviction_flags():
         CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
         CLUSTER_UP_EVICTION_RATIO,
     )
-    args = build_parser().parse_args(["cluster", "up", "--eviction-ratio", "0.05"])
-    assert args.eviction_ratio == 0.05
+    args = build_parser().parse_args(["cluster", "up", "--eviction-ratio", "0.2"])
+    assert args.eviction_ratio == 0.2
