@@ -226,7 +226,14 @@ def backend(monkeypatch):
 
 
 def test_backend_backups_skip_the_existence_query_and_the_put_in_a_cooldown(backend):
+    import prometheus_client as prom
+
+    from mooncake_span import metrics as M
+    from mooncake_span.sglang_backend.observability import CallObserver
+
     store, cluster = backend
+    registry = prom.CollectorRegistry()
+    store.observer = CallObserver(store.client, M.SpanMetrics(registry))
     assert store.batch_set_v1(["a", "b", "c"], slots_of(list(range(6)), PAGE)) == [
         True,
         True,
@@ -239,3 +246,6 @@ def test_backend_backups_skip_the_existence_query_and_the_put_in_a_cooldown(back
     assert store.batch_exists(["a", "b", "c"]) == 2
     assert store.batch_get_v1(["a", "b"], slots_of([10, 11, 12, 13], PAGE)) == [True, True]
     assert store.get_stats().error_counts[FULL_SKIPPED_LABEL] == 2
+    family = "mooncake_span_failed_objects_total"
+    assert registry.get_sample_value(family, {"code": FULL_SKIPPED_LABEL}) == 2
+    assert registry.get_sample_value(family, {"code": "NO_AVAILABLE_HANDLE"}) == 1
