@@ -37,7 +37,7 @@ LOG_INTERVAL_S = 60.0
 
 
 class PutPressure:
-    """Whether puts pause, and how many were skipped. Thread-safe."""
+    """Whether puts pause, and how many cool-downs began. Thread-safe."""
 
     def __init__(self, cooldown_s: float, now_s: Callable[[], float] = time.monotonic) -> None:
         if cooldown_s < 0:
