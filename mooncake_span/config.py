@@ -241,6 +241,9 @@ class SpanOptions:
     # The registered arena that staged pools, the generic path and the layout
     # guard move bytes through (store/staging.py); a call larger than it is cut.
     staging_buffer_size_bytes: int = _DEFAULT_STAGING_BYTES
+    # After a no-space put answer (NO_AVAILABLE_HANDLE), puts pause this long
+    # or until a put in flight succeeds (store/pressure.py); 0 disables.
+    full_cooldown_s: float = 1.0
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -294,6 +297,11 @@ class SpanOptions:
         ):
             if not 0 < value <= 86_400:
                 raise ConfigError(f"{name} must be in (0, 86400] seconds, got {value}")
+        if not 0 <= self.full_cooldown_s <= 3600:
+            raise ConfigError(
+                f"span_full_cooldown_s must be in [0, 3600] seconds (0 disables), "
+                f"got {self.full_cooldown_s}"
+            )
         if not 1 <= self.lost_keys_max <= 10_000_000:
             raise ConfigError(
                 f"span_lost_keys_max must be in 1..10000000, got {self.lost_keys_max}"
@@ -318,6 +326,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_lost_key_ttl_s": ("lost_key_ttl_s", float),
     "span_lost_keys_max": ("lost_keys_max", parse_int),
     "span_staging_buffer_size": ("staging_buffer_size_bytes", parse_size_bytes),
+    "span_full_cooldown_s": ("full_cooldown_s", float),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
 

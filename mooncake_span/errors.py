@@ -78,6 +78,8 @@ class ErrorCode(enum.IntEnum):
     RPC_TIMEOUT = -901
     ETCD_OPERATION_ERROR = -1000
     UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    # A tenant over its quota (-1700 as of Mooncake 0.3.12's types.h): no space for it.
+    TENANT_QUOTA_EXCEEDED = -1700
 
 
 # Codes that mean "the cluster (master, network, a peer) did not answer", as

@@ -19,6 +19,11 @@ import warnings
 from typing import TYPE_CHECKING
 
 from mooncake_span.ops import doctor, inspect_cmd
+from mooncake_span.ops.cluster_spec import (
+    CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
+    CLUSTER_UP_EVICTION_RATIO,
+    CLUSTER_UP_LEASE_TTL_MS,
+)
 from mooncake_span.ops.native_log import add_native_log_arg, native_stderr_to, resolve_native_log
 from mooncake_span.units import parse_size_bytes
 
@@ -121,9 +126,10 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--lease-ttl-ms",
         type=_positive_int_arg,
-        default=None,
+        default=CLUSTER_UP_LEASE_TTL_MS,
         metavar="MS",
-        help="master's default_kv_lease_ttl in milliseconds (default: Mooncake's, 10000)",
+        help="master's default_kv_lease_ttl in milliseconds (default: %(default)s; Mooncake's "
+        "10000 keeps every looked-up object unevictable for 10 s, see docs/benchmarks.md)",
     )
     up.add_argument(
         "--client-ttl-s",
@@ -135,9 +141,16 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--eviction-high-watermark-ratio",
         type=float,
-        default=None,
+        default=CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
         metavar="RATIO",
-        help="memory usage ratio in (0, 1] that triggers eviction (default: Mooncake's, 0.9)",
+        help="memory usage ratio in (0, 1] that triggers eviction (default: %(default)s)",
+    )
+    up.add_argument(
+        "--eviction-ratio",
+        type=float,
+        default=CLUSTER_UP_EVICTION_RATIO,
+        metavar="RATIO",
+        help="share of objects one eviction pass frees, in (0, 1] (default: %(default)s)",
     )
     up.add_argument(
         "--log-dir",
@@ -182,6 +195,7 @@ def cluster_up(args: argparse.Namespace) -> int:
             lease_ttl_ms=args.lease_ttl_ms,
             client_ttl_s=args.client_ttl_s,
             eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
+            eviction_ratio=args.eviction_ratio,
             log_dir=args.log_dir,
             start_timeout_s=args.start_timeout_s,
         )
@@ -439,6 +453,12 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         help="only the adapter-overhead section: own Python per page/key on a do-nothing "
         "native store and on a real in-process one (mooncake_span.bench.overhead)",
     )
+    bench.add_argument(
+        "--pressure",
+        action="store_true",
+        help="only the full-cluster section: backups at 5x a small segment, with and without "
+        "the put cool-down, under several eviction flags (mooncake_span.bench.pressure)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -452,6 +472,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.overhead import run_overhead_command
 
         return run_overhead_command(args.quick, args.reps, args.json)
+    if args.pressure:
+        from mooncake_span.bench.pressure import run_pressure_command
+
+        return run_pressure_command(args.quick, args.json)
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

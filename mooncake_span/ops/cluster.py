@@ -451,6 +451,7 @@ class LocalCluster:
             lease_ttl_ms=spec.lease_ttl_ms,
             client_ttl_s=spec.client_ttl_s,
             eviction_high_watermark_ratio=spec.eviction_high_watermark_ratio,
+            eviction_ratio=spec.eviction_ratio,
             extra_args=spec.master_extra_args,
         )
 

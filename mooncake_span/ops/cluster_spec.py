@@ -22,6 +22,19 @@ __all__ = ["ClusterSpec", "ExternalCluster", "sglang_client_config"]
 # spec
 
 
+# The master flags ``mooncake-span cluster up`` starts with (ClusterSpec itself
+# keeps Mooncake's defaults). Backups at 5x a 32 MiB segment with hit queries on
+# the newest keys (docs/benchmarks.md, "2026-12-01: a full cluster"): with the
+# default 10 s lease every looked-up object stays leased, eviction finds nothing
+# to free, 79% of the put objects are refused and none of the newest requests
+# hit; a 2 s lease let 3x as many keys in and 31-57% of the newest requests hit.
+# Eviction ratio 0.1 did no better than Mooncake's 0.05 (pooled over 4 runs
+# each), so the watermark and ratio stay Mooncake's, passed explicitly.
+CLUSTER_UP_LEASE_TTL_MS = 2000
+CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO = 0.9
+CLUSTER_UP_EVICTION_RATIO = 0.05
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """What to start. All fields are validated on construction.
@@ -42,6 +55,8 @@ class ClusterSpec:
     lease_ttl_ms: int | None = None
     client_ttl_s: int | None = None
     eviction_high_watermark_ratio: float | None = None
+    # Share of objects one eviction pass frees (Mooncake's default 0.05).
+    eviction_ratio: float | None = None
     master_extra_args: tuple[str, ...] = ()
     log_dir: str | Path | None = None
     # Added to the environment of every child and to client_env().
@@ -86,13 +101,12 @@ class ClusterSpec:
             _require_int(self.lease_ttl_ms, "lease_ttl_ms", minimum=1)
         if self.client_ttl_s is not None:
             _require_int(self.client_ttl_s, "client_ttl_s", minimum=1)
-        ratio = self.eviction_high_watermark_ratio
-        if ratio is not None and (
-            isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1
-        ):
-            raise ValueError(
-                f"ClusterSpec.eviction_high_watermark_ratio={ratio!r} must be a number in (0, 1]"
-            )
+        for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
+            ratio = getattr(self, name)
+            if ratio is not None and (
+                isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1
+            ):
+                raise ValueError(f"ClusterSpec.{name}={ratio!r} must be a number in (0, 1]")
         if isinstance(self.master_extra_args, str) or not all(
             isinstance(arg, str) and arg.startswith("--") for arg in self.master_extra_args
         ):

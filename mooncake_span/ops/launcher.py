@@ -161,6 +161,7 @@ class MasterArgs:
     lease_ttl_ms: int | None = None
     client_ttl_s: int | None = None
     eviction_high_watermark_ratio: float | None = None
+    eviction_ratio: float | None = None
     extra_args: tuple[str, ...] = ()
 
     def argv(self, master_bin: str) -> list[str]:
@@ -192,6 +193,8 @@ class MasterArgs:
             argv.append(f"--client_ttl={self.client_ttl_s}")
         if self.eviction_high_watermark_ratio is not None:
             argv.append(f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}")
+        if self.eviction_ratio is not None:
+            argv.append(f"--eviction_ratio={self.eviction_ratio}")
         return argv + list(self.extra_args)
 
     @property

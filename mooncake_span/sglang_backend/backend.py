@@ -296,7 +296,7 @@ class MooncakeSpanStore(HiCacheStorage):
             object_keys = physical[0].object_keys
         else:
             object_keys = [k for b in physical for k in b.object_keys]
-        if is_set and object_keys:
+        if is_set and object_keys and not self.client.pressure.cooling:
             # A key already stored (by another rank or node) is not written twice.
             stored = self.client.exists(object_keys)
         else:

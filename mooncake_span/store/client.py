@@ -12,6 +12,7 @@ conventions into plain Python ones, once:
   a healthy cluster goes out as the caller built it, in one native call, and
   otherwise calls carry at most ``max_buffers_per_call`` buffers and a get
   never names one key twice (Mooncake would leave a buffer unwritten);
+* a no-space answer to a put pauses puts (``pressure.py``): they read False;
 * after ``close()`` every method raises ``StoreClosedError`` (the native
   client segfaults if called after close).
 
@@ -53,10 +54,12 @@ from mooncake_span.store.native import (
     _probe_tcp,
     native_env_defaults,
     prepare_native_env,
+    replicate_config,
     setup_arguments,
     setup_store,
     wait_for_segments,
 )
+from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, SKIPPED_CODE, PutPressure
 from mooncake_span.store.probe import RecoveryProbe
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
@@ -117,8 +120,8 @@ class MooncakeClient:
             self._breaker, options.breaker_probe_interval_s, self._probe_once
         )
         self._counters: collections.Counter[str] = collections.Counter()
+        self.pressure = PutPressure(options.full_cooldown_s)
         self._probe_key = f"mooncake-span-probe-{uuid.uuid4().hex}"
-        self._supports_group_ids: bool | None = None
         self._directory: SegmentDirectory | None = None
         # Placement and failure domains; the backend sets router.domain_of.
         self.router = DomainRouter(options, self.segments)
@@ -376,22 +379,6 @@ class MooncakeClient:
             not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
         ]
 
-    def _replicate_config(
-        self, group_ids: Sequence[str] | None, hard_pin: bool = False, segment: str = ""
-    ) -> Any:
-        config = self._binding.replicate_config_factory()
-        config.replica_num = self.options.replica_num if self._copies == 1 else 1
-        if segment:
-            config.preferred_segment = segment
-        if hard_pin and hasattr(config, "with_hard_pin"):
-            config.with_hard_pin = True
-        if group_ids is not None and self.options.group_ids:
-            if self._supports_group_ids is None:
-                self._supports_group_ids = hasattr(config, "group_ids")
-            if self._supports_group_ids:
-                config.group_ids = list(group_ids)
-        return config
-
     def put(
         self,
         keys: Sequence[str],
@@ -449,16 +436,26 @@ class MooncakeClient:
         codes: list[int] = []
         grouped = bool(group_ids) and self.options.group_ids
         for span in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
+            if not hard_pin and self.pressure.cooling:  # the cluster is full: not sent
+                self._counters[FULL_SKIPPED_LABEL] += len(span)
+                codes += [SKIPPED_CODE] * len(span)
+                continue
             part = batch.part(span)
-            config = self._replicate_config(
-                group_ids[span.start : span.stop] if group_ids else None, hard_pin, segment
+            config = replicate_config(
+                self._binding.replicate_config_factory,
+                self.options.replica_num if self._copies == 1 else 1,
+                group_ids[span.start : span.stop] if grouped else None,
+                hard_pin,
+                segment,
             )
-            codes += self._invoke(
-                "batch_put_from_multi_buffers",
-                lambda s, k=keys[span.start : span.stop], p=part, c=config: (
-                    s.batch_put_from_multi_buffers(k, p.ptrs, p.sizes, c)
-                ),
-                len(span),
+            codes += self.pressure.record(
+                self._invoke(
+                    "batch_put_from_multi_buffers",
+                    lambda s, k=keys[span.start : span.stop], p=part, c=config: (
+                        s.batch_put_from_multi_buffers(k, p.ptrs, p.sizes, c)
+                    ),
+                    len(span),
+                )
             )
         if segment and codes and all(c == _TRANSFER_FAIL for c in codes):
             if self._health.mark_bad([segment], time.monotonic()):

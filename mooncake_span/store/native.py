@@ -1,7 +1,7 @@
 """How the client reaches the native library: the binding, its environment defaults,
-the reachability probe run before ``setup`` (which can block for minutes), and
+the reachability probe run before ``setup`` (which can block for minutes),
 ``setup`` itself, called with every option by name as sglang's MooncakeStore
-passes it (``setup_arguments``)."""
+passes it (``setup_arguments``), and the ``ReplicateConfig`` of a put."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,3 +160,23 @@ def prepare_native_env(settings: MooncakeSettings, options: SpanOptions) -> None
             options.max_buffers_per_call,
             TCP_QUEUE_BUFFERS,
         )
+
+
+def replicate_config(
+    factory: Callable[[], Any],
+    replica_num: int,
+    group_ids: Sequence[str] | None,
+    hard_pin: bool,
+    segment: str,
+) -> Any:
+    """The ``ReplicateConfig`` of one put call. Fields an older wheel lacks
+    (``with_hard_pin``, ``group_ids``) are left out rather than failing the put."""
+    config = factory()
+    config.replica_num = replica_num
+    if segment:
+        config.preferred_segment = segment
+    if hard_pin and hasattr(config, "with_hard_pin"):
+        config.with_hard_pin = True
+    if group_ids is not None and hasattr(config, "group_ids"):
+        config.group_ids = list(group_ids)
+    return config

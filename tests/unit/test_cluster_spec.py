@@ -70,6 +70,8 @@ def test_metadata_mode_follows_ha_and_standalone():
         ({"client_ttl_s": -1}, "client_ttl_s"),
         ({"eviction_high_watermark_ratio": 0}, "eviction_high_watermark_ratio"),
         ({"eviction_high_watermark_ratio": 1.5}, "eviction_high_watermark_ratio"),
+        ({"eviction_ratio": 0}, "eviction_ratio"),
+        ({"eviction_ratio": True}, "eviction_ratio"),
         ({"master_extra_args": "--foo=1"}, "master_extra_args"),
         ({"master_extra_args": ("foo",)}, "master_extra_args"),
         ({"env_overrides": {"A=B": "x"}}, "env_overrides"),
@@ -223,3 +225,21 @@ def test_storage_node_rejects_bad_settings_with_the_value(argv, environ, message
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         _node_settings(argv, environ)
+
+
+def test_cluster_up_starts_masters_with_the_measured_eviction_flags():
+    from mooncake_span.ops.cli import build_parser
+    from mooncake_span.ops.cluster_spec import (
+        CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
+        CLUSTER_UP_EVICTION_RATIO,
+        CLUSTER_UP_LEASE_TTL_MS,
+    )
+
+    args = build_parser().parse_args(["cluster", "up"])
+    assert (args.lease_ttl_ms, args.eviction_high_watermark_ratio, args.eviction_ratio) == (
+        CLUSTER_UP_LEASE_TTL_MS,
+        CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
+        CLUSTER_UP_EVICTION_RATIO,
+    )
+    args = build_parser().parse_args(["cluster", "up", "--eviction-ratio", "0.2"])
+    assert args.eviction_ratio == 0.2

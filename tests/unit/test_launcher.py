@@ -34,6 +34,7 @@ def test_master_argv_embedded_metadata_and_tunables():
         lease_ttl_ms=500,
         client_ttl_s=4,
         eviction_high_watermark_ratio=0.5,
+        eviction_ratio=0.1,
         extra_args=("--foo=1",),
     )
     argv = args.argv("/bin/mooncake_master")
@@ -43,7 +44,7 @@ def test_master_argv_embedded_metadata_and_tunables():
     assert "--enable_http_metadata_server=true" in argv
     assert "--http_metadata_server_port=8081" in argv
     assert "--default_kv_lease_ttl=500" in argv and "--client_ttl=4" in argv
-    assert "--eviction_high_watermark_ratio=0.5" in argv
+    assert "--eviction_high_watermark_ratio=0.5" in argv and "--eviction_ratio=0.1" in argv
     assert argv[-1] == "--foo=1"
     assert not any(a.startswith("--enable_ha") for a in argv)
     assert args.metrics_url == "http://10.1.2.3:9001"
