@@ -348,6 +348,10 @@ class SpanOptions:
     # How long a key whose restore failed is reported absent (unless re-written).
     lost_key_ttl_s: float = 30.0
     lost_keys_max: int = 100_000
+    # Mooncake's own CRC-64 per object (MOONCAKE_STORE_CHECKSUM, read at the
+    # process's first setup): full-object gets of objects put with it verify
+    # their bytes, and a mismatch reads as a miss. Costs a CPU pass per byte.
+    verify_checksums: bool = False
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -419,6 +423,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_domain_bad_ttl_s": ("domain_bad_ttl_s", float),
     "span_lost_key_ttl_s": ("lost_key_ttl_s", float),
     "span_lost_keys_max": ("lost_keys_max", parse_int),
+    "span_verify_checksums": ("verify_checksums", parse_bool),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
 
