@@ -437,6 +437,12 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         help="only the adapter-overhead section: own Python per page/key on a do-nothing "
         "native store and on a real in-process one (mooncake_span.bench.overhead)",
     )
+    bench.add_argument(
+        "--checksum",
+        action="store_true",
+        help="only the checksum section: put and get pages/s with span_verify_checksums off and "
+        "on, one process and TCP (mooncake_span.bench.checksum)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -450,6 +456,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.overhead import run_overhead_command
 
         return run_overhead_command(args.quick, args.reps, args.json)
+    if args.checksum:
+        from mooncake_span.bench.checksum import run_checksum_command
+
+        return run_checksum_command(args.quick, args.reps, args.json)
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

@@ -217,3 +217,21 @@ def test_doctor_reports_the_setting(monkeypatch, extra, exported, status, verify
     assert check.data.get("verify_checksums") == verify
     if status == doctor.FAIL:
         assert ENV in check.detail and "span_verify_checksums" in check.detail
+
+
+def test_the_checksum_bench_pairs_each_round():
+    from mooncake_span.bench.checksum import summarize
+
+    def child(put: list[float], get: list[float]) -> dict:
+        return {"same/64KiB": {"put_pages_per_s": put, "get_pages_per_s": get}}
+
+    rounds = [
+        {"off": child([100, 110, 90], [200, 200, 200]), "on": child([50, 50, 60], [100, 90, 110])},
+        {"on": child([30, 30, 30], [80, 80, 80]), "off": child([60, 60, 60], [100, 100, 100])},
+    ]
+    row = summarize(rounds)["same/64KiB"]
+    assert row["put"]["on_over_off_rounds"] == [0.5, 0.5]
+    assert row["get"]["on_over_off_rounds"] == [0.5, 0.8]
+    assert row["get"]["on_over_off_median"] == 0.65
+    assert row["put"]["off_pages_per_s"] == 75  # median of all six off samples
+    assert row["get"]["on_pages_per_s"] == 85
