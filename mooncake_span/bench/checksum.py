@@ -7,7 +7,10 @@ over TCP (a storage node process holds the segment). Mooncake reads
 MOONCAKE_STORE_CHECKSUM once per process, so each setting runs in a child
 process of its own; the children alternate (off/on, then on/off, ...) so a
 slow spell of a shared machine hits both, and each round's on/off ratio is
-paired. Every get is compared byte for byte with the pages put.
+paired. Every get is compared byte for byte with the pages put. A ``raw``
+cell per topology moves one 64 MiB object with the native calls alone
+(``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``), so the
+cost of Mooncake's CRC shows without the backend around it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ CELLS = (
     ("tcp", "2.5MiB", 64),
 )
 PAGES_PER_KEY = 4
+RAW_OBJECT_BYTES = 64 << 20
 SEGMENT_BYTES = 1536 << 20
 _CHILD_TIMEOUT_S = 600
 
@@ -84,8 +88,58 @@ def _measure_cell(cluster: Any, cell: tuple[str, str, int], verify: bool, reps: 
     finally:
         store.close()
     return {
+        "page_bytes": parts[0].layout.flat_page_bytes,
         "put_pages_per_s": [pages / s for s in put_s],
         "get_pages_per_s": [pages / s for s in get_s],
+    }
+
+
+def _measure_raw(cluster: Any, topology: str, reps: int) -> dict[str, Any]:
+    """One RAW_OBJECT_BYTES object per call through the native client alone."""
+    import numpy as np
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    c = cluster.client_config(SEGMENT_BYTES if topology == "same" else 0)
+    native = MooncakeDistributedStore()
+    rc = native.setup(
+        c["local_hostname"],
+        c["metadata_server"],
+        int(c["global_segment_size"]),
+        16 << 20,
+        "tcp",
+        "",
+        c["master_server_address"],
+    )
+    if rc != 0:
+        raise RuntimeError(f"Mooncake setup failed with {rc}")
+    n = RAW_OBJECT_BYTES
+    src = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    put_s, get_s = [], []
+    try:
+        native.register_buffer(src.ctypes.data, n)
+        native.register_buffer(dst.ctypes.data, n)
+        for rep in range(reps + 1):  # rep 0 warms up
+            key, dst[:] = f"ck-raw-{rep}", 0
+            started = time.perf_counter()
+            put = native.batch_put_from_multi_buffers(
+                [key], [[src.ctypes.data]], [[n]], ReplicateConfig()
+            )
+            mid = time.perf_counter()
+            got = native.batch_get_into_multi_buffers([key], [[dst.ctypes.data]], [[n]])
+            done = time.perf_counter()
+            if put != [0] or got != [n] or not np.array_equal(src, dst):
+                raise RuntimeError(f"raw {topology}: put {put}, get {got} or bytes differ")
+            native.remove(key, True)
+            if rep:
+                put_s.append(mid - started)
+                get_s.append(done - mid)
+    finally:
+        native.close()
+    return {
+        "page_bytes": n,
+        "put_pages_per_s": [1 / s for s in put_s],
+        "get_pages_per_s": [1 / s for s in get_s],
     }
 
 
@@ -102,6 +156,7 @@ def run_child(verify: bool, reps: int) -> dict[str, Any]:
             for cell in CELLS:
                 if cell[0] == topology:
                     out[f"{cell[0]}/{cell[1]}"] = _measure_cell(cluster, cell, verify, reps)
+            out[f"{topology}/raw-64MiB"] = _measure_raw(cluster, topology, reps)
     return out
 
 
@@ -131,9 +186,12 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
                 statistics.median(r["on"][name][field]) / statistics.median(r["off"][name][field])
                 for r in rounds
             ]
+            page_bytes = rounds[0]["off"][name]["page_bytes"]
             row[op] = {
-                "off_pages_per_s": round(statistics.median(off)),
-                "on_pages_per_s": round(statistics.median(on)),
+                "off_pages_per_s": round(statistics.median(off), 1),
+                "on_pages_per_s": round(statistics.median(on), 1),
+                "off_gb_per_s": round(statistics.median(off) * page_bytes / 1e9, 3),
+                "on_gb_per_s": round(statistics.median(on) * page_bytes / 1e9, 3),
                 "on_over_off_median": round(statistics.median(paired), 3),
                 "on_over_off_rounds": [round(x, 3) for x in paired],
             }
@@ -154,6 +212,7 @@ def run_checksum(quick: bool, reps: int | None) -> dict[str, Any]:
         "rounds": rounds_n,
         "reps_per_child": reps_per_child,
         "cells": {f"{t}/{s}": {"pages_per_call": p} for t, s, p in CELLS},
+        "raw_object_bytes": RAW_OBJECT_BYTES,
         "results": summarize(rounds),
         "raw": rounds,
     }
@@ -161,14 +220,15 @@ def run_checksum(quick: bool, reps: int | None) -> dict[str, Any]:
 
 def format_checksum(result: dict[str, Any]) -> str:
     lines = [
-        "cell           op   off pages/s   on pages/s   on/off (median; rounds)",
+        "cell            op   off pages/s (GB/s)   on pages/s (GB/s)   on/off (median; rounds)"
     ]
     for name, row in result["results"].items():
         for op, r in row.items():
             rounds = ", ".join(f"{x:.2f}" for x in r["on_over_off_rounds"])
+            off = f"{r['off_pages_per_s']:.0f} ({r['off_gb_per_s']:.2f})"
+            on = f"{r['on_pages_per_s']:.0f} ({r['on_gb_per_s']:.3f})"
             lines.append(
-                f"{name:<14} {op:<4} {r['off_pages_per_s']:>11} {r['on_pages_per_s']:>12}   "
-                f"{r['on_over_off_median']:.2f} ({rounds})"
+                f"{name:<15} {op:<4} {off:>19} {on:>19}   {r['on_over_off_median']:.2f} ({rounds})"
             )
     return "\n".join(lines)
 

@@ -223,7 +223,9 @@ def test_the_checksum_bench_pairs_each_round():
     from mooncake_span.bench.checksum import summarize
 
     def child(put: list[float], get: list[float]) -> dict:
-        return {"same/64KiB": {"put_pages_per_s": put, "get_pages_per_s": get}}
+        return {
+            "same/64KiB": {"page_bytes": 10_000_000, "put_pages_per_s": put, "get_pages_per_s": get}
+        }
 
     rounds = [
         {"off": child([100, 110, 90], [200, 200, 200]), "on": child([50, 50, 60], [100, 90, 110])},
@@ -235,3 +237,4 @@ def test_the_checksum_bench_pairs_each_round():
     assert row["get"]["on_over_off_median"] == 0.65
     assert row["put"]["off_pages_per_s"] == 75  # median of all six off samples
     assert row["get"]["on_pages_per_s"] == 85
+    assert row["get"]["on_gb_per_s"] == 0.85
