@@ -69,7 +69,7 @@ def checksum_setting(options: SpanOptions, environ: Mapping[str, str]) -> tuple[
     exported ``MOONCAKE_STORE_CHECKSUM`` must agree: two explicit settings that
     disagree are a ConfigError naming both, never a silent choice. Without the
     option, the operator's export (or Mooncake's default, off) stands."""
-    exported = environ.get(CHECKSUM_ENV)
+    exported = environ.get(CHECKSUM_ENV) or None  # exported empty: Mooncake's default
     exported_on = exported is not None and exported.strip().lower() in _CHECKSUM_ON
     origin = options.sources.get("verify_checksums")
     if origin is None:

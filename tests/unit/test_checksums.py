@@ -58,6 +58,8 @@ def test_the_option_is_off_by_default_and_read_from_extra_config_and_env():
         ({}, "on", (True, f"{ENV}=on")),
         ({}, "0", (False, f"{ENV}=0")),
         ({}, "2", (False, f"{ENV}=2")),  # Mooncake reads 2 as off too
+        ({}, "", (False, "default")),
+        ({"span_verify_checksums": True}, "", (True, "span_verify_checksums (extra_config)")),
         ({"span_verify_checksums": True}, None, (True, "span_verify_checksums (extra_config)")),
         ({"span_verify_checksums": True}, "yes", (True, "span_verify_checksums (extra_config)")),
         ({"span_verify_checksums": False}, "0", (False, "span_verify_checksums (extra_config)")),
