@@ -33,8 +33,10 @@ MISMATCH = int(ErrorCode.CHECKSUM_MISMATCH)
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
-    monkeypatch.delenv("MOONCAKE_SPAN_VERIFY_CHECKSUMS", raising=False)
+    for name in (ENV, "MOONCAKE_SPAN_VERIFY_CHECKSUMS"):
+        # setenv first, so the undo also removes what the code under test exports
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(native, "_process_checksums", None)
 
 
