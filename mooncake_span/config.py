@@ -244,6 +244,10 @@ class SpanOptions:
     # After a no-space put answer (NO_AVAILABLE_HANDLE), puts pause this long
     # or until a put in flight succeeds (store/pressure.py); 0 disables.
     full_cooldown_s: float = 1.0
+    # Mooncake's own CRC-64 per object (MOONCAKE_STORE_CHECKSUM, read at the
+    # process's first setup): full-object gets of objects put with it verify
+    # their bytes, and a mismatch reads as a miss. Costs a CPU pass per byte.
+    verify_checksums: bool = False
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -327,6 +331,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_lost_keys_max": ("lost_keys_max", parse_int),
     "span_staging_buffer_size": ("staging_buffer_size_bytes", parse_size_bytes),
     "span_full_cooldown_s": ("full_cooldown_s", float),
+    "span_verify_checksums": ("verify_checksums", parse_bool),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
 

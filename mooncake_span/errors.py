@@ -97,6 +97,13 @@ TRANSPORT_CODES = frozenset(
 )
 
 
+# Codes that mean "the stored bytes are not the bytes written for this key"
+# (Mooncake's CRC-64 of the object, recorded at put, did not match at get). Not
+# a cluster failure: the key reads as a miss and its object must not be
+# offered again (store/integrity.py).
+INTEGRITY_CODES = frozenset({ErrorCode.CHECKSUM_MISMATCH})
+
+
 def code_name(code: int) -> str:
     """A stable label for a native return code, known or not (for counters and logs)."""
     try:
@@ -107,3 +114,7 @@ def code_name(code: int) -> str:
 
 def is_transport_failure(code: int) -> bool:
     return code in TRANSPORT_CODES
+
+
+def is_integrity_failure(code: int) -> bool:
+    return code in INTEGRITY_CODES

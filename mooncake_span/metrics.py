@@ -82,6 +82,12 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Objects a Mooncake call failed, by Mooncake code name",
         ("code",),
     ),
+    "integrity_failures_total": (
+        "counter",
+        "Objects a restore found corrupt (Mooncake's checksum did not match), by code; each "
+        "read as a miss and removed",
+        ("code",),
+    ),
     "breaker_state": (
         "gauge",
         "Circuit breaker state (0 closed, 1 open: calls answered as misses)",
@@ -171,6 +177,10 @@ class SpanMetrics:
         if count > 0:
             self._child("failed_objects_total", code).inc(count)
 
+    def add_integrity_failures(self, code: str, count: int) -> None:
+        if count > 0:
+            self._child("integrity_failures_total", code).inc(count)
+
     def add_breaker_opens(self, count: int) -> None:
         if count > 0:
             self._collectors["breaker_opens_total"].inc(count)
@@ -231,27 +241,34 @@ class ClientStatsSync:
         self._seen_opens = 0
         self._state: str | None = None  # None: the gauge was never set
         self._seen_bad: frozenset[str] = frozenset()
+        self._seen_corrupt: dict[str, int] = {}
 
     def sync(self, stats: Mapping[str, Any]) -> None:
         codes = stats.get("error_counts", {})
         opens = int(stats.get("breaker_times_opened", 0))
         state = str(stats.get("breaker_state", "closed"))
         bad = frozenset(stats.get("bad_segments", ()))
+        corrupt = stats.get("integrity_failures", {})
         with self._lock:
-            if (codes, opens, state, bad) == (
+            if (codes, opens, state, bad, corrupt) == (
                 self._seen_codes,
                 self._seen_opens,
                 self._state,
                 self._seen_bad,
+                self._seen_corrupt,
             ):
                 return  # the common case: nothing failed since the last call
             deltas = {code: n - self._seen_codes.get(code, 0) for code, n in codes.items()}
+            corrupted = {c: n - self._seen_corrupt.get(c, 0) for c, n in corrupt.items()}
+            self._seen_corrupt = dict(corrupt)
             newly_bad = bad - self._seen_bad
             self._seen_codes = dict(codes)
             opened, self._seen_opens = opens - self._seen_opens, opens
             self._state, self._seen_bad = state, bad
         for code, delta in deltas.items():
             self._metrics.add_failed_objects(code, delta)
+        for code, delta in corrupted.items():
+            self._metrics.add_integrity_failures(code, delta)
         self._metrics.add_breaker_opens(opened)
         self._metrics.set_breaker_state(state)
         # A storage node (segment) the client marked bad after a failed transfer.

@@ -459,6 +459,12 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         help="only the full-cluster section: backups at 5x a small segment, with and without "
         "the put cool-down, under several eviction flags (mooncake_span.bench.pressure)",
     )
+    bench.add_argument(
+        "--checksum",
+        action="store_true",
+        help="only the checksum section: put and get pages/s with span_verify_checksums off and "
+        "on, one process and TCP (mooncake_span.bench.checksum)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -476,6 +482,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.pressure import run_pressure_command
 
         return run_pressure_command(args.quick, args.json)
+    if args.checksum:
+        from mooncake_span.bench.checksum import run_checksum_command
+
+        return run_checksum_command(args.quick, args.reps, args.json)
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

@@ -301,6 +301,23 @@ def check_syn_retries(ctx: Context) -> list[Check]:
     ]
 
 
+def check_checksums(ctx: Context) -> list[Check]:
+    """Whether restores will be verified (span_verify_checksums / MOONCAKE_STORE_CHECKSUM)."""
+    from mooncake_span.store.native import CHECKSUM_ENV, checksum_setting
+
+    try:
+        verify, why = checksum_setting(load_span_options(ctx.extra), os.environ)
+    except MooncakeSpanError as exc:
+        return [Check("checksums", FAIL, str(exc), f"drop {CHECKSUM_ENV} or the option")]
+    detail = (
+        f"restores verified against Mooncake's CRC-64 per object ({why}); costs a CPU pass per "
+        "byte on put and get"
+        if verify
+        else f"restores not verified ({why}): a corrupted stored object is restored as hits"
+    )
+    return [Check("checksums", PASS, detail, data={"verify_checksums": verify, "source": why})]
+
+
 def _guard_key(ctx: Context) -> str | None:
     from mooncake_span.store.layout_guard import namespace_key
 
@@ -398,6 +415,7 @@ CHECKS = (
     check_memlock,
     check_syn_retries,
     check_memory,
+    check_checksums,
     check_store,
 )
 

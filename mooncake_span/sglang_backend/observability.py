@@ -15,12 +15,15 @@ guard turned into a miss), ``error`` (an unexpected bug, also a miss).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
+from mooncake_span.errors import ConfigError
 from mooncake_span.metrics import ClientStatsSync, SpanMetrics, get_metrics
 from mooncake_span.span.object_layout import NamespaceFacts, describe_object_layout, pool_inputs
 from mooncake_span.store.layout_guard import GeometryRecord, namespace_key
+from mooncake_span.store.native import checksum_setting
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ def describe_layout(backend: Any) -> dict[str, Any]:
     )
     schema = backend.key_schema
     cfg = backend.storage_config
-    return describe_object_layout(
+    layout = describe_object_layout(
         NamespaceFacts.from_schema(schema),
         inputs,
         ranks=schema.ranks,
@@ -112,3 +115,18 @@ def describe_layout(backend: Any) -> dict[str, Any]:
         source="backend",
         layout_guard_key=namespace_key(schema.model, schema.tag),
     )
+    layout["integrity"] = _integrity(backend.options)
+    return layout
+
+
+def _integrity(options: Any) -> dict[str, Any]:
+    """Whether restores are verified against Mooncake's per-object CRC-64, and why."""
+    try:
+        verify, source = checksum_setting(options, os.environ)
+    except ConfigError as exc:  # the environment changed after setup
+        return {"verify_checksums": None, "source": str(exc)}
+    return {
+        "verify_checksums": verify,
+        "checksum": "crc64-ecma182" if verify else None,
+        "source": source,
+    }

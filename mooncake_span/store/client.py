@@ -47,6 +47,7 @@ from mooncake_span.errors import (
 from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
 from mooncake_span.store.domains import copy_key, is_cluster_failure
+from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.native import (
     REACHABILITY_TIMEOUT_S,
     NativeBinding,
@@ -86,7 +87,7 @@ def load_native_binding() -> NativeBinding:
             "mooncake-transfer-engine-non-cuda (CPU/TCP) or mooncake-transfer-engine (GPU hosts), "
             "or install mooncake-span with the [cpu] or [cuda] extra"
         ) from exc
-    return NativeBinding(MooncakeDistributedStore, ReplicateConfig)
+    return NativeBinding(MooncakeDistributedStore, ReplicateConfig, shares_process_env=True)
 
 
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
@@ -127,20 +128,23 @@ class MooncakeClient:
         self.router = DomainRouter(options, self.segments)
         self._health, self._lost = self.router.health, self.router.lost
         self._copies = self.router.copies
+        self._integrity = IntegrityFailures(
+            lambda k: self._invoke_one("remove", lambda s: s.remove(k, True))
+        )
 
     # ---- lifecycle -------------------------------------------------------
 
     def connect(self) -> None:
         """Set up the native client; SetupError says why it cannot."""
         s = self.settings
-        prepare_native_env(s, self.options)
+        binding = self._binding or load_native_binding()
+        self._binding = binding
+        prepare_native_env(s, self.options, binding.shares_process_env)
         endpoints = s.etcd_endpoints()
         if not s.master_server_address.startswith("etcd://"):
             endpoints.append(s.master_server_address)
         for endpoint in endpoints:
             _probe_tcp(endpoint, REACHABILITY_TIMEOUT_S)
-        binding = self._binding or load_native_binding()
-        self._binding = binding
         # span_master_admin_url overrides the master host on master_metrics_port.
         admin_url = self.options.master_admin_url or s.admin_url()
         if s.check_server:
@@ -499,15 +503,12 @@ class MooncakeClient:
                 codes += self._get_call(keys[span.start : span.stop], batch.part(span))
             ok = list(map(operator.eq, codes, batch.nbytes))
             if not all(ok):
-                failed = zip(keys, batch.nbytes, codes, strict=True)
-                dead = {k: n for k, n, code in failed if code == _TRANSFER_FAIL}
-                if dead:
-                    self._mark_failed_domains("batch_get_into_multi_buffers", dead)
-                    self._lost.add(list(dead), time.monotonic())
+                unreadable = self._on_failed_reads(keys, batch.nbytes, codes)
+                self._lost.add(unreadable, time.monotonic())
             return ok
         candidates = self.router.read_rows(keys, self._locate)
         ok = [False] * len(keys)
-        failed_transport = [False] * len(keys)
+        unreadable = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]
         if len(pending) < len(keys):
             self._counters["DOMAIN_BAD_SKIPPED"] += len(keys) - len(pending)
@@ -517,23 +518,26 @@ class MooncakeClient:
                 break
             object_keys = [candidates[i][attempt] for i in pending]
             codes = self._get_codes(object_keys, batch.take(pending))
-            dead: dict[str, int] = {}
+            bad = set(self._on_failed_reads(object_keys, [batch.nbytes[i] for i in pending], codes))
             for i, object_key, code in zip(pending, object_keys, codes, strict=True):
                 ok[i] = code == batch.nbytes[i]
-                if code == _TRANSFER_FAIL:
-                    dead[object_key] = batch.nbytes[i]
-                    failed_transport[i] = True
-            if dead:
-                self._mark_failed_domains("batch_get_into_multi_buffers", dead)
+                unreadable[i] = unreadable[i] or object_key in bad
             pending = [i for i in pending if not ok[i]]
-        lost = [
-            k
-            for i, k in enumerate(keys)
-            if not ok[i] and (failed_transport[i] or not candidates[i])
-        ]
+        lost = [k for i, k in enumerate(keys) if not ok[i] and (unreadable[i] or not candidates[i])]
         if lost:
             self._lost.add(lost, time.monotonic())
         return ok
+
+    def _on_failed_reads(
+        self, object_keys: Sequence[str], planned: Sequence[int], codes: Sequence[int]
+    ) -> list[str]:
+        """Marks the domains of transfer failures and removes corrupt objects;
+        returns the keys of both kinds (the reads that cannot succeed again)."""
+        failed = [f for f in zip(object_keys, planned, codes, strict=True) if f[1] != f[2]]
+        dead = {k: n for k, n, code in failed if code == _TRANSFER_FAIL}
+        if dead:
+            self._mark_failed_domains("batch_get_into_multi_buffers", dead)
+        return [*dead, *self._integrity.record(failed)]
 
     def remove(self, keys: Sequence[str]) -> int:
         """Force-remove objects (and their copies); returns how many keys were removed."""
@@ -575,4 +579,6 @@ class MooncakeClient:
             "bad_segments": sorted(self._health.bad(time.monotonic())),
             "domains_marked_bad": self._health.times_marked,
             "lost_keys": len(self._lost),
+            "integrity_failures": dict(self._integrity.counts),
+            "integrity_removed": self._integrity.removed,
         }

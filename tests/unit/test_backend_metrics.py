@@ -104,6 +104,7 @@ def test_layout_description_from_the_backend(metered):
     assert doc["hicache_object_layout"]["key_prefix"] == store.key_schema.prefix
     assert doc["hicache_object_layout"]["is_mla_backend"] is True
     assert doc["span"]["pages_per_span"] == K
+    assert doc["integrity"] == {"verify_checksums": False, "checksum": None, "source": "default"}
     # The description names exactly the objects the backend writes.
     (key,) = store.key_schema.object_keys(["abc"], store.pools["kv"].components)
     assert key == f"{doc['hicache_object_layout']['key_prefix']}_abc{kv['suffixes'][0]}"

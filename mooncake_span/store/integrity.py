@@ -1,0 +1,75 @@
+"""Objects whose stored bytes no longer match what was written.
+
+With checksums on (``span_verify_checksums``), Mooncake answers a full-object
+get of a corrupted object with CHECKSUM_MISMATCH instead of its bytes. The
+client then reads the key as a miss and reports it absent (``LostKeys``);
+this module force-removes the object, so no hit query of any client offers it
+again until sglang backs it up anew, and counts and logs (rate-limited) each
+one. Only objects are removed, never a whole key's siblings: the backend's
+prefix clamp already turns every later key of the call into a miss.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from mooncake_span.errors import StoreClosedError, TransportError, code_name, is_integrity_failure
+
+logger = logging.getLogger(__name__)
+
+_LOG_INTERVAL_S = 10.0
+
+
+class IntegrityFailures:
+    """Counts, logs and removes objects a get found corrupt. Thread-safe."""
+
+    def __init__(self, remove_object: Callable[[str], int]) -> None:
+        # remove_object(object key) -> Mooncake's code (0: removed); may raise
+        # the client's whole-call errors.
+        self._remove_object = remove_object
+        self._lock = threading.Lock()
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.removed = 0
+        self._last_log_s = float("-inf")
+        self._unlogged = 0
+
+    def record(self, failed: Sequence[tuple[str, int, int]]) -> list[str]:
+        """``failed``: (object key, planned bytes, code) of reads that failed.
+        Handles those that failed their integrity check; returns their keys."""
+        failed = [(key, code) for key, _, code in failed if is_integrity_failure(code)]
+        if not failed:
+            return []
+        removed = sum(1 for object_key, _ in failed if self._remove(object_key))
+        now = time.monotonic()
+        with self._lock:
+            for _, code in failed:
+                self.counts[code_name(code)] += 1
+            self.removed += removed
+            quiet = now - self._last_log_s >= _LOG_INTERVAL_S
+            if quiet:
+                self._last_log_s, unlogged, self._unlogged = now, self._unlogged, 0
+            else:
+                self._unlogged += len(failed)
+        if quiet:
+            object_key, code = failed[0]
+            logger.error(
+                "mooncake-span: %d object(s) failed their integrity check (%s, e.g. %s); read as "
+                "misses, %d removed so they are not offered again%s",
+                len(failed),
+                code_name(code),
+                object_key,
+                removed,
+                f" ({unlogged} more since the last line)" if unlogged else "",
+            )
+        return [object_key for object_key, _ in failed]
+
+    def _remove(self, object_key: str) -> bool:
+        """Never raises: a removal that fails leaves the key to the lost-key cache."""
+        with contextlib.suppress(TransportError, StoreClosedError):
+            return self._remove_object(object_key) == 0
+        return False
