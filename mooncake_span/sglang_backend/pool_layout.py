@@ -74,9 +74,7 @@ def _is_dsv4_pool(pool: Any) -> bool:
 
 def component_specs(name: str, pool: Any, *, is_mla: bool) -> tuple[ComponentSpec, ...]:
     if name == KV_POOL:
-        return (
-            (ComponentSpec("k", R),) if is_mla else (ComponentSpec("kv", S, parts=2),)
-        )
+        return (ComponentSpec("k", R),) if is_mla else (ComponentSpec("kv", S, parts=2),)
     if name == "mamba":
         convs = len(getattr(pool, "conv_buffer", None) or [])
         specs = [ComponentSpec(f"conv_{i}", S) for i in range(convs)]

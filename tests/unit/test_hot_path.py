@@ -132,7 +132,7 @@ def _mha_object(host, pages: list[int]) -> bytes:
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
 def test_mha_keys_are_one_object_without_group_ids(make_store, layout):
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from sglang.srt.mem_cache.hicache_storage import PoolName
 
     cluster = FakeCluster()
     kv = P.build_mha_host(layout, layers=3, host_pages=12)
