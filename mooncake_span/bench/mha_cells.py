@@ -23,10 +23,11 @@ from mooncake_span.bench.measure import RunRecord, throughput_ratio
 from mooncake_span.bench.runner import run_bench
 from mooncake_span.bench.workloads import LARGE, MODELS, SMALL, BenchConfig, Workload
 
-# (family, page size, contenders); raw-K4 is the native floor under span-K4.
+# (family, page size, contenders). Floors: raw-K<k> is the native calls the
+# span backend issues, raw-1buf the one-buffer-per-object calls under upstream.
 CELLS = (
-    ("mha", SMALL, ("span-K1", "span-K4", "raw-K4", "upstream")),
-    ("mha", LARGE, ("span-K1", "span-K4", "upstream")),
+    ("mha", SMALL, ("span-K1", "span-K4", "raw-K1", "raw-K4", "raw-1buf", "upstream")),
+    ("mha", LARGE, ("span-K1", "span-K4", "raw-K1", "upstream")),
     ("dsa", SMALL, ("span-K4", "span-K4-nogroup", "raw-K4", "upstream")),
 )
 _RUN_PAGES = {SMALL: (2048, 512), LARGE: (128, 64)}
@@ -51,7 +52,7 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
     for w in result["workloads"]:
         runs = {c["name"]: [RunRecord(**r) for r in c["runs"]] for c in w["contenders"]}
         for name, records in runs.items():
-            if not name.startswith("span-"):
+            if name == "upstream":
                 continue
             row = {"workload": w["name"], "contender": name}
             for op in ("put", "get"):
