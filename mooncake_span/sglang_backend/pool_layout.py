@@ -147,8 +147,8 @@ def fit_page_layout(
             f"pool {name!r}: {len(base)} buffers per page cannot be split into "
             f"{num_components} components"
         )
-    # sglang emits per page [c0, c1, ...] per layer (MHA layer_first: K0,V0,K1,V1):
-    # component c owns every num_components-th buffer.
+    # sglang emits per page [g0, g1, ...] per layer (MHA layer_first: K0,V0,K1,V1):
+    # pointer group g owns every num_components-th buffer.
     groups = [
         tuple(b for b in range(c, len(base), num_components) if sizes[b] > 0)
         for c in range(num_components)
