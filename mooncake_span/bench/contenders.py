@@ -41,7 +41,7 @@ from mooncake_span.bench.workloads import (
     Workload,
 )
 from mooncake_span.sglang_backend.backend import MooncakeSpanStore
-from mooncake_span.span.plan import plan_objects, split_calls
+from mooncake_span.span.plan import ObjectPlan, plan_objects, split_calls
 from mooncake_span.store.client import NativeBinding
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,28 @@ def _slots(pages: np.ndarray, page_tokens: int = HOST_PAGE_TOKENS) -> torch.Tens
     return torch.from_numpy(
         (pages[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1).astype(np.int64)
     )
+
+
+def _one_buffer_objects(
+    contender: str,
+    pool: Any,
+    s_plans: list[ObjectPlan],
+    d_plans: list[ObjectPlan],
+    keys: list[str],
+    owners: list[int],
+) -> tuple[list[ObjectPlan], list[ObjectPlan], list[str], list[int]]:
+    """raw-1buf stores one object per page buffer, as upstream does (an MHA
+    page's k and v are two objects there, one ``kv`` object in the backend)."""
+    out_s, out_d, out_keys, out_owners = [], [], [], []
+    for s, d, key, owner in zip(s_plans, d_plans, keys, owners, strict=True):
+        if len(s.ptrs) != len(d.ptrs):
+            raise ValueError(f"{contender}: {pool} source and destination buffers differ")
+        for b, (sp, ss, dp, ds) in enumerate(zip(s.ptrs, s.sizes, d.ptrs, d.sizes, strict=True)):
+            out_s.append(ObjectPlan([sp], [ss]))
+            out_d.append(ObjectPlan([dp], [ds]))
+            out_keys.append(f"{key}_{b}")
+            out_owners.append(owner)
+    return out_s, out_d, out_keys, out_owners
 
 
 @dataclass
@@ -250,9 +272,9 @@ class WorkloadRunner:
                     f"{key}_{part.name.value}_{j}" for key in part_keys for j in range(ncomp)
                 ]
                 obj_owner = [owners[i // ncomp] for i in range(len(obj_keys))]
-                if single and any(len(p.ptrs) != 1 for p in s_plans + d_plans):
-                    raise ValueError(
-                        f"{spec.name}: {part.name} page objects are not single buffers"
+                if single:
+                    s_plans, d_plans, obj_keys, obj_owner = _one_buffer_objects(
+                        spec.name, part.name, s_plans, d_plans, obj_keys, obj_owner
                     )
                 for call in split_calls([len(p.ptrs) for p in s_plans], spec.max_buffers_per_call):
                     idx = list(call)

@@ -118,6 +118,19 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         1.0,
         _ratio_rows(result, "grid", "span-K4", "upstream", remote),
     )
+    mha = lambda w: w["model"]["family"] == "mha"  # noqa: E731
+    add(
+        "mha_k1_vs_upstream_local",
+        "MHA span-K1 / upstream pages/s, one process (issue #20)",
+        1.2,
+        _ratio_rows(result, "grid", "span-K1", "upstream", lambda w: mha(w) and local(w)),
+    )
+    add(
+        "mha_k1_vs_upstream_tcp",
+        "MHA span-K1 / upstream pages/s over TCP (issue #20)",
+        1.0,
+        _ratio_rows(result, "grid", "span-K1", "upstream", lambda w: mha(w) and remote(w)),
+    )
     add(
         "memcpy_fraction",
         "span-K4 throughput / chunked single-thread memcpy, one process",

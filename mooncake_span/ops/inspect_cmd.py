@@ -8,7 +8,7 @@ keys and component suffixes are exact counts. Object sizes need one
 reservoir of ``--sample`` keys per namespace, extrapolated, flagged
 ``bytes_estimated``); ``--exact-bytes`` asks for every key instead.
 
-Layout-guard records (``ms1[_tag]_model__geometry``) are small Mooncake
+Layout-guard records (``ms2[_tag]_model__geometry``) are small Mooncake
 objects; reading their content needs a native client, which runs in a child
 process with a timeout (``probe_worker``) when ``--metadata`` is known, and is
 skipped with ``--no-records``.

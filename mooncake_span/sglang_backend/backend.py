@@ -140,7 +140,8 @@ class MooncakeSpanStore(HiCacheStorage):
         )
         self.pools: dict[str, StoredPool] = {}
         # Eviction group ids cost Mooncake time per object; they only matter
-        # when a key owns more than one object (set at each registration).
+        # when a key owns more than one object (set at each registration):
+        # MHA's k and v share one object, so only multi-pool stacks send them.
         self._group_ids = False
         # Rebound, never mutated: worker threads read it without a lock.
         self._learned_kv_derived: frozenset[str] = frozenset()

@@ -3,8 +3,11 @@
 For each registered pool this works out, once at registration:
 
 * its stored components and their key suffixes (upstream MooncakeStore's
-  table: MLA ``k``; MHA ``k``/``v``; Mamba ``temporal`` + ``conv_i``;
-  ``indexer``; ``swa`` ...), with the rank scope of each;
+  table: MLA ``k``; Mamba ``temporal`` + ``conv_i``; ``indexer``; ``swa`` ...),
+  with the rank scope of each. MHA-style pools (KV, SWA, drafts) are one
+  ``kv`` object holding the k bytes then the v bytes, not upstream's ``k`` +
+  ``v``: one call writes both, so a second object would only add an eviction
+  group id, which Mooncake charges for inside every put;
 * an affine address model ``ptr(page, slot) = base + page * stride`` fitted to
   ``get_page_buffer_meta`` on sample pages and checked on others, so per-call
   pointer planning needs no Python loop over sglang's per-page code;
@@ -71,9 +74,7 @@ def _is_dsv4_pool(pool: Any) -> bool:
 
 def component_specs(name: str, pool: Any, *, is_mla: bool) -> tuple[ComponentSpec, ...]:
     if name == KV_POOL:
-        return (
-            (ComponentSpec("k", R),) if is_mla else (ComponentSpec("k", S), ComponentSpec("v", S))
-        )
+        return (ComponentSpec("k", R),) if is_mla else (ComponentSpec("kv", S, parts=2),)
     if name == "mamba":
         convs = len(getattr(pool, "conv_buffer", None) or [])
         specs = [ComponentSpec(f"conv_{i}", S) for i in range(convs)]
@@ -83,15 +84,15 @@ def component_specs(name: str, pool: Any, *, is_mla: bool) -> tuple[ComponentSpe
     if name == "draft":
         if _is_mla_pool(pool):
             return (ComponentSpec("draft_k", R),)
-        return (ComponentSpec("draft_k", S), ComponentSpec("draft_v", S))
+        return (ComponentSpec("draft_kv", S, parts=2),)
     if name == "draft_swa":
         if _is_mla_pool(pool) or _is_dsv4_pool(pool):
             return (ComponentSpec("draft_swa", R),)
         if _is_mha_pool(pool):
-            return (ComponentSpec("draft_swa_k", S), ComponentSpec("draft_swa_v", S))
+            return (ComponentSpec("draft_swa_kv", S, parts=2),)
     if name == "swa":
         if not is_mla and hasattr(pool, "v_buffer"):
-            return (ComponentSpec("swa_k", S), ComponentSpec("swa_v", S))
+            return (ComponentSpec("swa_kv", S, parts=2),)
         if is_mla:
             return (ComponentSpec("swa", R),)
     if name in KV_DERIVED_POOLS or name.startswith("deepseek_v4_"):
@@ -108,8 +109,13 @@ def _page_meta(pool: Any, page: int, page_tokens: int) -> tuple[list[int], list[
     return [int(p) for p in ptrs], [int(s) for s in sizes]
 
 
-def fit_page_layout(name: str, pool: Any, page_tokens: int, num_components: int) -> PageLayout:
-    """Fit ``ptr = base + page * stride`` per slot and verify it on more pages."""
+def fit_page_layout(
+    name: str, pool: Any, page_tokens: int, parts: tuple[int, ...] = (1,)
+) -> PageLayout:
+    """Fit ``ptr = base + page * stride`` per slot and verify it on more pages.
+
+    ``parts``: per stored component, how many of sglang's pointer groups it packs."""
+    num_components = sum(parts)
     num_pages = int(getattr(pool, "size", 0)) // page_tokens
     if num_pages < 1:
         raise RegistrationError(
@@ -141,11 +147,17 @@ def fit_page_layout(name: str, pool: Any, page_tokens: int, num_components: int)
             f"pool {name!r}: {len(base)} buffers per page cannot be split into "
             f"{num_components} components"
         )
-    # sglang emits per page [c0, c1, ...] per layer (MHA layer_first: K0,V0,K1,V1):
-    # component c owns every num_components-th buffer.
-    components = tuple(
+    # sglang emits per page [g0, g1, ...] per layer (MHA layer_first: K0,V0,K1,V1):
+    # pointer group g owns every num_components-th buffer.
+    groups = [
         tuple(b for b in range(c, len(base), num_components) if sizes[b] > 0)
         for c in range(num_components)
+    ]
+    # A packed component takes its groups whole and in order (MHA: every k
+    # slot, then every v slot), the order of sglang's flat page.
+    ends = [sum(parts[: i + 1]) for i in range(len(parts))]
+    components = tuple(
+        sum(groups[end - count : end], ()) for end, count in zip(ends, parts, strict=True)
     )
     return PageLayout(
         base_ptrs=tuple(base),
@@ -190,9 +202,9 @@ def describe_pool(name: str, pool: Any, *, is_mla: bool) -> PoolShape:
         # DeepSeek-V4's logical anchor: indices only, the sidecars hold the bytes.
         return PoolShape(page_tokens, specs, None, ())
     try:
-        layout = fit_page_layout(name, pool, page_tokens, len(specs))
+        layout = fit_page_layout(name, pool, page_tokens, tuple(s.parts for s in specs))
     except RegistrationError:
-        if len(specs) != 1 or not hasattr(pool, "get_dummy_flat_data_page"):
+        if [s.parts for s in specs] != [1] or not hasattr(pool, "get_dummy_flat_data_page"):
             raise
         return PoolShape(page_tokens, specs, _flat_page_layout(pool, page_tokens), (), staged=True)
     kept = [i for i, slots in enumerate(layout.components) if slots]

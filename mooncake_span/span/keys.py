@@ -3,11 +3,11 @@ with a version bump (``KEY_SCHEMA_VERSION``) and the golden tests.
 
 An object key is ``{prefix}_{page_key}_{rank}_{component}``, i.e. upstream
 MooncakeStore's suffix grammar (``{hash}__k`` for MLA without PP,
-``{hash}_{tp}_k`` / ``_v`` for MHA, ``_{tp}_temporal`` / ``_{tp}_conv_{i}`` for
-Mamba, ``__indexer`` ...) behind a prefix that makes incompatible deployments
-disjoint::
+``_{tp}_temporal`` / ``_{tp}_conv_{i}`` for Mamba, ``__indexer`` ...) behind a
+prefix that makes incompatible deployments disjoint. One departure: an MHA
+key's k and v are one object, ``{hash}_{tp}_kv`` (upstream: ``_k`` and ``_v``)::
 
-    ms1[_{tag}]_{model}_h{host_page}x{K}_{layout}_{kv_dtype}
+    ms2[_{tag}]_{model}_h{host_page}x{K}_{layout}_{kv_dtype}
 
 The prefix carries the span geometry, so a K=4 span object of 4x64 tokens and a
 native 256-token-page object of the same page hash never share a key, and it
@@ -26,7 +26,9 @@ from functools import cached_property
 
 from mooncake_span.errors import InvalidRequestError
 
-KEY_SCHEMA_VERSION = "ms1"
+# ms2: an MHA-style pool (k and v) is one object per key and rank (suffix
+# ``_kv``), no longer ``_k`` + ``_v``; ms1 objects read as misses.
+KEY_SCHEMA_VERSION = "ms2"
 MAX_PAGE_KEY_CHARS = 512
 
 _LAYOUT_CODES = {
@@ -101,10 +103,15 @@ class RankTags:
 
 @dataclass(frozen=True)
 class ComponentSpec:
-    """One object per storage key: its name (``k``, ``v``, ``indexer``, ``conv_0`` ...)."""
+    """One object per storage key: its name (``k``, ``kv``, ``indexer``, ``conv_0`` ...).
+
+    ``parts``: how many of sglang's per-page pointer groups the object packs,
+    in order (MHA ``kv``: 2, the k group then the v group).
+    """
 
     name: str
     scope: RankScope
+    parts: int = 1
 
 
 @dataclass(frozen=True)

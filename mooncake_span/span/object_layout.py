@@ -224,7 +224,7 @@ def parse_object_key(key: str) -> ParsedKey | None:
     """Split a mooncake-span object key; None for any other key (foreign, guard record).
 
     Prefix fields are sanitized tokens without ``_``, so the split is exact:
-    ``ms1``, an optional tag, the model, ``h{host}x{K}``, layout code, dtype.
+    ``ms2``, an optional tag, the model, ``h{host}x{K}``, layout code, dtype.
     """
     parts = key.split("_")
     if parts[0] != KEY_SCHEMA_VERSION:
@@ -252,7 +252,7 @@ def parse_object_key(key: str) -> ParsedKey | None:
 
 
 def parse_guard_key(key: str) -> tuple[str | None, str] | None:
-    """``(tag, model)`` of a layout-guard record key ``ms1[_{tag}]_{model}__geometry``."""
+    """``(tag, model)`` of a layout-guard record key ``ms2[_{tag}]_{model}__geometry``."""
     if not key.startswith(KEY_SCHEMA_VERSION + "_") or not key.endswith(GEOMETRY_SUFFIX):
         return None
     body = key[len(KEY_SCHEMA_VERSION) + 1 : -len(GEOMETRY_SUFFIX)]

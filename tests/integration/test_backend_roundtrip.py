@@ -69,6 +69,38 @@ def test_mha_kv_round_trip_k4(span_store_factory, layout):
     _assert_restored(kv, expected)
 
 
+def test_old_key_format_objects_read_as_misses(span_store_factory):
+    """Objects an ms1 backend wrote for an MHA key (``_k`` and ``_v`` under an ms1
+    prefix, with the real bytes) are invisible to this format: misses, host pages
+    untouched, the old objects left alone."""
+    import numpy as np
+
+    from mooncake_span.span.plan import ObjectPlan, plan_batch
+
+    PoolName, _, _ = _pool_names()
+    kv = P.build_mha_host("page_first", layers=2, host_pages=12)
+    store = span_store_factory({PoolName.KV: kv}, storage_page_size=4 * PAGE, is_mla=False)
+    pages = scattered_pages(12, 4, seed=5)
+    starts = [p * PAGE for p in pages]
+    P.fill_random_pages(kv, starts, seed=13)
+    (row,) = plan_batch(store.pools["kv"].layout, np.asarray([pages])).plans()
+    half = len(row.ptrs) // 2  # the kv object: k buffers, then v buffers
+    old = store.key_schema.prefix.replace("ms2_", "ms1_", 1) + "_old_0_"
+    old_keys = [old + "k", old + "v"]
+    halves = [
+        ObjectPlan(row.ptrs[:half], row.sizes[:half]),
+        ObjectPlan(row.ptrs[half:], row.sizes[half:]),
+    ]
+    assert store.client.put(old_keys, halves) == [True, True]
+    P.wipe_pages(kv, starts)
+    wiped = _snapshot(kv, starts)
+    slots = slots_of(pages, PAGE)
+    assert store.batch_exists(["old"]) == 0
+    assert store.batch_get_v1(["old"], slots) == [False]
+    _assert_restored(kv, wiped)
+    assert store.client.exists(old_keys) == [True, True]
+
+
 def test_restore_into_different_host_pages(span_store_factory):
     """The object holds token order, not host placement: a reader with other
     host pages gets the same bytes in its own slots."""

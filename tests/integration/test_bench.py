@@ -36,6 +36,8 @@ _TARGET_IDS = {
     "k4_vs_upstream_small_local",
     "k4_vs_upstream_large_local",
     "k4_vs_upstream_tcp",
+    "mha_k1_vs_upstream_local",
+    "mha_k1_vs_upstream_tcp",
     "memcpy_fraction",
     "exists_per_token",
     "coalescing",
@@ -145,6 +147,16 @@ def test_tiny_bench_end_to_end(tmp_path) -> None:
         B.Workload(
             "grid", "tcp", mla, "page_first", 32, 16, ("raw-1buf", "raw-K4", "span-K2", "upstream")
         ),
+        # MHA: one kv object per key for the backend, k and v apart for raw-1buf
+        B.Workload(
+            "grid",
+            "same",
+            B.MODELS[("mha", B.SMALL)],
+            "page_first",
+            32,
+            16,
+            ("raw-1buf", "raw-K1", "span-K1", "span-K4", "upstream"),
+        ),
         # 4 keys x 312 buffers, split at 512 and at the default 2048
         B.Workload(
             "chunks",
@@ -186,6 +198,8 @@ def test_tiny_bench_end_to_end(tmp_path) -> None:
                 assert run["pages_compared"] == w["pages_per_run"]
     assert result["verified_byte_exact"] and result["all_complete_except_expected"]
     assert {t["id"] for t in result["targets"]} == _TARGET_IDS
+    mha_k1 = next(t for t in result["targets"] if t["id"] == "mha_k1_vs_upstream_local")
+    assert [r["workload"] for r in mha_k1["rows"]] == ["grid/same/mha-64KiB/page_first/P16"]
     coalesce = next(t for t in result["targets"] if t["id"] == "coalescing")
     assert coalesce["passed"] is True  # consecutive pages: L pointers per key, not K*L
     assert coalesce["rows"][0]["pointers_per_key_consecutive"] == tiny.layers

@@ -2,7 +2,7 @@
 
 Key strings are a persistent format: objects written by one release must be
 found by the next. The golden strings below are typed out by hand from the
-grammar ``ms1[_{tag}]_{model}_h{host_page}x{K}_{layout}_{kv_dtype}_{page_key}_{rank}_{component}``;
+grammar ``ms2[_{tag}]_{model}_h{host_page}x{K}_{layout}_{kv_dtype}_{page_key}_{rank}_{component}``;
 changing any of them requires a KEY_SCHEMA_VERSION bump.
 """
 
@@ -31,6 +31,7 @@ HASH = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 
 K = ComponentSpec("k", RankScope.SHARDED)
 V = ComponentSpec("v", RankScope.SHARDED)
+MHA_KV = ComponentSpec("kv", RankScope.SHARDED, parts=2)
 MLA_KV = ComponentSpec("k", RankScope.REPLICATED)
 INDEXER = ComponentSpec("indexer", RankScope.REPLICATED)
 TEMPORAL = ComponentSpec("temporal", RankScope.SHARDED)
@@ -59,7 +60,7 @@ def one_key(s: KeySchema, component: ComponentSpec, page_key: str = HASH) -> str
 # ---------------------------------------------------------------------------
 # Golden strings
 
-P = "ms1_DeepSeek-V3_h64x4_pf_bfloat16"
+P = "ms2_DeepSeek-V3_h64x4_pf_bfloat16"
 
 
 @pytest.mark.parametrize(
@@ -119,19 +120,22 @@ def test_golden_mha_layer_first_fp8():
         layout="layer_first",
         kv_dtype="float8_e4m3fn",
     )
-    assert s.object_keys(["a1", "b2"], (K, V)) == [
-        "ms1_meta-llama-Llama-3.1-8B_h32x8_lf_float8-e4m3fn_a1_3_k",
-        "ms1_meta-llama-Llama-3.1-8B_h32x8_lf_float8-e4m3fn_a1_3_v",
-        "ms1_meta-llama-Llama-3.1-8B_h32x8_lf_float8-e4m3fn_b2_3_k",
-        "ms1_meta-llama-Llama-3.1-8B_h32x8_lf_float8-e4m3fn_b2_3_v",
+    # ms2: one object per key and rank, k and v inside it.
+    assert s.object_keys(["a1", "b2"], (MHA_KV,)) == [
+        "ms2_meta-llama-Llama-3.1-8B_h32x8_lf_float8-e4m3fn_a1_3_kv",
+        "ms2_meta-llama-Llama-3.1-8B_h32x8_lf_float8-e4m3fn_b2_3_kv",
+    ]
+    assert s.group_ids(["a1", "b2"], 1) == [
+        "ms2_meta-llama-Llama-3.1-8B_h32x8_lf_float8-e4m3fn_a1",
+        "ms2_meta-llama-Llama-3.1-8B_h32x8_lf_float8-e4m3fn_b2",
     ]
 
 
 def test_golden_tag_and_group_id():
     s = schema(tag="prod/east")
-    assert s.prefix == "ms1_prod-east_DeepSeek-V3_h64x4_pf_bfloat16"
-    assert one_key(s, MLA_KV, "abc") == "ms1_prod-east_DeepSeek-V3_h64x4_pf_bfloat16_abc__k"
-    assert s.group_id("abc") == "ms1_prod-east_DeepSeek-V3_h64x4_pf_bfloat16_abc"
+    assert s.prefix == "ms2_prod-east_DeepSeek-V3_h64x4_pf_bfloat16"
+    assert one_key(s, MLA_KV, "abc") == "ms2_prod-east_DeepSeek-V3_h64x4_pf_bfloat16_abc__k"
+    assert s.group_id("abc") == "ms2_prod-east_DeepSeek-V3_h64x4_pf_bfloat16_abc"
     # An empty tag is no tag.
     assert schema(tag="").prefix == P
 
@@ -150,7 +154,7 @@ def test_golden_tag_and_group_id():
 )
 def test_layout_codes(layout, code):
     assert layout_code(layout) == code
-    assert schema(layout=layout).prefix == f"ms1_DeepSeek-V3_h64x4_{code}_bfloat16"
+    assert schema(layout=layout).prefix == f"ms2_DeepSeek-V3_h64x4_{code}_bfloat16"
 
 
 @pytest.mark.parametrize(
@@ -168,10 +172,11 @@ def test_sanitize_token(raw, token):
     assert sanitize_token(raw) == token
 
 
-def test_schema_version_is_ms1():
+def test_schema_version_is_ms2():
     # Bumping it orphans every stored object; this test makes that deliberate.
-    assert KEY_SCHEMA_VERSION == "ms1"
-    assert schema().prefix.startswith("ms1_")
+    # ms1 -> ms2: MHA-style pools became one "kv" object per key and rank.
+    assert KEY_SCHEMA_VERSION == "ms2"
+    assert schema().prefix.startswith("ms2_")
 
 
 def test_object_keys_are_key_major_component_minor():
@@ -251,8 +256,8 @@ def test_span_and_native_page_of_equal_tokens_are_disjoint():
     # page hash, different bytes layout -> different keys.
     span = schema(host_page_tokens=64, pages_per_span=4)
     native = schema(host_page_tokens=256, pages_per_span=1)
-    assert span.prefix == "ms1_DeepSeek-V3_h64x4_pf_bfloat16"
-    assert native.prefix == "ms1_DeepSeek-V3_h256x1_pf_bfloat16"
+    assert span.prefix == "ms2_DeepSeek-V3_h64x4_pf_bfloat16"
+    assert native.prefix == "ms2_DeepSeek-V3_h256x1_pf_bfloat16"
     assert one_key(span, MLA_KV) != one_key(native, MLA_KV)
 
 

@@ -22,7 +22,7 @@ R, S = RankScope.REPLICATED, RankScope.SHARDED
 
 def _facts(**over) -> NamespaceFacts:
     base = dict(
-        key_prefix="ms1_m_h64x4_pf_bfloat16",
+        key_prefix="ms2_m_h64x4_pf_bfloat16",
         model="m",
         tag=None,
         host_page_tokens=64,
@@ -55,14 +55,14 @@ def test_upstream_fields_are_all_present():
 def test_sharded_components_carry_the_tp_rank_and_state_sizes_stay_unknown():
     ranks = RankTags.from_ranks(tp_rank=2, pp_rank=1, pp_size=2)
     pools = [
-        PoolLayoutInput("kv", PoolKind.KV_ANCHOR, ("k", "v"), (100, 100), 64, ("sharded",) * 2),
+        PoolLayoutInput("kv", PoolKind.KV_ANCHOR, ("kv",), (200,), 64, ("sharded",)),
         PoolLayoutInput("mamba", PoolKind.STATE, ("temporal",), (4096,), 1, ("sharded",)),
         PoolLayoutInput("indexer", PoolKind.KV_DERIVED, ("indexer",), (10,), 64, ("replicated",)),
     ]
     doc = describe_object_layout(_facts(), pools, ranks=ranks)
     by_name = {p["pool"]: p for p in doc["hicache_object_layout"]["pools"]}
     assert [p["pool"] for p in doc["hicache_object_layout"]["pools"]][0] == "kv"
-    assert by_name["kv"]["suffixes"] == ["_2_1_k", "_2_1_v"]
+    assert by_name["kv"]["suffixes"] == ["_2_1_kv"]
     assert by_name["kv"]["bytes_per_key"] == 800
     assert by_name["indexer"]["suffixes"] == ["_1_indexer"]
     assert by_name["mamba"]["bytes_per_key"] is None
@@ -106,11 +106,13 @@ def test_parse_object_key_inverts_the_key_schema(tag, layout):
     [
         "",
         "foo",
-        "ms1",
-        "ms1_model",
-        "ms2_m_h64x4_pf_bf16_abc",
+        "ms2",
+        "ms2_model",
+        "ms3_m_h64x4_pf_bf16_abc",
         "sglang-hicache:abc__k",
-        "ms1_m_64x4_pf",
+        "ms2_m_64x4_pf",
+        # The previous key format (k and v apart) is foreign to this one.
+        "ms1_m_h64x4_pf_bf16_abc_0_k",
     ],
 )
 def test_foreign_keys_are_not_parsed(key):
@@ -122,4 +124,5 @@ def test_guard_keys_round_trip(tag):
     key = namespace_key("my model", tag)
     assert parse_guard_key(key) == (tag, "my-model")
     assert parse_object_key(key) is None
-    assert parse_guard_key("ms1_m_h64x4_pf_bf16_abc__k") is None
+    assert parse_guard_key("ms2_m_h64x4_pf_bf16_abc__k") is None
+    assert parse_guard_key("ms1_my-model__geometry") is None
