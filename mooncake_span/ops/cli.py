@@ -437,6 +437,12 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         help="only the adapter-overhead section: own Python per page/key on a do-nothing "
         "native store and on a real in-process one (mooncake_span.bench.overhead)",
     )
+    bench.add_argument(
+        "--leases",
+        action="store_true",
+        help="only the hit-query lease section: objects probed and leased per query and "
+        "backups under a probe storm, vs upstream (mooncake_span.bench.leases)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -450,6 +456,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.overhead import run_overhead_command
 
         return run_overhead_command(args.quick, args.reps, args.json)
+    if args.leases:
+        from mooncake_span.bench.leases import run_leases_command
+
+        return run_leases_command(args.json)
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

@@ -29,36 +29,49 @@ KV_ROUNDS_WITH_SIDECARS = 3
 
 @dataclass(frozen=True)
 class ProbePolicy:
-    """KV probe chunks: ``first_chunk_keys``, then each chunk ``growth`` times the
-    one before, until the round cap gives the last chunk the rest.
+    """KV probe chunks: ``first_chunk_keys``, then the rest of the query over the
+    remaining rounds, in equal chunks (``growth`` 0) or each chunk ``growth``
+    times the one before until the round cap gives the last chunk the rest.
 
-    The default (4 keys, x4) was chosen by ``mooncake-span bench --leases``
-    (docs/benchmarks.md, "2026-12-01: hit queries and leases"): 4 keys is
-    sglang's default prefetch threshold (256 tokens) in 64-token pages, so a
-    first chunk that misses would have been revoked anyway.
+    The default (1 key, then equal chunks) was chosen with ``mooncake-span
+    bench --leases`` (docs/benchmarks.md, "2026-12-01: hit queries and
+    leases"): under the round cap, equal chunks after the first probe fewer
+    keys past a miss than geometric ones, and a one-key first chunk means a
+    query whose first key misses leases nothing at all -- with eviction group
+    ids a lease on one object of a key pins the key's other objects too, so
+    every key probed past a miss costs all of its objects.
     """
 
-    first_chunk_keys: int = 4
-    growth: int = 4
+    first_chunk_keys: int = 1
+    growth: int = 0
 
     def __post_init__(self) -> None:
         if self.first_chunk_keys < 1:
             raise ValueError(
                 f"probe first_chunk_keys must be >= 1 key, got {self.first_chunk_keys}"
             )
-        if self.growth < 1:
-            raise ValueError(f"probe growth must be >= 1 (1: equal chunks), got {self.growth}")
+        if self.growth < 0:
+            raise ValueError(f"probe growth must be >= 0 (0: equal chunks), got {self.growth}")
+
+    def _size(self, index: int, start: int, total_keys: int, rounds_left: int) -> int:
+        if index == 0:
+            return self.first_chunk_keys
+        if self.growth:
+            return self.first_chunk_keys * self.growth**index
+        return -(-(total_keys - start) // rounds_left)  # ceil: the rest, evenly
 
     def chunks(self, total_keys: int, max_rounds: int) -> list[tuple[int, int]]:
         """``[start, end)`` key ranges of the KV rounds, covering ``0..total_keys``."""
         if max_rounds < 1:
             raise ValueError(f"a hit query needs at least one probe round, got {max_rounds}")
         out: list[tuple[int, int]] = []
-        start, size = 0, self.first_chunk_keys
+        start = 0
         while start < total_keys:
-            end = total_keys if len(out) == max_rounds - 1 else min(total_keys, start + size)
+            rounds_left = max_rounds - len(out)
+            size = self._size(len(out), start, total_keys, rounds_left)
+            end = total_keys if rounds_left == 1 else min(total_keys, start + size)
             out.append((start, end))
-            start, size = end, size * self.growth
+            start = end
         return out
 
 

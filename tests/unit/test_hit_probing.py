@@ -49,7 +49,7 @@ CLIENT = {
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 300), st.integers(1, 20), st.integers(1, 5), st.integers(1, 5))
+@given(st.integers(0, 300), st.integers(1, 20), st.integers(0, 5), st.integers(1, 5))
 def test_chunks_cover_the_query_in_order_within_the_round_cap(total, first, growth, rounds):
     chunks = ProbePolicy(first, growth).chunks(total, rounds)
     assert len(chunks) <= rounds
@@ -59,22 +59,33 @@ def test_chunks_cover_the_query_in_order_within_the_round_cap(total, first, grow
     assert all(end > start for start, end in chunks)
     if chunks:
         assert chunks[0][1] == min(total, first) or len(chunks) == rounds == 1
-    # Every chunk but the last allowed one has its geometric size.
+    # Every chunk but the last allowed one has its size: geometric, or the
+    # rest of the query split evenly over the rounds left.
     for i, (start, end) in enumerate(chunks[: rounds - 1]):
-        assert end - start == min(first * growth**i, total - start)
+        if i == 0:
+            want = first
+        elif growth:
+            want = first * growth**i
+        else:
+            want = -(-(total - start) // (rounds - i))
+        assert end - start == min(want, total - start)
 
 
 def test_chunks_examples():
-    policy = ProbePolicy()  # 4 keys, x4
-    assert policy.chunks(64, KV_ROUNDS_WITH_SIDECARS) == [(0, 4), (4, 20), (20, 64)]
-    assert policy.chunks(128, KV_ROUNDS_ALONE) == [(0, 4), (4, 128)]
-    assert policy.chunks(3, KV_ROUNDS_WITH_SIDECARS) == [(0, 3)]
+    policy = ProbePolicy()  # 1 key, then the rest in equal chunks
+    assert policy.chunks(64, KV_ROUNDS_WITH_SIDECARS) == [(0, 1), (1, 33), (33, 64)]
+    assert policy.chunks(24, KV_ROUNDS_WITH_SIDECARS) == [(0, 1), (1, 13), (13, 24)]
+    assert ProbePolicy(4).chunks(24, 3) == [(0, 4), (4, 14), (14, 24)]
+    assert ProbePolicy(4, 4).chunks(64, 3) == [(0, 4), (4, 20), (20, 64)]
+    assert policy.chunks(128, KV_ROUNDS_ALONE) == [(0, 1), (1, 128)]
+    assert policy.chunks(3, KV_ROUNDS_WITH_SIDECARS) == [(0, 1), (1, 2), (2, 3)]
+    assert ProbePolicy(4).chunks(3, KV_ROUNDS_WITH_SIDECARS) == [(0, 3)]
     assert policy.chunks(0, 2) == []
 
 
 @pytest.mark.parametrize(
     ("first", "growth", "rounds", "match"),
-    [(0, 2, 1, "first_chunk_keys"), (1, 0, 1, "growth"), (1, 1, 0, "at least one probe round")],
+    [(0, 2, 1, "first_chunk_keys"), (1, -1, 1, "growth"), (1, 1, 0, "at least one probe round")],
 )
 def test_bad_policies_are_refused(first, growth, rounds, match):
     with pytest.raises(ValueError, match=match):
@@ -278,9 +289,8 @@ def test_first_key_miss_probes_only_the_first_chunk_of_kv(stocked):
     query = ["absent", *keys[1:]]
     result, flat, rpcs = _query(store, asked, query, _transfers())
     assert result.kv_hit_pages == 0
-    assert (rpcs, flat) == (1, _objects(store, "kv", query[:4]))
-    leased = [k for k in flat if k in cluster.objects]
-    assert leased == _objects(store, "kv", keys[1:4])  # 3 objects; upstream: all 23
+    assert (rpcs, flat) == (1, _objects(store, "kv", query[:1]))
+    assert not [k for k in flat if k in cluster.objects]  # nothing leased; upstream: 23
 
 
 def test_middle_miss_probes_no_sidecar_past_the_miss(stocked):
@@ -288,9 +298,9 @@ def test_middle_miss_probes_no_sidecar_past_the_miss(stocked):
     query = [*keys[:10], "absent", *keys[11:]]
     result, flat, rpcs = _query(store, asked, query, _transfers())
     assert result.kv_hit_pages == 10
-    # KV rounds [0,4) [4,20) stop at the miss; then one sidecar round.
+    # KV rounds [0,1) [1,13) stop at the miss; then one sidecar round.
     assert rpcs == 3
-    want = _objects(store, "kv", query[:20])
+    want = _objects(store, "kv", query[:13])
     want += _objects(store, "indexer", query[:10]) + _objects(store, "mamba", query[:10])
     assert sorted(flat) == sorted(want)
 
@@ -308,10 +318,10 @@ def test_kv_only_query_takes_at_most_two_rounds(stocked):
     store, cluster, asked, keys = stocked
     asked.clear()
     assert store.batch_exists(keys) == KEYS
-    assert [len(call) for call in asked] == [4, KEYS - 4]
+    assert [len(call) for call in asked] == [1, KEYS - 1]
     asked.clear()
     assert store.batch_exists(["absent", *keys[1:]]) == 0
-    assert [len(call) for call in asked] == [4]
+    assert [len(call) for call in asked] == [1]
 
 
 def test_unknown_policy_is_refused_before_anything_is_probed(stocked):
@@ -361,5 +371,6 @@ def test_prometheus_counts_queries_rpcs_and_probed_objects(stocked):
         return registry.get_sample_value(name, {}) or 0.0
 
     assert value("mooncake_span_hit_queries_total") == 2
-    assert value("mooncake_span_hit_query_rpcs_total") == len(asked) == 4
+    # 11 keys: KV rounds [0,1) [1,6) [6,11), the sidecars, then the lone miss.
+    assert value("mooncake_span_hit_query_rpcs_total") == len(asked) == 5
     assert value("mooncake_span_hit_query_probed_objects_total") == sum(map(len, asked))
