@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -47,6 +48,7 @@ EARLY_MISS_KEY = 6
 OBJECT_HAS_LEASE = -706
 # A short lease keeps the run short; what is leased does not depend on how long.
 LEASE_TTL_MS = 5000
+QUERY_TIMING_REPS = 21
 PAGE_TOKENS = 64
 # Alternatives to the default (1 key, then equal chunks), measured side by side.
 POLICIES = (ProbePolicy(4), ProbePolicy(16), ProbePolicy(4, growth=4))
@@ -209,6 +211,7 @@ class ShapeFigures:
     leased_sidecar_objects: int
     stored_objects: int
     leased_not_probed: int
+    query_ms: float
 
 
 def measure_shape(contender: Contender, shape: str, tag: str) -> ShapeFigures:
@@ -222,17 +225,26 @@ def measure_shape(contender: Contender, shape: str, tag: str) -> ShapeFigures:
     native.exist_calls.clear()
     hit = contender.store.batch_exists_v2(asked, _transfers(asked, with_slots=False))
     probed = {k for call in native.exist_calls for k in call}
+    rpcs, probed_objects = len(native.exist_calls), sum(map(len, native.exist_calls))
     leased = native.leased()
     kv_leased = [k for k in leased if k in contender.kv_objects]
+    # Latency of the same query again (the unleased objects are gone now, so
+    # the answer is the same or shorter); median of QUERY_TIMING_REPS.
+    seconds = []
+    for _ in range(QUERY_TIMING_REPS):
+        started = time.perf_counter()
+        contender.store.batch_exists_v2(asked, _transfers(asked, with_slots=False))
+        seconds.append(time.perf_counter() - started)
     return ShapeFigures(
         hit_keys=int(hit.kv_hit_pages),
-        rpcs=len(native.exist_calls),
-        probed_objects=sum(map(len, native.exist_calls)),
+        rpcs=rpcs,
+        probed_objects=probed_objects,
         leased_objects=len(leased),
         leased_kv_objects=len(kv_leased),
         leased_sidecar_objects=len(leased) - len(kv_leased),
         stored_objects=stored_objects,
         leased_not_probed=len(set(leased) - probed),
+        query_ms=1e3 * statistics.median(seconds),
     )
 
 
@@ -461,7 +473,7 @@ def format_leases(result: dict[str, Any]) -> str:
     for name, shapes in result["shapes"].items():
         cells = [
             f"{shape} {f['rpcs']}/{f['probed_objects']}/{f['leased_objects']}"
-            f" ({f['leased_kv_objects']}+{f['leased_sidecar_objects']})"
+            f" ({f['leased_kv_objects']}+{f['leased_sidecar_objects']}) {f['query_ms']:.2f}ms"
             for shape, f in shapes.items()
         ]
         lines.append(f"  {name:18s} " + "  ".join(cells))
