@@ -77,6 +77,17 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Keys asked about in hit queries, by answer (hit: inside the restorable prefix)",
         ("result",),
     ),
+    "hit_queries_total": ("counter", "Hit queries answered (batch_exists, batch_exists_v2)", ()),
+    "hit_query_rpcs_total": (
+        "counter",
+        "Existence RPCs (batch_is_exist rounds) sent by hit queries",
+        (),
+    ),
+    "hit_query_probed_objects_total": (
+        "counter",
+        "Objects hit queries asked about; Mooncake leases each existing one for ~10 s",
+        (),
+    ),
     "failed_objects_total": (
         "counter",
         "Objects a Mooncake call failed, by Mooncake code name",
@@ -166,7 +177,14 @@ class SpanMetrics:
         if moved_bytes:
             self._child("bytes_total", operation, pool).inc(moved_bytes)
 
-    def observe_hit_query(self, queried_keys: int, hit_keys: int) -> None:
+    def observe_hit_query(
+        self, queried_keys: int, hit_keys: int, *, rpcs: int = 0, probed_objects: int = 0
+    ) -> None:
+        self._collectors["hit_queries_total"].inc()
+        if rpcs:
+            self._collectors["hit_query_rpcs_total"].inc(rpcs)
+        if probed_objects:
+            self._collectors["hit_query_probed_objects_total"].inc(probed_objects)
         hit_keys = max(0, min(hit_keys, queried_keys))
         if hit_keys:
             self._child("hit_query_keys_total", "hit").inc(hit_keys)

@@ -465,6 +465,12 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         help="only the checksum section: put and get pages/s with span_verify_checksums off and "
         "on, one process and TCP (mooncake_span.bench.checksum)",
     )
+    bench.add_argument(
+        "--leases",
+        action="store_true",
+        help="only the hit-query lease section: objects probed and leased per query and "
+        "backups under a probe storm, vs upstream (mooncake_span.bench.leases)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -486,6 +492,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.checksum import run_checksum_command
 
         return run_checksum_command(args.quick, args.reps, args.json)
+    if args.leases:
+        from mooncake_span.bench.leases import run_leases_command
+
+        return run_leases_command(args.json)
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

@@ -57,6 +57,7 @@ from mooncake_span.sglang_backend.guard import (
     miss_per_transfer,
     never_raise,
 )
+from mooncake_span.sglang_backend.hit_query import HitProber
 from mooncake_span.sglang_backend.observability import CallObserver, describe_layout
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
 from mooncake_span.sglang_backend.staging import Stager
@@ -78,9 +79,10 @@ from mooncake_span.sglang_backend.stored_pool import (
     geometry_record,
 )
 from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
-from mooncake_span.span.hits import PoolHitQuery, compute_hits, leading_run
+from mooncake_span.span.hits import leading_run
 from mooncake_span.span.keys import KeySchema, RankTags, check_page_keys
 from mooncake_span.span.plan import PlanBatch
+from mooncake_span.span.probe import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.store.client import MooncakeClient, NativeBinding
 from mooncake_span.store.layout_guard import GeometryRecord, check_layout_guard
 from mooncake_span.store.staging import StagingArena
@@ -90,17 +92,6 @@ logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 # Per-key results of a v2 call, keyed by the transfers' pool names.
 TransferResults = dict[Any, list[bool]]
-
-
-def _hit_query(transfer: Any, page_exists: list[bool]) -> PoolHitQuery:
-    return PoolHitQuery(
-        name=pool_name_str(transfer.name),
-        policy=pool_name_str(transfer.hit_policy),
-        page_exists=page_exists,
-        window_pages=len(transfer.keys) if transfer.keys else 1,
-        block_pages=int(getattr(transfer, "block_pages", 0) or 0),
-        group_pages=int(getattr(transfer, "group_pages", 0) or 0),
-    )
 
 
 class MooncakeSpanStore(HiCacheStorage):
@@ -157,6 +148,7 @@ class MooncakeSpanStore(HiCacheStorage):
         )
         self.stager = Stager(self.client, arena)  # registered memory for unregistered bytes
         self.observer = CallObserver(self.client)  # mooncake_span_* Prometheus metrics
+        self.prober = HitProber(self.client)
 
     # ---- registration (control path: errors raise) -------------------------------
 
@@ -428,15 +420,9 @@ class MooncakeSpanStore(HiCacheStorage):
 
     # ---- hits -----------------------------------------------------------------------------------
 
-    def _exists_many(self, pools: list[StoredPool], page_keys: list[str]) -> list[list[bool]]:
-        """Per pool, per key: do all of the key's objects exist? One existence RPC for all."""
-        per_pool = [pool.object_keys(self.key_schema, page_keys) for pool in pools]
-        flat = self.client.exists([k for keys in per_pool for k in keys]) if page_keys else []
-        out, offset = [], 0
-        for pool, keys in zip(pools, per_pool, strict=True):
-            out.append(pool.fold(flat[offset : offset + len(keys)]))
-            offset += len(keys)
-        return out
+    def _hit_query_done(self, queried_keys: int, hit_keys: int, tally: ProbeTally) -> None:
+        self._counters.record_hit_query(tally.rpcs, tally.objects)
+        self.observer.hit_query(queried_keys, hit_keys, tally)
 
     @never_raise(miss_count)
     def batch_exists(
@@ -447,8 +433,9 @@ class MooncakeSpanStore(HiCacheStorage):
         kv = self.pools[KV_POOL]
         if kv.is_logical:
             return 0
-        hits = leading_run(self._exists_many([kv], page_keys)[0])
-        self.observer.hit_query(len(page_keys), hits)
+        tally = ProbeTally()
+        hits = self.prober.kv_prefix(self.key_schema, kv, page_keys, KV_ROUNDS_ALONE, tally)
+        self._hit_query_done(len(page_keys), hits, tally)
         return hits
 
     @never_raise(miss_hit_result)
@@ -460,20 +447,14 @@ class MooncakeSpanStore(HiCacheStorage):
     ) -> PoolTransferResult:
         self._require_ready()
         page_keys = check_page_keys(keys)
-        transfers = list(pool_transfers or [])
-        sidecars = [self._registered(pool_name_str(t.name), "hit query") for t in transfers]
-        kv = self.pools[KV_POOL]
-        # One existence RPC for KV and every pool: the pools' flags past the
-        # KV prefix are wasted, but a second round trip costs more.
-        flags = self._exists_many(([] if kv.is_logical else [kv]) + sidecars, page_keys)
-        # A logical anchor (DeepSeek-V4) stores no KV bytes: the sidecars decide.
-        kv_pages = len(page_keys) if kv.is_logical else leading_run(flags.pop(0))
-        queries = [
-            _hit_query(t, exists[:kv_pages]) for t, exists in zip(transfers, flags, strict=True)
+        transfers = [
+            (t, self._registered(pool_name_str(t.name), "hit query"))
+            for t in list(pool_transfers or [])
         ]
-        hit = compute_hits(kv_pages, queries)
-        self.observer.hit_query(len(page_keys), hit.kv_hit_pages)
-        names = {pool_name_str(t.name): t.name for t in transfers}
+        tally = ProbeTally()
+        hit = self.prober.hits(self.key_schema, self.pools[KV_POOL], page_keys, transfers, tally)
+        self._hit_query_done(len(page_keys), hit.kv_hit_pages, tally)
+        names = {pool_name_str(t.name): t.name for t, _ in transfers}
         pool_hits = {names.get(n, PoolName.KV): v for n, v in hit.pool_hit_pages.items()}
         return PoolTransferResult(hit.kv_hit_pages, pool_hits, hit.restorable_prefix_pages)
 

@@ -2,7 +2,8 @@
 
 ``CallObserver`` is fed from three places of the backend: ``guard.never_raise``
 (every sglang-facing call: duration and outcome), ``_run`` (keys, host pages
-and bytes actually moved) and the hit queries (keys asked vs restorable). It
+and bytes actually moved) and the hit queries (keys asked vs restorable, existence RPCs and objects
+probed). It
 also folds the store client's cumulative counters (failed objects by Mooncake
 code, breaker openings and state) into the metrics after each call. It never
 raises: metrics must not turn a served request into a miss.
@@ -89,9 +90,12 @@ class CallObserver:
         except Exception:
             logger.debug("mooncake-span: metrics update failed", exc_info=True)
 
-    def hit_query(self, queried_keys: int, hit_keys: int) -> None:
+    def hit_query(self, queried_keys: int, hit_keys: int, tally: Any) -> None:
+        """``tally``: a ``span.probe.ProbeTally`` (existence RPCs, objects probed)."""
         if self._metrics is not None:
-            self._metrics.observe_hit_query(queried_keys, hit_keys)
+            self._metrics.observe_hit_query(
+                queried_keys, hit_keys, rpcs=tally.rpcs, probed_objects=tally.objects
+            )
 
 
 def describe_layout(backend: Any) -> dict[str, Any]:

@@ -84,6 +84,11 @@ class CallCounters:
     dropped_records: int = 0
     # keyed by exception class name: bounded by the error classes that exist
     rejected_calls: dict[str, int] = field(default_factory=dict)
+    # hit queries since the last get_stats(), with their existence RPCs and the
+    # objects they named (each existing one is leased by Mooncake for ~10 s)
+    hit_queries: int = 0
+    hit_query_rpcs: int = 0
+    hit_query_probed_objects: int = 0
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -105,20 +110,32 @@ class CallCounters:
             if gib_per_s is not None:
                 bandwidth.append(gib_per_s)
 
+    def record_hit_query(self, rpcs: int, probed_objects: int) -> None:
+        with self.lock:
+            self.hit_queries += 1
+            self.hit_query_rpcs += rpcs
+            self.hit_query_probed_objects += probed_objects
+
     def drain_into(self, metrics: StorageMetrics) -> None:
         """Move the records and token totals into ``metrics``; the caller holds ``lock``."""
         for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
             records = getattr(self, name)
             getattr(metrics, name).extend(records)
             records.clear()
+        metrics.hit_queries = self.hit_queries
+        metrics.hit_query_rpcs = self.hit_query_rpcs
+        metrics.hit_query_probed_objects = self.hit_query_probed_objects
         self.prefetch_tokens = self.backup_tokens = 0
+        self.hit_queries = self.hit_query_rpcs = self.hit_query_probed_objects = 0
 
 
 class SpanStorageMetrics(StorageMetrics):
     """sglang's StorageMetrics plus span-aware token counts and fault counters.
 
     ``prefetch_pgs`` / ``backup_pgs`` count storage pages (keys); with K > 1
-    each is ``storage_page_size`` tokens, as ``*_tokens`` reports.
+    each is ``storage_page_size`` tokens, as ``*_tokens`` reports. ``hit_queries``,
+    ``hit_query_rpcs`` and ``hit_query_probed_objects`` count since the previous
+    ``get_stats()``: RPCs and probed objects per query are their ratios.
     """
 
     def __init__(self, **extra: Any) -> None:
@@ -132,3 +149,6 @@ class SpanStorageMetrics(StorageMetrics):
         self.breaker_state: str = extra.pop("breaker_state", "closed")
         self.breaker_times_opened: int = extra.pop("breaker_times_opened", 0)
         self.dropped_metric_records: int = extra.pop("dropped_metric_records", 0)
+        self.hit_queries: int = extra.pop("hit_queries", 0)
+        self.hit_query_rpcs: int = extra.pop("hit_query_rpcs", 0)
+        self.hit_query_probed_objects: int = extra.pop("hit_query_probed_objects", 0)

@@ -50,6 +50,11 @@ def clamp_after_first_failure(flags: Sequence[bool]) -> list[bool]:
     return [True] * run + [False] * (len(flags) - run)
 
 
+def check_policy(pool_name: str, policy: str) -> None:
+    if policy not in HIT_POLICIES:
+        raise InvalidRequestError(f"pool {pool_name!r}: unsupported hit policy {policy!r}")
+
+
 @dataclass(frozen=True)
 class PoolHitQuery:
     """One pool's existence flags for pages ``0..kv_pages-1`` plus its policy."""
@@ -62,8 +67,7 @@ class PoolHitQuery:
     group_pages: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in HIT_POLICIES:
-            raise InvalidRequestError(f"pool {self.name!r}: unsupported hit policy {self.policy!r}")
+        check_policy(self.name, self.policy)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ updating the page fails here:
 - ``pkg/module.py`` (or ``mooncake_span/...``, ``tests/...``, ``docs/...``): the file exists;
 - ``pkg/module.Name[.attr]`` and ``module.Name[.attr]``: the module imports and the
   attribute chain resolves (``module.method``: a method of one of the module's classes);
+- ``mooncake_span_<family>``: a metric family ``metrics.py`` defines;
 - ``Name[.attr]`` (CamelCase) and bare ``snake_case`` identifiers: defined somewhere in the
   package or its tests (a module, class, function, method or module-level name), an option
   key of ``config.py``, or one of the few
@@ -28,6 +29,7 @@ from mooncake_span import config
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mooncake_span"
 DOC = ROOT / "docs" / "architecture.md"
+METRICS_SOURCE = (PACKAGE / "metrics.py").read_text()
 
 # Names of sglang, Mooncake and other tools that the page mentions on purpose.
 EXTERNAL = {
@@ -138,6 +140,9 @@ def _problem(span: str, defined: set[str]) -> str | None:
             return "no such module"
         return None if _resolves(*located) else "no such attribute"
     first = token.split(".")[0]
+    if token.startswith("mooncake_span_") and not token.endswith("*"):
+        family = token.removeprefix("mooncake_span_")
+        return None if f'"{family}"' in METRICS_SOURCE else "no such metric family"
     if _CAMEL.match(token):
         return None if first in defined or first in EXTERNAL else "not defined in the package"
     if _SNAKE.match(token):
@@ -153,7 +158,13 @@ def test_every_code_name_on_the_architecture_page_exists():
 
 @pytest.mark.parametrize(
     "span",
-    ["store/no_such_module.py", "store/client.NoSuchClass", "NoSuchRouter", "no_such_function"],
+    [
+        "store/no_such_module.py",
+        "store/client.NoSuchClass",
+        "NoSuchRouter",
+        "no_such_function",
+        "mooncake_span_no_such_total",
+    ],
 )
 def test_a_missing_name_is_reported(span):
     assert _problem(span, _defined_names()) is not None

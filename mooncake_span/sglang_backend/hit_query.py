@@ -1,0 +1,116 @@
+"""Hit queries (``batch_exists`` / ``batch_exists_v2``) that probe only what can be read.
+
+Every existing object a hit query probes is leased by Mooncake 0.3.13 for
+about 10 s and cannot be evicted meanwhile, so the rounds follow
+``span.probe``: KV in growing chunks up to the first miss, then the sidecars on
+the KV-hit prefix in one round. The hit math itself is ``span.hits``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mooncake_span.sglang_backend.pool_layout import pool_name_str
+from mooncake_span.sglang_backend.stored_pool import StoredPool
+from mooncake_span.span.hits import (
+    HitResult,
+    PoolHitQuery,
+    check_policy,
+    compute_hits,
+    leading_run,
+)
+from mooncake_span.span.keys import KeySchema
+from mooncake_span.span.probe import (
+    KV_ROUNDS_ALONE,
+    KV_ROUNDS_WITH_SIDECARS,
+    ProbePolicy,
+    ProbeTally,
+    sidecar_pages,
+)
+
+
+def _pool_query(transfer: Any, page_exists: list[bool]) -> PoolHitQuery:
+    return PoolHitQuery(
+        name=pool_name_str(transfer.name),
+        policy=pool_name_str(transfer.hit_policy),
+        page_exists=page_exists,
+        window_pages=len(transfer.keys) if transfer.keys else 1,
+        block_pages=int(getattr(transfer, "block_pages", 0) or 0),
+        group_pages=int(getattr(transfer, "group_pages", 0) or 0),
+    )
+
+
+class HitProber:
+    """Existence rounds of one backend's hit queries, counted in a ``ProbeTally``."""
+
+    def __init__(self, client: Any, policy: ProbePolicy | None = None) -> None:
+        self._client = client
+        self.policy = policy or ProbePolicy()
+
+    def _round(
+        self,
+        schema: KeySchema,
+        parts: Sequence[tuple[StoredPool, list[str]]],
+        tally: ProbeTally,
+    ) -> list[list[bool]]:
+        """One existence RPC for every (pool, keys) part; per part, per key flags."""
+        per_part = [pool.object_keys(schema, keys) for pool, keys in parts]
+        flat = [k for keys in per_part for k in keys]
+        tally.add(len(flat))
+        found = self._client.exists(flat) if flat else []
+        out, offset = [], 0
+        for (pool, _), keys in zip(parts, per_part, strict=True):
+            out.append(pool.fold(found[offset : offset + len(keys)]))
+            offset += len(keys)
+        return out
+
+    def kv_prefix(
+        self,
+        schema: KeySchema,
+        kv: StoredPool,
+        page_keys: list[str],
+        max_rounds: int,
+        tally: ProbeTally,
+    ) -> int:
+        """Leading keys whose KV objects all exist, probed chunk by chunk."""
+        for start, end in self.policy.chunks(len(page_keys), max_rounds):
+            (flags,) = self._round(schema, [(kv, page_keys[start:end])], tally)
+            run = leading_run(flags)
+            if run < end - start:
+                return start + run
+        return len(page_keys)
+
+    def hits(
+        self,
+        schema: KeySchema,
+        kv: StoredPool,
+        page_keys: list[str],
+        transfers: Sequence[tuple[Any, StoredPool]],
+        tally: ProbeTally,
+    ) -> HitResult:
+        """``batch_exists_v2``'s answer; ``transfers`` pairs each PoolTransfer with its pool."""
+        for transfer, _ in transfers:  # a bad request is refused before anything is leased
+            check_policy(pool_name_str(transfer.name), pool_name_str(transfer.hit_policy))
+        if kv.is_logical:
+            # A logical anchor (DeepSeek-V4) stores no KV bytes: the sidecars
+            # decide, over every key asked.
+            kv_pages = len(page_keys)
+        else:
+            rounds = KV_ROUNDS_WITH_SIDECARS if transfers else KV_ROUNDS_ALONE
+            kv_pages = self.kv_prefix(schema, kv, page_keys, rounds, tally)
+        if not kv_pages or not transfers:
+            return compute_hits(kv_pages, [])
+        needed = [
+            sidecar_pages(
+                pool_name_str(t.hit_policy),
+                kv_pages,
+                int(getattr(t, "block_pages", 0) or 0),
+                int(getattr(t, "group_pages", 0) or 0),
+            )
+            for t, _ in transfers
+        ]
+        parts = [(pool, page_keys[:n]) for (_, pool), n in zip(transfers, needed, strict=True)]
+        flags = self._round(schema, parts, tally)
+        queries = [_pool_query(t, f) for (t, _), f in zip(transfers, flags, strict=True)]
+        return compute_hits(kv_pages, queries)
