@@ -20,7 +20,7 @@ def make_storage_config(
     tp_size: int = 1,
 ) -> Any:
     """An sglang 0.5.23 HiCacheStorageConfig as the controller would build it."""
-    from mooncake_span.bench.pools import single_rank_storage_config
+    from mooncake_span.testing.pools import single_rank_storage_config
 
     return single_rank_storage_config(
         extra_config, model_name=model_name, is_mla=is_mla, tp_rank=tp_rank, tp_size=tp_size
@@ -54,7 +54,7 @@ def fake_client(master: str, cluster: Any, **options: Any) -> Any:
     the fake cluster's live segments (the admin URL is never dialled)."""
     from mooncake_span.config import MooncakeSettings, SpanOptions
     from mooncake_span.store.client import MooncakeClient, NativeBinding
-    from mooncake_span.store.fake import FakeReplicateConfig, FakeStore
+    from mooncake_span.testing.fake_store import FakeReplicateConfig, FakeStore
 
     options.setdefault("master_admin_url", "http://127.0.0.1:1")
     client = MooncakeClient(

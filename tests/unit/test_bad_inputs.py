@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from mooncake_span.bench import pools as P
 from mooncake_span.errors import ConfigError, RegistrationError, SetupError
 from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.span_helpers import make_storage_config, slots_of
 
 PAGE = 64

@@ -18,7 +18,6 @@ import logging
 
 import pytest
 
-from mooncake_span.bench import pools as P
 from mooncake_span.sglang_backend.stats import (
     _MAX_LOG_KINDS,
     METRIC_WINDOW,
@@ -28,8 +27,9 @@ from mooncake_span.sglang_backend.stats import (
 )
 from mooncake_span.store.breaker import CircuitBreaker
 from mooncake_span.store.client import _MAX_ERROR_LABELS, NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_or_publish
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.span_helpers import make_storage_config, slots_of
 
 PAGE = 64

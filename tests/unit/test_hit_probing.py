@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake_span.bench import pools as P
 from mooncake_span.span.geometry import PoolKind
 from mooncake_span.span.hits import (
     ALL_PAGES,
@@ -31,7 +30,8 @@ from mooncake_span.span.probe import (
     sidecar_pages,
 )
 from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.span_helpers import make_storage_config
 
 PAGE = 64

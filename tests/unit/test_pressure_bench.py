@@ -19,7 +19,7 @@ from mooncake_span.bench.pressure import (
     verify,
 )
 from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 
 CLIENT = {
     "master_server_address": "127.0.0.1:1",

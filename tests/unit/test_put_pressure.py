@@ -11,14 +11,14 @@ import logging
 import numpy as np
 import pytest
 
-from mooncake_span.bench import pools as P
 from mooncake_span.config import load_span_options
 from mooncake_span.errors import ConfigError, ErrorCode
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient, NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, PutPressure
 from mooncake_span.store.staging import StagingArena, create_blob, read_blob
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.span_helpers import fake_client, listening_port, make_storage_config, slots_of
 
 OBJECT_BYTES = 256

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from mooncake_span.bench import pools as P
 from mooncake_span.errors import ErrorCode, InvalidRequestError, RegistrationError
 from mooncake_span.span.staging import ByteRanges, largest_gap, next_part, rows_left_bytes
 from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from mooncake_span.store.staging import StagingArena, StagingBusyError, create_blob, read_blob
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.harness.registered import CheckedStore, UnregisteredMemoryError
 from tests.span_helpers import fake_client, listening_port, make_storage_config, slots_of
 
