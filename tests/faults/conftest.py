@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import pytest
 
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
-from tests.span_helpers import make_storage_config
+from tests.span_helpers import make_storage_config, register_pools
 
 FIGURES_DIR_ENV = "MOONCAKE_SPAN_FIGURES_DIR"
 HOST_PAGE_TOKENS = 64  # DSA host pages are always 64 tokens
@@ -380,10 +380,7 @@ def open_span_store(
     config.update(extra)
     store = MooncakeSpanStore(make_storage_config(config, model_name=model_name), {})
     try:
-        store.register_mem_pool_host(pools.kv)
-        store.register_mem_host_pool_v2(pools.kv, PoolName.KV)
-        store.register_mem_host_pool_v2(pools.indexer, PoolName.INDEXER)
-        store.on_host_pools_registered()
+        register_pools(store, {PoolName.KV: pools.kv, PoolName.INDEXER: pools.indexer})
     except BaseException:
         store.close()
         raise
