@@ -91,6 +91,26 @@ def require_mooncake(*, need_binaries: bool = True) -> None:
     pytest.skip(reason)
 
 
+@functools.cache
+def _netns_reason() -> str | None:
+    from mooncake_span.lab.netns import netns_unavailable_reason
+
+    return netns_unavailable_reason()
+
+
+def require_netns() -> None:
+    """Skip when network namespaces cannot be created here; fail instead under CI."""
+    reason = _netns_reason()
+    if reason is None:
+        return
+    if _in_ci():
+        pytest.fail(
+            f"network namespaces unavailable: {reason}; CI is set, so netns tests must run",
+            pytrace=False,
+        )
+    pytest.skip(f"network namespaces unavailable: {reason}")
+
+
 def _external_cluster(config: pytest.Config) -> ExternalCluster | None:
     master = config.getoption("--mooncake-master") or os.environ.get(_MASTER_ENV)
     metadata = config.getoption("--mooncake-metadata") or os.environ.get(_METADATA_ENV)
