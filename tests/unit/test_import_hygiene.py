@@ -120,6 +120,13 @@ def test_runtime_never_imports_the_test_support():
     assert {path: names for path, names in offenders.items() if names} == {}
 
 
+def test_test_support_never_imports_the_tooling():
+    """bench/ builds on testing/, never the other way round."""
+    for path in _modules("testing"):
+        tooling = {name for name in _absolute_imports(path) if name.startswith(TOOLING)}
+        assert not tooling, (path.name, tooling)
+
+
 def test_only_the_store_client_imports_mooncake():
     offenders = [
         str(path.relative_to(PACKAGE))
