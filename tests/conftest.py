@@ -1,4 +1,5 @@
-"""Shared fixtures: a real Mooncake cluster for the integration tests.
+"""Shared fixtures: a real Mooncake cluster for the integration tests, and
+``make_backend`` (a MooncakeSpanStore on the fake store) for the unit tests.
 
 By default ``mooncake_cluster`` starts a private cluster for the session:
 one master with the embedded HTTP metadata server and one storage node of
@@ -19,7 +20,8 @@ import functools
 import importlib.util
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 
@@ -87,6 +89,26 @@ def require_mooncake(*, need_binaries: bool = True) -> None:
     if _in_ci():
         pytest.fail(f"{reason}; CI is set, so integration tests must not be skipped", pytrace=False)
     pytest.skip(reason)
+
+
+@functools.cache
+def _netns_reason() -> str | None:
+    from mooncake_span.lab.netns import netns_unavailable_reason
+
+    return netns_unavailable_reason()
+
+
+def require_netns() -> None:
+    """Skip when network namespaces cannot be created here; fail instead under CI."""
+    reason = _netns_reason()
+    if reason is None:
+        return
+    if _in_ci():
+        pytest.fail(
+            f"network namespaces unavailable: {reason}; CI is set, so netns tests must run",
+            pytrace=False,
+        )
+    pytest.skip(f"network namespaces unavailable: {reason}")
 
 
 def _external_cluster(config: pytest.Config) -> ExternalCluster | None:
@@ -178,5 +200,38 @@ def mooncake_store_factory(
         return store
 
     yield factory
+    for store in stores:
+        store.close()
+
+
+@pytest.fixture
+def make_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
+    """``make(config, pools=None, *, cluster=None, native=None, is_mla=True)`` ->
+    a MooncakeSpanStore on the fake store (see ``span_helpers.fake_backend``),
+    with ``pools`` (PoolName -> host pool) registered as sglang does when given.
+
+    The master's reachability probe is patched out, so no port is needed.
+    Every store is closed after the test.
+    """
+    from tests.span_helpers import fake_backend, register_pools
+
+    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
+    stores: list[Any] = []
+
+    def make(
+        config: Any,
+        pools: Mapping[Any, Any] | None = None,
+        *,
+        cluster: Any = None,
+        native: Callable[[Any], Any] | None = None,
+        is_mla: bool = True,
+    ) -> Any:
+        store = fake_backend(config, cluster=cluster, native=native, is_mla=is_mla)
+        stores.append(store)
+        if pools is not None:
+            register_pools(store, pools)
+        return store
+
+    yield make
     for store in stores:
         store.close()

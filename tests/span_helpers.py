@@ -5,10 +5,18 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+# Client settings for a backend on the fake store: the master address is only
+# ever probed (tests patch the probe or listen there), never dialled.
+FAKE_CLIENT = {
+    "master_server_address": "127.0.0.1:1",
+    "metadata_server": "P2PHANDSHAKE",
+    "protocol": "tcp",
+}
 
 
 def make_storage_config(
@@ -20,10 +28,48 @@ def make_storage_config(
     tp_size: int = 1,
 ) -> Any:
     """An sglang 0.5.23 HiCacheStorageConfig as the controller would build it."""
-    from mooncake_span.bench.pools import single_rank_storage_config
+    from mooncake_span.testing.pools import single_rank_storage_config
 
     return single_rank_storage_config(
         extra_config, model_name=model_name, is_mla=is_mla, tp_rank=tp_rank, tp_size=tp_size
+    )
+
+
+def register_pools(store: Any, pools: Mapping[Any, Any]) -> None:
+    """Register host pools the way sglang's controller does: the KV pool (the
+    anchor) through the v1 call, every pool by name, then the end-of-registration
+    hook. ``pools`` maps sglang PoolName -> host pool."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    store.register_mem_pool_host(pools[PoolName.KV])
+    for name, pool in pools.items():
+        store.register_mem_host_pool_v2(pool, name)
+    store.on_host_pools_registered()
+
+
+def fake_backend(
+    config: Any,
+    *,
+    cluster: Any = None,
+    native: Callable[[Any], Any] | None = None,
+    is_mla: bool = True,
+) -> Any:
+    """A MooncakeSpanStore whose native stores are ``native(cluster)`` (default:
+    a contract-checked ``FakeStore`` of ``cluster``, a fresh ``FakeCluster`` when
+    None). ``config``: the extra-config dict, or a storage config already built.
+    The master's reachability probe must be patched out or pointed at a listening
+    port by the caller; the ``make_backend`` fixture does both the patch and the
+    cleanup."""
+    from mooncake_span.sglang_backend import MooncakeSpanStore
+    from mooncake_span.store.client import NativeBinding
+    from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
+
+    cluster = FakeCluster() if cluster is None else cluster
+    native = FakeStore if native is None else native
+    if isinstance(config, Mapping):
+        config = make_storage_config(dict(config), is_mla=is_mla)
+    return MooncakeSpanStore(
+        config, {}, binding=NativeBinding(lambda: native(cluster), FakeReplicateConfig)
     )
 
 
@@ -54,7 +100,7 @@ def fake_client(master: str, cluster: Any, **options: Any) -> Any:
     the fake cluster's live segments (the admin URL is never dialled)."""
     from mooncake_span.config import MooncakeSettings, SpanOptions
     from mooncake_span.store.client import MooncakeClient, NativeBinding
-    from mooncake_span.store.fake import FakeReplicateConfig, FakeStore
+    from mooncake_span.testing.fake_store import FakeReplicateConfig, FakeStore
 
     options.setdefault("master_admin_url", "http://127.0.0.1:1")
     client = MooncakeClient(

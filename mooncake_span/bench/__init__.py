@@ -1,4 +1,4 @@
-"""Benchmarks, the demo and real sglang host-pool builders on CPU.
+"""Benchmarks and the demo (the host-pool builders are in ``mooncake_span.testing``).
 
 Never imported by the runtime backend.
 """

@@ -59,8 +59,8 @@ def _measure_cell(cluster: Any, cell: tuple[str, str, int], verify: bool, reps: 
     import numpy as np
 
     from mooncake_span.bench import contenders as C
-    from mooncake_span.bench import page_io
     from mooncake_span.bench.workloads import HOST_PAGE_TOKENS
+    from mooncake_span.testing import page_io
 
     topology, size, pages = cell
     store, parts = _cell_store(cluster, topology, size, pages, verify)

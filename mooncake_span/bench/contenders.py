@@ -22,7 +22,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
 )
 
-from mooncake_span.bench import pools as P
 from mooncake_span.bench.native import TimedNativeStore, Topology
 from mooncake_span.bench.pages import (
     Placement,
@@ -43,6 +42,7 @@ from mooncake_span.bench.workloads import (
 from mooncake_span.sglang_backend.backend import MooncakeSpanStore
 from mooncake_span.span.plan import ObjectPlan, plan_objects, split_calls
 from mooncake_span.store.client import NativeBinding
+from mooncake_span.testing import pools as P
 
 logger = logging.getLogger(__name__)
 

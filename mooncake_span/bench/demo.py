@@ -31,9 +31,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 from sglang.srt.mem_cache.utils import get_hash_str
 
-from mooncake_span.bench import pools as P
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.sglang_backend.backend import MooncakeSpanStore
+from mooncake_span.testing import pools as P
 
 logger = logging.getLogger(__name__)
 

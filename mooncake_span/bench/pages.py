@@ -13,7 +13,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolName,
 )
 
-from mooncake_span.bench import pools as P
 from mooncake_span.bench.workloads import (
     _VERIFY_CHUNK_BYTES,
     DSA_INDEX_KPOOL,
@@ -22,6 +21,7 @@ from mooncake_span.bench.workloads import (
 )
 from mooncake_span.sglang_backend.pool_layout import describe_pool
 from mooncake_span.span.plan import PageLayout
+from mooncake_span.testing import pools as P
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def _stock_parts(
 ) -> list[tuple[PoolName, Any, bool]]:
     # sglang sizes these pools itself (host = ratio x device): one device page
     # and one device state slot, so the ratio is the host page count.
-    from mooncake_span.bench.stock_glm import build_stock_glm_pools
+    from mooncake_span.testing.stock_glm import build_stock_glm_pools
 
     pools = build_stock_glm_pools(
         layout,

@@ -212,8 +212,8 @@ def build_rig(
 ) -> Rig:
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from mooncake_span.bench import pools as P
     from mooncake_span.sglang_backend.backend import MooncakeSpanStore
+    from mooncake_span.testing import pools as P
 
     pools = P.build_dsa_pools(
         "page_first",

@@ -210,8 +210,8 @@ class Traffic:
         import torch
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-        from mooncake_span.bench import pools as P
         from mooncake_span.sglang_backend.backend import MooncakeSpanStore
+        from mooncake_span.testing import pools as P
 
         self._name, self._transfer = PoolName, PoolTransfer
         self._trailing = PoolHitPolicy.TRAILING_PAGES

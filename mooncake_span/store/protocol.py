@@ -1,8 +1,9 @@
 """The part of Mooncake's ``MooncakeDistributedStore`` that mooncake-span calls.
 
-The real class (``mooncake.store``), the in-memory :class:`~mooncake_span.store.fake.FakeStore`
-and the benchmarks' do-nothing store all satisfy this protocol; the shared
-contract suite (``tests/contract``) holds the fake to the real client's
+The real class (``mooncake.store``), the in-memory test double
+:class:`~mooncake_span.testing.fake_store.FakeStore` (outside the runtime) and
+the benchmarks' do-nothing store all satisfy this protocol; the shared contract
+suite (``tests/contract``) holds the fake to the real client's
 behaviour. Native methods answer with return codes, never exceptions: ``0`` or
 a byte count on success, a negative Mooncake ``ErrorCode`` on failure, and a
 list of them for batch calls (an empty list when the client is not set up).

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -31,7 +30,7 @@ from typing import Any, TypeVar
 import pytest
 
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
-from tests.span_helpers import make_storage_config
+from tests.span_helpers import make_storage_config, register_pools
 
 FIGURES_DIR_ENV = "MOONCAKE_SPAN_FIGURES_DIR"
 HOST_PAGE_TOKENS = 64  # DSA host pages are always 64 tokens
@@ -148,6 +147,14 @@ class CallLog:
         with self.lock:
             self.calls.append((op, seconds))
 
+    def timed(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, its wall time recorded under ``op`` even when it raises."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.record(op, time.perf_counter() - started)
+
     def mark(self) -> int:
         with self.lock:
             return len(self.calls)
@@ -185,7 +192,7 @@ class SpanOracle:
     def __init__(self, store: Any, pools: Any, pages_per_key: int, log: CallLog) -> None:
         from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
-        from mooncake_span.bench import pools as P
+        from mooncake_span.testing import pools as P
 
         self._P = P
         self._PoolName = PoolName
@@ -203,13 +210,6 @@ class SpanOracle:
         self.lock = threading.Lock()
 
     # -- plumbing ------------------------------------------------------------
-
-    def timed(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        started = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.log.record(op, time.perf_counter() - started)
 
     def _pages(self, n_keys: int, *, reverse: bool) -> list[int]:
         if n_keys > self.capacity_keys:
@@ -269,7 +269,7 @@ class SpanOracle:
         keys = list(keys)
         slots = self.fill(keys, seed)
         PoolName, PoolTransfer = self._PoolName, self._PoolTransfer
-        sidecar = self.timed(
+        sidecar = self.log.timed(
             "batch_set_v2",
             self.store.batch_set_v2,
             [
@@ -278,7 +278,7 @@ class SpanOracle:
                 )
             ],
         )
-        kv = self.timed("batch_set_v1", self.store.batch_set_v1, keys, slots)
+        kv = self.log.timed("batch_set_v1", self.store.batch_set_v1, keys, slots)
         idx = sidecar.get(PoolName.INDEXER, [False] * len(keys))
         assert len(kv) == len(keys) and len(idx) == len(keys), (kv, idx)
         return [bool(a) and bool(b) for a, b in zip(kv, idx, strict=True)]
@@ -299,8 +299,8 @@ class SpanOracle:
         self._P.wipe_pages(self.indexer, starts)
         slots = self._slots(pages)
         PoolName, PoolTransfer = self._PoolName, self._PoolTransfer
-        kv = self.timed("batch_get_v1", self.store.batch_get_v1, keys, slots)
-        sidecar = self.timed(
+        kv = self.log.timed("batch_get_v1", self.store.batch_get_v1, keys, slots)
+        sidecar = self.log.timed(
             "batch_get_v2",
             self.store.batch_get_v2,
             [PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=keys)],
@@ -321,11 +321,11 @@ class SpanOracle:
 
     def hit(self, keys: Sequence[str]) -> int:
         """The backend's KV hit prefix (``batch_exists``), timed."""
-        return self.timed("batch_exists", self.store.batch_exists, list(keys))
+        return self.log.timed("batch_exists", self.store.batch_exists, list(keys))
 
     def hit_v2(self, keys: Sequence[str]) -> Any:
         PoolName, PoolTransfer = self._PoolName, self._PoolTransfer
-        return self.timed(
+        return self.log.timed(
             "batch_exists_v2",
             self.store.batch_exists_v2,
             list(keys),
@@ -355,7 +355,7 @@ def build_dsa_pools(
     kv_lora_rank: int = 32,
     rope_dim: int = 16,
 ) -> Any:
-    from mooncake_span.bench import pools as P
+    from mooncake_span.testing import pools as P
 
     return P.build_dsa_pools(
         "page_first",
@@ -380,10 +380,7 @@ def open_span_store(
     config.update(extra)
     store = MooncakeSpanStore(make_storage_config(config, model_name=model_name), {})
     try:
-        store.register_mem_pool_host(pools.kv)
-        store.register_mem_host_pool_v2(pools.kv, PoolName.KV)
-        store.register_mem_host_pool_v2(pools.indexer, PoolName.INDEXER)
-        store.on_host_pools_registered()
+        register_pools(store, {PoolName.KV: pools.kv, PoolName.INDEXER: pools.indexer})
     except BaseException:
         store.close()
         raise
@@ -435,27 +432,7 @@ def oracle_factory() -> Iterator[Callable[..., SpanOracle]]:
 
 
 # ---------------------------------------------------------------------------
-# network namespaces (partition tests)
-
-
-@functools.cache
-def _netns_reason() -> str | None:
-    from mooncake_span.lab.netns import netns_unavailable_reason
-
-    return netns_unavailable_reason()
-
-
-def require_netns() -> None:
-    """Skip when namespaces cannot be created here; fail instead under CI."""
-    reason = _netns_reason()
-    if reason is None:
-        return
-    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-        pytest.fail(
-            f"network namespaces unavailable: {reason}; CI is set, so netns tests must run",
-            pytrace=False,
-        )
-    pytest.skip(f"network namespaces unavailable: {reason}")
+# network namespaces (partition tests; `require_netns` is in tests/conftest.py)
 
 
 def wait_for_file(

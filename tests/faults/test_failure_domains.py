@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import torch
 
-from mooncake_span.bench import pools as P
 from mooncake_span.sglang_backend import MooncakeSpanStore
 from mooncake_span.store.domains import rank_segments
 from mooncake_span.store.segments import fetch_segments
+from mooncake_span.testing import pools as P
 from tests.faults.conftest import HOST_PAGE_TOKENS, CallLog
-from tests.span_helpers import make_storage_config
+from tests.span_helpers import make_storage_config, register_pools
 
 pytestmark = pytest.mark.slow
 
@@ -54,10 +54,7 @@ class HybridOracle:
             **extra,
         }
         self.store = MooncakeSpanStore(make_storage_config(config, model_name=model_name), {})
-        self.store.register_mem_pool_host(self.pools[PoolName.KV])
-        for name, pool in self.pools.pools.items():
-            self.store.register_mem_host_pool_v2(pool, name)
-        self.store.on_host_pools_registered()
+        register_pools(self.store, self.pools.pools)
         self.kv, self.indexer = self.pools[PoolName.KV], self.pools[PoolName.INDEXER]
         self.mamba = self.pools[PoolName.MAMBA]
         self.expected: dict[tuple[str, str], str] = {}
@@ -72,13 +69,6 @@ class HybridOracle:
         return PoolTransfer(
             PoolName.MAMBA, host_indices=slots, keys=[key], hit_policy=PoolHitPolicy.TRAILING_PAGES
         )
-
-    def _timed(self, op: str, fn: Any, *args: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.log.record(op, time.perf_counter() - started)
 
     @staticmethod
     def _digest(pool: Any, starts: list[int]) -> str:
@@ -102,7 +92,7 @@ class HybridOracle:
             self.expected[("kv", key)] = self._digest(self.kv, starts)
             self.expected[("indexer", key)] = self._digest(self.indexer, starts)
             self.expected[("mamba", key)] = self._digest(self.mamba, [i + 1])
-            sidecars = self._timed(
+            sidecars = self.log.timed(
                 "batch_set_v2",
                 self.store.batch_set_v2,
                 [
@@ -110,7 +100,7 @@ class HybridOracle:
                     self._transfer("mamba", key, torch.tensor([i + 1])),
                 ],
             )
-            kv = self._timed("batch_set_v1", self.store.batch_set_v1, [key], slots)
+            kv = self.log.timed("batch_set_v1", self.store.batch_set_v1, [key], slots)
             out.append(
                 kv == [True]
                 and sidecars.get(PoolName.INDEXER) == [True]
@@ -132,13 +122,13 @@ class HybridOracle:
         spare_mamba = [KEYS + 1]
         for pool, where in ((self.kv, starts), (self.indexer, starts), (self.mamba, spare_mamba)):
             P.wipe_pages(pool, where)
-        kv = self._timed("batch_get_v1", self.store.batch_get_v1, [key], slots) == [True]
+        kv = self.log.timed("batch_get_v1", self.store.batch_get_v1, [key], slots) == [True]
         got = {"kv": self._check("kv", key, kv, self.kv, starts)}
         for name, pool, index, where in (
             ("indexer", self.indexer, slots, starts),
             ("mamba", self.mamba, torch.tensor(spare_mamba), spare_mamba),
         ):
-            result = self._timed(
+            result = self.log.timed(
                 "batch_get_v2", self.store.batch_get_v2, [self._transfer(name, key, index)]
             )
             flag = result.get(PoolName.INDEXER if name == "indexer" else PoolName.MAMBA) == [True]

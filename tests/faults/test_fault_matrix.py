@@ -741,7 +741,8 @@ def test_storage_node_partition(tmp_path, figures):
     import sys
 
     from mooncake_span.lab.netns import NetnsCluster, NetnsClusterSpec, NetnsTopology, TopologySpec
-    from tests.faults.conftest import require_netns, wait_for_file
+    from tests.conftest import require_netns
+    from tests.faults.conftest import wait_for_file
 
     require_netns()
     shared = tmp_path / "ctl"

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.span_helpers import make_storage_config
+from tests.span_helpers import make_storage_config, register_pools
 
 
 @pytest.fixture
@@ -33,8 +33,6 @@ def span_store_factory(mooncake_cluster: Any, key_namespace: str) -> Iterator[Ca
         binding: Any = None,
         **extra: Any,
     ) -> Any:
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-
         config = mooncake_cluster.client_config()
         if storage_page_size is not None:
             config["storage_page_size"] = storage_page_size
@@ -47,10 +45,7 @@ def span_store_factory(mooncake_cluster: Any, key_namespace: str) -> Iterator[Ca
             binding=binding,
         )
         stores.append(store)
-        store.register_mem_pool_host(pools[PoolName.KV])
-        for name, pool in pools.items():
-            store.register_mem_host_pool_v2(pool, name)
-        store.on_host_pools_registered()
+        register_pools(store, pools)
         return store
 
     yield factory

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.bench import leases as L
-from mooncake_span.bench import pools as P
 from mooncake_span.span.probe import KV_ROUNDS_WITH_SIDECARS
+from mooncake_span.testing import pools as P
 
 OBJECT_HAS_LEASE = -706
 

@@ -18,7 +18,6 @@ set, a copy also goes to ``$MOONCAKE_SPAN_FIGURES_DIR/<test>.json``.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -34,34 +33,11 @@ from mooncake_span.lab.netns import (
     NetnsClusterSpec,
     NetnsTopology,
     TopologySpec,
-    netns_unavailable_reason,
 )
-from tests.conftest import require_mooncake
+from tests.conftest import require_mooncake, require_netns
 
 PD_HOSTS = ("master", "store1", "store2", "prefill", "prefill2", "decode")
 _FIGURES_ENV = "MOONCAKE_SPAN_FIGURES_DIR"
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
-
-
-@functools.cache
-def _netns_reason() -> str | None:
-    return netns_unavailable_reason()
-
-
-def require_netns() -> None:
-    """Skip when namespaces cannot be created here; fail instead under CI."""
-    reason = _netns_reason()
-    if reason is None:
-        return
-    if _in_ci():
-        pytest.fail(
-            f"network namespaces unavailable: {reason}; CI is set, so netns tests must run",
-            pytrace=False,
-        )
-    pytest.skip(f"network namespaces unavailable: {reason}")
 
 
 @pytest.fixture(autouse=True)

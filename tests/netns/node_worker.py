@@ -350,7 +350,7 @@ class Node:
         )
         from sglang.srt.mem_cache.utils import get_hash_str
 
-        from mooncake_span.bench import pools as P
+        from mooncake_span.testing import pools as P
 
         self.import_s = time.time() - _STARTED_WALL_S
         self.torch = torch
@@ -452,8 +452,8 @@ class Node:
 
         Raises LayoutConflictError when the layout guard refuses this node.
         """
-        from mooncake_span.bench.pools import single_rank_storage_config
         from mooncake_span.sglang_backend.backend import MooncakeSpanStore
+        from mooncake_span.testing.pools import single_rank_storage_config
 
         started = time.perf_counter()
         storage_config = single_rank_storage_config(

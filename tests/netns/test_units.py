@@ -185,16 +185,16 @@ def test_scripts_have_help(script):
 
 
 def test_missing_namespaces_skip_locally_and_fail_under_ci(monkeypatch):
-    import tests.netns.conftest as netns_conftest
+    import tests.conftest as root_conftest
 
-    netns_conftest._netns_reason.cache_clear()
-    monkeypatch.setattr(netns_conftest, "netns_unavailable_reason", lambda: "not root")
+    root_conftest._netns_reason.cache_clear()
+    monkeypatch.setattr("mooncake_span.lab.netns.netns_unavailable_reason", lambda: "not root")
     try:
         monkeypatch.delenv("CI", raising=False)
         with pytest.raises(pytest.skip.Exception, match="not root"):
-            netns_conftest.require_netns()
+            root_conftest.require_netns()
         monkeypatch.setenv("CI", "1")
         with pytest.raises(pytest.fail.Exception, match="CI is set"):
-            netns_conftest.require_netns()
+            root_conftest.require_netns()
     finally:
-        netns_conftest._netns_reason.cache_clear()
+        root_conftest._netns_reason.cache_clear()

@@ -6,46 +6,28 @@ import time
 
 import pytest
 
-from mooncake_span.bench import pools as P
 from mooncake_span.errors import ErrorCode
-from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config, slots_of
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster
+from tests.span_helpers import FAKE_CLIENT, slots_of
 
 PAGE = 64
-CLIENT = {
-    "master_server_address": "127.0.0.1:1",
-    "metadata_server": "P2PHANDSHAKE",
-    "protocol": "tcp",
-}
 
 
 @pytest.fixture
-def rig(monkeypatch):
+def rig(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     cluster = FakeCluster()
-    store = MooncakeSpanStore(
-        make_storage_config(
-            {
-                **CLIENT,
-                "storage_page_size": 2 * PAGE,
-                "span_breaker_failures": 2,
-                "span_breaker_probe_interval_s": 0.05,
-            }
-        ),
-        {},
-        binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
-    )
+    config = {
+        **FAKE_CLIENT,
+        "storage_page_size": 2 * PAGE,
+        "span_breaker_failures": 2,
+        "span_breaker_probe_interval_s": 0.05,
+    }
     kv = P.build_mla_host("page_first", layers=1, host_pages=8)
-    store.register_mem_pool_host(kv)
-    store.register_mem_host_pool_v2(kv, PoolName.KV)
-    store.on_host_pools_registered()
-    yield store, cluster
-    store.close()
+    store = make_backend(config, {PoolName.KV: kv}, cluster=cluster)
+    return store, cluster
 
 
 def test_failed_existence_check_ends_the_backup_without_a_put(rig):

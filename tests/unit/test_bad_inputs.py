@@ -16,19 +16,13 @@ from typing import Any
 import pytest
 import torch
 
-from mooncake_span.bench import pools as P
 from mooncake_span.errors import ConfigError, RegistrationError, SetupError
-from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config, slots_of
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster
+from tests.span_helpers import FAKE_CLIENT, make_storage_config, slots_of
 
 PAGE = 64
 SPAN = 4 * PAGE
-CLIENT = {
-    "master_server_address": "127.0.0.1:1",
-    "metadata_server": "P2PHANDSHAKE",
-    "protocol": "tcp",
-}
 
 
 @pytest.fixture(scope="module")
@@ -37,22 +31,13 @@ def pool_set():
 
 
 @pytest.fixture
-def rig(pool_set, monkeypatch):
+def rig(pool_set, make_backend):
     """A registered store on a fake cluster holding two good keys."""
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     cluster = FakeCluster()
-    binding = NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig)
-    store = MooncakeSpanStore(
-        make_storage_config({**CLIENT, "storage_page_size": SPAN}), {}, binding=binding
-    )
-    store.register_mem_pool_host(pool_set[PoolName.KV])
-    for name, pool in pool_set.pools.items():
-        store.register_mem_host_pool_v2(pool, name)
-    store.on_host_pools_registered()
+    config = {**FAKE_CLIENT, "storage_page_size": SPAN}
+    store = make_backend(config, pool_set.pools, cluster=cluster)
     kv = pool_set[PoolName.KV]
     P.fill_random_pages(kv, [p * PAGE for p in range(8)], seed=5)
     good = slots_of(list(range(8)), PAGE)
@@ -73,8 +58,7 @@ def rig(pool_set, monkeypatch):
         ]
     ) == {PoolName.INDEXER: [True, True], PoolName.MAMBA: [True]}
     assert store.batch_set_v1(["g0", "g1"], good) == [True, True]
-    yield store, cluster, good
-    store.close()
+    return store, cluster, good
 
 
 @dataclass(frozen=True)
@@ -285,19 +269,14 @@ def test_duplicate_keys_in_one_set_store_once(rig):
     assert len(cluster.objects) == before + 1
 
 
-def test_calls_before_registration_answer_misses(monkeypatch, caplog):
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
-    store = MooncakeSpanStore(make_storage_config(CLIENT), {}, binding=binding)
+def test_calls_before_registration_answer_misses(make_backend, caplog):
+    store = make_backend(FAKE_CLIENT)
     with caplog.at_level(logging.ERROR, logger="mooncake_span"):
         assert store.batch_get_v1(["a"], torch.arange(PAGE)) == [False]
         assert store.batch_exists(["a"]) == 0
         assert store.batch_get_v2([]) == {}
         assert _hit(store.batch_exists_v2(["a"], [])) == (0, [])
     assert "no host pool registered yet" in caplog.text
-    store.close()
 
 
 def test_calls_after_close_answer_misses(rig, caplog):
@@ -310,23 +289,16 @@ def test_calls_after_close_answer_misses(rig, caplog):
     assert "after close()" in caplog.text
 
 
-def test_storage_page_not_multiple_of_host_page(monkeypatch):
+def test_storage_page_not_multiple_of_host_page(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
-    store = MooncakeSpanStore(
-        make_storage_config({**CLIENT, "storage_page_size": 100}), {}, binding=binding
-    )
+    store = make_backend({**FAKE_CLIENT, "storage_page_size": 100})
     kv = P.build_mla_host("page_first", layers=1, host_pages=2)
     with pytest.raises(
         RegistrationError, match=r"storage_page_size \(100 tokens\).*host page size \(64 tokens\)"
     ):
         store.register_mem_pool_host(kv)
     del PoolName
-    store.close()
 
 
 def test_unsupported_pool_is_refused_at_registration(rig):
@@ -355,7 +327,7 @@ def test_bad_config_values_fail_construction(extra, error, match):
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
     with pytest.raises(error, match=match):
-        MooncakeSpanStore(make_storage_config({**CLIENT, **extra}), {})
+        MooncakeSpanStore(make_storage_config({**FAKE_CLIENT, **extra}), {})
 
 
 def test_unreachable_master_fails_fast():
@@ -370,7 +342,7 @@ def test_unreachable_master_fails_fast():
     started = time.monotonic()
     with pytest.raises(SetupError, match=f"127.0.0.1:{port}"):
         MooncakeSpanStore(
-            make_storage_config({**CLIENT, "master_server_address": f"127.0.0.1:{port}"}), {}
+            make_storage_config({**FAKE_CLIENT, "master_server_address": f"127.0.0.1:{port}"}), {}
         )
     assert time.monotonic() - started < 5
 
@@ -389,7 +361,7 @@ def test_dead_etcd_fails_fast_instead_of_blocking_minutes():
         MooncakeSpanStore(
             make_storage_config(
                 {
-                    **CLIENT,
+                    **FAKE_CLIENT,
                     "master_server_address": f"etcd://127.0.0.1:{port}",
                     "metadata_server": f"etcd://127.0.0.1:{port}",
                 }
@@ -408,16 +380,11 @@ def test_dead_etcd_fails_fast_instead_of_blocking_minutes():
         (None, {}, 1),
     ],
 )
-def test_span_factor_source(monkeypatch, config_field, extra, expected_k):
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
-    config = make_storage_config({**CLIENT, **extra})
+def test_span_factor_source(make_backend, config_field, extra, expected_k):
+    config = make_storage_config({**FAKE_CLIENT, **extra})
     if config_field is not None:
         config.storage_page_size = config_field
-    store = MooncakeSpanStore(config, {}, binding=binding)
+    store = make_backend(config)
     store.register_mem_pool_host(P.build_mla_host("page_first", layers=1, host_pages=4))
     assert store.geometry.pages_per_span == expected_k
     assert f"h64x{expected_k}" in store.key_schema.prefix
-    store.close()

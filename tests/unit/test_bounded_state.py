@@ -18,7 +18,6 @@ import logging
 
 import pytest
 
-from mooncake_span.bench import pools as P
 from mooncake_span.sglang_backend.stats import (
     _MAX_LOG_KINDS,
     METRIC_WINDOW,
@@ -27,43 +26,28 @@ from mooncake_span.sglang_backend.stats import (
     RateLimitedLog,
 )
 from mooncake_span.store.breaker import CircuitBreaker
-from mooncake_span.store.client import _MAX_ERROR_LABELS, NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span.store.client import _MAX_ERROR_LABELS
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_or_publish
-from tests.span_helpers import make_storage_config, slots_of
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster
+from tests.span_helpers import FAKE_CLIENT, make_storage_config, slots_of
 
 PAGE = 64
-CLIENT = {
-    "master_server_address": "127.0.0.1:1",
-    "metadata_server": "P2PHANDSHAKE",
-    "protocol": "tcp",
-}
 
 
-def _store(monkeypatch, *, metrics: bool):
+def _store(make_backend, *, metrics: bool):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     cluster = FakeCluster()
-    config = make_storage_config({**CLIENT, "storage_page_size": 2 * PAGE})
+    config = make_storage_config({**FAKE_CLIENT, "storage_page_size": 2 * PAGE})
     config.enable_storage_metrics = metrics
-    store = MooncakeSpanStore(
-        config, {}, binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig)
-    )
     kv = P.build_mla_host("page_first", layers=1, host_pages=8)
-    store.register_mem_pool_host(kv)
-    store.register_mem_host_pool_v2(kv, PoolName.KV)
-    store.on_host_pools_registered()
-    return store, cluster
+    return make_backend(config, {PoolName.KV: kv}, cluster=cluster), cluster
 
 
 @pytest.fixture
-def rig(monkeypatch):
-    store, cluster = _store(monkeypatch, metrics=False)
-    yield store, cluster
-    store.close()
+def rig(make_backend):
+    return _store(make_backend, metrics=False)
 
 
 def test_client_error_counters_fold_unknown_codes_past_the_label_cap(rig):
@@ -122,8 +106,8 @@ def test_learned_kv_derived_pools_stay_within_the_registered_pools(rig):
 
 
 @pytest.mark.parametrize("metrics", [False, True], ids=["metrics-off", "metrics-on"])
-def test_per_call_records_stay_in_their_window_and_totals_stay_exact(monkeypatch, metrics):
-    store, _ = _store(monkeypatch, metrics=metrics)
+def test_per_call_records_stay_in_their_window_and_totals_stay_exact(make_backend, metrics):
+    store, _ = _store(make_backend, metrics=metrics)
     try:
         window = METRIC_WINDOW if metrics else UNPOLLED_WINDOW
         assert store._counters.window == window

@@ -22,8 +22,8 @@ from mooncake_span.errors import ConfigError, ErrorCode, is_integrity_failure
 from mooncake_span.ops import doctor
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store import native
-from mooncake_span.store.fake import FakeCluster
 from mooncake_span.store.integrity import IntegrityFailures
+from mooncake_span.testing.fake_store import FakeCluster
 from tests.span_helpers import fake_client, listening_port
 
 ENV = native.CHECKSUM_ENV

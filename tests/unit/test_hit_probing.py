@@ -13,7 +13,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mooncake_span.bench import pools as P
 from mooncake_span.span.geometry import PoolKind
 from mooncake_span.span.hits import (
     ALL_PAGES,
@@ -30,18 +29,13 @@ from mooncake_span.span.probe import (
     ProbeTally,
     sidecar_pages,
 )
-from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster, FakeStore
+from tests.span_helpers import FAKE_CLIENT, fake_backend, register_pools
 
 PAGE = 64
 SPAN = 4 * PAGE
 KEYS = 24
-CLIENT = {
-    "master_server_address": "127.0.0.1:1",
-    "metadata_server": "P2PHANDSHAKE",
-    "protocol": "tcp",
-}
 
 
 # ---------------------------------------------------------------------------
@@ -154,22 +148,16 @@ class RecordingStore(FakeStore):
 
 @pytest.fixture(scope="module")
 def rig():
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
     pool_set = P.build_compressed_hybrid_dsa("page_first", host_pages=8, mamba_slots=4)
     cluster, asked = FakeCluster(), []
-    binding = NativeBinding(lambda: RecordingStore(cluster, asked), FakeReplicateConfig)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-        store = MooncakeSpanStore(
-            make_storage_config({**CLIENT, "storage_page_size": SPAN}), {}, binding=binding
+        store = fake_backend(
+            {**FAKE_CLIENT, "storage_page_size": SPAN},
+            cluster=cluster,
+            native=lambda c: RecordingStore(c, asked),
         )
-    store.register_mem_pool_host(pool_set[PoolName.KV])
-    for name, pool in pool_set.pools.items():
-        store.register_mem_host_pool_v2(pool, name)
-    store.on_host_pools_registered()
+    register_pools(store, pool_set.pools)
     yield store, cluster, asked
     store.close()
 

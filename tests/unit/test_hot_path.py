@@ -12,59 +12,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mooncake_span.bench import pools as P
-from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config, slots_of
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster
+from tests.span_helpers import FAKE_CLIENT, slots_of
 
 PAGE = 64
 SPAN = 4 * PAGE
 CLIENT = {
-    "master_server_address": "127.0.0.1:1",
-    "metadata_server": "P2PHANDSHAKE",
-    "protocol": "tcp",
+    **FAKE_CLIENT,
     "storage_page_size": SPAN,
     "span_layout_guard": "off",  # no geometry record among the objects counted here
 }
-
-
-@pytest.fixture
-def make_store(monkeypatch):
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    stores = []
-
-    def make(pools: dict, cluster: FakeCluster, is_mla: bool = True, **extra):
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-
-        store = MooncakeSpanStore(
-            make_storage_config({**CLIENT, **extra}, is_mla=is_mla),
-            {},
-            binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
-        )
-        store.register_mem_pool_host(pools[PoolName.KV])
-        for name, pool in pools.items():
-            store.register_mem_host_pool_v2(pool, name)
-        store.on_host_pools_registered()
-        stores.append(store)
-        return store
-
-    yield make
-    for store in stores:
-        store.close()
 
 
 def _kv_keys(cluster: FakeCluster) -> list[str]:
     return sorted(k for k in cluster.objects if k.endswith("_k"))
 
 
-def test_mla_only_keys_are_one_object_and_carry_no_group_ids(make_store):
+def test_mla_only_keys_are_one_object_and_carry_no_group_ids(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     cluster = FakeCluster()
     kv = P.build_mla_host("page_first", layers=2, host_pages=16)
-    store = make_store({PoolName.KV: kv}, cluster)
+    store = make_backend(CLIENT, {PoolName.KV: kv}, cluster=cluster)
     pages = [7, 2, 9, 4, 0, 13, 11, 5]
     P.fill_random_pages(kv, [p * PAGE for p in pages], seed=3)
     expected = [P.page_bytes(kv, p * PAGE) for p in pages]
@@ -76,12 +46,12 @@ def test_mla_only_keys_are_one_object_and_carry_no_group_ids(make_store):
     assert [P.page_bytes(kv, p * PAGE) for p in pages] == expected
 
 
-def test_group_ids_tie_a_keys_objects_across_pools(make_store):
+def test_group_ids_tie_a_keys_objects_across_pools(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
     cluster = FakeCluster()
     pools = P.build_compressed_hybrid_dsa("page_first", host_pages=16, mamba_slots=4)
-    store = make_store(dict(pools.pools), cluster)
+    store = make_backend(CLIENT, pools.pools, cluster=cluster)
     slots = slots_of([1, 3, 5, 7, 8, 10, 12, 14], PAGE)
     indexer = PoolTransfer(
         PoolName.INDEXER, host_indices=slots, keys=["x", "y"], indices_from_pool=PoolName.KV
@@ -95,12 +65,12 @@ def test_group_ids_tie_a_keys_objects_across_pools(make_store):
         assert cluster.groups[key] == schema.group_id(page_key)
 
 
-def test_group_ids_can_be_switched_off(make_store):
+def test_group_ids_can_be_switched_off(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
     cluster = FakeCluster()
     pools = P.build_compressed_hybrid_dsa("page_first", host_pages=16, mamba_slots=4)
-    store = make_store(dict(pools.pools), cluster, span_group_ids=False)
+    store = make_backend({**CLIENT, "span_group_ids": False}, pools.pools, cluster=cluster)
     slots = slots_of([0, 1, 2, 3], PAGE)
     indexer = PoolTransfer(
         PoolName.INDEXER, host_indices=slots, keys=["m"], indices_from_pool=PoolName.KV
@@ -131,12 +101,12 @@ def _mha_object(host, pages: list[int]) -> bytes:
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
-def test_mha_keys_are_one_object_without_group_ids(make_store, layout):
+def test_mha_keys_are_one_object_without_group_ids(make_backend, layout):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     cluster = FakeCluster()
     kv = P.build_mha_host(layout, layers=3, host_pages=12)
-    store = make_store({PoolName.KV: kv}, cluster, is_mla=False)
+    store = make_backend(CLIENT, {PoolName.KV: kv}, cluster=cluster, is_mla=False)
     pages = [9, 2, 3, 4, 11, 0, 7, 6]
     P.fill_random_pages(kv, [p * PAGE for p in pages], seed=4)
     assert store.batch_set_v1(["m0", "m1"], slots_of(pages, PAGE)) == [True, True]
@@ -162,14 +132,14 @@ def test_mha_keys_are_one_object_without_group_ids(make_store, layout):
     assert restored == [cluster.objects[f"{prefix}_{k}_0_kv"] for k in ("m0", "m1")]
 
 
-def test_old_format_objects_read_as_misses(make_store):
+def test_old_format_objects_read_as_misses(make_backend):
     """ms1 wrote an MHA key as ``_k`` + ``_v`` objects under an ms1 prefix; the
     ms2 backend must find nothing there and leave the host pages as they were."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     cluster = FakeCluster()
     kv = P.build_mha_host("page_first", layers=2, host_pages=8)
-    store = make_store({PoolName.KV: kv}, cluster, is_mla=False)
+    store = make_backend(CLIENT, {PoolName.KV: kv}, cluster=cluster, is_mla=False)
     pages = [0, 1, 2, 3]
     P.fill_random_pages(kv, [p * PAGE for p in pages], seed=6)
     whole = _mha_object(kv, pages)
@@ -188,12 +158,12 @@ def test_old_format_objects_read_as_misses(make_store):
     assert f"{store.key_schema.prefix}_old_0_kv" in cluster.objects
 
 
-def test_partly_stored_put_writes_only_the_missing_objects(make_store):
+def test_partly_stored_put_writes_only_the_missing_objects(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     cluster = FakeCluster()
     kv = P.build_mha_host("page_first", layers=2, host_pages=16)
-    store = make_store({PoolName.KV: kv}, cluster, is_mla=False)
+    store = make_backend(CLIENT, {PoolName.KV: kv}, cluster=cluster, is_mla=False)
     pages = list(range(12))
     P.fill_random_pages(kv, [p * PAGE for p in pages], seed=8)
     expected = [P.page_bytes(kv, p * PAGE) for p in pages]
@@ -211,12 +181,12 @@ def test_partly_stored_put_writes_only_the_missing_objects(make_store):
     assert [P.page_bytes(kv, p * PAGE) for p in pages] == expected
 
 
-def test_int32_host_indices_plan_the_same_pages(make_store):
+def test_int32_host_indices_plan_the_same_pages(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     cluster = FakeCluster()
     kv = P.build_mla_host("page_first", layers=1, host_pages=8)
-    store = make_store({PoolName.KV: kv}, cluster)
+    store = make_backend(CLIENT, {PoolName.KV: kv}, cluster=cluster)
     P.fill_random_pages(kv, [p * PAGE for p in (6, 1, 3, 2)], seed=5)
     slots = slots_of([6, 1, 3, 2], PAGE).to(torch.int32)
     assert store.batch_set_v1(["i32"], slots) == [True]

@@ -3,9 +3,12 @@ heavy dependencies made unimportable.
 
 - ``span/``: pure logic; no I/O library, no torch/sglang/Mooncake.
 - ``store/`` and the top-level modules: no sglang, no torch.
-- only ``sglang_backend/`` (the runtime) and ``bench/`` (tooling that builds
-  real host pools) import sglang.
-- importing the runtime backend loads no benchmark, lab, demo, cluster or CLI code.
+- only ``sglang_backend/`` (the runtime), ``bench/`` and ``testing/`` (tooling
+  that builds real host pools) import sglang.
+- the runtime (``span/``, ``store/``, ``sglang_backend/``, the top-level
+  modules) never imports the test support in ``testing/``.
+- importing the runtime backend loads no benchmark, lab, demo, cluster, CLI or
+  test-support code.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ IO_LIBRARIES = {
 }
 NO_SGLANG_PACKAGES = ["span", "store", "ops", "lab"]
 TOP_LEVEL = ["errors", "units", "config", "storage_node", "metrics"]
-SGLANG_IMPORTERS = {"sglang_backend", "bench"}
+SGLANG_IMPORTERS = {"sglang_backend", "bench", "testing"}
+RUNTIME_PACKAGES = ["span", "store", "sglang_backend"]
+TOOLING = ("mooncake_span.bench", "mooncake_span.lab", "mooncake_span.ops")
+TEST_SUPPORT = "mooncake_span.testing"
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -41,6 +47,20 @@ def _imports(path: pathlib.Path) -> set[str]:
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
+    return names
+
+
+def _absolute_imports(path: pathlib.Path) -> set[str]:
+    """Every module ``path`` imports, relative imports resolved against its package."""
+    package = ["mooncake_span", *path.relative_to(PACKAGE).parent.parts]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
     return names
 
 
@@ -76,11 +96,34 @@ def test_span_package_imports_no_io_library():
 def test_store_package_never_imports_sglang_or_the_tooling():
     for path in _modules("store"):
         assert "sglang" not in _roots(path), path.name
-        tooling = {
+        tooling = {name for name in _imports(path) if name.startswith((*TOOLING, TEST_SUPPORT))}
+        assert not tooling, (path.name, tooling)
+
+
+def _runtime_modules() -> list[pathlib.Path]:
+    top_level = sorted(PACKAGE.glob("*.py"))
+    return top_level + [path for package in RUNTIME_PACKAGES for path in _modules(package)]
+
+
+def test_runtime_never_imports_the_test_support():
+    modules = _runtime_modules()
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(
             name
-            for name in _imports(path)
-            if name.startswith(("mooncake_span.bench", "mooncake_span.lab", "mooncake_span.ops"))
-        }
+            for name in _absolute_imports(path)
+            if name == TEST_SUPPORT or name.startswith(TEST_SUPPORT + ".")
+        )
+        for path in modules
+    }
+    for expected in ("config.py", "store/client.py", "sglang_backend/backend.py", "span/plan.py"):
+        assert PACKAGE / expected in modules, expected
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_test_support_never_imports_the_tooling():
+    """bench/ builds on testing/, never the other way round."""
+    for path in _modules("testing"):
+        tooling = {name for name in _absolute_imports(path) if name.startswith(TOOLING)}
         assert not tooling, (path.name, tooling)
 
 
@@ -127,7 +170,7 @@ def test_runtime_backend_loads_no_tooling_module():
         "import mooncake_span.sglang_backend.plugin\n"
         "bad = sorted(m for m in sys.modules if m.startswith(("
         "'mooncake_span.bench', 'mooncake_span.lab', 'mooncake_span.ops', "
-        "'mooncake_span.storage_node')))\n"
+        "'mooncake_span.storage_node', 'mooncake_span.testing')))\n"
         "print(bad)\n"
     )
     result = _run(code)

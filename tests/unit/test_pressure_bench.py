@@ -19,13 +19,9 @@ from mooncake_span.bench.pressure import (
     verify,
 )
 from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
+from tests.span_helpers import FAKE_CLIENT
 
-CLIENT = {
-    "master_server_address": "127.0.0.1:1",
-    "metadata_server": "P2PHANDSHAKE",
-    "protocol": "tcp",
-}
 # 26 KiB per host page (KV 24 KiB + indexer 2 KiB), 104 KiB per key, 4 keys per call.
 CONFIG = PressureConfig(
     segment_bytes=1 << 20, load_ratio=3.0, keys_per_call=4, duration_s=0.01, lookups_per_backup=1
@@ -40,7 +36,7 @@ def run(monkeypatch):
     def make(cooldown_s: float):
         cluster = FakeCluster(capacity_bytes=CONFIG.segment_bytes)
         binding = NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig)
-        rig = build_rig(CONFIG, CLIENT, cooldown_s, binding)
+        rig = build_rig(CONFIG, FAKE_CLIENT, cooldown_s, binding)
         rigs.append(rig)
         row = {"cooldown_s": cooldown_s, "master_flags": MasterFlags().label}
         row.update(drive(rig, CONFIG, sleep=lambda s: None))

@@ -11,15 +11,15 @@ import logging
 import numpy as np
 import pytest
 
-from mooncake_span.bench import pools as P
 from mooncake_span.config import load_span_options
 from mooncake_span.errors import ConfigError, ErrorCode
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store.client import MooncakeClient, NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, PutPressure
 from mooncake_span.store.staging import StagingArena, create_blob, read_blob
-from tests.span_helpers import fake_client, listening_port, make_storage_config, slots_of
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster
+from tests.span_helpers import FAKE_CLIENT, fake_client, listening_port, slots_of
 
 OBJECT_BYTES = 256
 PUT = "batch_put_from_multi_buffers"
@@ -198,33 +198,16 @@ PAGE = 64
 
 
 @pytest.fixture
-def backend(monkeypatch):
+def backend(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     kv = P.build_mla_host("page_first", layers=1, host_pages=16)
     key_bytes = 2 * kv.get_size_per_token() * PAGE
     # Room for two keys besides the layout-guard record.
     cluster = FakeCluster(capacity_bytes=2 * key_bytes + 4096)
-    config = {
-        "master_server_address": "127.0.0.1:1",
-        "metadata_server": "P2PHANDSHAKE",
-        "protocol": "tcp",
-        "storage_page_size": 2 * PAGE,
-        "span_full_cooldown_s": 30,
-    }
-    store = MooncakeSpanStore(
-        make_storage_config(config),
-        {},
-        binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
-    )
-    store.register_mem_pool_host(kv)
-    store.register_mem_host_pool_v2(kv, PoolName.KV)
-    store.on_host_pools_registered()
-    yield store, cluster
-    store.close()
+    config = {**FAKE_CLIENT, "storage_page_size": 2 * PAGE, "span_full_cooldown_s": 30}
+    store = make_backend(config, {PoolName.KV: kv}, cluster=cluster)
+    return store, cluster
 
 
 def test_backend_backups_skip_the_existence_query_and_the_put_in_a_cooldown(backend):

@@ -17,17 +17,17 @@ import numpy as np
 import pytest
 import torch
 
-from mooncake_span.bench import pools as P
 from mooncake_span.errors import ErrorCode, InvalidRequestError, RegistrationError
 from mooncake_span.span.staging import ByteRanges, largest_gap, next_part, rows_left_bytes
-from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from mooncake_span.store.staging import StagingArena, StagingBusyError, create_blob, read_blob
+from mooncake_span.testing import pools as P
+from mooncake_span.testing.fake_store import FakeCluster, FakeStore
 from tests.harness.registered import CheckedStore, UnregisteredMemoryError
-from tests.span_helpers import fake_client, listening_port, make_storage_config, slots_of
+from tests.span_helpers import FAKE_CLIENT, fake_client, listening_port, slots_of
 
 PAGE = 64
 PUT = "batch_put_from_multi_buffers"
+CLIENT = {**FAKE_CLIENT, "storage_page_size": 4 * PAGE}
 
 # ---- pure planning ---------------------------------------------------------------
 
@@ -181,40 +181,6 @@ def test_blobs_move_through_the_arena():
 # ---- the backend on the fake ------------------------------------------------------------------
 
 
-@pytest.fixture
-def make_store(monkeypatch):
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    stores = []
-
-    def make(cluster: FakeCluster, pools: dict, **extra) -> MooncakeSpanStore:
-        from sglang.srt.mem_cache.hicache_storage import PoolName
-
-        config = {
-            "master_server_address": "127.0.0.1:1",
-            "metadata_server": "P2PHANDSHAKE",
-            "protocol": "tcp",
-            "storage_page_size": 4 * PAGE,
-            **extra,
-        }
-        store = MooncakeSpanStore(
-            make_storage_config(config),
-            {},
-            binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
-        )
-        stores.append(store)
-        store.register_mem_pool_host(pools[PoolName.KV])
-        for name, pool in pools.items():
-            store.register_mem_host_pool_v2(pool, name)
-        store.on_host_pools_registered()
-        return store
-
-    yield make
-    for store in stores:
-        store.close()
-
-
 def _span_bytes(store) -> int:
     return store.pools["kv"].layout.flat_page_bytes * store.geometry.pages_per_span
 
@@ -229,15 +195,19 @@ def _puts(cluster: FakeCluster) -> int:
     return sum(1 for op, _ in cluster.calls if op == PUT)
 
 
-def test_the_generic_path_is_cut_into_arena_sized_parts(make_store):
+def test_the_generic_path_is_cut_into_arena_sized_parts(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     cluster = FakeCluster()
     kv = P.build_mla_host("page_first", layers=2, host_pages=8)
-    probe = make_store(FakeCluster(), {PoolName.KV: kv})
+    probe = make_backend(CLIENT, {PoolName.KV: kv})
     row = _span_bytes(probe)
     # Room for two key rows and a bit: a five-key call needs three parts.
-    store = make_store(cluster, {PoolName.KV: kv}, span_staging_buffer_size=str(2 * row + 100))
+    store = make_backend(
+        {**CLIENT, "span_staging_buffer_size": str(2 * row + 100)},
+        {PoolName.KV: kv},
+        cluster=cluster,
+    )
     keys = [f"g{i}" for i in range(5)]
     values = _values(store, 5, seed=1)
     before = _puts(cluster)
@@ -250,12 +220,14 @@ def test_the_generic_path_is_cut_into_arena_sized_parts(make_store):
     assert cluster.unregistered_buffers == 0
 
 
-def test_a_key_row_larger_than_the_arena_is_a_logged_miss(make_store, caplog):
+def test_a_key_row_larger_than_the_arena_is_a_logged_miss(make_backend, caplog):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     cluster = FakeCluster()
     kv = P.build_mla_host("page_first", layers=2, host_pages=8)
-    store = make_store(cluster, {PoolName.KV: kv}, span_staging_buffer_size="4kb")
+    store = make_backend(
+        {**CLIENT, "span_staging_buffer_size": "4kb"}, {PoolName.KV: kv}, cluster=cluster
+    )
     assert _span_bytes(store) > 4096
     before = _puts(cluster)
     with caplog.at_level(logging.ERROR):
@@ -266,19 +238,18 @@ def test_a_key_row_larger_than_the_arena_is_a_logged_miss(make_store, caplog):
     assert _puts(cluster) == before and cluster.unregistered_buffers == 0
 
 
-def test_a_staged_pool_whose_key_row_exceeds_the_arena_is_refused_at_startup(make_store):
+def test_a_staged_pool_whose_key_row_exceeds_the_arena_is_refused_at_startup(make_backend):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     dsa = P.build_dsa_pools("layer_first", layers=2, host_pages=8)
     with pytest.raises(RegistrationError, match="pool 'indexer': one storage key is"):
-        make_store(
-            FakeCluster(),
+        make_backend(
+            {**CLIENT, "span_staging_buffer_size": "4kb"},
             {PoolName.KV: dsa.kv, PoolName.INDEXER: dsa.indexer},
-            span_staging_buffer_size="4kb",
         )
 
 
-def test_the_layer_first_indexer_stages_through_the_arena_under_concurrent_callers(make_store):
+def test_the_layer_first_indexer_stages_through_the_arena_under_concurrent_callers(make_backend):
     """Four threads back up and restore the DSA indexer (staged) at once through
     an arena holding one and a half key rows: every call ends, byte-exact."""
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
@@ -286,9 +257,11 @@ def test_the_layer_first_indexer_stages_through_the_arena_under_concurrent_calle
     cluster = FakeCluster()
     dsa = P.build_dsa_pools("layer_first", layers=2, host_pages=32)
     pools = {PoolName.KV: dsa.kv, PoolName.INDEXER: dsa.indexer}
-    probe = make_store(FakeCluster(), pools).pools["indexer"]
+    probe = make_backend(CLIENT, pools).pools["indexer"]
     row = probe.layout.flat_page_bytes * 4
-    store = make_store(cluster, pools, span_staging_buffer_size=str(row + row // 2))
+    store = make_backend(
+        {**CLIENT, "span_staging_buffer_size": str(row + row // 2)}, pools, cluster=cluster
+    )
     assert store.pools["indexer"].staged
     failures: list[str] = []
 

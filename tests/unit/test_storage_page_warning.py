@@ -12,28 +12,17 @@ import logging
 
 import pytest
 
-from mooncake_span.bench import pools as P
-from mooncake_span.store.client import NativeBinding
-from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config
+from mooncake_span.testing import pools as P
+from tests.span_helpers import FAKE_CLIENT, make_storage_config
 
-CLIENT = {
-    "master_server_address": "127.0.0.1:1",
-    "metadata_server": "P2PHANDSHAKE",
-    "protocol": "tcp",
-}
 LOGGER = "mooncake_span.sglang_backend.storage_page"
 
 
-def _register(monkeypatch, extra, *, config_field=None, host_page_tokens=64):
-    from mooncake_span.sglang_backend import MooncakeSpanStore
-
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
-    config = make_storage_config({**CLIENT, **extra})
+def _register(make_backend, extra, *, config_field=None, host_page_tokens=64):
+    config = make_storage_config({**FAKE_CLIENT, **extra})
     if config_field is not None:
         config.storage_page_size = config_field
-    store = MooncakeSpanStore(config, {}, binding=binding)
+    store = make_backend(config)
     host = P.build_mla_host(
         "page_first", layers=1, page_tokens=host_page_tokens, host_pages=4, kv_lora_rank=16
     )
@@ -47,19 +36,16 @@ def _warnings(caplog) -> list[str]:
     ]
 
 
-def test_extra_config_span_without_the_field_warns_once(monkeypatch, caplog):
+def test_extra_config_span_without_the_field_warns_once(make_backend, caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    store = _register(monkeypatch, {"storage_page_size": 256})
-    try:
-        # Still honoured: a span-aware build without the field needs it.
-        assert store.geometry.pages_per_span == 4
-        (message,) = _warnings(caplog)
-        assert "storage_page_size=256" in message
-        assert "64-token host page" in message
-        assert "no storage_page_size field" in message
-        assert "only misses" in message
-    finally:
-        store.close()
+    store = _register(make_backend, {"storage_page_size": 256})
+    # Still honoured: a span-aware build without the field needs it.
+    assert store.geometry.pages_per_span == 4
+    (message,) = _warnings(caplog)
+    assert "storage_page_size=256" in message
+    assert "64-token host page" in message
+    assert "no storage_page_size field" in message
+    assert "only misses" in message
 
 
 @pytest.mark.parametrize(
@@ -74,28 +60,22 @@ def test_extra_config_span_without_the_field_warns_once(monkeypatch, caplog):
     ids=["unset", "stock-glm-k1", "zero", "field-agrees", "field-only"],
 )
 def test_no_warning_when_the_storage_page_is_consistent(
-    monkeypatch, caplog, extra, config_field, host_page_tokens, expected_k
+    make_backend, caplog, extra, config_field, host_page_tokens, expected_k
 ):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     store = _register(
-        monkeypatch, extra, config_field=config_field, host_page_tokens=host_page_tokens
+        make_backend, extra, config_field=config_field, host_page_tokens=host_page_tokens
     )
-    try:
-        assert store.geometry.pages_per_span == expected_k
-        assert _warnings(caplog) == []
-    finally:
-        store.close()
+    assert store.geometry.pages_per_span == expected_k
+    assert _warnings(caplog) == []
 
 
-def test_field_overrides_a_different_extra_config_value(monkeypatch, caplog):
+def test_field_overrides_a_different_extra_config_value(make_backend, caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     # Field present and 0 (= host page): the build is authoritative, the
     # extra-config value is not used, and the operator is told so.
-    store = _register(monkeypatch, {"storage_page_size": 256}, config_field=0)
-    try:
-        assert store.geometry.pages_per_span == 1
-        (message,) = _warnings(caplog)
-        assert "overridden" in message and "HiCacheStorageConfig.storage_page_size=64" in message
-        assert "no storage_page_size field" not in message
-    finally:
-        store.close()
+    store = _register(make_backend, {"storage_page_size": 256}, config_field=0)
+    assert store.geometry.pages_per_span == 1
+    (message,) = _warnings(caplog)
+    assert "overridden" in message and "HiCacheStorageConfig.storage_page_size=64" in message
+    assert "no storage_page_size field" not in message

@@ -49,9 +49,13 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, HybridReqToTokenPool
 from sglang.srt.mem_cache.pool_host import HostPoolGroup
 
-from mooncake_span.bench.device_pools import DSA_PAGE_TOKENS, _check_positive, make_dsa_device_pool
-from mooncake_span.bench.pools import HybridPoolSet
-from mooncake_span.bench.sglang_cpu import KV_LAYOUTS, MAMBA_LAYOUTS
+from mooncake_span.testing.device_pools import (
+    DSA_PAGE_TOKENS,
+    _check_positive,
+    make_dsa_device_pool,
+)
+from mooncake_span.testing.pools import HybridPoolSet
+from mooncake_span.testing.sglang_cpu import KV_LAYOUTS, MAMBA_LAYOUTS
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +221,7 @@ def build_stock_glm_pools(
     Runs sglang's builders inside its own ``sglang_cpu_runtime``; the pools
     stay valid after it closes.
     """
-    from mooncake_span.bench.sglang_cpu import sglang_cpu_runtime
+    from mooncake_span.testing.sglang_cpu import sglang_cpu_runtime
 
     with sglang_cpu_runtime(layout=layout, host_to_device_ratio=host_to_device_ratio):
         device = make_stock_glm_device(**device_options)

@@ -48,7 +48,7 @@ from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-from mooncake_span.bench.device_pools import (
+from mooncake_span.testing.device_pools import (
     DSA_PAGE_TOKENS,
     _check_positive,
     make_dsa_device_pool,
@@ -56,7 +56,7 @@ from mooncake_span.bench.device_pools import (
     make_mha_device_pool,
     make_mla_device_pool,
 )
-from mooncake_span.bench.page_io import (
+from mooncake_span.testing.page_io import (
     alloc_pages,
     fill_random_pages,
     meta_page_bytes,
@@ -64,7 +64,7 @@ from mooncake_span.bench.page_io import (
     page_starts,
     wipe_pages,
 )
-from mooncake_span.bench.sglang_cpu import (
+from mooncake_span.testing.sglang_cpu import (
     _HOST_TO_DEVICE_RATIO,
     KV_LAYOUTS,
     MAMBA_LAYOUTS,

@@ -4,7 +4,7 @@
 HiCache controller read (server args, parallel ranks, ``pin_memory`` off, a
 host memory budget without the production reserve);
 ``single_rank_storage_config`` is the storage config the controller builds
-for one rank. Used by :mod:`mooncake_span.bench.pools`, the demo, the
+for one rank. Used by :mod:`mooncake_span.testing.pools`, the demo, the
 benchmark, the node worker and the tests.
 """
 
