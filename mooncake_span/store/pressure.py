@@ -20,14 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from mooncake_span.errors import ErrorCode
+from mooncake_span.errors import ErrorCode, is_no_space
 
 logger = logging.getLogger(__name__)
 
-# Mooncake's answers that mean "no space for this object now" (types.h).
-NO_SPACE_CODES = frozenset(
-    {int(ErrorCode.NO_AVAILABLE_HANDLE), int(ErrorCode.TENANT_QUOTA_EXCEEDED)}
-)
 # The client's counter (failed_objects_total{code=...}) of puts not sent in a cool-down.
 FULL_SKIPPED_LABEL = "FULL_COOLDOWN_SKIPPED"
 # What a put skipped in a cool-down reads as: the answer that started it.
@@ -70,7 +66,7 @@ class PutPressure:
         return codes
 
     def _note(self, codes: list[int]) -> None:
-        full = [c for c in codes if c in NO_SPACE_CODES]
+        full = [c for c in codes if is_no_space(c)]
         if not full and (self._until_s is None or 0 not in codes):
             return
         with self._lock:

@@ -27,8 +27,9 @@ from mooncake_span.sglang_backend.stats import (
     RateLimitedLog,
 )
 from mooncake_span.store.breaker import CircuitBreaker
-from mooncake_span.store.client import _MAX_ERROR_LABELS, NativeBinding
+from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span.store.gate import _MAX_ERROR_LABELS
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_or_publish
 from tests.span_helpers import make_storage_config, slots_of
 

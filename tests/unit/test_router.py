@@ -7,8 +7,6 @@ buffers than one call may carry), because the direct path skips all of it.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from mooncake_span.config import SpanOptions
@@ -56,7 +54,7 @@ def test_copies_and_bad_segments_are_not_direct():
     copies = _router(("s1", "s2"), replica_num=2, placement=True)
     assert not copies.direct(["a"])
     router = _router(("s1", "s2"))
-    router.health.mark_bad(["s2"], time.monotonic())
+    router.mark_segments_bad(["s2"], "test")
     assert not router.direct(["a"])
 
 
@@ -103,7 +101,7 @@ def test_read_rows_ask_the_master_only_about_suspect_copies():
     keys = [f"k{i}" for i in range(10)]
     assert router.read_rows(keys, locate) == [[k] for k in keys]
     assert asked == []
-    router.health.mark_bad(["s2"], time.monotonic())
+    router.mark_segments_bad(["s2"], "test")
     rows = router.read_rows(keys, locate)
     on_bad = {k for k in keys if rank_segments(k, ("s1", "s2"))[0] == "s2"}
     assert asked == [sorted(on_bad, key=keys.index)]
