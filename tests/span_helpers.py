@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,9 +50,26 @@ def listening_port() -> Iterator[str]:
         yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
-def fake_client(master: str, cluster: Any, **options: Any) -> Any:
+class FakeClock:
+    """A monotonic clock that moves only when told: TTL and cool-down tests
+    advance it past the deadline instead of sleeping."""
+
+    def __init__(self, now_s: float = 1000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+def fake_client(
+    master: str, cluster: Any, clock: Callable[[], float] = time.monotonic, **options: Any
+) -> Any:
     """A connected MooncakeClient on the contract-checked fake; placement reads
-    the fake cluster's live segments (the admin URL is never dialled)."""
+    the fake cluster's live segments (the admin URL is never dialled). Every
+    TTL and cool-down of the client runs on ``clock``."""
     from mooncake_span.config import MooncakeSettings, SpanOptions
     from mooncake_span.store.client import MooncakeClient, NativeBinding
     from mooncake_span.store.fake import FakeReplicateConfig, FakeStore
@@ -65,6 +83,7 @@ def fake_client(master: str, cluster: Any, **options: Any) -> Any:
         NativeBinding(
             lambda: FakeStore(cluster), FakeReplicateConfig, lambda url: cluster.live_segments()
         ),
+        clock=clock,
     )
     client.connect()
     return client

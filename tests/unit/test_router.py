@@ -13,6 +13,7 @@ from mooncake_span.config import SpanOptions
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.domains import rank_segments
 from mooncake_span.store.router import DomainRouter
+from tests.span_helpers import FakeClock
 
 
 def _batch(buffers_per_object: list[int]) -> PlanBatch:
@@ -132,3 +133,26 @@ def test_an_object_cap_cuts_every_call_further():
         range(8, 10),
     ]
     assert router.calls(_batch([1] * 4), max_objects=4) == [range(4)]
+
+
+def test_marks_and_lost_keys_expire_on_the_routers_clock():
+    clock = FakeClock()
+    router = DomainRouter(
+        SpanOptions(domain_bad_ttl_s=10.0, lost_key_ttl_s=30.0), lambda: ("s1", "s2"), clock
+    )
+    assert router.untroubled
+    assert router.mark_segments_bad(["s2"], "test") == ["s2"]
+    assert router.mark_segments_bad(["s2"], "test") == []  # already bad: not fresh
+    router.remember_lost(["a", "b"])
+    assert not router.untroubled
+    assert router.lost_mask(["a", "b", "c"]) == [True, True, False]
+    router.forget_lost(["b"])  # written again
+    assert router.lost_mask(["a", "b"]) == [True, False]
+    clock.advance(10.5)
+    assert router.bad_segments() == frozenset()
+    assert router.direct(["a"])
+    assert router.lost_mask(["a"]) == [True]
+    clock.advance(20.0)
+    assert router.lost_mask(["a"]) == [False]
+    assert (router.lost_count, router.times_marked) == (0, 1)
+    assert router.untroubled
