@@ -50,6 +50,10 @@ def listening_port() -> Iterator[str]:
         yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
+def skip_probe(endpoint: str, timeout_s: float) -> None:
+    """``NativeBinding.probe_endpoint`` for a fake cluster: no master to dial."""
+
+
 class FakeClock:
     """A monotonic clock that moves only when told: TTL and cool-down tests
     advance it past the deadline instead of sleeping."""

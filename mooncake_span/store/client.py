@@ -58,7 +58,6 @@ from mooncake_span.store.native import (
     REACHABILITY_TIMEOUT_S,
     NativeBinding,
     SharedEngine,
-    _probe_tcp,
     native_env_defaults,
     prepare_native_env,
     replicate_config,
@@ -132,7 +131,7 @@ class MooncakeClient:
         if not s.master_server_address.startswith("etcd://"):
             endpoints.append(s.master_server_address)
         for endpoint in endpoints:
-            _probe_tcp(endpoint, REACHABILITY_TIMEOUT_S)
+            binding.probe_endpoint(endpoint, REACHABILITY_TIMEOUT_S)
         # span_master_admin_url overrides the master host on master_metrics_port.
         admin_url = self.options.master_admin_url or s.admin_url()
         if s.check_server:

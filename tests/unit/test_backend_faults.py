@@ -10,7 +10,7 @@ from mooncake_span.bench import pools as P
 from mooncake_span.errors import ErrorCode
 from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config, slots_of
+from tests.span_helpers import make_storage_config, skip_probe, slots_of
 
 PAGE = 64
 CLIENT = {
@@ -21,12 +21,11 @@ CLIENT = {
 
 
 @pytest.fixture
-def rig(monkeypatch):
+def rig():
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     cluster = FakeCluster()
     store = MooncakeSpanStore(
         make_storage_config(
@@ -38,7 +37,9 @@ def rig(monkeypatch):
             }
         ),
         {},
-        binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
+        binding=NativeBinding(
+            lambda: FakeStore(cluster), FakeReplicateConfig, probe_endpoint=skip_probe
+        ),
     )
     kv = P.build_mla_host("page_first", layers=1, host_pages=8)
     store.register_mem_pool_host(kv)

@@ -20,7 +20,7 @@ from mooncake_span.bench import pools as P
 from mooncake_span.errors import ConfigError, RegistrationError, SetupError
 from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config, slots_of
+from tests.span_helpers import make_storage_config, skip_probe, slots_of
 
 PAGE = 64
 SPAN = 4 * PAGE
@@ -37,15 +37,16 @@ def pool_set():
 
 
 @pytest.fixture
-def rig(pool_set, monkeypatch):
+def rig(pool_set):
     """A registered store on a fake cluster holding two good keys."""
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     cluster = FakeCluster()
-    binding = NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig)
+    binding = NativeBinding(
+        lambda: FakeStore(cluster), FakeReplicateConfig, probe_endpoint=skip_probe
+    )
     store = MooncakeSpanStore(
         make_storage_config({**CLIENT, "storage_page_size": SPAN}), {}, binding=binding
     )
@@ -285,11 +286,12 @@ def test_duplicate_keys_in_one_set_store_once(rig):
     assert len(cluster.objects) == before + 1
 
 
-def test_calls_before_registration_answer_misses(monkeypatch, caplog):
+def test_calls_before_registration_answer_misses(caplog):
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
+    binding = NativeBinding(
+        lambda: FakeStore(FakeCluster()), FakeReplicateConfig, probe_endpoint=skip_probe
+    )
     store = MooncakeSpanStore(make_storage_config(CLIENT), {}, binding=binding)
     with caplog.at_level(logging.ERROR, logger="mooncake_span"):
         assert store.batch_get_v1(["a"], torch.arange(PAGE)) == [False]
@@ -310,13 +312,14 @@ def test_calls_after_close_answer_misses(rig, caplog):
     assert "after close()" in caplog.text
 
 
-def test_storage_page_not_multiple_of_host_page(monkeypatch):
+def test_storage_page_not_multiple_of_host_page():
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
+    binding = NativeBinding(
+        lambda: FakeStore(FakeCluster()), FakeReplicateConfig, probe_endpoint=skip_probe
+    )
     store = MooncakeSpanStore(
         make_storage_config({**CLIENT, "storage_page_size": 100}), {}, binding=binding
     )
@@ -408,11 +411,12 @@ def test_dead_etcd_fails_fast_instead_of_blocking_minutes():
         (None, {}, 1),
     ],
 )
-def test_span_factor_source(monkeypatch, config_field, extra, expected_k):
+def test_span_factor_source(config_field, extra, expected_k):
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
+    binding = NativeBinding(
+        lambda: FakeStore(FakeCluster()), FakeReplicateConfig, probe_endpoint=skip_probe
+    )
     config = make_storage_config({**CLIENT, **extra})
     if config_field is not None:
         config.storage_page_size = config_field

@@ -31,7 +31,7 @@ from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from mooncake_span.store.gate import _MAX_ERROR_LABELS
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_or_publish
-from tests.span_helpers import make_storage_config, slots_of
+from tests.span_helpers import make_storage_config, skip_probe, slots_of
 
 PAGE = 64
 CLIENT = {
@@ -41,17 +41,20 @@ CLIENT = {
 }
 
 
-def _store(monkeypatch, *, metrics: bool):
+def _store(*, metrics: bool):
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     cluster = FakeCluster()
     config = make_storage_config({**CLIENT, "storage_page_size": 2 * PAGE})
     config.enable_storage_metrics = metrics
     store = MooncakeSpanStore(
-        config, {}, binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig)
+        config,
+        {},
+        binding=NativeBinding(
+            lambda: FakeStore(cluster), FakeReplicateConfig, probe_endpoint=skip_probe
+        ),
     )
     kv = P.build_mla_host("page_first", layers=1, host_pages=8)
     store.register_mem_pool_host(kv)
@@ -61,8 +64,8 @@ def _store(monkeypatch, *, metrics: bool):
 
 
 @pytest.fixture
-def rig(monkeypatch):
-    store, cluster = _store(monkeypatch, metrics=False)
+def rig():
+    store, cluster = _store(metrics=False)
     yield store, cluster
     store.close()
 
@@ -123,8 +126,8 @@ def test_learned_kv_derived_pools_stay_within_the_registered_pools(rig):
 
 
 @pytest.mark.parametrize("metrics", [False, True], ids=["metrics-off", "metrics-on"])
-def test_per_call_records_stay_in_their_window_and_totals_stay_exact(monkeypatch, metrics):
-    store, _ = _store(monkeypatch, metrics=metrics)
+def test_per_call_records_stay_in_their_window_and_totals_stay_exact(metrics):
+    store, _ = _store(metrics=metrics)
     try:
         window = METRIC_WINDOW if metrics else UNPOLLED_WINDOW
         assert store._counters.window == window

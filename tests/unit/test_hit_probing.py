@@ -32,7 +32,7 @@ from mooncake_span.span.probe import (
 )
 from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config
+from tests.span_helpers import make_storage_config, skip_probe
 
 PAGE = 64
 SPAN = 4 * PAGE
@@ -160,12 +160,12 @@ def rig():
 
     pool_set = P.build_compressed_hybrid_dsa("page_first", host_pages=8, mamba_slots=4)
     cluster, asked = FakeCluster(), []
-    binding = NativeBinding(lambda: RecordingStore(cluster, asked), FakeReplicateConfig)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-        store = MooncakeSpanStore(
-            make_storage_config({**CLIENT, "storage_page_size": SPAN}), {}, binding=binding
-        )
+    binding = NativeBinding(
+        lambda: RecordingStore(cluster, asked), FakeReplicateConfig, probe_endpoint=skip_probe
+    )
+    store = MooncakeSpanStore(
+        make_storage_config({**CLIENT, "storage_page_size": SPAN}), {}, binding=binding
+    )
     store.register_mem_pool_host(pool_set[PoolName.KV])
     for name, pool in pool_set.pools.items():
         store.register_mem_host_pool_v2(pool, name)

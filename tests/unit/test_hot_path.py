@@ -15,7 +15,7 @@ import torch
 from mooncake_span.bench import pools as P
 from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config, slots_of
+from tests.span_helpers import make_storage_config, skip_probe, slots_of
 
 PAGE = 64
 SPAN = 4 * PAGE
@@ -29,10 +29,9 @@ CLIENT = {
 
 
 @pytest.fixture
-def make_store(monkeypatch):
+def make_store():
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     stores = []
 
     def make(pools: dict, cluster: FakeCluster, is_mla: bool = True, **extra):
@@ -41,7 +40,9 @@ def make_store(monkeypatch):
         store = MooncakeSpanStore(
             make_storage_config({**CLIENT, **extra}, is_mla=is_mla),
             {},
-            binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
+            binding=NativeBinding(
+                lambda: FakeStore(cluster), FakeReplicateConfig, probe_endpoint=skip_probe
+            ),
         )
         store.register_mem_pool_host(pools[PoolName.KV])
         for name, pool in pools.items():

@@ -20,6 +20,7 @@ from mooncake_span.bench.pressure import (
 )
 from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
+from tests.span_helpers import skip_probe
 
 CLIENT = {
     "master_server_address": "127.0.0.1:1",
@@ -33,13 +34,14 @@ CONFIG = PressureConfig(
 
 
 @pytest.fixture
-def run(monkeypatch):
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
+def run():
     rigs = []
 
     def make(cooldown_s: float):
         cluster = FakeCluster(capacity_bytes=CONFIG.segment_bytes)
-        binding = NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig)
+        binding = NativeBinding(
+            lambda: FakeStore(cluster), FakeReplicateConfig, probe_endpoint=skip_probe
+        )
         rig = build_rig(CONFIG, CLIENT, cooldown_s, binding)
         rigs.append(rig)
         row = {"cooldown_s": cooldown_s, "master_flags": MasterFlags().label}

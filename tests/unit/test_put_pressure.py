@@ -19,7 +19,14 @@ from mooncake_span.store.client import MooncakeClient, NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, PutPressure
 from mooncake_span.store.staging import StagingArena, create_blob, read_blob
-from tests.span_helpers import FakeClock, fake_client, listening_port, make_storage_config, slots_of
+from tests.span_helpers import (
+    FakeClock,
+    fake_client,
+    listening_port,
+    make_storage_config,
+    skip_probe,
+    slots_of,
+)
 
 OBJECT_BYTES = 256
 PUT = "batch_put_from_multi_buffers"
@@ -191,12 +198,11 @@ PAGE = 64
 
 
 @pytest.fixture
-def backend(monkeypatch):
+def backend():
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     kv = P.build_mla_host("page_first", layers=1, host_pages=16)
     key_bytes = 2 * kv.get_size_per_token() * PAGE
     # Room for two keys besides the layout-guard record.
@@ -211,7 +217,9 @@ def backend(monkeypatch):
     store = MooncakeSpanStore(
         make_storage_config(config),
         {},
-        binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
+        binding=NativeBinding(
+            lambda: FakeStore(cluster), FakeReplicateConfig, probe_endpoint=skip_probe
+        ),
     )
     store.register_mem_pool_host(kv)
     store.register_mem_host_pool_v2(kv, PoolName.KV)

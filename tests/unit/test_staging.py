@@ -24,7 +24,13 @@ from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
 from mooncake_span.store.staging import StagingArena, StagingBusyError, create_blob, read_blob
 from tests.harness.registered import CheckedStore, UnregisteredMemoryError
-from tests.span_helpers import fake_client, listening_port, make_storage_config, slots_of
+from tests.span_helpers import (
+    fake_client,
+    listening_port,
+    make_storage_config,
+    skip_probe,
+    slots_of,
+)
 
 PAGE = 64
 PUT = "batch_put_from_multi_buffers"
@@ -182,10 +188,9 @@ def test_blobs_move_through_the_arena():
 
 
 @pytest.fixture
-def make_store(monkeypatch):
+def make_store():
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
     stores = []
 
     def make(cluster: FakeCluster, pools: dict, **extra) -> MooncakeSpanStore:
@@ -201,7 +206,9 @@ def make_store(monkeypatch):
         store = MooncakeSpanStore(
             make_storage_config(config),
             {},
-            binding=NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig),
+            binding=NativeBinding(
+                lambda: FakeStore(cluster), FakeReplicateConfig, probe_endpoint=skip_probe
+            ),
         )
         stores.append(store)
         store.register_mem_pool_host(pools[PoolName.KV])

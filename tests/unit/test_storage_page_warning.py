@@ -15,7 +15,7 @@ import pytest
 from mooncake_span.bench import pools as P
 from mooncake_span.store.client import NativeBinding
 from mooncake_span.store.fake import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import make_storage_config
+from tests.span_helpers import make_storage_config, skip_probe
 
 CLIENT = {
     "master_server_address": "127.0.0.1:1",
@@ -25,11 +25,12 @@ CLIENT = {
 LOGGER = "mooncake_span.sglang_backend.storage_page"
 
 
-def _register(monkeypatch, extra, *, config_field=None, host_page_tokens=64):
+def _register(extra, *, config_field=None, host_page_tokens=64):
     from mooncake_span.sglang_backend import MooncakeSpanStore
 
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-    binding = NativeBinding(lambda: FakeStore(FakeCluster()), FakeReplicateConfig)
+    binding = NativeBinding(
+        lambda: FakeStore(FakeCluster()), FakeReplicateConfig, probe_endpoint=skip_probe
+    )
     config = make_storage_config({**CLIENT, **extra})
     if config_field is not None:
         config.storage_page_size = config_field
@@ -47,9 +48,9 @@ def _warnings(caplog) -> list[str]:
     ]
 
 
-def test_extra_config_span_without_the_field_warns_once(monkeypatch, caplog):
+def test_extra_config_span_without_the_field_warns_once(caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    store = _register(monkeypatch, {"storage_page_size": 256})
+    store = _register({"storage_page_size": 256})
     try:
         # Still honoured: a span-aware build without the field needs it.
         assert store.geometry.pages_per_span == 4
@@ -74,12 +75,10 @@ def test_extra_config_span_without_the_field_warns_once(monkeypatch, caplog):
     ids=["unset", "stock-glm-k1", "zero", "field-agrees", "field-only"],
 )
 def test_no_warning_when_the_storage_page_is_consistent(
-    monkeypatch, caplog, extra, config_field, host_page_tokens, expected_k
+    caplog, extra, config_field, host_page_tokens, expected_k
 ):
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    store = _register(
-        monkeypatch, extra, config_field=config_field, host_page_tokens=host_page_tokens
-    )
+    store = _register(extra, config_field=config_field, host_page_tokens=host_page_tokens)
     try:
         assert store.geometry.pages_per_span == expected_k
         assert _warnings(caplog) == []
@@ -87,11 +86,11 @@ def test_no_warning_when_the_storage_page_is_consistent(
         store.close()
 
 
-def test_field_overrides_a_different_extra_config_value(monkeypatch, caplog):
+def test_field_overrides_a_different_extra_config_value(caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     # Field present and 0 (= host page): the build is authoritative, the
     # extra-config value is not used, and the operator is told so.
-    store = _register(monkeypatch, {"storage_page_size": 256}, config_field=0)
+    store = _register({"storage_page_size": 256}, config_field=0)
     try:
         assert store.geometry.pages_per_span == 1
         (message,) = _warnings(caplog)
