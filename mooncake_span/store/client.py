@@ -114,7 +114,6 @@ class MooncakeClient:
         self._directory: SegmentDirectory | None = None
         # Placement and failure domains; the backend sets router.domain_of.
         self.router = DomainRouter(options, self.segments, clock)
-        self._copies = self.router.copies
         self._integrity = IntegrityFailures(
             lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
         )
@@ -238,7 +237,7 @@ class MooncakeClient:
             codes = self._put_part(part, batch.take(rows), groups, hard_pin, segment)
             for i, code in zip(rows, codes, strict=True):
                 written[i] += code == 0
-        ok = {i: written[i] == self._copies for i in unique}
+        ok = {i: written[i] == self.router.copies for i in unique}
         self.router.forget_lost(keys[i] for i in unique if ok[i])
         return [ok[first[k]] for k in keys]
 
@@ -262,7 +261,7 @@ class MooncakeClient:
                 continue
             config = replicate_config(
                 self._binding.replicate_config_factory,
-                self.options.replica_num if self._copies == 1 else 1,
+                self.options.replica_num if self.router.copies == 1 else 1,
                 group_ids[span.start : span.stop] if grouped else None,
                 hard_pin,
                 segment,
@@ -311,7 +310,7 @@ class MooncakeClient:
         pending = [i for i in range(len(keys)) if candidates[i]]
         if len(pending) < len(keys):
             self._gate.counters["DOMAIN_BAD_SKIPPED"] += len(keys) - len(pending)
-        for attempt in range(self._copies):
+        for attempt in range(self.router.copies):
             pending = [i for i in pending if attempt < len(candidates[i])]
             if not pending:
                 break
@@ -441,7 +440,7 @@ class MooncakeClient:
         """Force-remove objects (and their copies); returns how many keys were removed."""
         removed = 0
         for key in keys:
-            copies = [copy_key(key, r) for r in range(self._copies)]
+            copies = [copy_key(key, r) for r in range(self.router.copies)]
             removed += 0 in [
                 self._gate.invoke_one("remove", lambda s, k=k: s.remove(k, True)) for k in copies
             ]
