@@ -236,7 +236,8 @@ class MooncakeClient:
             part = [k for _, k in entries]
             codes = self._put_part(part, batch.take(rows), groups, hard_pin, segment)
             for i, code in zip(rows, codes, strict=True):
-                written[i] += code == 0
+                if code == 0:
+                    written[i] += 1
         ok = {i: written[i] == self.router.copies for i in unique}
         self.router.forget_lost(keys[i] for i in unique if ok[i])
         return [ok[first[k]] for k in keys]
@@ -441,9 +442,11 @@ class MooncakeClient:
         removed = 0
         for key in keys:
             copies = [copy_key(key, r) for r in range(self.router.copies)]
-            removed += 0 in [
+            codes = [
                 self._gate.invoke_one("remove", lambda s, k=k: s.remove(k, True)) for k in copies
             ]
+            if 0 in codes:  # a key is removed when one of its copies was
+                removed += 1
         return removed
 
     def remove_all(self) -> int:

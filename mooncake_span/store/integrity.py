@@ -55,7 +55,9 @@ class IntegrityFailures:
             self.removed += removed
             quiet = now - self._last_log_s >= _LOG_INTERVAL_S
             if quiet:
-                self._last_log_s, unlogged, self._unlogged = now, self._unlogged, 0
+                unlogged = self._unlogged  # held back since the last line
+                self._unlogged = 0
+                self._last_log_s = now
             else:
                 self._unlogged += len(failed)
         if quiet:

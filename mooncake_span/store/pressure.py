@@ -80,7 +80,9 @@ class PutPressure:
             self._until_s = now + self._cooldown_s
             if self._last_log_s is not None and now - self._last_log_s < LOG_INTERVAL_S:
                 return
-            self._last_log_s, started, self._unlogged = now, self._unlogged, 0
+            started = self._unlogged  # cool-downs since the last line, this one included
+            self._unlogged = 0
+            self._last_log_s = now
         logger.warning(
             "mooncake-span: cluster full (%d of %d objects refused: %s); skipping backups of new "
             "keys for %.1fs after each refusal (%d cool-down(s) since the last such line)",
