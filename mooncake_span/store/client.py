@@ -37,7 +37,7 @@ import logging
 import operator
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mooncake_span.config import MooncakeSettings, SpanOptions
@@ -269,7 +269,7 @@ class MooncakeClient:
             )
             codes += self._put_call(keys[span.start : span.stop], batch.part(span), config)
         if segment and codes and all(is_transfer_failure(c) for c in codes):
-            self.router.mark_segments_bad([segment], "batch_put_from_multi_buffers")
+            self._mark_bad([segment], "batch_put_from_multi_buffers")
         return codes
 
     def _put_call(self, keys: list[str], batch: PlanBatch, config: Any) -> list[int]:
@@ -372,9 +372,20 @@ class MooncakeClient:
         segments = set().union(*located.values())
         if not segments:
             return
-        self.router.mark_segments_bad(segments, op)
+        self._mark_bad(segments, op)
         if self._directory is not None:
             self._directory.wake()
+
+    def _mark_bad(self, segments: Iterable[str], op: str) -> None:
+        fresh = self.router.mark_segments_bad(segments)
+        if fresh:
+            logger.warning(
+                "mooncake-span: %s failed on segment(s) %s; avoiding them and reading their "
+                "keys as misses for %.0fs",
+                op,
+                fresh,
+                self.options.domain_bad_ttl_s,
+            )
 
     def _locate(
         self, object_keys: Sequence[str], sizes: dict[str, int] | None = None

@@ -21,7 +21,6 @@ and passes the answer in (``locate``).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -40,8 +39,6 @@ from mooncake_span.store.domains import (
     suspect_copies,
 )
 
-logger = logging.getLogger(__name__)
-
 # Object key -> the segments the master reports holding it.
 Locate = Callable[[list[str]], dict[str, set[str]]]
 
@@ -58,7 +55,6 @@ class DomainRouter:
         self.copies = options.replica_num if options.placement else 1
         self._health = DomainHealth(options.domain_bad_ttl_s)
         self._lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
-        self._bad_ttl_s = options.domain_bad_ttl_s
         self._clock = clock
         self.segments = segments
         self._max_buffers = options.max_buffers_per_call
@@ -68,19 +64,10 @@ class DomainRouter:
 
     # ---- failure-domain state ------------------------------------------------
 
-    def mark_segments_bad(self, segments: Iterable[str], op: str) -> list[str]:
-        """Segments ``op`` just failed a transfer on: their keys read as misses and
-        writes avoid them for ``span_domain_bad_ttl_s``. Returns the newly bad ones."""
-        fresh = self._health.mark_bad(segments, self._clock())
-        if fresh:
-            logger.warning(
-                "mooncake-span: %s failed on segment(s) %s; avoiding them and reading their "
-                "keys as misses for %.0fs",
-                op,
-                fresh,
-                self._bad_ttl_s,
-            )
-        return fresh
+    def mark_segments_bad(self, segments: Iterable[str]) -> list[str]:
+        """Segments a transfer just failed on: their keys read as misses and writes
+        avoid them for ``span_domain_bad_ttl_s``. Returns those not bad before."""
+        return self._health.mark_bad(segments, self._clock())
 
     def bad_segments(self) -> frozenset[str]:
         return self._health.bad(self._clock())

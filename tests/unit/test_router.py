@@ -55,7 +55,7 @@ def test_copies_and_bad_segments_are_not_direct():
     copies = _router(("s1", "s2"), replica_num=2, placement=True)
     assert not copies.direct(["a"])
     router = _router(("s1", "s2"))
-    router.mark_segments_bad(["s2"], "test")
+    router.mark_segments_bad(["s2"])
     assert not router.direct(["a"])
 
 
@@ -102,7 +102,7 @@ def test_read_rows_ask_the_master_only_about_suspect_copies():
     keys = [f"k{i}" for i in range(10)]
     assert router.read_rows(keys, locate) == [[k] for k in keys]
     assert asked == []
-    router.mark_segments_bad(["s2"], "test")
+    router.mark_segments_bad(["s2"])
     rows = router.read_rows(keys, locate)
     on_bad = {k for k in keys if rank_segments(k, ("s1", "s2"))[0] == "s2"}
     assert asked == [sorted(on_bad, key=keys.index)]
@@ -141,8 +141,8 @@ def test_marks_and_lost_keys_expire_on_the_routers_clock():
         SpanOptions(domain_bad_ttl_s=10.0, lost_key_ttl_s=30.0), lambda: ("s1", "s2"), clock
     )
     assert router.untroubled
-    assert router.mark_segments_bad(["s2"], "test") == ["s2"]
-    assert router.mark_segments_bad(["s2"], "test") == []  # already bad: not fresh
+    assert router.mark_segments_bad(["s2"]) == ["s2"]
+    assert router.mark_segments_bad(["s2"]) == []  # already bad: not fresh
     router.remember_lost(["a", "b"])
     assert not router.untroubled
     assert router.lost_mask(["a", "b", "c"]) == [True, True, False]
