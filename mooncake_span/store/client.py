@@ -363,6 +363,8 @@ class MooncakeClient:
             self._mark_failed_domains("batch_get_into_multi_buffers", dead)
         return [*dead, *self._integrity.record(failed)]
 
+    # ---- what failed transfers teach (both paths) ---------------------------------
+
     def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
         """Mark bad the segments holding objects a transfer just failed on, as the
         master locates them (placement may not have been followed). Only objects
