@@ -78,13 +78,17 @@ class ErrorCode(enum.IntEnum):
     RPC_TIMEOUT = -901
     ETCD_OPERATION_ERROR = -1000
     UNAVAILABLE_IN_CURRENT_STATUS = -1010
-    # A tenant over its quota (-1700 as of Mooncake 0.3.12's types.h): no space for it.
+    # A tenant over its quota: no space for it. -1700 in types.h from 0.3.12 on, and in
+    # the code-name table the 0.3.13.post1 wheel's store.so builds (-1700 ->
+    # "TENANT_QUOTA_EXCEEDED", between DFS_PARTIAL_WRITE -1605 and the other TENANT_ codes).
     TENANT_QUOTA_EXCEEDED = -1700
 
 
+# Every classification of a native return code lives below, once; the client
+# and its helpers ask these predicates and keep no code sets of their own.
+
 # Codes that mean "the cluster (master, network, a peer) did not answer", as
-# opposed to "this object is missing" or "this request was wrong". Only these
-# feed the circuit breaker.
+# opposed to "this object is missing" or "this request was wrong".
 TRANSPORT_CODES = frozenset(
     {
         ErrorCode.INTERNAL_ERROR,
@@ -96,12 +100,15 @@ TRANSPORT_CODES = frozenset(
     }
 )
 
-
 # Codes that mean "the stored bytes are not the bytes written for this key"
 # (Mooncake's CRC-64 of the object, recorded at put, did not match at get). Not
 # a cluster failure: the key reads as a miss and its object must not be
 # offered again (store/integrity.py).
 INTEGRITY_CODES = frozenset({ErrorCode.CHECKSUM_MISMATCH})
+
+# Mooncake's answers to a put that mean "no space for this object now"
+# (store/pressure.py pauses puts on them).
+NO_SPACE_CODES = frozenset({ErrorCode.NO_AVAILABLE_HANDLE, ErrorCode.TENANT_QUOTA_EXCEEDED})
 
 
 def code_name(code: int) -> str:
@@ -113,8 +120,26 @@ def code_name(code: int) -> str:
 
 
 def is_transport_failure(code: int) -> bool:
+    """Nothing answered: not a miss, and no proof the key is absent."""
     return code in TRANSPORT_CODES
+
+
+def is_transfer_failure(code: int) -> bool:
+    """The data transfer with one peer (a storage node) failed: that node's failure domain."""
+    return code == ErrorCode.TRANSFER_FAIL
+
+
+def is_cluster_failure(code: int) -> bool:
+    """A failure of the master or the RPC layer, which is what the circuit breaker is for.
+
+    A TRANSFER_FAIL names one peer (a dead or cut storage node): it marks that
+    failure domain bad instead of cutting the process off every live node."""
+    return is_transport_failure(code) and not is_transfer_failure(code)
 
 
 def is_integrity_failure(code: int) -> bool:
     return code in INTEGRITY_CODES
+
+
+def is_no_space(code: int) -> bool:
+    return code in NO_SPACE_CODES

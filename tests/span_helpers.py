@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -57,9 +58,8 @@ def fake_backend(
     """A MooncakeSpanStore whose native stores are ``native(cluster)`` (default:
     a contract-checked ``FakeStore`` of ``cluster``, a fresh ``FakeCluster`` when
     None). ``config``: the extra-config dict, or a storage config already built.
-    The master's reachability probe must be patched out or pointed at a listening
-    port by the caller; the ``make_backend`` fixture does both the patch and the
-    cleanup."""
+    The master's reachability probe is skipped (``skip_probe``), so no port is
+    needed; the ``make_backend`` fixture also closes the store after the test."""
     from mooncake_span.sglang_backend import MooncakeSpanStore
     from mooncake_span.store.client import NativeBinding
     from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
@@ -68,9 +68,8 @@ def fake_backend(
     native = FakeStore if native is None else native
     if isinstance(config, Mapping):
         config = make_storage_config(dict(config), is_mla=is_mla)
-    return MooncakeSpanStore(
-        config, {}, binding=NativeBinding(lambda: native(cluster), FakeReplicateConfig)
-    )
+    binding = NativeBinding(lambda: native(cluster), FakeReplicateConfig, probe_endpoint=skip_probe)
+    return MooncakeSpanStore(config, {}, binding=binding)
 
 
 def scattered_pages(total_pages: int, count: int, seed: int) -> list[int]:
@@ -95,9 +94,30 @@ def listening_port() -> Iterator[str]:
         yield f"127.0.0.1:{sock.getsockname()[1]}"
 
 
-def fake_client(master: str, cluster: Any, **options: Any) -> Any:
+def skip_probe(endpoint: str, timeout_s: float) -> None:
+    """``NativeBinding.probe_endpoint`` for a fake cluster: no master to dial."""
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told: TTL and cool-down tests
+    advance it past the deadline instead of sleeping."""
+
+    def __init__(self, now_s: float = 1000.0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+def fake_client(
+    master: str, cluster: Any, clock: Callable[[], float] = time.monotonic, **options: Any
+) -> Any:
     """A connected MooncakeClient on the contract-checked fake; placement reads
-    the fake cluster's live segments (the admin URL is never dialled)."""
+    the fake cluster's live segments (the admin URL is never dialled). Every
+    TTL and cool-down of the client runs on ``clock``."""
     from mooncake_span.config import MooncakeSettings, SpanOptions
     from mooncake_span.store.client import MooncakeClient, NativeBinding
     from mooncake_span.testing.fake_store import FakeReplicateConfig, FakeStore
@@ -111,6 +131,7 @@ def fake_client(master: str, cluster: Any, **options: Any) -> Any:
         NativeBinding(
             lambda: FakeStore(cluster), FakeReplicateConfig, lambda url: cluster.live_segments()
         ),
+        clock=clock,
     )
     client.connect()
     return client

@@ -126,7 +126,12 @@ def counting_binding(binding: Any) -> tuple[Any, list[CountingStore]]:
         return made[-1]
 
     return (
-        NativeBinding(factory, binding.replicate_config_factory, binding.list_segments),
+        NativeBinding(
+            factory,
+            binding.replicate_config_factory,
+            binding.list_segments,
+            probe_endpoint=binding.probe_endpoint,
+        ),
         made,
     )
 

@@ -5,20 +5,28 @@ conventions into plain Python ones, once:
 
 * per-object results become ``bool`` (put: rc 0; get: exactly the planned
   bytes read; exists: 1); every other code is counted by name for ``stats()``;
-* cluster-level failures (an exception, a wrong-length result, every entry an
-  RPC-level code) raise ``TransportError`` and feed the circuit breaker; a
-  TRANSFER_FAIL instead marks the failing segment's failure domain bad;
-* ``router.py`` decides where objects go and which copies to read; a call of
-  a healthy cluster goes out as the caller built it, in one native call, and
-  otherwise calls carry at most ``max_buffers_per_call`` buffers and a get
-  never names one key twice (Mooncake would leave a buffer unwritten);
-* a no-space answer to a put pauses puts (``pressure.py``): they read False;
-* after ``close()`` every method raises ``StoreClosedError`` (the native
-  client segfaults if called after close).
+* every native call passes the gate (``gate.py``): cluster-level failures (an
+  exception, a wrong-length result, every entry an RPC-level code) raise
+  ``TransportError`` and feed the circuit breaker, and after ``close()`` every
+  method raises ``StoreClosedError`` (the native client segfaults if called
+  after close);
+* ``router.py`` decides where objects go and which copies to read, and owns
+  the failure-domain state: a TRANSFER_FAIL marks the failing segment's
+  failure domain bad there, and a key that cannot be read is remembered lost;
+  a call of a healthy cluster goes out as the caller built it, in one native
+  call, and otherwise calls carry at most ``max_buffers_per_call`` buffers and
+  a get never names one key twice (Mooncake would leave a buffer unwritten);
+* a no-space answer to a put pauses puts (``pressure.py``): they read False.
+
+Every TTL and cool-down runs on the one ``clock`` the client is given.
 
 Before ``setup`` the endpoints are probed with a short TCP connect (a dead etcd
 blocks setup for minutes) and ``MC_TCP_STATUS_TIMEOUT_SEC`` /
 ``MC_STORE_CLIENT_SETUP_RETRIES`` get bounded defaults unless already set.
+
+The file reads top-down: lifecycle, the write path (``put`` down to the
+native call), the read path (``get`` likewise, then what a failed read
+teaches), existence, the other operations, then statistics.
 """
 
 from __future__ import annotations
@@ -28,11 +36,8 @@ import contextlib
 import logging
 import operator
 import re
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mooncake_span.config import MooncakeSettings, SpanOptions
@@ -42,17 +47,17 @@ from mooncake_span.errors import (
     StoreClosedError,
     TransportError,
     code_name,
+    is_transfer_failure,
     is_transport_failure,
 )
 from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
-from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
-from mooncake_span.store.domains import copy_key, is_cluster_failure
+from mooncake_span.store.domains import copy_key
+from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.native import (
     REACHABILITY_TIMEOUT_S,
     NativeBinding,
     SharedEngine,
-    _probe_tcp,
     native_env_defaults,
     prepare_native_env,
     replicate_config,
@@ -61,7 +66,6 @@ from mooncake_span.store.native import (
     wait_for_segments,
 )
 from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, SKIPPED_CODE, PutPressure
-from mooncake_span.store.probe import RecoveryProbe
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
 
@@ -69,13 +73,6 @@ logger = logging.getLogger(__name__)
 
 # NativeBinding and native_env_defaults are imported from here by callers.
 __all__ = ["MooncakeClient", "NativeBinding", "load_native_binding", "native_env_defaults"]
-
-# Error counters live as long as the client and are keyed by code name, and an
-# unknown native code gets a label of its own (CODE_<n>): past this many
-# labels, new codes are counted together under _OTHER_CODES_LABEL. Bound: at
-# most _MAX_ERROR_LABELS + 1 code labels plus the five fixed ones.
-_MAX_ERROR_LABELS = 64
-_OTHER_CODES_LABEL = "CODE_OTHER"
 
 
 def load_native_binding() -> NativeBinding:
@@ -92,7 +89,6 @@ def load_native_binding() -> NativeBinding:
 
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
 _EXISTS_KEYS_PER_CALL = 4096
-_TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
 # Mooncake 0.3.13's put with group ids costs more per object the more objects
 # one call carries: a 1024-object MHA put took 148 ms in one call and 46 ms in
 # calls of 64 (32 ms without group ids); a 256-object one 23 vs 19 ms.
@@ -106,30 +102,20 @@ class MooncakeClient:
         options: SpanOptions,
         binding: NativeBinding | None = None,
         shared_engine: SharedEngine | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
         self.options = options
         self._binding = binding
         # A transfer engine this process already runs, reused when it serves the settings.
         self._shared_engine = shared_engine
-        self._store: Any = None
-        self._cond = threading.Condition()
-        self._closed = False
-        self._inflight = 0
-        self._breaker = CircuitBreaker(options.breaker_failures)
-        self._prober = RecoveryProbe(
-            self._breaker, options.breaker_probe_interval_s, self._probe_once
-        )
-        self._counters: collections.Counter[str] = collections.Counter()
-        self.pressure = PutPressure(options.full_cooldown_s)
-        self._probe_key = f"mooncake-span-probe-{uuid.uuid4().hex}"
+        self._gate = NativeGate(options, clock)
+        self.pressure = PutPressure(options.full_cooldown_s, now_s=clock)
         self._directory: SegmentDirectory | None = None
         # Placement and failure domains; the backend sets router.domain_of.
-        self.router = DomainRouter(options, self.segments)
-        self._health, self._lost = self.router.health, self.router.lost
-        self._copies = self.router.copies
+        self.router = DomainRouter(options, self.segments, clock)
         self._integrity = IntegrityFailures(
-            lambda k: self._invoke_one("remove", lambda s: s.remove(k, True))
+            lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
         )
 
     # ---- lifecycle -------------------------------------------------------
@@ -144,7 +130,7 @@ class MooncakeClient:
         if not s.master_server_address.startswith("etcd://"):
             endpoints.append(s.master_server_address)
         for endpoint in endpoints:
-            _probe_tcp(endpoint, REACHABILITY_TIMEOUT_S)
+            binding.probe_endpoint(endpoint, REACHABILITY_TIMEOUT_S)
         # span_master_admin_url overrides the master host on master_metrics_port.
         admin_url = self.options.master_admin_url or s.admin_url()
         if s.check_server:
@@ -154,7 +140,7 @@ class MooncakeClient:
         store = binding.store_factory()
         started = time.monotonic()
         setup_store(store, s, **setup_arguments(s, self._shared_engine))
-        self._store = store
+        self._gate.open(store)
         if self.options.placement:
             self._directory = start_directory(admin_url, self.options, binding.list_segments)
         logger.info(
@@ -175,213 +161,17 @@ class MooncakeClient:
 
     def close(self) -> None:
         """Idempotent. Waits (bounded) for calls in flight, then closes the native client."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            if self._directory is not None:
-                self._directory.stop()
-            deadline = time.monotonic() + _CLOSE_DRAIN_TIMEOUT_S
-            while self._inflight and time.monotonic() < deadline:
-                self._cond.wait(timeout=0.5)
-            leaked = self._inflight
-        if leaked:
-            # Closing under a running native call would crash the process;
-            # leaking the client is the lesser evil.
-            logger.error(
-                "mooncake-span: %d calls still running at close; not closing the native client",
-                leaked,
-            )
-            return
-        if self._store is not None:
-            self._store.close()
+        if self._directory is not None:
+            self._directory.stop()
+        store = self._gate.shut(_CLOSE_DRAIN_TIMEOUT_S)
+        if store is not None:
+            store.close()
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._gate.closed
 
-    # ---- guarded native access ---------------------------------------------
-
-    def _enter(self, op: str) -> Any:
-        """Count a call in flight and hand out the native store, or raise why not."""
-        with self._cond:
-            if self._closed:
-                raise StoreClosedError(f"{op} called after close()")
-            if self._store is None:
-                raise StoreClosedError(f"{op} called before connect()")
-            if self._breaker.is_open:
-                self._counters["BREAKER_REJECTED"] += 1
-                raise TransportError(f"{op} refused: circuit breaker open (cluster unreachable)")
-            self._inflight += 1
-            return self._store
-
-    def _leave(self) -> None:
-        with self._cond:
-            self._inflight -= 1
-            if self._closed:  # only close() waits for calls in flight
-                self._cond.notify_all()
-
-    @contextmanager
-    def _native(self, op: str) -> Iterator[Any]:
-        store = self._enter(op)
-        try:
-            yield store
-        finally:
-            self._leave()
-
-    def _record(self, op: str, codes: Sequence[int]) -> None:
-        """Count non-success codes; a call where every entry is a cluster-level
-        failure counts against the breaker, any other answer proves the master
-        is alive (a dead storage node is a failure domain, not the cluster)."""
-        if not codes or min(codes) >= 0:
-            self._breaker.record_success()
-            return
-        for code in codes:
-            if code < 0:
-                label = code_name(code)
-                if label not in self._counters and len(self._counters) >= _MAX_ERROR_LABELS:
-                    label = _OTHER_CODES_LABEL
-                self._counters[label] += 1
-        if all(is_cluster_failure(c) for c in codes):
-            self._fail(op, f"all {len(codes)} entries failed ({code_name(codes[0])})")
-        else:
-            self._breaker.record_success()
-
-    def _fail(self, op: str, why: str) -> None:
-        if self._breaker.record_failure(time.monotonic()):
-            logger.warning(
-                "mooncake-span: circuit breaker OPEN after %s failed: %s; answering misses until "
-                "the cluster responds",
-                op,
-                why,
-            )
-            self._prober.start()
-
-    def _invoke(self, op: str, fn: Callable[[Any], list[int]], expected_len: int) -> list[int]:
-        store = self._enter(op)  # not _native(): a generator costs more on the hot path
-        try:
-            result = fn(store)
-        except Exception as exc:  # the binding's own errors are whole-call failures
-            self._counters["EXCEPTION"] += 1
-            self._fail(op, repr(exc))
-            raise TransportError(f"{op} raised {exc!r}") from exc
-        finally:
-            self._leave()
-        if not isinstance(result, list) or len(result) != expected_len:
-            # e.g. the empty list an uninitialised client returns
-            self._counters["BAD_RESULT_LENGTH"] += 1
-            self._fail(
-                op,
-                f"returned {type(result).__name__} of length "
-                f"{len(result) if isinstance(result, list) else '?'}",
-            )
-            raise TransportError(
-                f"{op} returned {len(result) if isinstance(result, list) else result!r} results "
-                f"for {expected_len} keys"
-            )
-        self._record(op, result)
-        return result
-
-    def _invoke_one(self, op: str, fn: Callable[[Any], int]) -> int:
-        """A native call answering one int code, with the error accounting of ``_invoke``."""
-        return self._invoke(op, lambda s: [int(fn(s))], 1)[0]
-
-    # ---- prober --------------------------------------------------------------
-
-    def _probe_once(self) -> bool | None:
-        """One existence query past the breaker: did the cluster answer? None once closed."""
-        with self._cond:
-            if self._closed:
-                return None
-            self._inflight += 1
-        try:
-            codes = self._store.batch_is_exist([self._probe_key])
-            return isinstance(codes, list) and len(codes) == 1 and codes[0] in (0, 1)
-        except Exception:  # the cluster is still down
-            return False
-        finally:
-            self._leave()
-
-    # ---- failure domains -------------------------------------------------------
-
-    def _locate(
-        self, object_keys: Sequence[str], sizes: dict[str, int] | None = None
-    ) -> dict[str, set[str]]:
-        """Where the master says objects are (one RPC); {} if it does not answer."""
-        if not object_keys:
-            return {}
-        suppress = contextlib.suppress(TransportError, StoreClosedError)
-        with suppress, self._native("batch_get_replica_desc") as store:
-            try:
-                return replica_segments(store.batch_get_replica_desc(list(object_keys)), sizes)
-            except Exception:  # observation only: unknown means "treat as lost"
-                logger.debug("batch_get_replica_desc failed", exc_info=True)
-        return {}
-
-    def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
-        """Mark bad the segments holding objects a transfer just failed on, as the
-        master locates them (placement may not have been followed). Only objects
-        of exactly the planned size count: a read into larger buffers also gets
-        -800, a wrong request and not a dead node."""
-        located = self._locate(list(planned_bytes), planned_bytes)
-        segments = set().union(*located.values())
-        if not segments:
-            return
-        fresh = self._health.mark_bad(segments, time.monotonic())
-        if fresh:
-            logger.warning(
-                "mooncake-span: %s failed on segment(s) %s; their keys read as misses for %.0fs",
-                op,
-                fresh,
-                self.options.domain_bad_ttl_s,
-            )
-        if self._directory is not None:
-            self._directory.wake()
-
-    # ---- operations ------------------------------------------------------------
-
-    def register_buffer(self, ptr: int, size_bytes: int) -> None:
-        if size_bytes <= 0:
-            return
-        rc = self._invoke_one("register_buffer", lambda s: s.register_buffer(ptr, size_bytes))
-        if rc != 0:
-            raise SetupError(
-                f"register_buffer(ptr={ptr:#x}, {size_bytes} bytes) failed with {rc} "
-                f"({code_name(rc)})"
-            )
-
-    def _exists_codes(self, keys: list[str]) -> list[int]:
-        out: list[int] = []
-        for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
-            chunk = keys[start : start + _EXISTS_KEYS_PER_CALL]
-            codes = self._invoke(
-                "batch_is_exist", lambda s, keys=chunk: s.batch_is_exist(keys), len(chunk)
-            )
-            if all(is_transport_failure(code) for code in codes):
-                # Nothing answered: a caller must not read this as "absent" and
-                # follow up with a put that would wait just as long.
-                raise TransportError(f"batch_is_exist: every key failed ({code_name(codes[0])})")
-            out += codes
-        return out
-
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Per key, whether a readable copy is stored. Keys whose restore failed
-        recently, and keys whose every copy sits in a bad failure domain, are
-        absent without asking the master."""
-        if self._copies == 1 and not self._lost and not self._health.any_bad:
-            return [code == 1 for code in self._exists_codes(list(keys))]  # the common case
-        lost = self._lost.lost_mask(keys, time.monotonic())
-        rows = self.router.read_rows(keys, self._locate)
-        asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
-        skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
-        if skipped:
-            self._counters["DOMAIN_BAD_SKIPPED"] += skipped
-        if any(lost):
-            self._counters["LOST_KEY_SKIPPED"] += sum(lost)
-        found = dict(zip(asked, self._exists_codes(asked), strict=True)) if asked else {}
-        return [
-            not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
-        ]
+    # ---- the write path ----------------------------------------------------------
 
     def put(
         self,
@@ -398,20 +188,44 @@ class MooncakeClient:
         metadata only). True only if every copy was written."""
         batch = PlanBatch.of(plans)
         if self.router.direct(keys):
-            keys, codes = list(keys), [0] * len(keys)
-            for segment, rows in self.router.direct_groups(keys, domains):
-                if rows is None:
-                    codes = self._put_part(keys, batch, group_ids, hard_pin, segment)
-                    break
-                groups = [group_ids[i] for i in rows] if group_ids else None
-                part = self._put_part(
-                    [keys[i] for i in rows], batch.take(rows), groups, hard_pin, segment
-                )
-                for i, code in zip(rows, part, strict=True):
-                    codes[i] = code
-            ok = [code == 0 for code in codes]
-            self._lost.discard(k for k, good in zip(keys, ok, strict=True) if good)
+            ok = self._put_direct(list(keys), batch, group_ids, hard_pin, domains)
+            self.router.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
             return ok
+        return self._put_copies(keys, batch, group_ids, hard_pin, domains)
+
+    def _put_direct(
+        self,
+        keys: list[str],
+        batch: PlanBatch,
+        group_ids: Sequence[str] | None,
+        hard_pin: bool,
+        domains: Sequence[str] | None,
+    ) -> list[bool]:
+        """One copy per unique key: the objects go in the caller's order, one
+        segment's share at a time."""
+        codes = [0] * len(keys)
+        for segment, rows in self.router.direct_groups(keys, domains):
+            if rows is None:  # every object goes to one segment
+                codes = self._put_part(keys, batch, group_ids, hard_pin, segment)
+                break
+            groups = [group_ids[i] for i in rows] if group_ids else None
+            part = self._put_part(
+                [keys[i] for i in rows], batch.take(rows), groups, hard_pin, segment
+            )
+            for i, code in zip(rows, part, strict=True):
+                codes[i] = code
+        return [code == 0 for code in codes]
+
+    def _put_copies(
+        self,
+        keys: Sequence[str],
+        batch: PlanBatch,
+        group_ids: Sequence[str] | None,
+        hard_pin: bool,
+        domains: Sequence[str] | None,
+    ) -> list[bool]:
+        """Every copy of every unique key onto the segment the router places it on;
+        a key is written when all its copies are."""
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         written = collections.Counter()
@@ -422,9 +236,10 @@ class MooncakeClient:
             part = [k for _, k in entries]
             codes = self._put_part(part, batch.take(rows), groups, hard_pin, segment)
             for i, code in zip(rows, codes, strict=True):
-                written[i] += code == 0
-        ok = {i: written[i] == self._copies for i in unique}
-        self._lost.discard(keys[i] for i in unique if ok[i])
+                if code == 0:
+                    written[i] += 1
+        ok = {i: written[i] == self.router.copies for i in unique}
+        self.router.forget_lost(keys[i] for i in unique if ok[i])
         return [ok[first[k]] for k in keys]
 
     def _put_part(
@@ -435,60 +250,37 @@ class MooncakeClient:
         hard_pin: bool,
         segment: str,
     ) -> list[int]:
-        """Objects onto one segment, in calls within the buffer budget. Every
-        object failing to transfer there marks the segment bad."""
+        """Objects onto one segment, in calls within the buffer budget (not sent
+        while the cluster is full). Every object failing to transfer there marks
+        the segment bad."""
         codes: list[int] = []
         grouped = bool(group_ids) and self.options.group_ids
         for span in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
-            if not hard_pin and self.pressure.cooling:  # the cluster is full: not sent
-                self._counters[FULL_SKIPPED_LABEL] += len(span)
+            if not hard_pin and self.pressure.cooling:
+                self._gate.counters[FULL_SKIPPED_LABEL] += len(span)
                 codes += [SKIPPED_CODE] * len(span)
                 continue
-            part = batch.part(span)
             config = replicate_config(
                 self._binding.replicate_config_factory,
-                self.options.replica_num if self._copies == 1 else 1,
+                self.options.replica_num if self.router.copies == 1 else 1,
                 group_ids[span.start : span.stop] if grouped else None,
                 hard_pin,
                 segment,
             )
-            codes += self.pressure.record(
-                self._invoke(
-                    "batch_put_from_multi_buffers",
-                    lambda s, k=keys[span.start : span.stop], p=part, c=config: (
-                        s.batch_put_from_multi_buffers(k, p.ptrs, p.sizes, c)
-                    ),
-                    len(span),
-                )
-            )
-        if segment and codes and all(c == _TRANSFER_FAIL for c in codes):
-            if self._health.mark_bad([segment], time.monotonic()):
-                logger.warning("mooncake-span: put failed on segment %s; avoiding it", segment)
+            codes += self._put_call(keys[span.start : span.stop], batch.part(span), config)
+        if segment and codes and all(is_transfer_failure(c) for c in codes):
+            self._mark_bad([segment], "batch_put_from_multi_buffers")
         return codes
 
-    def _get_codes(self, keys: Sequence[str], batch: PlanBatch) -> list[int]:
-        """One read attempt per key: the native code (bytes read, or an error)."""
-        out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
-        for round_positions in dedup_rounds(keys):
-            rows = batch.take(round_positions)
-            for span in self.router.calls(rows):  # the one place the buffer budget is cut
-                idx = round_positions[span.start : span.stop]
-                codes = self._get_call([keys[i] for i in idx], rows.part(span))
-                for i, code in zip(idx, codes, strict=True):
-                    out[i] = code
-        return out
-
-    def _get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
-        codes = self._invoke(
-            "batch_get_into_multi_buffers",
-            lambda s: s.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes),
+    def _put_call(self, keys: list[str], batch: PlanBatch, config: Any) -> list[int]:
+        codes = self._gate.invoke(
+            "batch_put_from_multi_buffers",
+            lambda s: s.batch_put_from_multi_buffers(keys, batch.ptrs, batch.sizes, config),
             len(keys),
         )
-        if codes != batch.nbytes:
-            short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
-            if short:
-                self._counters["SHORT_READ"] += short
-        return codes
+        return self.pressure.record(codes)
+
+    # ---- the read path -----------------------------------------------------------
 
     def get(self, keys: Sequence[str], plans: Sequence[ObjectPlan] | PlanBatch) -> list[bool]:
         """Read objects into the planned buffers; True only for a complete read.
@@ -498,21 +290,28 @@ class MooncakeClient:
         attempts per key). A key that cannot be read is remembered as lost."""
         batch = PlanBatch.of(plans)
         if self.router.direct(keys):
-            keys, codes = list(keys), []
-            for span in self.router.calls(batch):
-                codes += self._get_call(keys[span.start : span.stop], batch.part(span))
-            ok = list(map(operator.eq, codes, batch.nbytes))
-            if not all(ok):
-                unreadable = self._on_failed_reads(keys, batch.nbytes, codes)
-                self._lost.add(unreadable, time.monotonic())
-            return ok
+            return self._get_direct(list(keys), batch)
+        return self._get_copies(keys, batch)
+
+    def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
+        """One copy per unique key, in the caller's order, cut by the buffer budget."""
+        codes: list[int] = []
+        for span in self.router.calls(batch):
+            codes += self._get_call(keys[span.start : span.stop], batch.part(span))
+        ok = list(map(operator.eq, codes, batch.nbytes))
+        if not all(ok):
+            self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
+        return ok
+
+    def _get_copies(self, keys: Sequence[str], batch: PlanBatch) -> list[bool]:
+        """Each key's live copies in turn, until one reads completely."""
         candidates = self.router.read_rows(keys, self._locate)
         ok = [False] * len(keys)
         unreadable = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]
         if len(pending) < len(keys):
-            self._counters["DOMAIN_BAD_SKIPPED"] += len(keys) - len(pending)
-        for attempt in range(self._copies):
+            self._gate.counters["DOMAIN_BAD_SKIPPED"] += len(keys) - len(pending)
+        for attempt in range(self.router.copies):
             pending = [i for i in pending if attempt < len(candidates[i])]
             if not pending:
                 break
@@ -525,8 +324,33 @@ class MooncakeClient:
             pending = [i for i in pending if not ok[i]]
         lost = [k for i, k in enumerate(keys) if not ok[i] and (unreadable[i] or not candidates[i])]
         if lost:
-            self._lost.add(lost, time.monotonic())
+            self.router.remember_lost(lost)
         return ok
+
+    def _get_codes(self, keys: Sequence[str], batch: PlanBatch) -> list[int]:
+        """One read attempt per key: the native code (bytes read, or an error).
+        A round never names one key twice."""
+        out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
+        for round_positions in dedup_rounds(keys):
+            rows = batch.take(round_positions)
+            for span in self.router.calls(rows):  # the one place the buffer budget is cut
+                idx = round_positions[span.start : span.stop]
+                codes = self._get_call([keys[i] for i in idx], rows.part(span))
+                for i, code in zip(idx, codes, strict=True):
+                    out[i] = code
+        return out
+
+    def _get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
+        codes = self._gate.invoke(
+            "batch_get_into_multi_buffers",
+            lambda s: s.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes),
+            len(keys),
+        )
+        if codes != batch.nbytes:
+            short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
+            if short:
+                self._gate.counters["SHORT_READ"] += short
+        return codes
 
     def _on_failed_reads(
         self, object_keys: Sequence[str], planned: Sequence[int], codes: Sequence[int]
@@ -534,51 +358,142 @@ class MooncakeClient:
         """Marks the domains of transfer failures and removes corrupt objects;
         returns the keys of both kinds (the reads that cannot succeed again)."""
         failed = [f for f in zip(object_keys, planned, codes, strict=True) if f[1] != f[2]]
-        dead = {k: n for k, n, code in failed if code == _TRANSFER_FAIL}
+        dead = {k: n for k, n, code in failed if is_transfer_failure(code)}
         if dead:
             self._mark_failed_domains("batch_get_into_multi_buffers", dead)
         return [*dead, *self._integrity.record(failed)]
+
+    # ---- what failed transfers teach (both paths) ---------------------------------
+
+    def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
+        """Mark bad the segments holding objects a transfer just failed on, as the
+        master locates them (placement may not have been followed). Only objects
+        of exactly the planned size count: a read into larger buffers also gets
+        -800, a wrong request and not a dead node."""
+        located = self._locate(list(planned_bytes), planned_bytes)
+        segments = set().union(*located.values())
+        if not segments:
+            return
+        self._mark_bad(segments, op)
+        if self._directory is not None:
+            self._directory.wake()
+
+    def _mark_bad(self, segments: Iterable[str], op: str) -> None:
+        fresh = self.router.mark_segments_bad(segments)
+        if fresh:
+            logger.warning(
+                "mooncake-span: %s failed on segment(s) %s; avoiding them and reading their "
+                "keys as misses for %.0fs",
+                op,
+                fresh,
+                self.options.domain_bad_ttl_s,
+            )
+
+    def _locate(
+        self, object_keys: Sequence[str], sizes: dict[str, int] | None = None
+    ) -> dict[str, set[str]]:
+        """Where the master says objects are (one RPC); {} if it does not answer."""
+        if not object_keys:
+            return {}
+        suppress = contextlib.suppress(TransportError, StoreClosedError)
+        with suppress, self._gate.native("batch_get_replica_desc") as store:
+            try:
+                return replica_segments(store.batch_get_replica_desc(list(object_keys)), sizes)
+            except Exception:  # observation only: unknown means "treat as lost"
+                logger.debug("batch_get_replica_desc failed", exc_info=True)
+        return {}
+
+    # ---- existence ---------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, whether a readable copy is stored. Keys whose restore failed
+        recently, and keys whose every copy sits in a bad failure domain, are
+        absent without asking the master."""
+        if self.router.untroubled:
+            return [code == 1 for code in self._exists_codes(list(keys))]  # the common case
+        lost = self.router.lost_mask(keys)
+        rows = self.router.read_rows(keys, self._locate)
+        asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
+        skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
+        if skipped:
+            self._gate.counters["DOMAIN_BAD_SKIPPED"] += skipped
+        if any(lost):
+            self._gate.counters["LOST_KEY_SKIPPED"] += sum(lost)
+        found = dict(zip(asked, self._exists_codes(asked), strict=True)) if asked else {}
+        return [
+            not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
+        ]
+
+    def _exists_codes(self, keys: list[str]) -> list[int]:
+        out: list[int] = []
+        for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
+            chunk = keys[start : start + _EXISTS_KEYS_PER_CALL]
+            codes = self._gate.invoke(
+                "batch_is_exist", lambda s, keys=chunk: s.batch_is_exist(keys), len(chunk)
+            )
+            if all(is_transport_failure(code) for code in codes):
+                # Nothing answered: a caller must not read this as "absent" and
+                # follow up with a put that would wait just as long.
+                raise TransportError(f"batch_is_exist: every key failed ({code_name(codes[0])})")
+            out += codes
+        return out
+
+    # ---- other operations ----------------------------------------------------------
+
+    def register_buffer(self, ptr: int, size_bytes: int) -> None:
+        if size_bytes <= 0:
+            return
+        rc = self._gate.invoke_one("register_buffer", lambda s: s.register_buffer(ptr, size_bytes))
+        if rc != 0:
+            raise SetupError(
+                f"register_buffer(ptr={ptr:#x}, {size_bytes} bytes) failed with {rc} "
+                f"({code_name(rc)})"
+            )
 
     def remove(self, keys: Sequence[str]) -> int:
         """Force-remove objects (and their copies); returns how many keys were removed."""
         removed = 0
         for key in keys:
-            copies = [copy_key(key, r) for r in range(self._copies)]
-            removed += 0 in [
-                self._invoke_one("remove", lambda s, k=k: s.remove(k, True)) for k in copies
+            copies = [copy_key(key, r) for r in range(self.router.copies)]
+            codes = [
+                self._gate.invoke_one("remove", lambda s, k=k: s.remove(k, True)) for k in copies
             ]
+            if 0 in codes:  # a key is removed when one of its copies was
+                removed += 1
         return removed
 
     def remove_all(self) -> int:
-        with self._native("remove_all") as store:
+        with self._gate.native("remove_all") as store:
             return int(store.remove_all(True))
 
     def remove_prefix(self, prefix: str) -> int:
         """Force-remove every object whose key starts with ``prefix``."""
         pattern = "^" + re.escape(prefix)
-        with self._native("remove_by_regex") as store:
+        with self._gate.native("remove_by_regex") as store:
             return int(store.remove_by_regex(pattern, True))
 
     def size_of(self, key: str) -> int:
         """The stored size of ``key`` in bytes, or a negative native code."""
-        return self._invoke_one("get_size", lambda s: s.get_size(key))
+        return self._gate.invoke_one("get_size", lambda s: s.get_size(key))
+
+    # ---- statistics ----------------------------------------------------------------
 
     def stats_revision(self) -> tuple[int, bool, int]:
         """Cheap to read; changes whenever ``stats()`` has news for the metrics
         (every failure is counted, and the breaker and segment marks follow them)."""
-        return sum(self._counters.values()), self._breaker.is_open, self._health.times_marked
+        return (*self._gate.revision(), self.router.times_marked)
 
     def stats(self) -> dict[str, Any]:
-        snapshot: BreakerSnapshot = self._breaker.snapshot()
+        snapshot = self._gate.breaker()
         return {
-            "error_counts": dict(self._counters),
+            "error_counts": dict(self._gate.counters),
             "breaker_state": snapshot.state.value,
             "breaker_consecutive_failures": snapshot.consecutive_failures,
             "breaker_times_opened": snapshot.times_opened,
             "segments": list(self.segments()),
-            "bad_segments": sorted(self._health.bad(time.monotonic())),
-            "domains_marked_bad": self._health.times_marked,
-            "lost_keys": len(self._lost),
+            "bad_segments": sorted(self.router.bad_segments()),
+            "domains_marked_bad": self.router.times_marked,
+            "lost_keys": self.router.lost_count,
             "integrity_failures": dict(self._integrity.counts),
             "integrity_removed": self._integrity.removed,
         }

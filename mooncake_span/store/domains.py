@@ -28,8 +28,6 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from mooncake_span.errors import ErrorCode, is_transport_failure
-
 # Rendezvous weights: w(domain, segment) = mix(crc32(domain) * _GOLDEN ^ seed(segment)),
 # with seed a 64-bit hash of the segment name and mix one xorshift-multiply
 # round (odd multiplier: a bijection that carries every bit into the high
@@ -86,17 +84,6 @@ def rank_segments(
     if bad:
         ranked = [s for s in ranked if s not in bad] + [s for s in ranked if s in bad]
     return ranked
-
-
-_TRANSFER_FAIL = int(ErrorCode.TRANSFER_FAIL)
-
-
-def is_cluster_failure(code: int) -> bool:
-    """A failure of the master or the RPC layer, which is what the breaker is for.
-
-    A TRANSFER_FAIL names one peer (a dead or cut storage node): it marks that
-    failure domain bad instead of cutting the process off every live node."""
-    return code != _TRANSFER_FAIL and is_transport_failure(code)
 
 
 # Copy r >= 1 of an object (span_replica_num > 1 with placement) is stored under

@@ -28,10 +28,13 @@ _LOG_INTERVAL_S = 10.0
 class IntegrityFailures:
     """Counts, logs and removes objects a get found corrupt. Thread-safe."""
 
-    def __init__(self, remove_object: Callable[[str], int]) -> None:
+    def __init__(
+        self, remove_object: Callable[[str], int], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         # remove_object(object key) -> Mooncake's code (0: removed); may raise
-        # the client's whole-call errors.
+        # the client's whole-call errors. clock: for the log rate limit.
         self._remove_object = remove_object
+        self._clock = clock
         self._lock = threading.Lock()
         self.counts: collections.Counter[str] = collections.Counter()
         self.removed = 0
@@ -45,14 +48,16 @@ class IntegrityFailures:
         if not failed:
             return []
         removed = sum(1 for object_key, _ in failed if self._remove(object_key))
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             for _, code in failed:
                 self.counts[code_name(code)] += 1
             self.removed += removed
             quiet = now - self._last_log_s >= _LOG_INTERVAL_S
             if quiet:
-                self._last_log_s, unlogged, self._unlogged = now, self._unlogged, 0
+                unlogged = self._unlogged  # held back since the last line
+                self._unlogged = 0
+                self._last_log_s = now
             else:
                 self._unlogged += len(failed)
         if quiet:

@@ -37,6 +37,17 @@ _checksum_lock = threading.Lock()
 _process_checksums: bool | None = None  # what the first setup by this package got
 
 
+def probe_tcp(endpoint: str, timeout_s: float) -> None:
+    """Connect to ``host:port`` once; SetupError if it does not answer within ``timeout_s``."""
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise SetupError(f"cannot reach {endpoint}: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class NativeBinding:
     """Where the store class comes from: the real wheel, or a fake in tests."""
@@ -47,6 +58,9 @@ class NativeBinding:
     list_segments: Callable[[str], list[str] | None] = fetch_segments
     # The wheel's client: one checksum setting per process (CHECKSUM_ENV).
     shares_process_env: bool = False
+    # Raises SetupError when (endpoint, timeout_s) does not accept a connection;
+    # a fake cluster has no endpoint to dial.
+    probe_endpoint: Callable[[str, float], None] = probe_tcp
 
 
 @dataclass(frozen=True)
@@ -139,16 +153,6 @@ def native_env_defaults(options: SpanOptions) -> dict[str, str]:
         # With etcd metadata, each setup retry can take ~12 s.
         "MC_STORE_CLIENT_SETUP_RETRIES": "2",
     }
-
-
-def _probe_tcp(endpoint: str, timeout_s: float) -> None:
-    host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            pass
-    except OSError as exc:
-        raise SetupError(f"cannot reach {endpoint}: {exc}") from exc
 
 
 def checksum_setting(options: SpanOptions, environ: Mapping[str, str]) -> tuple[bool, str]:

@@ -20,14 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from mooncake_span.errors import ErrorCode
+from mooncake_span.errors import ErrorCode, is_no_space
 
 logger = logging.getLogger(__name__)
 
-# Mooncake's answers that mean "no space for this object now" (types.h).
-NO_SPACE_CODES = frozenset(
-    {int(ErrorCode.NO_AVAILABLE_HANDLE), int(ErrorCode.TENANT_QUOTA_EXCEEDED)}
-)
 # The client's counter (failed_objects_total{code=...}) of puts not sent in a cool-down.
 FULL_SKIPPED_LABEL = "FULL_COOLDOWN_SKIPPED"
 # What a put skipped in a cool-down reads as: the answer that started it.
@@ -70,7 +66,7 @@ class PutPressure:
         return codes
 
     def _note(self, codes: list[int]) -> None:
-        full = [c for c in codes if c in NO_SPACE_CODES]
+        full = [c for c in codes if is_no_space(c)]
         if not full and (self._until_s is None or 0 not in codes):
             return
         with self._lock:
@@ -84,7 +80,9 @@ class PutPressure:
             self._until_s = now + self._cooldown_s
             if self._last_log_s is not None and now - self._last_log_s < LOG_INTERVAL_S:
                 return
-            self._last_log_s, started, self._unlogged = now, self._unlogged, 0
+            started = self._unlogged  # cool-downs since the last line, this one included
+            self._unlogged = 0
+            self._last_log_s = now
         logger.warning(
             "mooncake-span: cluster full (%d of %d objects refused: %s); skipping backups of new "
             "keys for %.1fs after each refusal (%d cool-down(s) since the last such line)",

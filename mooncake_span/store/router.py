@@ -1,8 +1,10 @@
 """Which objects a store call touches, and on which segment. No I/O.
 
-``DomainRouter`` holds one client's failure-domain state (segments marked
-bad, keys whose restore failed, the number of copies per key) and decides,
-per call:
+``DomainRouter`` owns one client's failure-domain state -- segments marked
+bad, keys whose restore failed, the number of copies per key -- and is the
+only code that changes it (the client reports what its calls saw through
+``mark_segments_bad``, ``remember_lost`` and ``forget_lost``). TTLs run on the
+clock it is given. It decides, per call:
 
 * whether the call can go to Mooncake as the caller built it: one copy per
   key, no segment marked bad, no key named twice. That is nearly every call
@@ -20,7 +22,7 @@ and passes the answer in (``locate``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -42,23 +44,68 @@ Locate = Callable[[list[str]], dict[str, set[str]]]
 
 
 class DomainRouter:
-    def __init__(self, options: SpanOptions, segments: Callable[[], tuple[str, ...]]) -> None:
+    def __init__(
+        self,
+        options: SpanOptions,
+        segments: Callable[[], tuple[str, ...]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         # With placement, replicas are copies under their own keys (one per
         # segment) so that a read can skip a dead copy; without it, Mooncake's.
         self.copies = options.replica_num if options.placement else 1
-        self.health = DomainHealth(options.domain_bad_ttl_s)
-        self.lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
+        self._health = DomainHealth(options.domain_bad_ttl_s)
+        self._lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
+        self._clock = clock
         self.segments = segments
         self._max_buffers = options.max_buffers_per_call
         # The placement key of an object key: objects with one domain share a
         # segment. Set by the backend (KeySchema.domain_of); None: the key itself.
         self.domain_of: Callable[[str], str] | None = None
 
+    # ---- failure-domain state ------------------------------------------------
+
+    def mark_segments_bad(self, segments: Iterable[str]) -> list[str]:
+        """Segments a transfer just failed on: their keys read as misses and writes
+        avoid them for ``span_domain_bad_ttl_s``. Returns those not bad before."""
+        return self._health.mark_bad(segments, self._clock())
+
+    def bad_segments(self) -> frozenset[str]:
+        return self._health.bad(self._clock())
+
+    @property
+    def times_marked(self) -> int:
+        """How many times a healthy segment was marked bad."""
+        return self._health.times_marked
+
+    def remember_lost(self, keys: Iterable[str]) -> None:
+        """Keys whose restore failed: absent until re-written or the lost-key TTL passes."""
+        self._lost.add(keys, self._clock())
+
+    def forget_lost(self, keys: Iterable[str]) -> None:
+        """Keys just written: readable again."""
+        self._lost.discard(keys)
+
+    def lost_mask(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, True while it is known lost."""
+        return self._lost.lost_mask(keys, self._clock())
+
+    @property
+    def lost_count(self) -> int:
+        return len(self._lost)
+
+    @property
+    def untroubled(self) -> bool:
+        """One copy per key, no key known lost and no segment marked bad: every key
+        can be asked about as it is (the common case, without the clock)."""
+        return self.copies == 1 and not self._lost and not self._health.any_bad
+
+    # ---- routing ---------------------------------------------------------------
+
     def direct(self, keys: Sequence[str]) -> bool:
         """True when the objects can go to Mooncake in the caller's order, cut only
         by the buffer budget (``calls``): one copy per key, no segment marked bad,
         no key named twice."""
-        return self.copies == 1 and not self.health.any_bad and len(set(keys)) == len(keys)
+        return self.copies == 1 and not self._health.any_bad and len(set(keys)) == len(keys)
 
     def calls(self, batch: PlanBatch, max_objects: int = 0) -> list[range]:
         """Consecutive objects per native call, each within the buffer budget and,
@@ -100,14 +147,14 @@ class DomainRouter:
             self._domains(keys, domains) if segments else None,
             segments,
             self.copies,
-            self.health.bad(time.monotonic()),
+            self.bad_segments(),
         )
 
     def read_rows(self, keys: Sequence[str], locate: Locate) -> list[list[str]]:
         """Per key, the copies to try, in order; [] when all sit in bad failure domains.
         Placement is computed only while some segment is bad, and ``locate`` is
         called only if a key was placed on a bad segment."""
-        bad = self.health.bad(time.monotonic())
+        bad = self.bad_segments()
         if not bad:
             if self.copies == 1:
                 return [[key] for key in keys]

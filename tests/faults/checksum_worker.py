@@ -51,7 +51,7 @@ def _object_keys(oracle: SpanOracle, key: str) -> list[str]:
 
 def _flip_middle_byte(oracle: SpanOracle, object_key: str) -> dict[str, Any]:
     """Invert one byte in the middle of the stored object, in this process' segment."""
-    replicas = oracle.store.client._store.get_replica_desc(object_key)
+    replicas = oracle.store.client._gate.store.get_replica_desc(object_key)
     desc = replicas[0].get_memory_descriptor().buffer_descriptor
     byte = ctypes.c_ubyte.from_address(desc.buffer_address + desc.size // 2)
     byte.value ^= 0xFF

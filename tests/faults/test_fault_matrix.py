@@ -175,7 +175,7 @@ def _placement(oracle: SpanOracle, keys: list[str]) -> dict[str, tuple[set[str],
     observation only, the backend itself never needs placement.
     """
     store = oracle.store
-    native = store.client._store
+    native = store.client._gate.store
 
     def where(object_keys: list[str]) -> set[str]:
         out = set()

@@ -100,4 +100,6 @@ def checked_binding(base: NativeBinding, stores: list[CheckedStore]) -> NativeBi
         stores.append(store)
         return store
 
-    return NativeBinding(make, base.replicate_config_factory, base.list_segments)
+    return NativeBinding(
+        make, base.replicate_config_factory, base.list_segments, probe_endpoint=base.probe_endpoint
+    )

@@ -24,7 +24,7 @@ from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store import native
 from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.testing.fake_store import FakeCluster
-from tests.span_helpers import fake_client, listening_port
+from tests.span_helpers import FakeClock, fake_client, listening_port
 
 ENV = native.CHECKSUM_ENV
 OBJECT_BYTES = 256
@@ -183,15 +183,21 @@ def test_a_corrupt_copy_falls_back_to_the_next_one():
 
 def test_integrity_failures_log_once_per_interval(caplog):
     removed: list[str] = []
-    failures = IntegrityFailures(lambda key: removed.append(key) or 0)
+    clock = FakeClock()
+    failures = IntegrityFailures(lambda key: removed.append(key) or 0, clock)
     with caplog.at_level(logging.ERROR, logger="mooncake_span.store.integrity"):
         assert failures.record([("a", 64, MISMATCH), ("b", 64, 64)]) == ["a"]
+        clock.advance(9.0)
         assert failures.record([("c", 64, MISMATCH)]) == ["c"]
         assert failures.record([("d", 64, int(ErrorCode.TRANSFER_FAIL))]) == []
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "CHECKSUM_MISMATCH" in lines[0] and "a" in lines[0]
+        clock.advance(1.0)  # the interval is up: the next one logs, with the count it held
+        assert failures.record([("e", 64, MISMATCH)]) == ["e"]
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "CHECKSUM_MISMATCH" in lines[0] and "a" in lines[0]
-    assert removed == ["a", "c"]
-    assert failures.counts == {"CHECKSUM_MISMATCH": 2}
+    assert len(lines) == 2 and "e" in lines[1] and "(1 more since the last line)" in lines[1]
+    assert removed == ["a", "c", "e"]
+    assert failures.counts == {"CHECKSUM_MISMATCH": 3}
 
 
 def test_integrity_failures_become_a_counter():

@@ -102,7 +102,7 @@ def test_a_short_read_is_counted_and_is_a_miss(make_client):
     client = make_client(cluster)
     source = np.ones(OBJECT_BYTES, dtype=np.uint8)
     assert client.put(["x"], _plans(client, source, 1)) == [True]
-    store = client._store
+    store = client._gate.store
     real_get = store.batch_get_into_multi_buffers
     store.batch_get_into_multi_buffers = lambda *a: [c - 1 for c in real_get(*a)]
     assert client.get(["x"], _plans(client, np.zeros_like(source), 1)) == [False]

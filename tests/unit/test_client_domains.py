@@ -18,7 +18,7 @@ from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domains import copy_key, rank_segments
 from mooncake_span.testing.fake_store import FakeCluster
-from tests.span_helpers import fake_client, listening_port
+from tests.span_helpers import FakeClock, fake_client, listening_port
 
 SEGMENTS = ("127.0.0.1:12001", "127.0.0.1:12002")
 COMPONENTS = ("kv", "indexer", "conv")
@@ -162,18 +162,42 @@ def test_a_failed_restore_is_not_a_hit_again_until_rewritten(make_client, cluste
     assert keys.get_key(client, 0)
 
 
-def test_lost_keys_come_back_after_their_ttl(make_client, cluster, monkeypatch):
+def test_lost_keys_come_back_after_their_ttl(make_client, cluster):
     cluster.segments.clear()  # no failure domains: the negative cache alone
     keys = Keys(1)
-    client = make_client(placement=False, lost_key_ttl_s=0.05)
+    clock = FakeClock()
+    client = make_client(placement=False, lost_key_ttl_s=30.0, clock=clock)
     assert all(keys.put(client))
     cluster.inject("batch_get_into_multi_buffers", int(ErrorCode.TRANSFER_FAIL))
     assert not keys.get_key(client, 0)
     assert client.exists(keys.objects) == [False] * 3
-    import time
-
-    time.sleep(0.1)
+    clock.advance(29.0)
+    assert client.exists(keys.objects) == [False] * 3
+    clock.advance(2.0)
     assert client.exists(keys.objects) == [True] * 3
+    assert client.stats()["lost_keys"] == 0
+
+
+def test_a_bad_segment_serves_again_after_its_ttl(make_client, cluster):
+    keys = Keys()
+    clock = FakeClock()
+    client = make_client(domain_bad_ttl_s=20.0, clock=clock)
+    assert all(keys.put(client))
+    dead = SEGMENTS[0]
+    on_dead = [k for k in range(24) if keys.home(k) == dead]
+    cluster.kill_segment(dead)
+    assert not keys.get_key(client, on_dead[0])
+    assert client.stats()["bad_segments"] == [dead]
+    cluster.dead.discard(dead)  # the node is back
+    clock.advance(19.0)
+    assert client.stats()["bad_segments"] == [dead]
+    cluster.calls.clear()
+    assert not any(keys.get_key(client, k) for k in on_dead[1:])  # misses without a transfer
+    assert native_calls(cluster, "batch_get_into_multi_buffers") == 0
+    clock.advance(2.0)
+    assert client.stats()["bad_segments"] == []
+    assert all(keys.get_key(client, k) for k in on_dead[1:])
+    assert client.stats()["domains_marked_bad"] == 1
 
 
 def test_transfer_failures_never_open_the_breaker_but_rpc_failures_do(make_client, cluster):

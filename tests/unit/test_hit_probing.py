@@ -150,13 +150,11 @@ class RecordingStore(FakeStore):
 def rig():
     pool_set = P.build_compressed_hybrid_dsa("page_first", host_pages=8, mamba_slots=4)
     cluster, asked = FakeCluster(), []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
-        store = fake_backend(
-            {**FAKE_CLIENT, "storage_page_size": SPAN},
-            cluster=cluster,
-            native=lambda c: RecordingStore(c, asked),
-        )
+    store = fake_backend(
+        {**FAKE_CLIENT, "storage_page_size": SPAN},
+        cluster=cluster,
+        native=lambda c: RecordingStore(c, asked),
+    )
     register_pools(store, pool_set.pools)
     yield store, cluster, asked
     store.close()

@@ -20,7 +20,7 @@ from mooncake_span.bench.pressure import (
 )
 from mooncake_span.store.client import NativeBinding
 from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import FAKE_CLIENT
+from tests.span_helpers import FAKE_CLIENT, skip_probe
 
 # 26 KiB per host page (KV 24 KiB + indexer 2 KiB), 104 KiB per key, 4 keys per call.
 CONFIG = PressureConfig(
@@ -29,13 +29,14 @@ CONFIG = PressureConfig(
 
 
 @pytest.fixture
-def run(monkeypatch):
-    monkeypatch.setattr("mooncake_span.store.client._probe_tcp", lambda *a: None)
+def run():
     rigs = []
 
     def make(cooldown_s: float):
         cluster = FakeCluster(capacity_bytes=CONFIG.segment_bytes)
-        binding = NativeBinding(lambda: FakeStore(cluster), FakeReplicateConfig)
+        binding = NativeBinding(
+            lambda: FakeStore(cluster), FakeReplicateConfig, probe_endpoint=skip_probe
+        )
         rig = build_rig(CONFIG, FAKE_CLIENT, cooldown_s, binding)
         rigs.append(rig)
         row = {"cooldown_s": cooldown_s, "master_flags": MasterFlags().label}

@@ -19,7 +19,7 @@ from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, PutPressure
 from mooncake_span.store.staging import StagingArena, create_blob, read_blob
 from mooncake_span.testing import pools as P
 from mooncake_span.testing.fake_store import FakeCluster
-from tests.span_helpers import FAKE_CLIENT, fake_client, listening_port, slots_of
+from tests.span_helpers import FAKE_CLIENT, FakeClock, fake_client, listening_port, slots_of
 
 OBJECT_BYTES = 256
 PUT = "batch_put_from_multi_buffers"
@@ -27,22 +27,15 @@ NO_SPACE = int(ErrorCode.NO_AVAILABLE_HANDLE)
 COOLDOWN_S = 5.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now_s = 100.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
 @pytest.fixture
 def rig():
     """A client on a fake cluster holding 4 objects, with an injected clock."""
-    clock = Clock()
+    clock = FakeClock()
     with listening_port() as master:
         cluster = FakeCluster(capacity_bytes=4 * OBJECT_BYTES)
-        client = fake_client(master, cluster, placement=False, full_cooldown_s=COOLDOWN_S)
-        client.pressure = PutPressure(COOLDOWN_S, now_s=clock)
+        client = fake_client(
+            master, cluster, clock=clock, placement=False, full_cooldown_s=COOLDOWN_S
+        )
         source = np.random.default_rng(7).integers(0, 256, 64 * OBJECT_BYTES, dtype=np.uint8)
         client.register_buffer(source.ctypes.data, source.nbytes)
         yield client, cluster, clock, source
@@ -127,7 +120,7 @@ def test_a_success_of_a_put_in_flight_ends_the_cooldown(rig):
 
 
 def test_each_refusal_restarts_the_cooldown_bounded_by_its_duration():
-    clock = Clock()
+    clock = FakeClock()
     pressure = PutPressure(2.0, now_s=clock)
     pressure.record([NO_SPACE])
     clock.now_s += 1.5
@@ -140,7 +133,7 @@ def test_each_refusal_restarts_the_cooldown_bounded_by_its_duration():
 
 
 def test_tenant_quota_counts_as_no_space_and_other_failures_do_not():
-    clock = Clock()
+    clock = FakeClock()
     pressure = PutPressure(2.0, now_s=clock)
     for code in (ErrorCode.TRANSFER_FAIL, ErrorCode.RPC_FAIL, ErrorCode.INVALID_PARAMS):
         pressure.record([int(code)])
@@ -174,7 +167,7 @@ def test_metadata_puts_are_not_held_back(rig):
 
 
 def test_one_log_line_per_interval(rig, caplog):
-    clock = Clock()
+    clock = FakeClock()
     pressure = PutPressure(1.0, now_s=clock)
     with caplog.at_level(logging.WARNING, logger="mooncake_span.store.pressure"):
         for _ in range(5):

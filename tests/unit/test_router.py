@@ -7,14 +7,13 @@ buffers than one call may carry), because the direct path skips all of it.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from mooncake_span.config import SpanOptions
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.domains import rank_segments
 from mooncake_span.store.router import DomainRouter
+from tests.span_helpers import FakeClock
 
 
 def _batch(buffers_per_object: list[int]) -> PlanBatch:
@@ -56,7 +55,7 @@ def test_copies_and_bad_segments_are_not_direct():
     copies = _router(("s1", "s2"), replica_num=2, placement=True)
     assert not copies.direct(["a"])
     router = _router(("s1", "s2"))
-    router.health.mark_bad(["s2"], time.monotonic())
+    router.mark_segments_bad(["s2"])
     assert not router.direct(["a"])
 
 
@@ -103,7 +102,7 @@ def test_read_rows_ask_the_master_only_about_suspect_copies():
     keys = [f"k{i}" for i in range(10)]
     assert router.read_rows(keys, locate) == [[k] for k in keys]
     assert asked == []
-    router.health.mark_bad(["s2"], time.monotonic())
+    router.mark_segments_bad(["s2"])
     rows = router.read_rows(keys, locate)
     on_bad = {k for k in keys if rank_segments(k, ("s1", "s2"))[0] == "s2"}
     assert asked == [sorted(on_bad, key=keys.index)]
@@ -134,3 +133,26 @@ def test_an_object_cap_cuts_every_call_further():
         range(8, 10),
     ]
     assert router.calls(_batch([1] * 4), max_objects=4) == [range(4)]
+
+
+def test_marks_and_lost_keys_expire_on_the_routers_clock():
+    clock = FakeClock()
+    router = DomainRouter(
+        SpanOptions(domain_bad_ttl_s=10.0, lost_key_ttl_s=30.0), lambda: ("s1", "s2"), clock
+    )
+    assert router.untroubled
+    assert router.mark_segments_bad(["s2"]) == ["s2"]
+    assert router.mark_segments_bad(["s2"]) == []  # already bad: not fresh
+    router.remember_lost(["a", "b"])
+    assert not router.untroubled
+    assert router.lost_mask(["a", "b", "c"]) == [True, True, False]
+    router.forget_lost(["b"])  # written again
+    assert router.lost_mask(["a", "b"]) == [True, False]
+    clock.advance(10.5)
+    assert router.bad_segments() == frozenset()
+    assert router.direct(["a"])
+    assert router.lost_mask(["a"]) == [True]
+    clock.advance(20.0)
+    assert router.lost_mask(["a"]) == [False]
+    assert (router.lost_count, router.times_marked) == (0, 1)
+    assert router.untroubled

@@ -1,0 +1,193 @@
+"""The gate every native call of one client passes through.
+
+``NativeGate`` holds the native store once it is set up and hands it to one
+call at a time as the rules allow: never after ``close`` (the native client
+segfaults when called after close) or before setup, never while the circuit
+breaker is open. It counts calls in flight, so that closing waits (bounded)
+for them, checks the shape of every answer, counts every non-success code by
+name, and feeds the breaker: a call where every entry is a cluster-level
+failure (``errors.is_cluster_failure``), an exception or a wrong-length result
+counts against it, any other answer proves the master alive. While the
+breaker is open, ``RecoveryProbe`` asks the cluster past the gate.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from mooncake_span.config import SpanOptions
+from mooncake_span.errors import StoreClosedError, TransportError, code_name, is_cluster_failure
+from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
+from mooncake_span.store.probe import RecoveryProbe
+
+logger = logging.getLogger(__name__)
+
+# Error counters live as long as the client and are keyed by code name, and an
+# unknown native code gets a label of its own (CODE_<n>): past this many
+# labels, new codes are counted together under _OTHER_CODES_LABEL. Bound: at
+# most _MAX_ERROR_LABELS + 1 code labels plus the five fixed ones.
+_MAX_ERROR_LABELS = 64
+_OTHER_CODES_LABEL = "CODE_OTHER"
+
+
+class NativeGate:
+    def __init__(self, options: SpanOptions, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store: Any = None  # set by open() once setup succeeded
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._closed = False
+        self._inflight = 0
+        self._breaker = CircuitBreaker(options.breaker_failures)
+        self._prober = RecoveryProbe(
+            self._breaker, options.breaker_probe_interval_s, self._probe_once
+        )
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._probe_key = f"mooncake-span-probe-{uuid.uuid4().hex}"
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def open(self, store: Any) -> None:
+        self.store = store
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def shut(self, drain_timeout_s: float) -> Any:
+        """Refuse new calls and wait (bounded) for those in flight. Returns the
+        native store for the caller to close, or None: already shut, never set
+        up, or calls still running (closing under one would crash the process;
+        leaking the client is the lesser evil)."""
+        with self._cond:
+            if self._closed:
+                return None
+            self._closed = True
+            deadline = time.monotonic() + drain_timeout_s
+            while self._inflight and time.monotonic() < deadline:
+                self._cond.wait(timeout=0.5)
+            leaked = self._inflight
+        if leaked:
+            logger.error(
+                "mooncake-span: %d calls still running at close; not closing the native client",
+                leaked,
+            )
+            return None
+        return self.store
+
+    # ---- guarded native access ---------------------------------------------
+
+    def _enter(self, op: str) -> Any:
+        """Count a call in flight and hand out the native store, or raise why not."""
+        with self._cond:
+            if self._closed:
+                raise StoreClosedError(f"{op} called after close()")
+            if self.store is None:
+                raise StoreClosedError(f"{op} called before connect()")
+            if self._breaker.is_open:
+                self.counters["BREAKER_REJECTED"] += 1
+                raise TransportError(f"{op} refused: circuit breaker open (cluster unreachable)")
+            self._inflight += 1
+            return self.store
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            if self._closed:  # only shut() waits for calls in flight
+                self._cond.notify_all()
+
+    @contextmanager
+    def native(self, op: str) -> Iterator[Any]:
+        """The native store for one call whose answer is not a list of codes."""
+        store = self._enter(op)
+        try:
+            yield store
+        finally:
+            self._leave()
+
+    def invoke(self, op: str, fn: Callable[[Any], list[int]], expected_len: int) -> list[int]:
+        """``fn(store)``: one native call answering ``expected_len`` codes, accounted."""
+        store = self._enter(op)  # not native(): a generator costs more on the hot path
+        try:
+            result = fn(store)
+        except Exception as exc:  # the binding's own errors are whole-call failures
+            self.counters["EXCEPTION"] += 1
+            self._fail(op, repr(exc))
+            raise TransportError(f"{op} raised {exc!r}") from exc
+        finally:
+            self._leave()
+        if not isinstance(result, list) or len(result) != expected_len:
+            # e.g. the empty list an uninitialised client returns
+            self.counters["BAD_RESULT_LENGTH"] += 1
+            self._fail(
+                op,
+                f"returned {type(result).__name__} of length "
+                f"{len(result) if isinstance(result, list) else '?'}",
+            )
+            raise TransportError(
+                f"{op} returned {len(result) if isinstance(result, list) else result!r} results "
+                f"for {expected_len} keys"
+            )
+        self._record(op, result)
+        return result
+
+    def invoke_one(self, op: str, fn: Callable[[Any], int]) -> int:
+        """A native call answering one int code, with the accounting of ``invoke``."""
+        return self.invoke(op, lambda s: [int(fn(s))], 1)[0]
+
+    def _record(self, op: str, codes: Sequence[int]) -> None:
+        """Count non-success codes; a call where every entry is a cluster-level
+        failure counts against the breaker, any other answer proves the master
+        is alive (a dead storage node is a failure domain, not the cluster)."""
+        if not codes or min(codes) >= 0:
+            self._breaker.record_success()
+            return
+        for code in codes:
+            if code < 0:
+                label = code_name(code)
+                if label not in self.counters and len(self.counters) >= _MAX_ERROR_LABELS:
+                    label = _OTHER_CODES_LABEL
+                self.counters[label] += 1
+        if all(is_cluster_failure(c) for c in codes):
+            self._fail(op, f"all {len(codes)} entries failed ({code_name(codes[0])})")
+        else:
+            self._breaker.record_success()
+
+    def _fail(self, op: str, why: str) -> None:
+        if self._breaker.record_failure(self._clock()):
+            logger.warning(
+                "mooncake-span: circuit breaker OPEN after %s failed: %s; answering misses until "
+                "the cluster responds",
+                op,
+                why,
+            )
+            self._prober.start()
+
+    def _probe_once(self) -> bool | None:
+        """One existence query past the breaker: did the cluster answer? None once closed."""
+        with self._cond:
+            if self._closed:
+                return None
+            self._inflight += 1
+        try:
+            codes = self.store.batch_is_exist([self._probe_key])
+            return isinstance(codes, list) and len(codes) == 1 and codes[0] in (0, 1)
+        except Exception:  # the cluster is still down
+            return False
+        finally:
+            self._leave()
+
+    # ---- observation -----------------------------------------------------------
+
+    def revision(self) -> tuple[int, bool]:
+        """Changes whenever a failure is counted or the breaker flips."""
+        return sum(self.counters.values()), self._breaker.is_open
+
+    def breaker(self) -> BreakerSnapshot:
+        return self._breaker.snapshot()
