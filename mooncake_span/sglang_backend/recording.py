@@ -65,7 +65,8 @@ class CallRecorder:
     ) -> list[bool]:
         """A KV call's one batch: also sglang's per-call records (keys, tokens, GiB/s)."""
         started = time.perf_counter()
-        (results,) = self.transfer(operation, path, [batch])
+        (results,) = path([batch])
+        self.observer.moved(operation, [batch], [results])
         elapsed_s = time.perf_counter() - started
         tokens = leading_run(results) * geometry.storage_page_tokens
         gib = batch.pool.moved_bytes(batch, results) / (1 << 30)
