@@ -24,7 +24,7 @@ rate-limited log line naming the pool, the key and the sizes. Construction
 and registration errors do raise, so a misconfigured server fails at startup.
 
 This class only checks and delegates: registration to ``registration.py``,
-argument checking to ``requests.py``, gets to ``reads.py``, puts to
+argument checking to ``batches.py``, gets to ``reads.py``, puts to
 ``writes.py``, hit queries to ``hit_query.py``, and every metric and counter
 to the ``CallRecorder`` (``recording.py``) wrapped around those calls.
 """
@@ -46,7 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from mooncake_span.config import MooncakeSettings, SpanOptions, load_span_options
 from mooncake_span.errors import InvalidRequestError, RegistrationError
-from mooncake_span.sglang_backend import requests
+from mooncake_span.sglang_backend import batches
 from mooncake_span.sglang_backend.connection import rank_settings, shared_transfer_engine
 from mooncake_span.sglang_backend.guard import (
     miss_count,
@@ -184,17 +184,17 @@ class MooncakeSpanStore(HiCacheStorage):
 
     @never_raise(miss_per_key)
     def batch_get_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
-        batch = requests.pool_batch(self.registration, KV_POOL, keys, host_indices)
+        batch = batches.pool_batch(self.registration, KV_POOL, keys, host_indices)
         return self.recorder.kv_transfer(GET, self.reads.get, batch, self.geometry)
 
     @never_raise(miss_per_key)
     def batch_set_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
-        batch = requests.pool_batch(self.registration, KV_POOL, keys, host_indices)
+        batch = batches.pool_batch(self.registration, KV_POOL, keys, host_indices)
         return self.recorder.kv_transfer(SET, self.writes.put, batch, self.geometry)
 
     @never_raise(miss_per_transfer)
     def batch_get_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
-        request = requests.transfer_batches(
+        request = batches.transfer_batches(
             self.registration, "batch_get_v2", transfers, self.recorder.reject
         )
         if request.batches:
@@ -204,7 +204,7 @@ class MooncakeSpanStore(HiCacheStorage):
 
     @never_raise(miss_per_transfer)
     def batch_set_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
-        request = requests.transfer_batches(
+        request = batches.transfer_batches(
             self.registration, "batch_set_v2", transfers, self.recorder.reject
         )
         if request.batches:
@@ -258,9 +258,9 @@ class MooncakeSpanStore(HiCacheStorage):
         if target_locations is not None:
             targets = list(target_locations)
         else:
-            span_bytes = requests.span_bytes(self.registration)
+            span_bytes = batches.span_bytes(self.registration)
             targets = [torch.empty(span_bytes, dtype=torch.uint8) for _ in keys]
-        batch = requests.flat_batch(self.registration, keys, targets)
+        batch = batches.flat_batch(self.registration, keys, targets)
         ok = self.recorder.kv_transfer(GET, self.reads.get, batch, self.geometry)
         return [t if good else None for t, good in zip(targets, ok, strict=True)]
 
@@ -275,7 +275,7 @@ class MooncakeSpanStore(HiCacheStorage):
         if values is None:
             raise InvalidRequestError("batch_set needs values (flat page tensors)")
         values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
-        batch = requests.flat_batch(self.registration, keys, values)
+        batch = batches.flat_batch(self.registration, keys, values)
         ok = self.recorder.kv_transfer(SET, self.writes.put, batch, self.geometry)
         return bool(ok) and all(ok)
 
