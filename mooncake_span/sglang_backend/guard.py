@@ -5,7 +5,8 @@ an exception there kills the thread and silently stops the L3 tier. Every
 method those threads call is wrapped in :func:`never_raise` with the value it
 answers on a miss: bad caller input and cluster failures are logged (rate
 limited, naming what is wrong) and become misses; unexpected bugs are logged
-with a traceback and become misses too.
+with a traceback and become misses too. What happened is handed to the
+backend's ``recorder`` (``recording.CallRecorder``), which counts and logs it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,18 @@ logger = logging.getLogger(__name__)
 Method = TypeVar("Method", bound=Callable[..., Any])
 
 
-class Rejects(Protocol):
-    def _reject(self, op_name: str, exc: Exception) -> None: ...
+class Recorder(Protocol):
+    def reject(self, op_name: str, exc: Exception) -> None: ...
+
+    def finished(
+        self, op_name: str, failure: str | None, result: Any, elapsed_s: float
+    ) -> None: ...
+
+
+class Recorded(Protocol):
+    """A backend whose calls are recorded by its ``recorder``."""
+
+    recorder: Recorder
 
 
 def never_raise(miss: Callable[..., Any]) -> Callable[[Method], Method]:
@@ -36,23 +47,20 @@ def never_raise(miss: Callable[..., Any]) -> Callable[[Method], Method]:
         op_name = method.__name__
 
         @functools.wraps(method)
-        def guarded(self: Rejects, *args: Any, **kwargs: Any) -> Any:
+        def guarded(self: Recorded, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             failure = None
             try:
                 result = method(self, *args, **kwargs)
             except MooncakeSpanError as exc:
-                self._reject(op_name, exc)
+                self.recorder.reject(op_name, exc)
                 failure = "rejected"
             except Exception:  # a bug must not kill sglang's storage thread
                 logger.exception("mooncake-span %s failed unexpectedly", op_name)
                 failure = "error"
             if failure is not None:
                 result = miss(*args, **kwargs)
-            # Prometheus: duration and outcome of every call (observability.CallObserver).
-            observer = getattr(self, "observer", None)
-            if observer is not None:
-                observer.call(op_name, failure, result, time.perf_counter() - started)
+            self.recorder.finished(op_name, failure, result, time.perf_counter() - started)
             return result
 
         return guarded  # type: ignore[return-value]

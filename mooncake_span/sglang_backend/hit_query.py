@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mooncake_span.sglang_backend.objects import split
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
 from mooncake_span.sglang_backend.stored_pool import StoredPool
 from mooncake_span.span.hits import (
@@ -59,11 +60,10 @@ class HitProber:
         flat = [k for keys in per_part for k in keys]
         tally.add(len(flat))
         found = self._client.exists(flat) if flat else []
-        out, offset = [], 0
-        for (pool, _), keys in zip(parts, per_part, strict=True):
-            out.append(pool.fold(found[offset : offset + len(keys)]))
-            offset += len(keys)
-        return out
+        counts = [len(keys) for keys in per_part]
+        return [
+            pool.fold(flags) for (pool, _), flags in zip(parts, split(found, counts), strict=True)
+        ]
 
     def kv_prefix(
         self,

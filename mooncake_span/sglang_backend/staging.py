@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,9 +24,6 @@ from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.staging import StagingArena
 
 logger = logging.getLogger(__name__)
-
-# (object keys, their transfers, is_set) -> per-object flags: the backend's zero-copy I/O.
-DirectIO = Callable[[list[str], list[Transfer], bool], list[bool]]
 
 
 class Stager:
@@ -49,43 +47,17 @@ class Stager:
             raise RegistrationError(f"{what} (every transfer of this pool stages through it)")
         logger.warning("mooncake-span: %s, or the generic path (interface_v1 off) misses", what)
 
-    def move(
-        self,
-        batches: Sequence[PoolBatch],
-        todos: Sequence[Transfer],
-        stored: list[bool],
-        is_set: bool,
-        direct_io: DirectIO,
-    ) -> list[bool]:
-        """Per-object results over all ``batches``: zero-copy batches in one
-        direct call, each staged batch in arena-sized parts."""
-        done = list(stored)
-        direct_keys: list[str] = []
-        direct_slots: list[int] = []
-        direct_todos: list[Transfer] = []
-        offset = 0
-        for batch, todo in zip(batches, todos, strict=True):
-            count = len(batch.object_keys)
-            indices = range(count) if todo.object_indices is None else todo.object_indices
-            slots = [offset + i for i in indices]
-            offset += count
-            if not slots:
-                continue
-            if batch.staged:
-                for slot, ok in zip(slots, self.move_batch(batch, todo, is_set), strict=True):
-                    done[slot] = ok
-            else:
-                direct_keys += [batch.object_keys[i] for i in indices]
-                direct_slots += slots
-                direct_todos.append(todo)
-        if direct_keys:
-            flags = direct_io(direct_keys, direct_todos, is_set)
-            for slot, ok in zip(direct_slots, flags, strict=True):
-                done[slot] = ok
-        return done
+    def get_batch(self, batch: PoolBatch, todo: Transfer) -> list[bool]:
+        """Get the objects ``todo`` names, per object; rows whose objects all
+        arrived are copied out of the arena."""
+        return self._in_parts(batch, todo, self._get_part)
 
-    def move_batch(self, batch: PoolBatch, todo: Transfer, is_set: bool) -> list[bool]:
-        """The objects ``todo`` names, per object, in lease-sized parts."""
+    def put_batch(self, batch: PoolBatch, todo: Transfer) -> list[bool]:
+        """Put the objects ``todo`` names, per object; rows are copied in first."""
+        return self._in_parts(batch, todo, self._put_part)
+
+    def _in_parts(self, batch: PoolBatch, todo: Transfer, move_part: PartMove) -> list[bool]:
+        """``move_part`` over lease-sized parts of the objects ``todo`` names."""
         ncomp = batch.pool.num_components
         objects = todo.object_indices
         if objects is None:
@@ -98,42 +70,67 @@ class Stager:
             want = rows_left_bytes(row_of, start, row_bytes)
             with self.arena.lease(want, row_bytes) as lease:
                 part = next_part(row_of, start, lease.size_bytes, row_bytes)
-                out += self._part(batch, todo, objects, part, lease.ptr, is_set)
+                mine = [objects[i] for i in part.objects]
+                out += move_part(_Part(batch, todo, part, lease.ptr, mine))
         return out
 
-    def _part(
-        self,
-        batch: PoolBatch,
-        todo: Transfer,
-        objects: list[int],
-        part: StagedPart,
-        base_ptr: int,
-        is_set: bool,
-    ) -> list[bool]:
-        pool, row_bytes = batch.pool, batch.row_bytes
-        lease_offset = base_ptr - self.arena.base_ptr
-        position = {row: k for k, row in enumerate(part.rows)}
-        if is_set:
-            for k, row in enumerate(part.rows):
-                pool.stage_row(batch, row, self._view, lease_offset + k * row_bytes)
-        bases = [base_ptr + k * row_bytes for k in range(len(part.rows))]
-        row_plans = PlanBatch.from_plans(
-            plan_objects_from_flat(pool.layout, bases, batch.pages_per_key)
-        )
-        ncomp = pool.num_components
-        mine = [objects[i] for i in part.objects]
-        plans = row_plans.take([position[o // ncomp] * ncomp + o % ncomp for o in mine])
-        keys = [batch.object_keys[o] for o in mine]
-        if is_set:
-            cut = slice(part.objects.start, part.objects.stop)
-            groups = todo.group_ids[cut] if todo.group_ids is not None else None
-            domains = todo.domains[cut] if todo.domains is not None else None
-            return self.client.put(keys, plans, groups, domains=domains)
-        flags = self.client.get(keys, plans)
+    def _offset(self, part: _Part, k: int) -> int:
+        """Arena offset of the part's ``k``-th row."""
+        return part.base_ptr - self.arena.base_ptr + k * part.batch.row_bytes
+
+    def _put_part(self, part: _Part) -> list[bool]:
+        batch = part.batch
+        for k, row in enumerate(part.rows):
+            batch.pool.stage_row(batch, row, self._view, self._offset(part, k))
+        cut = slice(part.span.objects.start, part.span.objects.stop)
+        groups = part.todo.group_ids
+        domains = part.todo.domains
+        groups = groups[cut] if groups is not None else None
+        domains = domains[cut] if domains is not None else None
+        return self.client.put(part.keys(), part.plans(), groups, domains=domains)
+
+    def _get_part(self, part: _Part) -> list[bool]:
+        batch = part.batch
+        ncomp = batch.pool.num_components
+        flags = self.client.get(part.keys(), part.plans())
         arrived: dict[int, bool] = {}
-        for o, ok in zip(mine, flags, strict=True):
+        for o, ok in zip(part.mine, flags, strict=True):
             arrived[o // ncomp] = arrived.get(o // ncomp, True) and ok
         for k, row in enumerate(part.rows):
             if arrived.get(row):
-                pool.unstage_row(batch, row, self._view, lease_offset + k * row_bytes)
+                batch.pool.unstage_row(batch, row, self._view, self._offset(part, k))
         return flags
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One lease's worth of a staged batch: whole key rows at ``base_ptr``."""
+
+    batch: PoolBatch
+    todo: Transfer
+    span: StagedPart  # which of the transfer's objects, and their rows, it covers
+    base_ptr: int
+    mine: list[int]  # those objects, as indices into the batch's object keys
+
+    @property
+    def rows(self) -> Sequence[int]:
+        return self.span.rows
+
+    def keys(self) -> list[str]:
+        return [self.batch.object_keys[o] for o in self.mine]
+
+    def plans(self) -> PlanBatch:
+        """Plans of this part's objects in the leased arena rows."""
+        batch = self.batch
+        row_bytes = batch.row_bytes
+        bases = [self.base_ptr + k * row_bytes for k in range(len(self.rows))]
+        row_plans = PlanBatch.from_plans(
+            plan_objects_from_flat(batch.pool.layout, bases, batch.pages_per_key)
+        )
+        ncomp = batch.pool.num_components
+        position = {row: k for k, row in enumerate(self.rows)}
+        return row_plans.take([position[o // ncomp] * ncomp + o % ncomp for o in self.mine])
+
+
+# One part's native call (and its copies in or out); per-object flags.
+PartMove = Callable[[_Part], list[bool]]

@@ -93,19 +93,24 @@ class CallCounters:
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"metric window must be >= 1 record, got {self.window}")
-        self.prefetch_pgs, self.backup_pgs = deque(maxlen=self.window), deque(maxlen=self.window)
+        self.prefetch_pgs = deque(maxlen=self.window)
+        self.backup_pgs = deque(maxlen=self.window)
         self.prefetch_bandwidth = deque(maxlen=self.window)
         self.backup_bandwidth = deque(maxlen=self.window)
 
-    def record(self, is_set: bool, keys: int, tokens: int, gib_per_s: float | None) -> None:
+    def record(self, backup: bool, keys: int, tokens: int, gib_per_s: float | None) -> None:
+        """One KV call: a backup (put) or else a prefetch (get)."""
         with self.lock:
-            if is_set:
-                pgs, bandwidth = self.backup_pgs, self.backup_bandwidth
+            if backup:
+                pgs = self.backup_pgs
+                bandwidth = self.backup_bandwidth
                 self.backup_tokens += tokens
             else:
-                pgs, bandwidth = self.prefetch_pgs, self.prefetch_bandwidth
+                pgs = self.prefetch_pgs
+                bandwidth = self.prefetch_bandwidth
                 self.prefetch_tokens += tokens
-            self.dropped_records += len(pgs) == self.window
+            if len(pgs) == self.window:
+                self.dropped_records += 1
             pgs.append(keys)
             if gib_per_s is not None:
                 bandwidth.append(gib_per_s)

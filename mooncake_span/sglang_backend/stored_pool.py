@@ -2,9 +2,10 @@
 
 A :class:`StoredPool` owns everything that depends on one pool's layout: the
 object keys of a call (key-major, component-minor: object ``i * C + c`` is
-component ``c`` of key ``i``), the buffer plans, the group ids of a put and the
-fold from per-object flags to per-key results. The backend only loops over
-pools, so the object order is written down here and nowhere else.
+component ``c`` of key ``i``), the buffer plans, what a get or a put moves
+(with a put's group ids and placement domains) and the fold from per-object
+flags to per-key results. The read and write paths only loop over pools, so
+the object order is written down here and nowhere else.
 
 Pools whose host pages cannot be addressed by an affine pointer model (the DSA
 indexer in layer_first) are a :class:`StagedPool`: their bytes go through the
@@ -33,7 +34,6 @@ from mooncake_span.span.plan import (
     pages_of_slots,
     plan_batch,
 )
-from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -49,46 +49,6 @@ def check_host_indices(pool_name: str, host_indices: Any) -> None:
         raise InvalidRequestError(f"{what} must be on the CPU, got {host_indices.device}")
     if host_indices.dtype not in _INDEX_DTYPES:
         raise InvalidRequestError(f"{what} must be integers, got {host_indices.dtype}")
-
-
-def flat_base(index: int, tensor: Any, span_bytes: int) -> int:
-    """Address of one generic value: a contiguous CPU tensor of exactly one storage page."""
-    if (
-        not isinstance(tensor, torch.Tensor)
-        or tensor.device.type != "cpu"
-        or not tensor.is_contiguous()
-    ):
-        raise InvalidRequestError(f"generic value #{index} must be a contiguous CPU tensor")
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes != span_bytes:
-        raise InvalidRequestError(
-            f"generic value #{index} holds {nbytes} bytes; a storage page is {span_bytes} bytes"
-        )
-    return tensor.data_ptr()
-
-
-def geometry_record(
-    geometry: SpanGeometry, schema: KeySchema, pools: dict[str, StoredPool]
-) -> GeometryRecord:
-    """What the layout guard publishes: the namespace's span geometry and pool shapes."""
-    shapes = {}
-    for name, pool in sorted(pools.items()):
-        layout = pool.layout
-        per_page = (
-            () if layout is None else tuple(map(layout.page_bytes, range(len(layout.components))))
-        )
-        shapes[name] = PoolGeometry(
-            components=tuple(c.name for c in pool.components),
-            bytes_per_page=per_page,
-            page_tokens=pool.page_tokens,
-        )
-    return GeometryRecord(
-        host_page_tokens=geometry.host_page_tokens,
-        storage_page_tokens=geometry.storage_page_tokens,
-        layout=schema.layout,
-        kv_dtype=schema.kv_dtype,
-        pools=shapes,
-    )
 
 
 @dataclass
@@ -204,23 +164,20 @@ class StoredPool:
             return list(object_flags)
         return [all(object_flags[i : i + ncomp]) for i in range(0, len(object_flags), ncomp)]
 
-    def transfer(
-        self,
-        batch: PoolBatch,
-        stored: Sequence[bool],
-        is_set: bool,
-        schema: KeySchema,
-        group_ids: bool = True,
+    def read_all(self, batch: PoolBatch) -> Transfer:
+        """A get moves every object of ``batch``, in order."""
+        return Transfer(None, None if batch.staged else self.plans(batch, None), None)
+
+    def write_missing(
+        self, batch: PoolBatch, stored: Sequence[bool], schema: KeySchema, group_ids: bool
     ) -> Transfer:
-        """What to move for ``batch``; ``stored`` flags objects a put may skip.
-        ``group_ids``: tag a put's objects with their key's eviction group."""
+        """What a put of ``batch`` moves: the objects ``stored`` does not flag.
+        ``group_ids``: tag them with their key's eviction group."""
         ncomp = self.num_components
         if not any(stored):
-            # Nothing stored yet (every get, most puts): all objects go, in order.
-            groups = domains = None
-            if is_set:
-                groups = schema.group_ids(batch.page_keys, ncomp)
-                domains = schema.domains(batch.page_keys, ncomp, groups)
+            # Nothing stored yet (most puts): all objects go, in order.
+            groups = schema.group_ids(batch.page_keys, ncomp)
+            domains = schema.domains(batch.page_keys, ncomp, groups)
             plans = None if batch.staged else self.plans(batch, None)
             return Transfer(None, plans, groups if group_ids else None, domains)
         rows = [i for i, whole in enumerate(self.fold(stored)) if not whole]
@@ -233,10 +190,8 @@ class StoredPool:
                 if not stored[row * ncomp + c]:
                     objects.append(row * ncomp + c)
                     picked.append(pos * ncomp + c)
-        groups = domains = None
-        if is_set:
-            groups = [schema.group_id(batch.page_keys[i // ncomp]) for i in objects]
-            domains = [schema.domain_of(batch.object_keys[i]) for i in objects]
+        groups = [schema.group_id(batch.page_keys[i // ncomp]) for i in objects]
+        domains = [schema.domain_of(batch.object_keys[i]) for i in objects]
         plans = None if row_plans is None else row_plans.take(picked)
         return Transfer(objects, plans, groups if group_ids else None, domains)
 
@@ -264,7 +219,7 @@ class StoredPool:
     def moved_bytes(self, batch: PoolBatch, per_key: Sequence[bool]) -> int:
         if self.is_logical:
             return 0
-        return self.layout.flat_page_bytes * batch.pages_per_key * sum(per_key)
+        return self.layout.flat_page_bytes * batch.pages_per_key * per_key.count(True)
 
 
 class StagedPool(StoredPool):

@@ -102,7 +102,7 @@ def test_learned_kv_derived_pools_stay_within_the_registered_pools(rig):
             f"made-up-{i}", host_indices=slots, keys=["k"], indices_from_pool=PoolName.KV
         )
         assert store.batch_set_v2([transfer]) == {f"made-up-{i}": [False]}
-    assert store._learned_kv_derived <= set(store.pools)
+    assert store.registration.learned_kv_derived <= set(store.pools)
 
 
 @pytest.mark.parametrize("metrics", [False, True], ids=["metrics-off", "metrics-on"])
@@ -110,7 +110,7 @@ def test_per_call_records_stay_in_their_window_and_totals_stay_exact(make_backen
     store, _ = _store(make_backend, metrics=metrics)
     try:
         window = METRIC_WINDOW if metrics else UNPOLLED_WINDOW
-        assert store._counters.window == window
+        assert store.recorder.counters.window == window
         slots = slots_of([0, 1], PAGE)
         calls = UNPOLLED_WINDOW * 3
         for i in range(calls):

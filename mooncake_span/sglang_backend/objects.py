@@ -1,0 +1,88 @@
+"""The objects of one call: a flat list over its batches, sliced back per batch.
+
+A call's batches are laid end to end, each contributing its object keys in its
+pool's order (``StoredPool``), so one existence query, put or get covers them
+all. This module owns that layout: slicing a flat per-object list back into
+per-batch parts, folding them to per-key results, and moving a subset of the
+objects (a put skipping what is stored, staged batches beside zero-copy ones)
+with the results put back in their slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
+
+Item = TypeVar("Item")
+
+# A staged batch's objects named by its Transfer, moved through the arena; per-object flags.
+StagedMove = Callable[[PoolBatch, Transfer], list[bool]]
+# Object keys of zero-copy batches with their transfers, in one native call; per-object flags.
+DirectMove = Callable[[list[str], list[Transfer]], list[bool]]
+
+
+def object_keys(batches: Sequence[PoolBatch]) -> list[str]:
+    if len(batches) == 1:
+        return batches[0].object_keys
+    return [key for batch in batches for key in batch.object_keys]
+
+
+def split(flat: Sequence[Item], counts: Sequence[int]) -> list[Sequence[Item]]:
+    """``flat`` cut into consecutive parts of ``counts`` items."""
+    parts, offset = [], 0
+    for count in counts:
+        parts.append(flat[offset : offset + count])
+        offset += count
+    return parts
+
+
+def per_batch(flat: Sequence[Item], batches: Sequence[PoolBatch]) -> list[Sequence[Item]]:
+    return split(flat, [len(batch.object_keys) for batch in batches])
+
+
+def per_key_results(batches: Sequence[PoolBatch], object_flags: Sequence[bool]) -> list[list[bool]]:
+    """Per batch, per key: did every object of the key arrive (or is it stored)?"""
+    parts = per_batch(object_flags, batches)
+    return [
+        batch.pool.per_key_results(batch, part) for batch, part in zip(batches, parts, strict=True)
+    ]
+
+
+def move_selected(
+    batches: Sequence[PoolBatch],
+    todos: Sequence[Transfer],
+    done: Sequence[bool],
+    staged: StagedMove,
+    direct: DirectMove,
+) -> list[bool]:
+    """Move the objects each ``todos[i]`` names: a staged batch alone through
+    ``staged``, the zero-copy ones together in one ``direct`` call. Per-object
+    flags over all ``batches``; objects not moved keep their ``done`` flag."""
+    out = list(done)
+    direct_keys: list[str] = []
+    direct_slots: list[int] = []
+    direct_todos: list[Transfer] = []
+    offset = 0
+    for batch, todo in zip(batches, todos, strict=True):
+        count = len(batch.object_keys)
+        indices = range(count) if todo.object_indices is None else todo.object_indices
+        slots = [offset + i for i in indices]
+        offset += count
+        if not slots:
+            continue
+        if batch.staged:
+            _put_back(out, slots, staged(batch, todo))
+        else:
+            direct_keys += [batch.object_keys[i] for i in indices]
+            direct_slots += slots
+            direct_todos.append(todo)
+    if direct_keys:
+        _put_back(out, direct_slots, direct(direct_keys, direct_todos))
+    return out
+
+
+def _put_back(out: list[bool], slots: Sequence[int], flags: Sequence[bool]) -> None:
+    for slot, ok in zip(slots, flags, strict=True):
+        out[slot] = ok

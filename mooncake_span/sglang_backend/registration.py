@@ -1,0 +1,206 @@
+"""The namespace a backend serves: its geometry, key schema and registered pools.
+
+Registration is the control path (errors raise, so a misconfigured server
+fails at startup): ``register_anchor`` resolves the span geometry and the key
+schema from the anchor (KV) pool, ``register_pool`` turns each host pool into
+a ``StoredPool`` and registers its buffers with Mooncake, and
+``check_layout`` publishes or checks the namespace's geometry record (the
+layout guard). What later calls need from the namespace (pools, geometry,
+schema, whether puts carry group ids, the router-facing layout facts) is read
+from here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_span.config import SpanOptions
+from mooncake_span.errors import InvalidRequestError, RegistrationError
+from mooncake_span.sglang_backend.pool_layout import describe_pool
+from mooncake_span.sglang_backend.staging import Stager
+from mooncake_span.sglang_backend.storage_page import resolve_storage_page_tokens
+from mooncake_span.sglang_backend.stored_pool import StagedPool, StoredPool
+from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
+from mooncake_span.span.keys import KeySchema, RankTags
+from mooncake_span.store.client import MooncakeClient
+from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_layout_guard
+
+logger = logging.getLogger(__name__)
+
+
+def rank_tags(storage_config: Any) -> RankTags:
+    """The key tags of the rank ``storage_config`` describes (None: rank 0 alone)."""
+    cfg = storage_config
+    if cfg is None:
+        return RankTags.from_ranks(tp_rank=0)
+    return RankTags.from_ranks(
+        tp_rank=cfg.tp_rank,
+        pp_rank=cfg.pp_rank,
+        pp_size=cfg.pp_size,
+        attn_cp_rank=cfg.attn_cp_rank,
+        attn_cp_size=cfg.attn_cp_size,
+        dcp_rank=getattr(cfg, "dcp_rank", 0),
+        dcp_size=getattr(cfg, "dcp_size", 1),
+    )
+
+
+@dataclass(frozen=True)
+class LayoutFacts:
+    """What the router-facing layout description needs from the namespace."""
+
+    record: GeometryRecord
+    pool_kinds: dict[str, PoolKind]
+    pool_scopes: dict[str, tuple[str, ...]]
+    schema: KeySchema
+    is_mla: bool
+    pp_rank: int
+    pp_size: int
+
+
+class Registration:
+    """The registered pools of one backend and the namespace they are stored under."""
+
+    def __init__(
+        self, storage_config: Any, options: SpanOptions, client: MooncakeClient, stager: Stager
+    ) -> None:
+        self._config = storage_config
+        self._options = options
+        self._client = client
+        self._stager = stager
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        self._extra_tag = extra.get("extra_backend_tag")
+        self.pools: dict[str, StoredPool] = {}
+        self.geometry: SpanGeometry | None = None
+        self.key_schema: KeySchema | None = None
+        # Eviction group ids cost Mooncake time per object; they only matter
+        # when a key owns more than one object (set at each registration):
+        # MHA's k and v share one object, so only multi-pool stacks send them.
+        self.group_ids = False
+        # Rebound, never mutated: worker threads read it without a lock.
+        self.learned_kv_derived: frozenset[str] = frozenset()
+
+    @property
+    def is_mla(self) -> bool:
+        return bool(getattr(self._config, "is_mla_model", False))
+
+    def register_anchor(self, mem_pool_host: Any) -> None:
+        """The KV pool: it fixes the span geometry and the key schema."""
+        host_page = int(getattr(mem_pool_host, "page_size", 0) or 1)
+        self.geometry = SpanGeometry.resolve(
+            host_page, resolve_storage_page_tokens(self._config, self._options, host_page)
+        )
+        dtype = str(getattr(mem_pool_host, "dtype", "none")).removeprefix("torch.")
+        self.key_schema = KeySchema(
+            model=getattr(self._config, "model_name", None) or "model",
+            host_page_tokens=host_page,
+            pages_per_span=self.geometry.pages_per_span,
+            layout=str(getattr(mem_pool_host, "layout", "none")),
+            kv_dtype=dtype,
+            ranks=rank_tags(self._config),
+            tag=self._extra_tag,
+        )
+        # Failure domains (store/domains.py): one segment per storage key.
+        self._client.router.domain_of = self.key_schema.domain_of
+        self.register_pool(KV_POOL, mem_pool_host)
+        for name, pool in list(self.pools.items()):
+            if pool.kind is PoolKind.KV_DERIVED:
+                self.geometry.check_pool_page(name, pool.page_tokens)
+
+    def register_pool(self, name: str, host_pool: Any) -> None:
+        """Describe ``host_pool``, check it against the geometry, register its buffers."""
+        kind = classify_pool(name)
+        shape = describe_pool(name, host_pool, is_mla=self.is_mla)
+        pool_class = StagedPool if shape.staged else StoredPool
+        pool = pool_class(name, host_pool, kind, shape.page_tokens, shape.components, shape.layout)
+        if kind is PoolKind.KV_DERIVED and self.geometry is not None:
+            self.geometry.check_pool_page(name, pool.page_tokens)
+        if (pool.staged or name == KV_POOL) and not pool.is_logical and self.geometry:
+            pages_per_key = self.geometry.storage_page_tokens // pool.page_tokens
+            self._stager.check_row(name, pool.layout.flat_page_bytes * pages_per_key, pool.staged)
+        for ptr, size in shape.buffers:
+            self._client.register_buffer(ptr, size)
+        self.pools[name] = pool
+        objects_per_key = sum(p.num_components for p in self.pools.values() if not p.is_logical)
+        self.group_ids = objects_per_key > 1
+
+    def check_layout(self) -> str:
+        """Publish this namespace's geometry record or check it against the published one:
+        the guard's outcome ("off", "published" or "matched")."""
+        if self.key_schema is None:
+            raise RegistrationError("on_host_pools_registered() before register_mem_pool_host()")
+        result = check_layout_guard(
+            self._options, self.key_schema, self.geometry_record(), self._client, self._stager.arena
+        )
+        logger.info(
+            "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages, "
+            "pools %s",
+            self.key_schema.prefix,
+            self.geometry.storage_page_tokens,
+            self.geometry.pages_per_span,
+            self.geometry.host_page_tokens,
+            {n: [c.name for c in pool.components] for n, pool in self.pools.items()},
+        )
+        return result
+
+    def geometry_record(self) -> GeometryRecord:
+        """What the layout guard publishes: the namespace's span geometry and pool shapes."""
+        shapes = {}
+        for name, pool in sorted(self.pools.items()):
+            layout = pool.layout
+            per_page = (
+                ()
+                if layout is None
+                else tuple(map(layout.page_bytes, range(len(layout.components))))
+            )
+            shapes[name] = PoolGeometry(
+                components=tuple(c.name for c in pool.components),
+                bytes_per_page=per_page,
+                page_tokens=pool.page_tokens,
+            )
+        return GeometryRecord(
+            host_page_tokens=self.geometry.host_page_tokens,
+            storage_page_tokens=self.geometry.storage_page_tokens,
+            layout=self.key_schema.layout,
+            kv_dtype=self.key_schema.kv_dtype,
+            pools=shapes,
+        )
+
+    def layout_facts(self) -> LayoutFacts:
+        record = self.geometry_record()
+        return LayoutFacts(
+            record=record,
+            pool_kinds={name: self.pools[name].kind for name in record.pools},
+            pool_scopes={
+                name: tuple(c.scope.value for c in self.pools[name].components)
+                for name in record.pools
+            },
+            schema=self.key_schema,
+            is_mla=self.is_mla,
+            pp_rank=int(getattr(self._config, "pp_rank", 0) or 0),
+            pp_size=int(getattr(self._config, "pp_size", 1) or 1),
+        )
+
+    # ---- per call ----------------------------------------------------------------------
+
+    def require_ready(self) -> None:
+        if self.key_schema is None or self.geometry is None:
+            raise RegistrationError(
+                "no host pool registered yet (register_mem_pool_host was not called)"
+            )
+
+    def registered(self, name: str, what: str) -> StoredPool:
+        pool = self.pools.get(name)
+        if pool is None:
+            raise InvalidRequestError(
+                f"{what} names unregistered pool {name!r} (registered: {sorted(self.pools)})"
+            )
+        return pool
+
+    def kind_of(self, name: str, pool: StoredPool, kv_derived_hint: bool) -> PoolKind:
+        """The pool's kind for this call; a state pool sglang indexes by KV slots
+        (``indices_from_pool`` = kv) is learned as KV-derived."""
+        if kv_derived_hint and pool.kind is PoolKind.STATE and name not in self.learned_kv_derived:
+            self.learned_kv_derived = self.learned_kv_derived | {name}
+        return classify_pool(name, self.learned_kv_derived)
