@@ -428,6 +428,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
         ctx.local_ranks = args.local_ranks or ctx.ranks.ranks_per_server
         ctx.host_pool_bytes = parse_size_bytes(args.host_pool_bytes)
         ctx.settings, ctx.extra = resolve_settings(args, ranks=ctx.ranks)
+        ctx.staging_bytes = load_span_options(ctx.extra).staging_buffer_size_bytes
         ctx.rank_devices = _local_rank_devices(args, ctx)
     except (MooncakeSpanError, ValueError) as exc:
         return [Check("config", FAIL, str(exc), "fix the configuration source named above")], ctx

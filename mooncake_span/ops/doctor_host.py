@@ -43,6 +43,8 @@ class Context:
     local_ranks: int = 1
     # Host KV pool bytes per rank (sglang's --hicache-size), registered too; 0 = unknown.
     host_pool_bytes: int = 0
+    # The backend's staging arena (span_staging_buffer_size), registered once per rank.
+    staging_bytes: int = 0
     # tp_rank -> the NIC the device_name map gives it, for the other local ranks.
     rank_devices: dict[int, str] = field(default_factory=dict)
     ib_path: str = _IB_PATH
@@ -121,9 +123,15 @@ def check_device(ctx: Context) -> list[Check]:
 
 
 def registered_bytes(ctx: Context) -> int:
-    """What one rank registers: its segment share, the local buffer and its host pools."""
+    """What one rank registers: its segment share, the local buffer, the staging arena and
+    its host pools."""
     s = ctx.settings
-    return s.global_segment_size_bytes + s.local_buffer_size_bytes + ctx.host_pool_bytes
+    return (
+        s.global_segment_size_bytes
+        + s.local_buffer_size_bytes
+        + ctx.staging_bytes
+        + ctx.host_pool_bytes
+    )
 
 
 def check_memlock(ctx: Context) -> list[Check]:
@@ -137,7 +145,8 @@ def check_memlock(ctx: Context) -> list[Check]:
         pools = f" + host pools {ctx.host_pool_bytes}"
     what = (
         f"segment {ctx.settings.global_segment_size_bytes} + buffer "
-        f"{ctx.settings.local_buffer_size_bytes}{pools} = {need} bytes per rank"
+        f"{ctx.settings.local_buffer_size_bytes} + staging {ctx.staging_bytes}{pools} = "
+        f"{need} bytes per rank"
     )
     data = {"limit_bytes": None if soft == resource.RLIM_INFINITY else soft, "need_bytes": need}
     if soft != resource.RLIM_INFINITY and soft < need:
@@ -165,6 +174,7 @@ def check_memory(ctx: Context) -> list[Check]:
         return [Check("memory", SKIP, "MemAvailable unknown")]
     detail = (
         f"segment {s.global_segment_size_bytes} + buffer {s.local_buffer_size_bytes}"
+        + f" + staging {ctx.staging_bytes}"
         + (f" + host pools {ctx.host_pool_bytes}" if ctx.host_pool_bytes else "")
         + f" bytes per rank x {ctx.local_ranks} local ranks = {need} bytes vs {available} "
         "bytes available"

@@ -39,6 +39,7 @@ EXTERNAL = {
     "HybridCacheController",
     "PoolTransfer",
     "PoolTransferResult",
+    "StorageMetrics",
     "MooncakeStore",
     "MooncakeDistributedStore",
     "ReplicateConfig",

@@ -259,9 +259,11 @@ def test_memlock_against_what_one_rank_registers(monkeypatch, limit, status):
     monkeypatch.setattr(doctor_host.resource, "getrlimit", lambda _which: (limit, limit))
     ctx = _ctx(protocol="rdma", global_segment_size_bytes=1 << 30)
     ctx.host_pool_bytes = 2 << 30
+    ctx.staging_bytes = 64 << 20
     (check,) = doctor.check_memlock(ctx)
     assert check.status == status
-    assert check.data["need_bytes"] == (1 << 30) + (16 << 20) + (2 << 30)
+    assert check.data["need_bytes"] == (1 << 30) + (16 << 20) + (64 << 20) + (2 << 30)
+    assert "staging 67108864" in check.detail
     assert (status == "FAIL") == ("ulimit -l" in (check.fix or ""))
 
 
