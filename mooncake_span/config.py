@@ -1,35 +1,13 @@
-"""Configuration: the Mooncake connection and mooncake-span's own options.
+"""Configuration: mooncake-span's own options and the parsers every config source shares.
 
-Two frozen dataclasses, each validated when it is built:
-
-``MooncakeSettings`` -- how to reach the Mooncake cluster. It is read exactly
-the way sglang's built-in ``MooncakeStore`` reads it, so an existing deployment
-can switch backends without touching its config:
-
-1. ``--hicache-storage-backend-extra-config`` keys, used when they contain
-   ``master_server_address`` (or ``client_server_address``);
-2. else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``;
-3. else ``MOONCAKE_*`` environment variables (``MOONCAKE_MASTER`` required).
-
-Within one source, missing keys take sglang's defaults (and ``protocol``
-falls back to ``MOONCAKE_PROTOCOL``, as upstream). ``local_hostname`` follows
-upstream: ``MOONCAKE_LOCAL_HOSTNAME`` or ``LOCAL_HOSTNAME`` from the process
-environment win over the chosen source, so one shared extra-config can serve
-many hosts. Sizes accept ints and strings such as ``"4gb"``.
-
-The values are resolved per rank the way ``MooncakeStore.__init__`` resolves
-them, given the rank sglang passes the backend (``RankInfo``):
-``global_segment_size`` is per server and split over tp_size x pp_size, a JSON
-``device_name`` map picks this tp_rank's NIC, and ``ssd_offload_path`` gets the
-per-rank sub-directory ``rank_<dp>_<tp>_<pp>_<attn_cp>``. Every key
-``MooncakeStore`` reads either means the same here or is refused. The loader
-lives in :mod:`mooncake_span.mooncake_settings` and is re-exported here.
-
-``SpanOptions`` -- mooncake-span's own knobs. Precedence: extra-config keys,
+``SpanOptions`` holds mooncake-span's own knobs. Precedence: extra-config keys,
 then ``MOONCAKE_SPAN_<NAME>`` environment variables, then defaults. Its keys
 are ``storage_page_size`` plus every key starting with ``span_``; an unknown
 key in that namespace is an error (a typo must not silently fall back to a
-default).
+default). The Mooncake connection (sglang's ``MooncakeStore`` keys, resolved
+per rank) is :mod:`mooncake_span.mooncake_settings`; the parsers here
+(``parse_int``, ``parse_bool``, ``parse_sglang_flag``, ``check_host_port``)
+serve both.
 """
 
 from __future__ import annotations
@@ -46,19 +24,7 @@ from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
-CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 SPAN_ENV_PREFIX = "MOONCAKE_SPAN_"
-
-# sglang's defaults for MOONCAKE_* (sglang/srt/environ.py, 0.5.23).
-_DEFAULT_LOCAL_HOSTNAME = "localhost"
-_DEFAULT_METADATA_SERVER = "P2PHANDSHAKE"
-_DEFAULT_GLOBAL_SEGMENT = "4gb"
-_DEFAULT_PROTOCOL = "rdma"
-_DEFAULT_LOCAL_BUFFER_BYTES = 16 * 1024 * 1024
-DEFAULT_TENANT_ID = "default"
-DEFAULT_MASTER_METRICS_PORT = 9003
-
-KNOWN_PROTOCOLS = ("tcp", "rdma", "efa", "nvlink", "nvlink_intra", "cxl", "ascend", "hip", "barex")
 
 # The keys sglang 0.5.23's MooncakeStore reads; load_mooncake_settings gives
 # each its upstream meaning or refuses it. (local_buffer_size is ours: upstream
@@ -105,68 +71,13 @@ FOREIGN_KEYS = frozenset(
 _HOST = re.compile(r"^(?:[A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\])$")
 
 
-def _check_host_port(text: str, what: str) -> None:
+def check_host_port(text: str, what: str) -> None:
+    """``text`` must be ``host:port`` (a name, an IPv4 address or a bracketed IPv6 one)."""
     host, sep, port = text.rpartition(":")
     if not sep or not _HOST.match(host) or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(
             f"invalid {what} {text!r}: must look like host:port with a port in 1..65535"
         )
-
-
-# Mooncake separates several etcd endpoints with ';' (etcd://h1:p1;h2:p2).
-def _etcd_endpoints(text: str) -> list[str]:
-    return text.split(";")
-
-
-def validate_master_address(value: str) -> str:
-    """``HOST:PORT``, or ``etcd://HOST:PORT[;HOST:PORT...]`` for HA masters."""
-    if not isinstance(value, str) or not value:
-        raise ConfigError(
-            f"invalid master address (master_server_address) {value!r}: expected HOST:PORT"
-        )
-    if value.startswith("etcd://"):
-        for endpoint in _etcd_endpoints(value[len("etcd://") :]):
-            _check_host_port(endpoint, "master address (etcd endpoint)")
-        return value
-    if "://" in value:
-        raise ConfigError(
-            f"invalid master address (master_server_address) {value!r}: use HOST:PORT, "
-            "or etcd://HOST:PORT for HA masters"
-        )
-    _check_host_port(value, "master address (master_server_address)")
-    return value
-
-
-def validate_metadata_server(value: str) -> str:
-    """Reject metadata URLs the native client would choke on.
-
-    An unknown scheme makes Mooncake abort the whole process (LOG(FATAL)), so
-    the check has to happen here, before ``setup``. Only the back-ends measured
-    with this wheel are accepted: the HTTP metadata server, etcd, P2PHANDSHAKE.
-    """
-    if not isinstance(value, str) or not value:
-        raise ConfigError(
-            f"invalid metadata server (metadata_server) {value!r}: expected e.g. http://HOST:PORT/metadata"
-        )
-    if value == "P2PHANDSHAKE":
-        return value
-    scheme, sep, rest = value.partition("://")
-    if not sep:
-        # No scheme means etcd to Mooncake.
-        for endpoint in _etcd_endpoints(value):
-            _check_host_port(endpoint, "metadata server (bare etcd endpoint)")
-        return value
-    if scheme in ("http", "https"):
-        _check_host_port(rest.split("/", 1)[0], "metadata server (metadata_server)")
-        return value
-    if scheme == "etcd":
-        for endpoint in _etcd_endpoints(rest.split("/", 1)[0]):
-            _check_host_port(endpoint, "metadata server (etcd endpoint)")
-        return value
-    raise ConfigError(
-        f"invalid metadata server (metadata_server) {value!r}: scheme {scheme!r} is not supported; "
-        "use 'P2PHANDSHAKE', 'http://HOST:PORT/metadata' or 'etcd://HOST:PORT'"
-    )
 
 
 def parse_int(value: Any, key: str) -> int:
@@ -198,6 +109,25 @@ def parse_bool(value: Any, key: str) -> bool:
     if text in _FALSE:
         return False
     raise ConfigError(f"{key} must be a boolean (true/false/1/0), got {value!r}")
+
+
+# sglang's EnvBool words; a config file or extra-config must hold JSON booleans,
+# since upstream takes any non-empty string there ("false" included) as true.
+_ENV_TRUE = {"true", "1", "yes", "y"}
+_ENV_FALSE = {"false", "0", "no", "n"}
+
+
+def parse_sglang_flag(value: Any, key: str, source: str) -> bool:
+    """A boolean as sglang reads it from `source` (stricter: what it would misread is refused)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    if source == "environment" and isinstance(value, str):
+        if value.lower() in _ENV_TRUE | _ENV_FALSE:
+            return value.lower() in _ENV_TRUE
+    raise ConfigError(
+        f"{key} ({source}) must be a boolean (JSON true/false; in the environment "
+        f"true/false/1/0/yes/no), got {value!r}"
+    )
 
 
 LAYOUT_GUARD_MODES = ("off", "store", "etcd")
@@ -279,7 +209,7 @@ class SpanOptions:
         if self.layout_guard == "etcd" and not self.layout_guard_etcd:
             raise ConfigError("span_layout_guard='etcd' needs span_layout_guard_etcd=host:port")
         if self.layout_guard_etcd:
-            _check_host_port(self.layout_guard_etcd, "etcd endpoint (span_layout_guard_etcd)")
+            check_host_port(self.layout_guard_etcd, "etcd endpoint (span_layout_guard_etcd)")
         self._check_domain_options()
         if not 1 << 12 <= self.staging_buffer_size_bytes <= 1 << 40:
             raise ConfigError(
@@ -393,36 +323,3 @@ def _apply_group_semantics(
         )
     values["group_ids"] = wanted
     sources["group_ids"] = "extra_config (enable_group_semantics)"
-
-
-# The per-rank MooncakeSettings live in their own module; these names stay importable from here.
-from mooncake_span.mooncake_settings import (  # noqa: E402
-    ENV_KEYS,
-    MooncakeSettings,
-    RankInfo,
-    load_mooncake_settings,
-    parse_sglang_flag,
-    resolve_device,
-)
-
-__all__ = [
-    "CONFIG_PATH_ENV",
-    "DEFAULT_MASTER_METRICS_PORT",
-    "DEFAULT_TENANT_ID",
-    "ENV_KEYS",
-    "FOREIGN_KEYS",
-    "KNOWN_PROTOCOLS",
-    "LAYOUT_GUARD_MODES",
-    "MOONCAKE_KEYS",
-    "SPAN_ENV_PREFIX",
-    "MooncakeSettings",
-    "RankInfo",
-    "SpanOptions",
-    "load_mooncake_settings",
-    "load_span_options",
-    "parse_bool",
-    "parse_int",
-    "resolve_device",
-    "validate_master_address",
-    "validate_metadata_server",
-]

@@ -1,7 +1,27 @@
 """``MooncakeSettings``: sglang 0.5.23's ``MooncakeStore`` config, resolved for one rank.
 
-The sources, their order and the per-rank rules are described in
-:mod:`mooncake_span.config`, which re-exports these names.
+It is read exactly the way sglang's built-in ``MooncakeStore`` reads it, so an
+existing deployment can switch backends without touching its config:
+
+1. ``--hicache-storage-backend-extra-config`` keys, used when they contain
+   ``master_server_address`` (``client_server_address`` is refused);
+2. else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``;
+3. else ``MOONCAKE_*`` environment variables (``MOONCAKE_MASTER`` required).
+
+Within one source, missing keys take sglang's defaults (and ``protocol``
+falls back to ``MOONCAKE_PROTOCOL``, as upstream). ``MOONCAKE_LOCAL_HOSTNAME``
+or ``LOCAL_HOSTNAME`` from the process environment win over the chosen source,
+so one shared extra-config can serve many hosts. Sizes accept ints and strings
+such as ``"4gb"``.
+
+The values are resolved per rank the way ``MooncakeStore.__init__`` resolves
+them, given the rank sglang passes the backend (``RankInfo``):
+``global_segment_size`` is per server and split over tp_size x pp_size, a JSON
+``device_name`` map picks this tp_rank's NIC, and ``ssd_offload_path`` gets the
+per-rank sub-directory ``rank_<dp>_<tp>_<pp>_<attn_cp>``. Every key
+``MooncakeStore`` reads either means the same here or is refused. Addresses
+are validated before ``setup``: an unknown metadata scheme aborts the process
+inside Mooncake.
 """
 
 from __future__ import annotations
@@ -13,25 +33,79 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_span.config import (
-    _DEFAULT_GLOBAL_SEGMENT,
-    _DEFAULT_LOCAL_BUFFER_BYTES,
-    _DEFAULT_LOCAL_HOSTNAME,
-    _DEFAULT_METADATA_SERVER,
-    _DEFAULT_PROTOCOL,
-    CONFIG_PATH_ENV,
-    DEFAULT_MASTER_METRICS_PORT,
-    DEFAULT_TENANT_ID,
-    KNOWN_PROTOCOLS,
-    _etcd_endpoints,
-    parse_int,
-    validate_master_address,
-    validate_metadata_server,
-)
+from mooncake_span.config import check_host_port, parse_int, parse_sglang_flag
 from mooncake_span.errors import ConfigError
 from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
+
+CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
+# sglang's defaults for MOONCAKE_* (sglang/srt/environ.py, 0.5.23).
+_DEFAULT_LOCAL_HOSTNAME = "localhost"
+_DEFAULT_METADATA_SERVER = "P2PHANDSHAKE"
+_DEFAULT_GLOBAL_SEGMENT = "4gb"
+_DEFAULT_PROTOCOL = "rdma"
+_DEFAULT_LOCAL_BUFFER_BYTES = 16 * 1024 * 1024
+DEFAULT_TENANT_ID = "default"
+DEFAULT_MASTER_METRICS_PORT = 9003
+
+KNOWN_PROTOCOLS = ("tcp", "rdma", "efa", "nvlink", "nvlink_intra", "cxl", "ascend", "hip", "barex")
+
+
+# Mooncake separates several etcd endpoints with ';' (etcd://h1:p1;h2:p2).
+def _etcd_endpoints(text: str) -> list[str]:
+    return text.split(";")
+
+
+def validate_master_address(value: str) -> str:
+    """``HOST:PORT``, or ``etcd://HOST:PORT[;HOST:PORT...]`` for HA masters."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"invalid master address (master_server_address) {value!r}: expected HOST:PORT"
+        )
+    if value.startswith("etcd://"):
+        for endpoint in _etcd_endpoints(value[len("etcd://") :]):
+            check_host_port(endpoint, "master address (etcd endpoint)")
+        return value
+    if "://" in value:
+        raise ConfigError(
+            f"invalid master address (master_server_address) {value!r}: use HOST:PORT, "
+            "or etcd://HOST:PORT for HA masters"
+        )
+    check_host_port(value, "master address (master_server_address)")
+    return value
+
+
+def validate_metadata_server(value: str) -> str:
+    """Reject metadata URLs the native client would choke on.
+
+    An unknown scheme makes Mooncake abort the whole process (LOG(FATAL)), so
+    the check has to happen here, before ``setup``. Only the back-ends measured
+    with this wheel are accepted: the HTTP metadata server, etcd, P2PHANDSHAKE.
+    """
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"invalid metadata server (metadata_server) {value!r}: expected e.g. http://HOST:PORT/metadata"
+        )
+    if value == "P2PHANDSHAKE":
+        return value
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        # No scheme means etcd to Mooncake.
+        for endpoint in _etcd_endpoints(value):
+            check_host_port(endpoint, "metadata server (bare etcd endpoint)")
+        return value
+    if scheme in ("http", "https"):
+        check_host_port(rest.split("/", 1)[0], "metadata server (metadata_server)")
+        return value
+    if scheme == "etcd":
+        for endpoint in _etcd_endpoints(rest.split("/", 1)[0]):
+            check_host_port(endpoint, "metadata server (etcd endpoint)")
+        return value
+    raise ConfigError(
+        f"invalid metadata server (metadata_server) {value!r}: scheme {scheme!r} is not supported; "
+        "use 'P2PHANDSHAKE', 'http://HOST:PORT/metadata' or 'etcd://HOST:PORT'"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,25 +243,6 @@ def _resolve_local_hostname(environ: Mapping[str, str], source: Mapping[str, Any
         if environ.get(name):
             return environ[name]
     return str(source.get("local_hostname") or _DEFAULT_LOCAL_HOSTNAME)
-
-
-# sglang's EnvBool words; a config file or extra-config must hold JSON booleans,
-# since upstream takes any non-empty string there ("false" included) as true.
-_ENV_TRUE = {"true", "1", "yes", "y"}
-_ENV_FALSE = {"false", "0", "no", "n"}
-
-
-def parse_sglang_flag(value: Any, key: str, source: str) -> bool:
-    """A boolean as sglang reads it from `source` (stricter: what it would misread is refused)."""
-    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-        return bool(value)
-    if source == "environment" and isinstance(value, str):
-        if value.lower() in _ENV_TRUE | _ENV_FALSE:
-            return value.lower() in _ENV_TRUE
-    raise ConfigError(
-        f"{key} ({source}) must be a boolean (JSON true/false; in the environment "
-        f"true/false/1/0/yes/no), got {value!r}"
-    )
 
 
 def _port(value: Any, key: str, source: str) -> int:

@@ -118,7 +118,8 @@ def fake_client(
     """A connected MooncakeClient on the contract-checked fake; placement reads
     the fake cluster's live segments (the admin URL is never dialled). Every
     TTL and cool-down of the client runs on ``clock``."""
-    from mooncake_span.config import MooncakeSettings, SpanOptions
+    from mooncake_span.config import SpanOptions
+    from mooncake_span.mooncake_settings import MooncakeSettings
     from mooncake_span.store.client import MooncakeClient, NativeBinding
     from mooncake_span.testing.fake_store import FakeReplicateConfig, FakeStore
 

@@ -1,7 +1,7 @@
 """Arguments shared by ``doctor`` and ``inspect``: where the cluster is.
 
 The connection is resolved exactly as the backend resolves it
-(``config.load_mooncake_settings``: extra-config, then
+(``mooncake_settings.load_mooncake_settings``: extra-config, then
 ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, then ``MOONCAKE_*``), with
 ``--master`` / ``--metadata`` / ``--protocol`` laid over the result: flags on
 a command line are the most explicit source there is.
@@ -16,8 +16,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from mooncake_span.config import MooncakeSettings, RankInfo, load_mooncake_settings
 from mooncake_span.errors import ConfigError
+from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo, load_mooncake_settings
 from mooncake_span.ops.native_log import add_native_log_arg
 
 # Commands pointed at a cluster by flags alone talk TCP unless told otherwise

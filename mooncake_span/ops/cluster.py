@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mooncake_span.config import validate_master_address, validate_metadata_server
+from mooncake_span.mooncake_settings import validate_master_address, validate_metadata_server
 from mooncake_span.ops import launcher as L
 from mooncake_span.ops.cluster_spec import ClusterSpec, ExternalCluster, sglang_client_config
 from mooncake_span.ops.launcher import ClusterStartError, find_executable

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from mooncake_span.config import validate_master_address, validate_metadata_server
+from mooncake_span.mooncake_settings import validate_master_address, validate_metadata_server
 from mooncake_span.units import parse_size_bytes
 
 __all__ = ["ClusterSpec", "ExternalCluster", "sglang_client_config"]

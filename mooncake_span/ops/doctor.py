@@ -24,8 +24,9 @@ import urllib.request
 from dataclasses import asdict
 from typing import Any
 
-from mooncake_span.config import RankInfo, load_span_options
+from mooncake_span.config import load_span_options
 from mooncake_span.errors import MooncakeSpanError, code_name
+from mooncake_span.mooncake_settings import RankInfo
 from mooncake_span.ops import master_http
 from mooncake_span.ops.cli_common import add_connection_args, admin_url, resolve_settings
 from mooncake_span.ops.doctor_host import (

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_span.config import MooncakeSettings, RankInfo
+from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo
 from mooncake_span.ops.cli_common import resolve_settings
 
 _IB_PATH = "/sys/class/infiniband"

@@ -4,7 +4,7 @@ Run as ``python -m mooncake_span.storage_node --master HOST:PORT --metadata URL
 --segment-bytes 512mb``. Without ``--master`` the connection comes from the same
 places a serving node reads it from (``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``,
 else ``MOONCAKE_MASTER`` and the other ``MOONCAKE_*`` variables), through the
-same loader and validators (:func:`mooncake_span.config.load_mooncake_settings`);
+same loader and validators (:func:`mooncake_span.mooncake_settings.load_mooncake_settings`);
 flags given override single fields. The process mounts a global segment of that size,
 prints exactly one line starting with ``READY`` to stdout, then waits for
 SIGTERM or SIGINT, closes the store once and exits 0. Setup failures print an
@@ -25,8 +25,12 @@ import sys
 import time
 from collections.abc import Mapping
 
-from mooncake_span.config import CONFIG_PATH_ENV, MooncakeSettings, load_mooncake_settings
 from mooncake_span.errors import ConfigError
+from mooncake_span.mooncake_settings import (
+    CONFIG_PATH_ENV,
+    MooncakeSettings,
+    load_mooncake_settings,
+)
 from mooncake_span.store.native import setup_arguments
 from mooncake_span.units import parse_size_bytes
 

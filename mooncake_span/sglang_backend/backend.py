@@ -44,8 +44,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from mooncake_span.config import MooncakeSettings, SpanOptions, load_span_options
+from mooncake_span.config import SpanOptions, load_span_options
 from mooncake_span.errors import InvalidRequestError, RegistrationError
+from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.sglang_backend import batches
 from mooncake_span.sglang_backend.connection import rank_settings, shared_transfer_engine
 from mooncake_span.sglang_backend.guard import (

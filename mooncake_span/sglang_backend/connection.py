@@ -18,7 +18,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mooncake_span.config import MooncakeSettings, RankInfo, load_mooncake_settings
+from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo, load_mooncake_settings
 from mooncake_span.store.native import SharedEngine
 
 logger = logging.getLogger(__name__)

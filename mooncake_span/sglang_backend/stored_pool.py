@@ -184,7 +184,8 @@ class StoredPool:
         row_plans = None
         if not batch.staged:
             row_plans = self.plans(batch, rows) if rows else PlanBatch([], [], [])
-        objects, picked = [], []
+        objects: list[int] = []
+        picked: list[int] = []
         for pos, row in enumerate(rows):
             for c in range(ncomp):
                 if not stored[row * ncomp + c]:

@@ -193,7 +193,8 @@ def _coalesce(rows: np.ndarray, sizes: _RowSizes) -> PlanBatch:
     ``rows`` is (n, m) pointers; ``sizes`` is the uncoalesced row's buffer
     sizes, shared by every row.
     """
-    size_list, total = sizes.values, sizes.total
+    size_list = sizes.values
+    total = sizes.total
     n, m = rows.shape
     joins = rows[:, :-1] + sizes.array[:-1] == rows[:, 1:] if m > 1 else None
     if joins is not None and joins.all():
@@ -219,7 +220,8 @@ def _coalesce(rows: np.ndarray, sizes: _RowSizes) -> PlanBatch:
 
 def _merge(ptrs: list[int], sizes: list[int]) -> tuple[list[int], list[int]]:
     """One row's buffers with every buffer that starts where the previous ends merged in."""
-    out_ptrs, out_sizes = [ptrs[0]], [sizes[0]]
+    out_ptrs = [ptrs[0]]
+    out_sizes = [sizes[0]]
     for ptr, size in zip(ptrs[1:], sizes[1:], strict=True):
         if out_ptrs[-1] + out_sizes[-1] == ptr:
             out_sizes[-1] += size
@@ -349,7 +351,8 @@ def split_calls(buffer_counts: Sequence[int], max_buffers_per_call: int) -> list
     for index, count in enumerate(buffer_counts):
         if index > start and running + count > max_buffers_per_call:
             calls.append(range(start, index))
-            start, running = index, 0
+            start = index
+            running = 0
         running += count
     if start < len(buffer_counts):
         calls.append(range(start, len(buffer_counts)))

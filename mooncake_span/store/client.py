@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from mooncake_span.config import MooncakeSettings, SpanOptions
+from mooncake_span.config import SpanOptions
 from mooncake_span.errors import (
     ErrorCode,
     SetupError,
@@ -50,6 +50,7 @@ from mooncake_span.errors import (
     is_transfer_failure,
     is_transport_failure,
 )
+from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
 from mooncake_span.store.domains import copy_key
 from mooncake_span.store.gate import NativeGate

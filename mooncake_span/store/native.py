@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_span.config import MooncakeSettings, SpanOptions
+from mooncake_span.config import SpanOptions
 from mooncake_span.errors import ConfigError, SetupError, code_name
+from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.store.protocol import NativeStore
 from mooncake_span.store.segments import fetch_segments
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from mooncake_span.bench.pressure import counting_binding
-from mooncake_span.config import SpanOptions, load_mooncake_settings
+from mooncake_span.config import SpanOptions
+from mooncake_span.mooncake_settings import load_mooncake_settings
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient, load_native_binding

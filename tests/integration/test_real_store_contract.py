@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from mooncake_span.config import MooncakeSettings, SpanOptions
+from mooncake_span.config import SpanOptions
+from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.store.client import MooncakeClient, native_env_defaults
 from tests.contract.store_contract import StoreContract
 

@@ -130,7 +130,7 @@ def test_every_path_sends_only_registered_memory(span_store_factory, model, layo
 
 
 def test_the_checking_proxy_fails_a_call_from_unregistered_memory(mooncake_cluster, key_namespace):
-    from mooncake_span.config import load_mooncake_settings
+    from mooncake_span.mooncake_settings import load_mooncake_settings
 
     checked: list[CheckedStore] = []
     settings = load_mooncake_settings(mooncake_cluster.client_config())

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_span.config import CONFIG_PATH_ENV
+from mooncake_span.mooncake_settings import CONFIG_PATH_ENV
 
 pytestmark = pytest.mark.integration
 

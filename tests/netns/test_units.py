@@ -151,7 +151,8 @@ def _repo() -> Path:
 @pytest.mark.parametrize("name", ["single-node", "prefill-decode", "ha-etcd"])
 def test_configs_load_cleanly(name, caplog):
     """Each shipped config parses with the backend's own loaders and names no stray key."""
-    from mooncake_span.config import load_mooncake_settings, load_span_options
+    from mooncake_span.config import load_span_options
+    from mooncake_span.mooncake_settings import load_mooncake_settings
 
     values = json.loads((_repo() / "configs" / f"{name}.json").read_text())
     assert {"backend_name", "module_path", "class_name", "interface_v1"} <= set(values)

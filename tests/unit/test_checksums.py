@@ -17,8 +17,9 @@ import prometheus_client as prom
 import pytest
 
 from mooncake_span import metrics as M
-from mooncake_span.config import MooncakeSettings, load_span_options
+from mooncake_span.config import load_span_options
 from mooncake_span.errors import ConfigError, ErrorCode, is_integrity_failure
+from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.ops import doctor
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store import native

@@ -16,16 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_span.config import (
+from mooncake_span.config import SpanOptions, load_span_options, parse_bool
+from mooncake_span.errors import ConfigError
+from mooncake_span.mooncake_settings import (
     CONFIG_PATH_ENV,
     MooncakeSettings,
-    SpanOptions,
+    RankInfo,
     load_mooncake_settings,
-    load_span_options,
-    parse_bool,
     validate_metadata_server,
 )
-from mooncake_span.errors import ConfigError
 
 EXTRA_MASTER = "10.0.0.1:50051"
 FILE_MASTER = "10.0.0.2:50051"
@@ -580,8 +579,6 @@ def test_integer_options_reject_non_integers(bad):
 
 # ---------------------------------------------------------------------------
 # sglang 0.5.23 MooncakeStore keys, resolved per rank (issue 17)
-
-from mooncake_span.config import RankInfo  # noqa: E402
 
 TP8_RANK3 = RankInfo(tp_rank=3, tp_size=8)
 NIC_MAP = json.dumps({str(r): f"mlx5_{r}" for r in range(8)})

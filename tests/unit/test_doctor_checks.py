@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.config import MooncakeSettings
 from mooncake_span.errors import ConfigError
+from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.ops import doctor, doctor_host
 from mooncake_span.ops.cli_common import add_connection_args, resolve_settings
 
@@ -207,7 +207,7 @@ def _doctor_args(*argv: str) -> argparse.Namespace:
 
 
 def _resolve_ctx(args, ib_path):
-    from mooncake_span.config import RankInfo
+    from mooncake_span.mooncake_settings import RankInfo
 
     ctx = doctor.Context()
     ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from mooncake_span.config import MooncakeSettings, SpanOptions
+from mooncake_span.config import SpanOptions
 from mooncake_span.errors import ErrorCode, SetupError, TransportError
+from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store.client import MooncakeClient, NativeBinding, native_env_defaults
 from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from mooncake_span.config import MooncakeSettings
 from mooncake_span.errors import SetupError
+from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.store.native import SharedEngine, setup_arguments, wait_for_segments
 
 RDMA = dict(
