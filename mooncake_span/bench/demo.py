@@ -122,8 +122,10 @@ def _run(
     )
     kv, indexer, mamba = pools[PoolName.KV], pools[PoolName.INDEXER], pools[PoolName.MAMBA]
     storage_page = pools.storage_page_tokens
-    extra = {**client_config, "storage_page_size": storage_page}
-    store = MooncakeSpanStore(P.single_rank_storage_config(extra, model_name=DEMO_MODEL), {})
+    storage_config = P.single_rank_storage_config(dict(client_config), model_name=DEMO_MODEL)
+    # The span shape is what a span-aware build hands over, on its config.
+    storage_config.storage_page_size = storage_page
+    store = MooncakeSpanStore(storage_config, {})
     try:
         store.register_mem_pool_host(kv)
         for name, pool in pools.pools.items():
