@@ -64,7 +64,7 @@ from mooncake_span.sglang_backend.l3_layout import describe_layout
 from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
 from mooncake_span.sglang_backend.reads import Reads
-from mooncake_span.sglang_backend.recording import GET, SET, CallRecorder
+from mooncake_span.sglang_backend.recording import GET, SET, CallRecorder, Path
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.staging import Stager
 from mooncake_span.sglang_backend.stats import METRIC_WINDOW, UNPOLLED_WINDOW, SpanStorageMetrics
@@ -195,21 +195,22 @@ class MooncakeSpanStore(HiCacheStorage):
 
     @never_raise(miss_per_transfer)
     def batch_get_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
-        request = batches.transfer_batches(
-            self.registration, "batch_get_v2", transfers, self.recorder.reject
-        )
-        if request.batches:
-            moved = self.recorder.transfer(GET, self.reads.get, request.batches)
-            request.results.update(zip(request.names, moved, strict=True))
-        return request.results
+        return self._transfers("batch_get_v2", GET, self.reads.get, transfers)
 
     @never_raise(miss_per_transfer)
     def batch_set_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
+        return self._transfers("batch_set_v2", SET, self.writes.put, transfers)
+
+    def _transfers(
+        self, op_name: str, operation: str, path: Path, transfers: Any
+    ) -> TransferResults:
+        """One batch per transfer (a bad one is refused alone and stays a miss), moved
+        together along ``path``."""
         request = batches.transfer_batches(
-            self.registration, "batch_set_v2", transfers, self.recorder.reject
+            self.registration, op_name, transfers, self.recorder.reject
         )
         if request.batches:
-            moved = self.recorder.transfer(SET, self.writes.put, request.batches)
+            moved = self.recorder.transfer(operation, path, request.batches)
             request.results.update(zip(request.names, moved, strict=True))
         return request.results
 
