@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-command development setup: Debian packages, .venv with pinned torch (CPU),
-# sglang 0.5.23 (--no-deps + explicit list), Mooncake, test tools, and this
+# sglang 0.5.23 (--no-deps + explicit list, with what a real server and
+# sglang-router need), Mooncake, test tools, and this
 # package in editable mode. Re-running it is fast: pip steps are skipped while
 # the requirement files are unchanged.
 set -euo pipefail
@@ -33,7 +34,10 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$digest" ]]; then
   # torch first and pinned, so that nothing later can pull a CUDA build in.
   pip_quiet "${PIP[@]}" torch==2.13.0
   pip_quiet "${PIP[@]}" --no-deps sglang==0.5.23
-  pip_quiet "${PIP[@]}" -r requirements/sglang-cpu.txt -r requirements/dev.txt
+  # The server stack (requirements/server-cpu.txt) is installed with torch held
+  # at the CPU build: some of its packages accept any torch and would upgrade it.
+  pip_quiet "${PIP[@]}" -c requirements/torch-cpu-constraint.txt \
+    -r requirements/sglang-cpu.txt -r requirements/server-cpu.txt -r requirements/dev.txt
   pip_quiet "${PIP[@]}" --no-deps -e .
   echo "$digest" > "$stamp"
 fi
@@ -51,6 +55,8 @@ fi
 import torch
 assert not torch.version.cuda, f"a CUDA torch was installed ({torch.__version__}); expected the CPU build"
 import sglang.srt.mem_cache.hicache_storage  # noqa: F401
+import sglang_router  # noqa: F401
+import uvicorn  # noqa: F401
 import mooncake.store  # noqa: F401
 import mooncake_span  # noqa: F401
 print(f"setup: ok (torch {torch.__version__}, sglang + mooncake import)")

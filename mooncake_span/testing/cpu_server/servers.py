@@ -1,0 +1,347 @@
+"""Real ``sglang.launch_server`` and ``sglang_router`` processes on this host, CPU build.
+
+Each process runs in its own session through the project's launcher
+(:class:`mooncake_span.ops.launcher.LocalProcess`), so stopping it signals its
+whole group by PID (sglang's scheduler and detokenizer included). Every wait
+has a deadline. The CPU stand-ins reach every process of a server through
+``PYTHONPATH`` (:data:`~mooncake_span.testing.cpu_server.SITE_DIR`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mooncake_span.ops import launcher as L
+from mooncake_span.testing.cpu_server import SITE_DIR
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+START_TIMEOUT_S = 180.0
+STOP_GRACE_S = 20.0
+REQUEST_TIMEOUT_S = 120.0
+PREFETCH_POLICIES = ("timeout", "best_effort", "wait_complete")
+STORAGE_BACKENDS = ("dynamic", "mooncake")
+# What `dynamic` needs to load this project's backend (sglang's own keys).
+DYNAMIC_BACKEND_KEYS = {
+    "backend_name": "mooncake_span",
+    "module_path": "mooncake_span.sglang_backend",
+    "class_name": "MooncakeSpanStore",
+    "interface_v1": 1,
+}
+# Set in the environment of a server whose `mooncake` name this project serves.
+PLUGIN_OPT_IN_ENV = "MOONCAKE_SPAN_SERVE_MOONCAKE"
+
+
+class ServerError(RuntimeError):
+    """A server or router did not start, answered with an error, or died."""
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """One server's command line; ``storage_backend=None`` serves without an L3 (recompute)."""
+
+    model_path: Path
+    layout: str = "page_first_direct"
+    storage_backend: str | None = "dynamic"
+    storage_config: Mapping[str, Any] = field(default_factory=dict)
+    # Serve the `mooncake` name with this project's backend (the plugin opt-in).
+    plugin_opt_in: bool = False
+    prefetch_policy: str = "timeout"
+    page_size_tokens: int = 64
+    max_total_tokens: int = 4096
+    hicache_ratio: float = 2.0
+    write_policy: str = "write_through"
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.storage_backend not in (None, *STORAGE_BACKENDS):
+            raise ValueError(
+                f"storage_backend must be None or one of {STORAGE_BACKENDS}, "
+                f"got {self.storage_backend!r}"
+            )
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"prefetch_policy must be one of {PREFETCH_POLICIES}, got {self.prefetch_policy!r}"
+            )
+        if self.plugin_opt_in and self.storage_backend != "mooncake":
+            raise ValueError("plugin_opt_in serves the 'mooncake' backend name; set it")
+
+    def extra_config(self) -> dict[str, Any]:
+        config = dict(self.storage_config)
+        if self.storage_backend == "dynamic":
+            config = {**DYNAMIC_BACKEND_KEYS, **config}
+        return config
+
+
+def server_argv(options: ServerOptions, port: int, python: str = sys.executable) -> list[str]:
+    argv = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(options.model_path),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--disable-cuda-graph",
+        "--dtype",
+        "float32",
+        "--page-size",
+        str(options.page_size_tokens),
+        "--max-total-tokens",
+        str(options.max_total_tokens),
+        "--sleep-on-idle",
+        "--enable-cache-report",
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        str(options.hicache_ratio),
+        "--hicache-io-backend",
+        "direct",
+        "--hicache-mem-layout",
+        options.layout,
+        "--hicache-write-policy",
+        options.write_policy,
+    ]
+    if options.storage_backend is not None:
+        argv += [
+            "--hicache-storage-backend",
+            options.storage_backend,
+            "--hicache-storage-prefetch-policy",
+            options.prefetch_policy,
+            "--hicache-storage-backend-extra-config",
+            json.dumps(options.extra_config()),
+        ]
+    return argv + list(options.extra_args)
+
+
+def server_env(extra: Mapping[str, str] = (), base: Mapping[str, str] | None = None) -> dict:
+    """The environment of a CPU server process: stand-ins on the path, TCP on loopback."""
+    env = dict(os.environ if base is None else base)
+    path = [str(SITE_DIR), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env.update(
+        {
+            "PYTHONPATH": os.pathsep.join(path),
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "MC_TCP_BIND_ADDRESS": HOST,
+            "MOONCAKE_PROTOCOL": "tcp",
+            "SGLANG_HOST_IP": HOST,
+            # One core's worth of threads per process keeps several servers from
+            # thrashing a small box.
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One greedy generation and what the server says about its prefix cache."""
+
+    output_ids: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int
+    storage_tokens: int
+    e2e_s: float
+    meta_info: Mapping[str, Any]
+
+
+def _post_json(url: str, body: Mapping[str, Any], timeout_s: float) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            return json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")[:2000]
+        raise ServerError(f"POST {url} answered {exc.code}: {detail}") from exc
+
+
+def generate_body(input_ids: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
+    return {
+        "input_ids": list(input_ids),
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+    }
+
+
+def parse_completion(answer: Mapping[str, Any], e2e_s: float) -> Completion:
+    meta = answer.get("meta_info", {})
+    details = meta.get("cached_tokens_details") or {}
+    return Completion(
+        output_ids=tuple(answer["output_ids"]),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        storage_tokens=int(details.get("storage", 0) or 0),
+        e2e_s=e2e_s,
+        meta_info=meta,
+    )
+
+
+class _Served:
+    """A process with an HTTP port on loopback, started and stopped by PID group."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, port: int):
+        self.name = name
+        self.port = port
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.process = L.LocalProcess(name, argv, log_dir / f"{name}.log", env)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def _ready(self) -> bool:
+        answer = L.http_get(f"{self.url}/health", timeout_s=5.0)
+        return answer is not None and answer[0] == 200
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> _Served:
+        self.process.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._ready():
+            if not self.process.running():
+                raise ServerError(
+                    f"{self.name} exited with {self.process.exit_code()} before it served:\n"
+                    f"{self.process.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(
+                    f"{self.name} did not serve within {timeout_s:.0f}s:\n{self.process.log_tail()}"
+                )
+            time.sleep(0.5)
+        logger.info("%s serving at %s (pid %s)", self.name, self.url, self.pid)
+        return self
+
+    def running(self) -> bool:
+        return self.process.running()
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        L.terminate([self.process], signal.SIGTERM, grace_s)
+
+    def kill(self) -> None:
+        L.terminate([self.process], signal.SIGKILL, 5.0)
+
+    def log_text(self) -> str:
+        return self.process.output_text()
+
+    def __enter__(self) -> _Served:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class SglangServer(_Served):
+    """One ``sglang.launch_server`` process."""
+
+    def __init__(
+        self,
+        name: str,
+        options: ServerOptions,
+        log_dir: Path,
+        port: int | None = None,
+        env: Mapping[str, str] = (),
+    ) -> None:
+        port = port if port is not None else L.pick_free_ports(HOST, 1)[0]
+        extra_env = dict(options.env)
+        if options.plugin_opt_in:
+            extra_env[PLUGIN_OPT_IN_ENV] = "1"
+        extra_env.update(env)
+        super().__init__(name, server_argv(options, port), server_env(extra_env), log_dir, port)
+        self.options = options
+
+    def generate(
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int = 8,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        url: str | None = None,
+    ) -> Completion:
+        started = time.perf_counter()
+        answer = _post_json(
+            f"{url or self.url}/generate", generate_body(input_ids, max_new_tokens), timeout_s
+        )
+        return parse_completion(answer, time.perf_counter() - started)
+
+    def flush_cache(self) -> None:
+        """Drop the device and host caches, so the next request can only hit L3."""
+        answer = L.http_get(f"{self.url}/flush_cache", timeout_s=30.0)
+        if answer is None or answer[0] != 200:
+            raise ServerError(f"{self.name}: /flush_cache answered {answer}")
+
+
+def router_argv(
+    prefill_urls: Sequence[tuple[str, int]],
+    decode_urls: Sequence[str],
+    port: int,
+    python: str = sys.executable,
+) -> list[str]:
+    argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    for url, bootstrap_port in prefill_urls:
+        argv += ["--prefill", url, str(bootstrap_port)]
+    for url in decode_urls:
+        argv += ["--decode", url]
+    return argv + ["--host", HOST, "--port", str(port), "--policy", "round_robin"]
+
+
+class Router(_Served):
+    """``sglang_router`` in prefill/decode mode in front of given servers."""
+
+    def __init__(
+        self,
+        name: str,
+        prefill: Sequence[tuple[SglangServer, int]],
+        decode: Sequence[SglangServer],
+        log_dir: Path,
+    ) -> None:
+        port = L.pick_free_ports(HOST, 1)[0]
+        argv = router_argv([(s.url, b) for s, b in prefill], [s.url for s in decode], port)
+        super().__init__(name, argv, server_env(), log_dir, port)
+
+    def _ready(self) -> bool:
+        # The router answers before it has workers; readiness is a generation that
+        # goes through, which generate_until_served waits for.
+        answer = L.http_get(f"{self.url}/health", timeout_s=5.0)
+        return answer is not None
+
+    def generate_until_served(
+        self, input_ids: Sequence[int], max_new_tokens: int, timeout_s: float = 90.0
+    ) -> Completion:
+        """The first generation through the router; it answers 503 until workers register."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            started = time.perf_counter()
+            try:
+                answer = _post_json(
+                    f"{self.url}/generate",
+                    generate_body(input_ids, max_new_tokens),
+                    REQUEST_TIMEOUT_S,
+                )
+                return parse_completion(answer, time.perf_counter() - started)
+            except ServerError as exc:
+                if " 503" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            time.sleep(1.0)

@@ -1,0 +1,321 @@
+"""What sglang 0.5.23 lacks to serve on a CPU-only host, and how each gap is filled.
+
+A real ``sglang.launch_server`` runs on this project's CPU boxes with five
+small stand-ins. None of them is needed on a GPU host, and the runtime never
+imports this module: only test support and the demo put
+``cpu_server/site`` on a server's ``PYTHONPATH``, whose ``sitecustomize``
+calls :func:`install` in every process sglang starts (the scheduler and
+detokenizer are spawned, so a patch made in the parent alone would not reach
+them).
+
+1. ``sgl_kernel``: with ``SGLANG_USE_CPU_ENGINE=1`` sglang imports its CPU
+   ops at import time, but PyPI's wheels are CUDA-only. Without AMX every layer
+   takes its torch path and only two ops run; the module serves those two and
+   names every other op as missing when called.
+2. Host pools pin their memory by default (``cudaHostRegister``), which a CPU
+   build of torch refuses: pinning is turned off.
+3. The MHA and MLA host pools import their "direct" host/device copies only on
+   CUDA, HIP and XPU: index-copy versions are bound in their place.
+4. DeepSeek-style MLA on ``torch_native`` falls back to the triton handler,
+   which picks the MHA prefill sub-path; a handler that always takes sglang's
+   own MLA dispatch is registered.
+5. PD prefill on a Mooncake sender asks for host-tensor indices, which build a
+   pinned tensor: the sender says it cannot take them, so the page-index path
+   runs.
+
+Each patch is applied right after sglang imports the module it patches (an
+import hook, so importing sglang stays lazy and in sglang's own order).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# The stand-ins patch internals of this release; another one may have moved them.
+SGLANG_VERSION = "0.5.23"
+
+
+class StandinVersionError(RuntimeError):
+    """The installed sglang is not the release the stand-ins were written for."""
+
+
+def check_sglang_version(installed: str | None = None) -> None:
+    if installed is None:
+        installed = importlib.metadata.version("sglang")
+    if installed != SGLANG_VERSION:
+        raise StandinVersionError(
+            f"the CPU stand-ins in {__name__} were written for sglang {SGLANG_VERSION}, "
+            f"but sglang {installed} is installed; check each stand-in against the new "
+            "release before raising SGLANG_VERSION"
+        )
+
+
+# ---------------------------------------------------------------------------
+# 1. sgl_kernel's two CPU ops
+
+
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: Any,
+    req_to_token: Any,
+    start_offset: Any,
+    end_offset: Any,
+    out_cache_loc: Any,
+    pool_len: int,
+) -> None:
+    """Write request i's new cache locations into ``req_to_token[req_pool_indices[i]]``.
+
+    ``out_cache_loc`` holds every request's new locations back to back, in batch
+    order; request i owns ``end_offset[i] - start_offset[i]`` of them and they go
+    to columns ``start_offset[i]:end_offset[i]`` of its row.
+    """
+    del pool_len  # the row width; slicing the row bounds the write already
+    taken = 0
+    for row, start, end in zip(
+        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist(), strict=True
+    ):
+        count = end - start
+        req_to_token[row, start:end] = out_cache_loc[taken : taken + count]
+        taken += count
+
+
+def copy_all_layer_kv_cache_cpu(
+    buffers: Sequence[Any], strides: Any, tgt_loc: Any, src_loc: Any
+) -> None:
+    """For every buffer, copy row ``src_loc[j]`` to row ``tgt_loc[j]``.
+
+    All sources are read before any target is written, so overlapping moves
+    (a compaction shifting rows down) see the old rows. ``strides`` is the
+    kernel's per-buffer row size in bytes; tensors carry their own.
+    """
+    del strides
+    for buffer in buffers:
+        buffer[tgt_loc] = buffer[src_loc].clone()
+
+
+def _missing_op(name: str) -> Callable[..., Any]:
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"sgl_kernel.{name} has no CPU stand-in (mooncake_span.testing.cpu_server); "
+            "only assign_req_to_token_pool_cpu and copy_all_layer_kv_cache_cpu run on "
+            "a CPU without AMX"
+        )
+
+    missing.__name__ = name
+    return missing
+
+
+def make_sgl_kernel_module() -> ModuleType:
+    """A module named ``sgl_kernel`` with the two ops; any other op imports but raises."""
+    module = ModuleType("sgl_kernel")
+    module.assign_req_to_token_pool_cpu = assign_req_to_token_pool_cpu
+    module.copy_all_layer_kv_cache_cpu = copy_all_layer_kv_cache_cpu
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _missing_op(name)
+
+    module.__getattr__ = __getattr__
+    return module
+
+
+class _SglKernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``sgl_kernel`` only when no real one is installed (it sits last on the path)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "sgl_kernel":
+            return None
+        return importlib.machinery.ModuleSpec(name, self)
+
+    def create_module(self, spec: Any) -> ModuleType:
+        return make_sgl_kernel_module()
+
+    def exec_module(self, module: ModuleType) -> None:
+        logger.debug("sgl_kernel served by the CPU stand-in")
+
+
+# ---------------------------------------------------------------------------
+# 2. host pools without pinned memory
+
+
+def _unpinned_init(init: Callable[..., None]) -> Callable[..., None]:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["pin_memory"] = False
+        init(self, *args, **kwargs)
+
+    __init__.__wrapped__ = init
+    return __init__
+
+
+def patch_host_pool_base(module: ModuleType) -> None:
+    cls = module.HostKVCache
+    # Every host pool passes pin_memory by keyword (it is keyword-only here).
+    cls.__init__ = _unpinned_init(cls.__init__)
+
+
+# ---------------------------------------------------------------------------
+# 3. the direct host/device copies of the MHA and MLA host pools
+#
+# Host layouts: layer_first buffers are indexed [token]; page_first_direct
+# buffers are [page, layer, slot], token t of a layer at (t // page, t % page).
+
+
+def transfer_kv_direct(
+    src_layers: Sequence[Any],
+    dst_layers: Sequence[Any],
+    src_indices: Any,
+    dst_indices: Any,
+    page_size: int,
+) -> None:
+    """Token rows ``src[src_indices]`` into ``dst[dst_indices]``, one pair of buffers at a time."""
+    del page_size
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst[dst_indices.to(dst.device)] = src[src_indices.to(src.device)].to(dst.device)
+
+
+def transfer_kv_per_layer_direct_pf_lf(
+    src_ptrs: Sequence[Any],
+    dst_ptrs: Sequence[Any],
+    src_indices: Any,
+    dst_indices: Any,
+    layer_id: int,
+    page_size: int,
+) -> None:
+    """One layer from page_first_direct host buffers into per-layer device buffers (load)."""
+    pages, slots = src_indices // page_size, src_indices % page_size
+    for src, dst in zip(src_ptrs, dst_ptrs, strict=True):
+        dst[dst_indices.to(dst.device)] = src[pages, layer_id, slots].to(dst.device)
+
+
+def transfer_kv_all_layer_direct_lf_pf(
+    src_ptrs: Sequence[Any],
+    dst_ptrs: Sequence[Any],
+    src_indices: Any,
+    dst_indices: Any,
+    page_size: int,
+) -> None:
+    """Every layer of per-layer device buffers into page_first_direct host buffers (backup).
+
+    ``src_ptrs`` lists each host buffer's layers in turn (MHA: every k layer,
+    then every v layer), so host buffer c takes ``src_ptrs[c * L : (c + 1) * L]``.
+    """
+    layers, rest = divmod(len(src_ptrs), len(dst_ptrs))
+    if rest:
+        raise ValueError(f"{len(src_ptrs)} device layers do not split over {len(dst_ptrs)} pools")
+    pages, slots = dst_indices // page_size, dst_indices % page_size
+    for c, dst in enumerate(dst_ptrs):
+        for layer in range(layers):
+            src = src_ptrs[c * layers + layer]
+            dst[pages, layer, slots] = src[src_indices.to(src.device)].to(dst.device)
+
+
+def patch_direct_copies(module: ModuleType) -> None:
+    for copy in (
+        transfer_kv_direct,
+        transfer_kv_per_layer_direct_pf_lf,
+        transfer_kv_all_layer_direct_lf_pf,
+    ):
+        if not hasattr(module, copy.__name__):
+            setattr(module, copy.__name__, copy)
+
+
+# ---------------------------------------------------------------------------
+# 4. MLA attention on torch_native
+
+
+def patch_mla_attention_handler(module: ModuleType) -> None:
+    dispatch = module._dispatch_mla_subtype
+
+    def handle_attention_torch_native(attn: Any, forward_batch: Any) -> Any:
+        # torch_native implements MLA's absorbed path only; the triton fallback
+        # would send prefill down the MHA sub-path, whose K width does not fit.
+        return dispatch(attn, forward_batch)
+
+    module.AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
+
+
+# ---------------------------------------------------------------------------
+# 5. PD prefill without pinned host-tensor indices
+
+
+def patch_mooncake_kv_sender(module: ModuleType) -> None:
+    module.MooncakeKVSender.supports_host_tensor_indices = False
+
+
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "sglang.srt.mem_cache.pool_host.base": patch_host_pool_base,
+    "sglang.srt.mem_cache.pool_host.mha": patch_direct_copies,
+    "sglang.srt.mem_cache.pool_host.mla": patch_direct_copies,
+    "sglang.srt.models.deepseek_common.attention_backend_handler": patch_mla_attention_handler,
+    "sglang.srt.disaggregation.mooncake.conn": patch_mooncake_kv_sender,
+}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]) -> None:
+        self._loader = loader
+        self._patch = patch
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        self._patch(module)
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Finds a patched module through the other finders and patches it once it has run."""
+
+    def __init__(self, patches: dict[str, Callable[[ModuleType], None]]) -> None:
+        self._patches = patches
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        patch = self._patches.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def _installed() -> bool:
+    return any(isinstance(f, _PatchAfterImport) for f in sys.meta_path)
+
+
+def install() -> bool:
+    """Put the stand-ins in place for this process; False (nothing done) where CUDA is present.
+
+    Raises :class:`StandinVersionError` for another sglang release, and
+    RuntimeError when a patched module was imported before this ran (it would
+    keep the unpatched version).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    if _installed():
+        return True
+    check_sglang_version()
+    early = sorted(name for name in PATCHES if name in sys.modules)
+    if early:
+        raise RuntimeError(f"install() must run before sglang imports {', '.join(early)}")
+    sys.meta_path.insert(0, _PatchAfterImport(PATCHES))
+    if importlib.util.find_spec("sgl_kernel") is None:
+        sys.meta_path.append(_SglKernelFinder())
+    return True
