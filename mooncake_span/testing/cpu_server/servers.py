@@ -214,11 +214,17 @@ class _Served:
         return self.process.pid
 
     def _ready(self) -> bool:
-        answer = L.http_get(f"{self.url}/health", timeout_s=5.0)
-        return answer is not None and answer[0] == 200
+        # /model_info, not /health: a port picked free can be taken by another
+        # process before the server binds it, and a Mooncake master answers /health.
+        answer = L.http_get(f"{self.url}/model_info", timeout_s=5.0)
+        return answer is not None and answer[0] == 200 and '"model_path"' in answer[1]
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> _Served:
         self.process.start()
+        return self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> _Served:
+        """Wait until the process serves; a process that died or missed the deadline raises."""
         deadline = time.monotonic() + timeout_s
         while not self._ready():
             if not self.process.running():
@@ -297,6 +303,7 @@ def router_argv(
     prefill_urls: Sequence[tuple[str, int]],
     decode_urls: Sequence[str],
     port: int,
+    prometheus_port: int,
     python: str = sys.executable,
 ) -> list[str]:
     argv = [python, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
@@ -304,7 +311,10 @@ def router_argv(
         argv += ["--prefill", url, str(bootstrap_port)]
     for url in decode_urls:
         argv += ["--decode", url]
-    return argv + ["--host", HOST, "--port", str(port), "--policy", "round_robin"]
+    # The router always serves Prometheus metrics, by default on 0.0.0.0:29000:
+    # a second router on the host (or another test's) would panic on that port.
+    metrics = ["--prometheus-host", HOST, "--prometheus-port", str(prometheus_port)]
+    return argv + ["--host", HOST, "--port", str(port), "--policy", "round_robin", *metrics]
 
 
 class Router(_Served):
@@ -317,8 +327,10 @@ class Router(_Served):
         decode: Sequence[SglangServer],
         log_dir: Path,
     ) -> None:
-        port = L.pick_free_ports(HOST, 1)[0]
-        argv = router_argv([(s.url, b) for s, b in prefill], [s.url for s in decode], port)
+        port, prometheus_port = L.pick_free_ports(HOST, 2)
+        argv = router_argv(
+            [(s.url, b) for s, b in prefill], [s.url for s in decode], port, prometheus_port
+        )
         super().__init__(name, argv, server_env(), log_dir, port)
 
     def _ready(self) -> bool:

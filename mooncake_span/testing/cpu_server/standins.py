@@ -13,7 +13,10 @@ them).
    takes its torch path and only two ops run; the module serves those two and
    names every other op as missing when called.
 2. Host pools pin their memory by default (``cudaHostRegister``), which a CPU
-   build of torch refuses: pinning is turned off.
+   build of torch refuses: pinning is turned off. They also keep 10 GiB of
+   host RAM in reserve, sized for a production server, which leaves a small
+   test box (24 GiB, several servers) with a negative budget: the reserve is
+   cut to 1 GiB, so the out-of-memory check itself still runs.
 3. The MHA and MLA host pools import their "direct" host/device copies only on
    CUDA, HIP and XPU: index-copy versions are bound in their place.
 4. DeepSeek-style MLA on ``torch_native`` falls back to the triton handler,
@@ -88,18 +91,35 @@ def assign_req_to_token_pool_cpu(
         taken += count
 
 
-def copy_all_layer_kv_cache_cpu(
-    buffers: Sequence[Any], strides: Any, tgt_loc: Any, src_loc: Any
-) -> None:
+def copy_all_layer_kv_cache_cpu(buffers: Any, strides: Any, tgt_loc: Any, src_loc: Any) -> None:
     """For every buffer, copy row ``src_loc[j]`` to row ``tgt_loc[j]``.
 
-    All sources are read before any target is written, so overlapping moves
-    (a compaction shifting rows down) see the old rows. ``strides`` is the
-    kernel's per-buffer row size in bytes; tensors carry their own.
+    sglang passes what its triton kernel takes: the pool's ``data_ptrs`` (a
+    uint64 tensor of buffer base addresses) and ``data_strides`` (each buffer's
+    row stride in bytes, which is also the bytes copied per row). A sequence of
+    tensors (rows on dim 0, ``strides`` unused) is taken as well. All sources
+    are read before any target is written, so overlapping moves (a compaction
+    shifting rows down) see the old rows.
     """
-    del strides
+    if tgt_loc.numel() == 0:
+        return
+    if not isinstance(buffers, Sequence):
+        buffers = _byte_rows(buffers, strides, int(max(tgt_loc.max(), src_loc.max())) + 1)
     for buffer in buffers:
         buffer[tgt_loc] = buffer[src_loc].clone()
+
+
+def _byte_rows(ptrs: Any, strides: Any, rows: int) -> list[Any]:
+    """The first ``rows`` rows of each raw buffer, as a (rows, stride) uint8 tensor."""
+    import ctypes
+
+    import torch
+
+    views = []
+    for ptr, stride in zip(ptrs.tolist(), strides.tolist(), strict=True):
+        raw = (ctypes.c_uint8 * (rows * stride)).from_address(ptr)
+        views.append(torch.frombuffer(raw, dtype=torch.uint8).view(rows, stride))
+    return views
 
 
 def _missing_op(name: str) -> Callable[..., Any]:
@@ -157,10 +177,15 @@ def _unpinned_init(init: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
+TEST_HOST_MEMORY_RESERVE_BYTES = 1 << 30
+
+
 def patch_host_pool_base(module: ModuleType) -> None:
     cls = module.HostKVCache
     # Every host pool passes pin_memory by keyword (it is keyword-only here).
     cls.__init__ = _unpinned_init(cls.__init__)
+    # host_memory_budget_bytes reads the module global at each call.
+    module.HICACHE_HOST_MEMORY_RESERVE_BYTES = TEST_HOST_MEMORY_RESERVE_BYTES
 
 
 # ---------------------------------------------------------------------------

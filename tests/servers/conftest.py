@@ -1,0 +1,164 @@
+"""Fixtures for tests with real ``sglang.launch_server`` processes (CPU, tiny local models).
+
+Every server, router and cluster a test starts is stopped at teardown by its
+process group, and the test fails if one survived. A recompute reference per
+model (a server without an L3 whose caches are flushed before each request)
+gives the greedy output every L3 answer is compared against.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mooncake_span.ops.cluster import LocalCluster
+from mooncake_span.ops.cluster_spec import ClusterSpec
+from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model
+from mooncake_span.testing.cpu_server.servers import (
+    Completion,
+    ServerOptions,
+    SglangServer,
+    _Served,
+)
+from tests.conftest import require_mooncake
+
+PAGE_TOKENS = 64
+# sglang leaves the last page of a prompt to compute, and does not prefetch a
+# remainder shorter than its prefetch threshold (256 tokens by default).
+PROMPT_TOKENS = 10 * PAGE_TOKENS
+ANSWER_TOKENS = 12
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def prompt(seed: int, n_tokens: int = PROMPT_TOKENS, vocab: int = 500) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n_tokens)]
+
+
+def start_all(servers: Sequence[_Served]) -> None:
+    """Start every process at once (they take ~30 s each) and wait for all."""
+    for server in servers:
+        server.process.start()
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+
+
+@pytest.fixture(autouse=True)
+def _servers_need_mooncake() -> None:
+    require_mooncake()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    cache = tmp_path_factory.mktemp("tiny-models")
+
+    def make(architecture: str) -> Path:
+        return ensure_model(TinyModelSpec(architecture=architecture), cache)
+
+    return make
+
+
+class Launched:
+    """What one test started; teardown stops it all and checks that no PID survived."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.clusters: list[LocalCluster] = []
+        self.processes: list[_Served] = []
+        self.pids: set[int] = set()
+
+    def cluster(self, **spec_fields: Any) -> LocalCluster:
+        spec_fields.setdefault("log_dir", self.log_dir / f"cluster{len(self.clusters)}")
+        cluster = LocalCluster(ClusterSpec(**spec_fields))
+        self.clusters.append(cluster)
+        return cluster.start()
+
+    def server(self, name: str, options: ServerOptions, **kwargs: Any) -> SglangServer:
+        server = SglangServer(name, options, self.log_dir, **kwargs)
+        self.processes.append(server)
+        return server
+
+    def track(self, served: _Served) -> _Served:
+        self.processes.append(served)
+        return served
+
+    def start(self, *servers: _Served) -> None:
+        start_all(servers)
+        self.pids.update(s.pid for s in servers if s.pid is not None)
+
+    def stop_all(self) -> None:
+        for served in self.processes:
+            served.stop()
+        for cluster in self.clusters:
+            if cluster.started:
+                self.pids.update(cluster.pids().values())
+            cluster.stop()
+
+
+@pytest.fixture
+def launched(tmp_path: Path) -> Iterator[Launched]:
+    launched = Launched(tmp_path / "logs")
+    yield launched
+    launched.stop_all()
+    left = sorted(pid for pid in launched.pids if _pid_alive(pid))
+    assert not left, f"processes still running after stop: {left}"
+
+
+class Recompute:
+    """A server without an L3: the greedy answer every restored request must match."""
+
+    def __init__(self, server: SglangServer) -> None:
+        self.server = server
+
+    def __call__(self, input_ids: Sequence[int], max_new_tokens: int = ANSWER_TOKENS) -> Completion:
+        self.server.flush_cache()
+        answer = self.server.generate(input_ids, max_new_tokens)
+        assert answer.cached_tokens == 0, answer.meta_info
+        return answer
+
+
+@pytest.fixture(scope="session")
+def recompute_server(
+    tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], Recompute]]:
+    """``recompute_server(architecture)``: one reference server per model, kept for the session."""
+    log_dir = tmp_path_factory.mktemp("recompute-logs")
+    servers: dict[str, SglangServer] = {}
+
+    def get(architecture: str) -> Recompute:
+        if architecture not in servers:
+            options = ServerOptions(model_path=tiny_model(architecture), storage_backend=None)
+            server = SglangServer(f"recompute-{architecture}", options, log_dir)
+            servers[architecture] = server
+            server.start()
+        return Recompute(servers[architecture])
+
+    yield get
+    for server in servers.values():
+        server.stop()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s:.0f}s")
+        time.sleep(0.5)
