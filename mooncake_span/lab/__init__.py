@@ -1,1 +1,1 @@
-"""Test laboratory: multi-host topologies in network namespaces."""
+"""Test laboratory: multi-host topologies in network namespaces, real sglang server processes."""

@@ -283,9 +283,59 @@ def _print_ready(cluster: LocalCluster) -> None:
 # demo
 
 
-def _register_demo(subparsers: argparse._SubParsersAction) -> None:
+def _register_serve_demo(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser(
         "demo",
+        help="two real sglang servers share one Mooncake L3 (the main job)",
+        description=(
+            "Start an embedded local Mooncake cluster, make a tiny model locally, start two "
+            "sglang.launch_server processes with this backend, send a prompt to the first and "
+            "the same prompt to the second, and print the tokens the second restored from L3, "
+            "whether both answers match, and the timings. Exits 1 if nothing came from L3 or "
+            "the answers differ. On a host without CUDA the servers run with the CPU stand-ins."
+        ),
+    )
+    demo.add_argument(
+        "--model", choices=("llama", "deepseek_v2"), default="llama", help="MHA or MLA model"
+    )
+    demo.add_argument(
+        "--layout",
+        choices=("page_first_direct", "layer_first"),
+        default="page_first_direct",
+        help="host pool layout (default page_first_direct)",
+    )
+    demo.add_argument(
+        "--prompt-tokens", type=_positive_int_arg, default=2048, help="prompt length (2048)"
+    )
+    demo.add_argument(
+        "--answer-tokens", type=_positive_int_arg, default=16, help="greedy answer length (16)"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="random seed of the prompt")
+    demo.set_defaults(func=run_serve_demo_command)
+
+
+def run_serve_demo_command(args: argparse.Namespace) -> int:
+    from mooncake_span.ops.serve_demo import ServeDemoConfig, run_serve_demo
+
+    try:
+        config = ServeDemoConfig(
+            architecture=args.model,
+            layout=args.layout,
+            prompt_tokens=args.prompt_tokens,
+            answer_tokens=args.answer_tokens,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        print(f"mooncake-span demo: {exc}", file=sys.stderr)
+        return 2
+    report = run_serve_demo(config)
+    print("demo OK" if report.ok else "demo FAILED", flush=True)
+    return 0 if report.ok else 1
+
+
+def _register_demo(subparsers: argparse._SubParsersAction) -> None:
+    demo = subparsers.add_parser(
+        "demo-span",
         help="back up and restore a compressed hybrid DSA model's KV cache through Mooncake",
         description=(
             "Start an embedded local Mooncake cluster (or use --master/--metadata), build real "
@@ -361,7 +411,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
             storage_node_bytes=args.storage_node_size,
         )
     except ValueError as exc:
-        print(f"mooncake-span demo: {exc}", file=sys.stderr)
+        print(f"mooncake-span demo-span: {exc}", file=sys.stderr)
         return 2
     native_log = resolve_native_log(args.native_log, "demo")
     with native_stderr_to(native_log):
@@ -471,6 +521,30 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         help="only the hit-query lease section: objects probed and leased per query and "
         "backups under a probe storm, vs upstream (mooncake_span.bench.leases)",
     )
+    bench.add_argument(
+        "--serve",
+        action="store_true",
+        help="only the serving section: real sglang servers on embedded clusters, a second "
+        "server's TTFT from L3 vs recompute and sglang's MooncakeStore (mooncake_span.bench.serve)",
+    )
+    bench.add_argument(
+        "--serve-models",
+        default=None,
+        metavar="LIST",
+        help="--serve: comma list of llama (MHA) and deepseek_v2 (MLA) (default llama)",
+    )
+    bench.add_argument(
+        "--serve-lengths",
+        default=None,
+        metavar="LIST",
+        help="--serve: comma list of prompt lengths in tokens (default 2048,4096)",
+    )
+    bench.add_argument(
+        "--serve-rounds",
+        type=_positive_int_arg,
+        default=None,
+        help="--serve: timed rounds per prompt length, after one warm-up (default 8)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -496,6 +570,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.leases import run_leases_command
 
         return run_leases_command(args.json)
+    if args.serve:
+        from mooncake_span.bench.serve import run_serve_command
+
+        return run_serve_command(
+            args.serve_models, args.serve_lengths, args.serve_rounds, args.json, args.plot
+        )
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,
@@ -562,6 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _register_cluster(subparsers)
+    _register_serve_demo(subparsers)
     _register_demo(subparsers)
     _register_bench(subparsers)
     doctor.register(subparsers)

@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from mooncake_span.ops.cluster import LocalCluster
-from mooncake_span.ops.cluster_spec import ClusterSpec
-from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model
-from mooncake_span.testing.cpu_server.servers import (
+from mooncake_span.lab.sglang_servers import (
     Completion,
     ServerOptions,
     SglangServer,
     _Served,
 )
+from mooncake_span.ops.cluster import LocalCluster
+from mooncake_span.ops.cluster_spec import ClusterSpec
+from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model
 from tests.conftest import require_mooncake
 
 PAGE_TOKENS = 64

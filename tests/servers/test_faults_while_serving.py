@@ -15,8 +15,8 @@ import time
 
 import pytest
 
+from mooncake_span.lab.sglang_servers import ServerOptions
 from mooncake_span.ops.master_http import iter_lines
-from mooncake_span.testing.cpu_server.servers import ServerOptions
 from tests.servers.conftest import ANSWER_TOKENS, PAGE_TOKENS, PROMPT_TOKENS, prompt
 from tests.servers.test_two_servers import wait_for_backup
 

@@ -16,17 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mooncake_span.ops import inspect_cmd
-from mooncake_span.ops import launcher as L
-from mooncake_span.ops.cluster import LocalCluster
-from mooncake_span.testing.cpu_server.pd import DecodeServer, decode_options, prefill_options
-from mooncake_span.testing.cpu_server.servers import (
+from mooncake_span.lab.sglang_servers import (
     HOST,
     START_TIMEOUT_S,
     Router,
     ServerOptions,
     SglangServer,
 )
+from mooncake_span.ops import inspect_cmd
+from mooncake_span.ops import launcher as L
+from mooncake_span.ops.cluster import LocalCluster
 from tests.servers.conftest import PAGE_TOKENS, PROMPT_TOKENS, prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.servers]
@@ -38,7 +37,7 @@ NEW_TOKENS = PAGE_TOKENS
 L3_WAIT_S = 30.0
 
 
-def _l3_options(model_path, cluster: LocalCluster) -> ServerOptions:
+def _l3_options(model_path, cluster: LocalCluster, **pd_fields) -> ServerOptions:
     return ServerOptions(
         model_path=model_path,
         storage_backend="dynamic",
@@ -47,12 +46,15 @@ def _l3_options(model_path, cluster: LocalCluster) -> ServerOptions:
         # not dropped, so the storage-token count is deterministic.
         prefetch_policy="wait_complete",
         env=cluster.client_env(),
+        **pd_fields,
     )
 
 
 def _prefill(launched, name: str, model_path, cluster: LocalCluster) -> tuple[SglangServer, int]:
     bootstrap_port = L.pick_free_ports(HOST, 1)[0]
-    options = prefill_options(_l3_options(model_path, cluster), bootstrap_port)
+    options = _l3_options(
+        model_path, cluster, disaggregation_mode="prefill", bootstrap_port=bootstrap_port
+    )
     return launched.server(name, options), bootstrap_port
 
 
@@ -83,8 +85,10 @@ def test_turn2_on_fresh_prefill_restores_prompt_and_answer(
     # prefill2 starts now, to overlap its start-up with the others', but serves
     # nothing before turn 2: its device and host caches never see turn 1.
     prefill2, bootstrap2 = _prefill(launched, "prefill2", model_path, cluster)
-    decode_opts = decode_options(_l3_options(model_path, cluster), offload_to_l3=True)
-    decode = launched.track(DecodeServer("decode", decode_opts, launched.log_dir))
+    decode_opts = _l3_options(
+        model_path, cluster, disaggregation_mode="decode", decode_offload=True
+    )
+    decode = launched.server("decode", decode_opts)
     # A router registers its workers in the background, retrying until they
     # serve, so routers start with the servers instead of after them.
     router1 = Router("router1", [(prefill1, bootstrap1)], [decode], launched.log_dir)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import pytest
 
+from mooncake_span.lab.sglang_servers import ServerOptions
 from mooncake_span.ops.master_http import iter_lines
-from mooncake_span.testing.cpu_server.servers import ServerOptions
 from tests.servers.conftest import (
     ANSWER_TOKENS,
     PAGE_TOKENS,

@@ -1,9 +1,9 @@
-"""Real sglang servers on a CPU-only host: stand-ins, tiny models, processes.
+"""What real sglang servers need on a CPU-only host: stand-ins and tiny models.
 
 ``standins`` fills what sglang 0.5.23 lacks without CUDA; ``site`` is the
 folder a server's ``PYTHONPATH`` gets so every process of it installs them;
-``models`` makes tiny random-weight models locally; ``servers`` starts and
-talks to ``sglang.launch_server`` and ``sglang_router`` processes.
+``models`` makes tiny random-weight models locally. The processes themselves
+are started by :mod:`mooncake_span.lab.sglang_servers`.
 """
 
 from pathlib import Path

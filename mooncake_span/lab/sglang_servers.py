@@ -1,5 +1,9 @@
 """Real ``sglang.launch_server`` and ``sglang_router`` processes on this host, CPU build.
 
+Plain servers, and prefill/decode pairs whose KV moves over the Mooncake
+transfer engine (TCP on loopback here; the ``fake`` transfer backend moves no
+KV and a prefill server refuses it, so it cannot stand in end to end).
+
 Each process runs in its own session through the project's launcher
 (:class:`mooncake_span.ops.launcher.LocalProcess`), so stopping it signals its
 whole group by PID (sglang's scheduler and detokenizer included). Every wait
@@ -40,6 +44,7 @@ DYNAMIC_BACKEND_KEYS = {
     "class_name": "MooncakeSpanStore",
     "interface_v1": 1,
 }
+PD_TRANSFER_BACKEND = "mooncake"
 # Set in the environment of a server whose `mooncake` name this project serves.
 PLUGIN_OPT_IN_ENV = "MOONCAKE_SPAN_SERVE_MOONCAKE"
 
@@ -63,6 +68,10 @@ class ServerOptions:
     max_total_tokens: int = 4096
     hicache_ratio: float = 2.0
     write_policy: str = "write_through"
+    # None, "prefill" (with bootstrap_port) or "decode" (with decode_offload to L3).
+    disaggregation_mode: str | None = None
+    bootstrap_port: int | None = None
+    decode_offload: bool = False
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -78,6 +87,17 @@ class ServerOptions:
             )
         if self.plugin_opt_in and self.storage_backend != "mooncake":
             raise ValueError("plugin_opt_in serves the 'mooncake' backend name; set it")
+        if self.disaggregation_mode not in (None, "prefill", "decode"):
+            raise ValueError(
+                f"disaggregation_mode must be None, 'prefill' or 'decode', "
+                f"got {self.disaggregation_mode!r}"
+            )
+        if (self.bootstrap_port is not None) != (self.disaggregation_mode == "prefill"):
+            raise ValueError("a prefill server, and only one, needs a bootstrap_port")
+        if self.decode_offload and (
+            self.disaggregation_mode != "decode" or self.storage_backend is None
+        ):
+            raise ValueError("decode_offload writes a decode server's pages to L3: set both")
 
     def extra_config(self) -> dict[str, Any]:
         config = dict(self.storage_config)
@@ -110,7 +130,6 @@ def server_argv(options: ServerOptions, port: int, python: str = sys.executable)
         str(options.max_total_tokens),
         "--sleep-on-idle",
         "--enable-cache-report",
-        "--enable-hierarchical-cache",
         "--hicache-ratio",
         str(options.hicache_ratio),
         "--hicache-io-backend",
@@ -120,6 +139,22 @@ def server_argv(options: ServerOptions, port: int, python: str = sys.executable)
         "--hicache-write-policy",
         options.write_policy,
     ]
+    # sglang turns the radix cache off on a decode server and then refuses
+    # --enable-hierarchical-cache; decode's offload builds its host pool from
+    # the other hicache flags.
+    if options.disaggregation_mode != "decode":
+        argv.append("--enable-hierarchical-cache")
+    if options.disaggregation_mode is not None:
+        argv += [
+            "--disaggregation-mode",
+            options.disaggregation_mode,
+            "--disaggregation-transfer-backend",
+            PD_TRANSFER_BACKEND,
+        ]
+    if options.bootstrap_port is not None:
+        argv += ["--disaggregation-bootstrap-port", str(options.bootstrap_port)]
+    if options.decode_offload:
+        argv.append("--disaggregation-decode-enable-offload-kvcache")
     if options.storage_backend is not None:
         argv += [
             "--hicache-storage-backend",
@@ -272,9 +307,9 @@ class SglangServer(_Served):
         env: Mapping[str, str] = (),
     ) -> None:
         port = port if port is not None else L.pick_free_ports(HOST, 1)[0]
-        extra_env = dict(options.env)
-        if options.plugin_opt_in:
-            extra_env[PLUGIN_OPT_IN_ENV] = "1"
+        # Said either way: an opt-in left in the caller's environment must not
+        # turn a MooncakeStore arm into this backend.
+        extra_env = {PLUGIN_OPT_IN_ENV: "1" if options.plugin_opt_in else "0", **options.env}
         extra_env.update(env)
         super().__init__(name, server_argv(options, port), server_env(extra_env), log_dir, port)
         self.options = options
@@ -292,11 +327,20 @@ class SglangServer(_Served):
         )
         return parse_completion(answer, time.perf_counter() - started)
 
-    def flush_cache(self) -> None:
-        """Drop the device and host caches, so the next request can only hit L3."""
-        answer = L.http_get(f"{self.url}/flush_cache", timeout_s=30.0)
-        if answer is None or answer[0] != 200:
-            raise ServerError(f"{self.name}: /flush_cache answered {answer}")
+    def flush_cache(self, timeout_s: float = 30.0) -> None:
+        """Drop the device and host caches, so the next request can only hit L3.
+
+        sglang refuses while a request is queued or running (the last answer's
+        bookkeeping can still be in flight), so this retries until ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            answer = L.http_get(f"{self.url}/flush_cache", timeout_s=timeout_s)
+            if answer is not None and answer[0] == 200:
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(f"{self.name}: /flush_cache answered {answer}")
+            time.sleep(0.2)
 
 
 def router_argv(

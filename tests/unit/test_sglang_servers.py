@@ -1,0 +1,157 @@
+"""Command lines, environments and answers of the real-server support, without servers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mooncake_span.lab.sglang_servers import (
+    DYNAMIC_BACKEND_KEYS,
+    PLUGIN_OPT_IN_ENV,
+    Completion,
+    ServerOptions,
+    SglangServer,
+    parse_completion,
+    router_argv,
+    server_argv,
+    server_env,
+)
+from mooncake_span.ops.serve_demo import ServeDemoConfig, ServeDemoReport
+from mooncake_span.testing.cpu_server import SITE_DIR
+from mooncake_span.testing.cpu_server.models import TinyModelSpec, prompt_text
+
+MODEL = Path("/models/tiny")
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"storage_backend": "file"}, "storage_backend"),
+        ({"prefetch_policy": "eager"}, "prefetch_policy"),
+        ({"plugin_opt_in": True}, "plugin_opt_in"),
+        ({"disaggregation_mode": "both"}, "disaggregation_mode"),
+        ({"disaggregation_mode": "prefill"}, "bootstrap_port"),
+        ({"bootstrap_port": 9000}, "bootstrap_port"),
+        ({"decode_offload": True}, "decode_offload"),
+        ({"disaggregation_mode": "decode", "decode_offload": True, "storage_backend": None}, "L3"),
+    ],
+)
+def test_bad_server_options_are_named(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ServerOptions(model_path=MODEL, **fields)
+
+
+def test_dynamic_backend_argv_loads_this_backend():
+    options = ServerOptions(
+        model_path=MODEL, storage_config={"master_server_address": "127.0.0.1:1"}
+    )
+    argv = server_argv(options, port=1234, python="py")
+    assert argv[:3] == ["py", "-m", "sglang.launch_server"]
+    assert _flag(argv, "--port") == "1234"
+    assert _flag(argv, "--hicache-storage-backend") == "dynamic"
+    assert _flag(argv, "--hicache-mem-layout") == "page_first_direct"
+    assert _flag(argv, "--hicache-storage-prefetch-policy") == "timeout"
+    extra = json.loads(_flag(argv, "--hicache-storage-backend-extra-config"))
+    assert extra == {**DYNAMIC_BACKEND_KEYS, "master_server_address": "127.0.0.1:1"}
+    assert "--enable-hierarchical-cache" in argv
+
+
+def test_recompute_server_has_no_storage_flags():
+    argv = server_argv(ServerOptions(model_path=MODEL, storage_backend=None), port=1)
+    assert not [a for a in argv if a.startswith("--hicache-storage")]
+
+
+def test_mooncake_name_keeps_the_config_as_given():
+    options = ServerOptions(
+        model_path=MODEL, storage_backend="mooncake", storage_config={"protocol": "tcp"}
+    )
+    extra = json.loads(_flag(server_argv(options, 1), "--hicache-storage-backend-extra-config"))
+    assert extra == {"protocol": "tcp"}
+
+
+def test_prefill_and_decode_argv():
+    prefill = server_argv(
+        ServerOptions(model_path=MODEL, disaggregation_mode="prefill", bootstrap_port=8998), 1
+    )
+    assert _flag(prefill, "--disaggregation-mode") == "prefill"
+    assert _flag(prefill, "--disaggregation-bootstrap-port") == "8998"
+    assert _flag(prefill, "--disaggregation-transfer-backend") == "mooncake"
+    decode = server_argv(
+        ServerOptions(model_path=MODEL, disaggregation_mode="decode", decode_offload=True), 1
+    )
+    # sglang refuses a hierarchical cache on a decode server (its radix cache is off).
+    assert "--enable-hierarchical-cache" not in decode
+    assert "--disaggregation-decode-enable-offload-kvcache" in decode
+    assert _flag(decode, "--hicache-storage-backend") == "dynamic"
+
+
+def test_server_env_puts_the_stand_ins_first():
+    env = server_env({"X": "1"}, base={"PYTHONPATH": "/a:/b", "OMP_NUM_THREADS": "4"})
+    assert env["PYTHONPATH"].split(":") == [str(SITE_DIR), "/a", "/b"]
+    assert env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert env["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
+    assert env["OMP_NUM_THREADS"] == "4"
+    assert env["X"] == "1"
+    assert (SITE_DIR / "sitecustomize.py").is_file()
+
+
+def test_plugin_opt_in_reaches_the_server_env(tmp_path):
+    options = ServerOptions(model_path=MODEL, storage_backend="mooncake", plugin_opt_in=True)
+    server = SglangServer("s", options, tmp_path, port=1)
+    assert server.process.env[PLUGIN_OPT_IN_ENV] == "1"
+    plain = SglangServer("t", ServerOptions(model_path=MODEL), tmp_path, port=2)
+    assert plain.process.env[PLUGIN_OPT_IN_ENV] == "0"
+
+
+def test_parse_completion_reads_storage_tokens():
+    answer = {
+        "output_ids": [5, 6],
+        "meta_info": {
+            "prompt_tokens": 640,
+            "cached_tokens": 576,
+            "cached_tokens_details": {"device": 0, "host": 0, "storage": 576},
+        },
+    }
+    completion = parse_completion(answer, 0.5)
+    assert (completion.output_ids, completion.prompt_tokens) == ((5, 6), 640)
+    assert (completion.cached_tokens, completion.storage_tokens) == (576, 576)
+    bare = parse_completion({"output_ids": [1], "meta_info": {"cached_tokens_details": None}}, 0)
+    assert bare.storage_tokens == 0
+
+
+def test_router_argv_names_every_worker():
+    argv = router_argv([("http://p:1", 8998)], ["http://d:2"], port=3, prometheus_port=4)
+    assert argv[argv.index("--prefill") + 1 : argv.index("--prefill") + 3] == ["http://p:1", "8998"]
+    assert _flag(argv, "--decode") == "http://d:2"
+    assert _flag(argv, "--prometheus-port") == "4"
+    assert "--pd-disaggregation" in argv
+
+
+def test_tiny_models_and_prompt_text():
+    with pytest.raises(ValueError, match="architecture"):
+        TinyModelSpec(architecture="gpt2")
+    with pytest.raises(ValueError, match="num_heads"):
+        TinyModelSpec(hidden_size=60, num_heads=8)
+    assert TinyModelSpec().digest() == TinyModelSpec().digest() != TinyModelSpec(seed=1).digest()
+    assert prompt_text([3, 0, 12]) == "w3 w0 w12"
+    assert TinyModelSpec(architecture="deepseek_v2").is_mla
+
+
+def test_serve_demo_config_and_verdict():
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        ServeDemoConfig(prompt_tokens=128)
+    with pytest.raises(ValueError, match="architecture"):
+        ServeDemoConfig(architecture="mamba")
+
+    def done(ids, storage):
+        return Completion(ids, 640, storage, storage, 0.1, {})
+
+    assert ServeDemoReport(done((1, 2), 0), done((1, 2), 576), 1.0).ok
+    assert not ServeDemoReport(done((1, 2), 0), done((1, 3), 576), 1.0).ok
+    assert not ServeDemoReport(done((1, 2), 0), done((1, 2), 0), 1.0).ok
