@@ -16,6 +16,7 @@ from mooncake_span.sglang_backend.objects import (
     object_keys,
     per_batch,
     per_key_results,
+    placement,
 )
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.staging import Stager
@@ -58,8 +59,5 @@ class Writes:
         groups = None
         if any(t.group_ids is not None for t in todos):
             groups = [g for t in todos for g in t.group_ids or ()]
-        if len(todos) == 1:
-            domains = todos[0].domains
-        else:
-            domains = [d for t in todos for d in t.domains or ()]
-        return self._client.put(keys, plans, groups, domains=domains)
+        domains, steps = placement(todos)
+        return self._client.put(keys, plans, groups, domains=domains, steps=steps)
