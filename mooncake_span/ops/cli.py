@@ -471,6 +471,13 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         help="only the hit-query lease section: objects probed and leased per query and "
         "backups under a probe storm, vs upstream (mooncake_span.bench.leases)",
     )
+    bench.add_argument(
+        "--placement",
+        action="store_true",
+        help="only the placement section: restorable prompt tokens after one of 2 or 4 storage "
+        "nodes is SIGKILLed, bytes per node and put/get pages/s, per-key vs prefix-chain "
+        "placement vs sglang's MooncakeStore (mooncake_span.bench.placement)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -496,6 +503,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.leases import run_leases_command
 
         return run_leases_command(args.json)
+    if args.placement:
+        from mooncake_span.bench.placement import run_placement_command
+
+        return run_placement_command(args.quick, args.json)
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

@@ -261,3 +261,16 @@ def test_without_prefix_keys_placement_stays_per_key(chain_rig, caplog):
         (obj,) = schema.object_keys([key], store.pools["kv"].components)
         assert cluster.placement[obj] == rank_segments(schema.domain_of(obj), segments)[0]
     assert sum(PASS_PREFIX_KEYS in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_knob_reaching_our_config_is_ignored_quietly(caplog):
+    """sglang's controllers pop hicache_storage_pass_prefix_keys, but a config built
+    by hand (or a harness handing the extra-config straight over) still carries it."""
+    from mooncake_span.config import load_span_options
+
+    with caplog.at_level(logging.WARNING, logger="mooncake_span.config"):
+        options = load_span_options({PASS_PREFIX_KEYS: True, "span_chain_window_tokens": "4096"})
+    assert options.chain_window_tokens == 4096
+    assert caplog.records == []
+    with pytest.raises(Exception, match="span_chain_window_tokens"):
+        load_span_options({"span_chain_window_tokens": 0})
