@@ -274,3 +274,14 @@ def test_the_knob_reaching_our_config_is_ignored_quietly(caplog):
     assert caplog.records == []
     with pytest.raises(Exception, match="span_chain_window_tokens"):
         load_span_options({"span_chain_window_tokens": 0})
+
+
+def test_the_window_model_of_the_bench_follows_the_rule():
+    """Chains inside one window lose exactly 1/N on average over victims; a window of
+    one key spreads each chain and loses more."""
+    from mooncake_span.bench.placement import conversations, window_model
+
+    convs = conversations(3, 8)
+    whole = window_model(convs, 4, 512)
+    assert whole["mean_share"] == 0.75
+    assert window_model(convs, 4, 1)["mean_share"] < whole["mean_share"]
