@@ -55,6 +55,20 @@ def placement(todos: Sequence[Transfer]) -> tuple[list[str] | None, list[int] | 
     return domains, steps
 
 
+def chain_placement(batches: Sequence[PoolBatch]) -> tuple[list[str] | None, list[int] | None]:
+    """The domains and chain steps of every object of ``batches``, laid end to end,
+    when the call named its prefix chain (None, None otherwise)."""
+    if not batches or any(b.chain is None for b in batches):
+        return None, None
+    domains: list[str] = []
+    steps: list[int] = []
+    for batch in batches:
+        more = batch.chain.objects(range(len(batch.page_keys)), batch.pool.num_components)
+        domains += more[0]
+        steps += more[1]
+    return domains, steps
+
+
 def per_batch(flat: Sequence[Item], batches: Sequence[PoolBatch]) -> list[Sequence[Item]]:
     return split(flat, [len(batch.object_keys) for batch in batches])
 

@@ -12,6 +12,7 @@ Per-object flags (stored or written) fold to per-key results.
 from __future__ import annotations
 
 from mooncake_span.sglang_backend.objects import (
+    chain_placement,
     move_selected,
     object_keys,
     per_batch,
@@ -37,7 +38,12 @@ class Writes:
         keys = object_keys(physical)
         if keys and not self._client.pressure.cooling:
             # A key already stored (by another rank or node) is not written twice.
-            stored = self._client.exists(keys)
+            # Where a chain's objects sit matters to the check only while the
+            # router is troubled (a bad segment); it costs a pass per object.
+            placed = (None, None)
+            if not self._client.router.untroubled:
+                placed = chain_placement(physical)
+            stored = self._client.exists(keys, *placed)
         else:
             stored = [False] * len(keys)
         schema = self._reg.key_schema

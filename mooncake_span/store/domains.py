@@ -114,13 +114,14 @@ class ChainSpot:
         if self.window_keys < 1:
             raise ValueError(f"a chain window is >= 1 key, got {self.window_keys}")
 
-    def step(self, offset: int) -> int:
-        """The step of the run's ``offset``-th key."""
-        return (self.start + offset) // self.window_keys
-
     def objects(self, rows: Sequence[int], per_key: int) -> tuple[list[str], list[int]]:
-        """Domains and steps of ``per_key`` objects for each key ``rows[i]`` of the run."""
-        steps = [self.step(row) for row in rows for _ in range(per_key)]
+        """Domains and steps of ``per_key`` objects for each key ``rows[i]`` of the run;
+        a key's step is its chain position over the window."""
+        start, window = self.start, self.window_keys
+        if per_key == 1:
+            steps = [(start + row) // window for row in rows]
+        else:
+            steps = [step for row in rows for step in [(start + row) // window] * per_key]
         return [self.domain] * len(steps), steps
 
 
