@@ -158,6 +158,12 @@ class SpanOptions:
     # Failure domains (store/domains.py): co-locate each storage key's objects
     # on one segment chosen by rendezvous hashing over the live segments.
     placement: bool = True
+    # Prefix-chain placement (sglang's hicache_storage_pass_prefix_keys): a
+    # chain's keys share its root's segment for this many tokens, then move to
+    # the root's next segment. 32k tokens keeps the prompts of chat and RAG
+    # turns whole (one dead node of N costs about 1/N of them), while a
+    # 128k-token context still spreads over 4 segments (docs/reliability.md).
+    chain_window_tokens: int = 32768
     # The master's admin HTTP server (its --metrics_port) that lists segments;
     # None: http://<master host>:9003, Mooncake's default port.
     master_admin_url: str | None = None
@@ -236,6 +242,11 @@ class SpanOptions:
                 f"span_full_cooldown_s must be in [0, 3600] seconds (0 disables), "
                 f"got {self.full_cooldown_s}"
             )
+        if not 1 <= self.chain_window_tokens <= 1 << 30:
+            raise ConfigError(
+                f"span_chain_window_tokens must be in 1..{1 << 30} tokens, "
+                f"got {self.chain_window_tokens}"
+            )
         if not 1 <= self.lost_keys_max <= 10_000_000:
             raise ConfigError(
                 f"span_lost_keys_max must be in 1..10000000, got {self.lost_keys_max}"
@@ -254,6 +265,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_layout_guard": ("layout_guard", str),
     "span_layout_guard_etcd": ("layout_guard_etcd", str),
     "span_placement": ("placement", parse_bool),
+    "span_chain_window_tokens": ("chain_window_tokens", parse_int),
     "span_master_admin_url": ("master_admin_url", str),
     "span_segment_refresh_s": ("segment_refresh_s", float),
     "span_domain_bad_ttl_s": ("domain_bad_ttl_s", float),

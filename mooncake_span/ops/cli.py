@@ -545,6 +545,13 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="--serve: timed rounds per prompt length, after one warm-up (default 8)",
     )
+    bench.add_argument(
+        "--placement",
+        action="store_true",
+        help="only the placement section: restorable prompt tokens after one of 2 or 4 storage "
+        "nodes is SIGKILLed, bytes per node and put/get pages/s, per-key vs prefix-chain "
+        "placement vs sglang's MooncakeStore (mooncake_span.bench.placement)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -576,6 +583,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return run_serve_command(
             args.serve_models, args.serve_lengths, args.serve_rounds, args.json, args.plot
         )
+    if args.placement:
+        from mooncake_span.bench.placement import run_placement_command
+
+        return run_placement_command(args.quick, args.json)
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

@@ -63,6 +63,7 @@ from mooncake_span.sglang_backend.hit_query import HitProber
 from mooncake_span.sglang_backend.l3_layout import describe_layout
 from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
+from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice
 from mooncake_span.sglang_backend.reads import Reads
 from mooncake_span.sglang_backend.recording import GET, SET, CallRecorder, Path
 from mooncake_span.sglang_backend.registration import Registration
@@ -127,6 +128,7 @@ class MooncakeSpanStore(HiCacheStorage):
         self.reads = Reads(self.client, self.stager)
         self.writes = Writes(self.client, self.stager, self.registration)
         self.prober = HitProber(self.client)
+        self._per_key_notice = PerKeyNotice()
 
     # ---- the namespace (registration.py owns it) ------------------------------------
 
@@ -181,34 +183,43 @@ class MooncakeSpanStore(HiCacheStorage):
 
     # ---- zero-copy API ------------------------------------------------------------------------
 
-    # sglang passes extra_info (HiCacheStorageExtraInfo) for tracing only; it is ignored here.
+    # sglang's extra_info (HiCacheStorageExtraInfo) matters for its prefix_keys
+    # only (hicache_storage_pass_prefix_keys): they place a conversation's keys
+    # by its chain (prefix_chain.py); everything else in it is ignored.
 
     @never_raise(miss_per_key)
     def batch_get_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
-        batch = batches.pool_batch(self.registration, KV_POOL, keys, host_indices)
+        batch = batches.pool_batch(
+            self.registration, KV_POOL, keys, host_indices, extra_info=extra_info
+        )
         return self.recorder.kv_transfer(GET, self.reads.get, batch, self.geometry)
 
     @never_raise(miss_per_key)
     def batch_set_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
-        batch = batches.pool_batch(self.registration, KV_POOL, keys, host_indices)
+        batch = batches.pool_batch(
+            self.registration, KV_POOL, keys, host_indices, extra_info=extra_info
+        )
+        self._per_key_notice.backup(batch.chain)
         return self.recorder.kv_transfer(SET, self.writes.put, batch, self.geometry)
 
     @never_raise(miss_per_transfer)
     def batch_get_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
-        return self._transfers("batch_get_v2", GET, self.reads.get, transfers)
+        return self._transfers("batch_get_v2", GET, self.reads.get, transfers, extra_info)
 
     @never_raise(miss_per_transfer)
     def batch_set_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
-        return self._transfers("batch_set_v2", SET, self.writes.put, transfers)
+        return self._transfers("batch_set_v2", SET, self.writes.put, transfers, extra_info)
 
     def _transfers(
-        self, op_name: str, operation: str, path: Path, transfers: Any
+        self, op_name: str, operation: str, path: Path, transfers: Any, extra_info: Any
     ) -> TransferResults:
         """One batch per transfer (a bad one is refused alone and stays a miss), moved
         together along ``path``."""
         request = batches.transfer_batches(
-            self.registration, op_name, transfers, self.recorder.reject
+            self.registration, op_name, transfers, self.recorder.reject, extra_info
         )
+        if operation == SET and request.batches:
+            self._per_key_notice.backup(request.batches[0].chain)
         if request.batches:
             moved = self.recorder.transfer(operation, path, request.batches)
             request.results.update(zip(request.names, moved, strict=True))
@@ -225,8 +236,9 @@ class MooncakeSpanStore(HiCacheStorage):
         kv = self.pools[KV_POOL]
         if kv.is_logical:
             return 0
+        chain = self.registration.chain_of(extra_info, page_keys) if page_keys else None
         tally = ProbeTally()
-        hits = self.prober.kv_prefix(self.key_schema, kv, page_keys, KV_ROUNDS_ALONE, tally)
+        hits = self.prober.kv_prefix(self.key_schema, kv, page_keys, KV_ROUNDS_ALONE, tally, chain)
         self.recorder.hit_query(len(page_keys), hits, tally)
         return hits
 
@@ -244,7 +256,9 @@ class MooncakeSpanStore(HiCacheStorage):
             for t in list(pool_transfers or [])
         ]
         tally = ProbeTally()
-        hit = self.prober.hits(self.key_schema, self.pools[KV_POOL], page_keys, transfers, tally)
+        chain = self.registration.chain_of(extra_info, page_keys) if page_keys else None
+        kv = self.pools[KV_POOL]
+        hit = self.prober.hits(self.key_schema, kv, page_keys, transfers, tally, chain)
         self.recorder.hit_query(len(page_keys), hit.kv_hit_pages, tally)
         names = {pool_name_str(t.name): t.name for t, _ in transfers}
         pool_hits = {names.get(n, PoolName.KV): v for n, v in hit.pool_hit_pages.items()}

@@ -29,21 +29,31 @@ Reject = Callable[[str, Exception], None]
 
 
 def pool_batch(
-    reg: Registration, name: str, keys: Any, host_indices: Any, *, kv_derived_hint: bool = False
+    reg: Registration,
+    name: str,
+    keys: Any,
+    host_indices: Any,
+    *,
+    kv_derived_hint: bool = False,
+    extra_info: Any = None,
 ) -> PoolBatch:
-    """One pool's part of a zero-copy call: its keys and host pages."""
+    """One pool's part of a zero-copy call: its keys, host pages and, when
+    ``extra_info`` carries prefix keys, where the keys sit in their chain."""
     reg.require_ready()
     pool = reg.registered(name, "transfer")
     page_keys = check_page_keys(keys)
     if not page_keys:
         raise InvalidRequestError(f"pool {name!r}: transfer has no keys")
+    chain = reg.chain_of(extra_info, page_keys)
     if pool.is_logical:
         check_host_indices(name, host_indices)
-        no_pages = np.zeros((len(page_keys), 0), dtype=np.int64)
-        return pool.batch(reg.key_schema, page_keys, no_pages)
-    kind = reg.kind_of(name, pool, kv_derived_hint)
-    pages = pool.host_pages(kind, len(page_keys), host_indices, reg.geometry)
-    return pool.batch(reg.key_schema, page_keys, pages)
+        pages = np.zeros((len(page_keys), 0), dtype=np.int64)
+    else:
+        kind = reg.kind_of(name, pool, kv_derived_hint)
+        pages = pool.host_pages(kind, len(page_keys), host_indices, reg.geometry)
+    batch = pool.batch(reg.key_schema, page_keys, pages)
+    batch.chain = chain
+    return batch
 
 
 @dataclass
@@ -56,10 +66,11 @@ class TransferBatches:
 
 
 def transfer_batches(
-    reg: Registration, op_name: str, transfers: Any, reject: Reject
+    reg: Registration, op_name: str, transfers: Any, reject: Reject, extra_info: Any = None
 ) -> TransferBatches:
     """A v2 call's transfers as batches; a transfer refused here is passed to
-    ``reject`` and left out (it stays a miss)."""
+    ``reject`` and left out (it stays a miss). ``extra_info``'s prefix keys
+    precede each transfer's own keys (sglang groups trailing transfers so)."""
     reg.require_ready()
     try:
         transfers = list(transfers or [])
@@ -78,6 +89,7 @@ def transfer_batches(
                 getattr(transfer, "keys", None),
                 getattr(transfer, "host_indices", None),
                 kv_derived_hint=hint,
+                extra_info=extra_info,
             )
         except MooncakeSpanError as exc:
             reject(op_name, exc)

@@ -29,6 +29,7 @@ from mooncake_span.span.probe import (
     ProbeTally,
     sidecar_pages,
 )
+from mooncake_span.store.domains import ChainSpot
 
 
 def _pool_query(transfer: Any, page_exists: list[bool]) -> PoolHitQuery:
@@ -52,17 +53,29 @@ class HitProber:
     def _round(
         self,
         schema: KeySchema,
-        parts: Sequence[tuple[StoredPool, list[str]]],
+        parts: Sequence[tuple[StoredPool, list[str], int]],
         tally: ProbeTally,
+        chain: ChainSpot | None,
     ) -> list[list[bool]]:
-        """One existence RPC for every (pool, keys) part; per part, per key flags."""
-        per_part = [pool.object_keys(schema, keys) for pool, keys in parts]
+        """One existence RPC for every (pool, keys, offset of keys[0] in the query)
+        part; per part, per key flags. With ``chain``, the client learns where
+        each object was placed (it matters while a segment is bad)."""
+        per_part = [pool.object_keys(schema, keys) for pool, keys, _ in parts]
         flat = [k for keys in per_part for k in keys]
         tally.add(len(flat))
-        found = self._client.exists(flat) if flat else []
+        domains = steps = None
+        if chain is not None:
+            domains, steps = [], []
+            for pool, keys, offset in parts:
+                per_key = 0 if pool.is_logical else pool.num_components
+                more = chain.objects(range(offset, offset + len(keys)), per_key)
+                domains += more[0]
+                steps += more[1]
+        found = self._client.exists(flat, domains, steps) if flat else []
         counts = [len(keys) for keys in per_part]
         return [
-            pool.fold(flags) for (pool, _), flags in zip(parts, split(found, counts), strict=True)
+            pool.fold(flags)
+            for (pool, _, _), flags in zip(parts, split(found, counts), strict=True)
         ]
 
     def kv_prefix(
@@ -72,10 +85,11 @@ class HitProber:
         page_keys: list[str],
         max_rounds: int,
         tally: ProbeTally,
+        chain: ChainSpot | None = None,
     ) -> int:
         """Leading keys whose KV objects all exist, probed chunk by chunk."""
         for start, end in self.policy.chunks(len(page_keys), max_rounds):
-            (flags,) = self._round(schema, [(kv, page_keys[start:end])], tally)
+            (flags,) = self._round(schema, [(kv, page_keys[start:end], start)], tally, chain)
             run = leading_run(flags)
             if run < end - start:
                 return start + run
@@ -88,6 +102,7 @@ class HitProber:
         page_keys: list[str],
         transfers: Sequence[tuple[Any, StoredPool]],
         tally: ProbeTally,
+        chain: ChainSpot | None = None,
     ) -> HitResult:
         """``batch_exists_v2``'s answer; ``transfers`` pairs each PoolTransfer with its pool."""
         for transfer, _ in transfers:  # a bad request is refused before anything is leased
@@ -98,7 +113,7 @@ class HitProber:
             kv_pages = len(page_keys)
         else:
             rounds = KV_ROUNDS_WITH_SIDECARS if transfers else KV_ROUNDS_ALONE
-            kv_pages = self.kv_prefix(schema, kv, page_keys, rounds, tally)
+            kv_pages = self.kv_prefix(schema, kv, page_keys, rounds, tally, chain)
         if not kv_pages or not transfers:
             return compute_hits(kv_pages, [])
         needed = [
@@ -110,7 +125,7 @@ class HitProber:
             )
             for t, _ in transfers
         ]
-        parts = [(pool, page_keys[:n]) for (_, pool), n in zip(transfers, needed, strict=True)]
-        flags = self._round(schema, parts, tally)
+        parts = [(pool, page_keys[:n], 0) for (_, pool), n in zip(transfers, needed, strict=True)]
+        flags = self._round(schema, parts, tally, chain)
         queries = [_pool_query(t, f) for (t, _), f in zip(transfers, flags, strict=True)]
         return compute_hits(kv_pages, queries)

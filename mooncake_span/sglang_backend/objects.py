@@ -38,6 +38,37 @@ def split(flat: Sequence[Item], counts: Sequence[int]) -> list[Sequence[Item]]:
     return parts
 
 
+def placement(todos: Sequence[Transfer]) -> tuple[list[str] | None, list[int] | None]:
+    """The domains and chain steps of the objects of ``todos``, laid end to end.
+
+    Steps only when every transfer has them (one call's batches share its
+    chain, so they all do or none does); domains when any transfer has them
+    (a put's always do; a read's only with their chain)."""
+    if len(todos) == 1:
+        return todos[0].domains, todos[0].steps
+    steps = None
+    if all(t.steps is not None for t in todos):
+        steps = [s for t in todos for s in t.steps]
+    if steps is None and all(t.domains is None for t in todos):
+        return None, None
+    domains = [d for t in todos for d in t.domains or ()]
+    return domains, steps
+
+
+def chain_placement(batches: Sequence[PoolBatch]) -> tuple[list[str] | None, list[int] | None]:
+    """The domains and chain steps of every object of ``batches``, laid end to end,
+    when the call named its prefix chain (None, None otherwise)."""
+    if not batches or any(b.chain is None for b in batches):
+        return None, None
+    domains: list[str] = []
+    steps: list[int] = []
+    for batch in batches:
+        more = batch.chain.objects(range(len(batch.page_keys)), batch.pool.num_components)
+        domains += more[0]
+        steps += more[1]
+    return domains, steps
+
+
 def per_batch(flat: Sequence[Item], batches: Sequence[PoolBatch]) -> list[Sequence[Item]]:
     return split(flat, [len(batch.object_keys) for batch in batches])
 

@@ -5,12 +5,18 @@ one native get (``MooncakeClient.get``, which cuts it into buffer-budget
 segments), each staged batch through the arena (``Stager.get_batch``, which
 copies complete rows back into the host pool). The per-object flags are then
 folded to per-key results, clamped after the first missing key, as sglang
-reads a result list as a prefix.
+reads a result list as a prefix. A call that names its prefix chain tells the
+client where its keys were placed, for reads while a segment is bad.
 """
 
 from __future__ import annotations
 
-from mooncake_span.sglang_backend.objects import move_selected, object_keys, per_key_results
+from mooncake_span.sglang_backend.objects import (
+    move_selected,
+    object_keys,
+    per_key_results,
+    placement,
+)
 from mooncake_span.sglang_backend.staging import Stager
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.plan import PlanBatch
@@ -37,4 +43,6 @@ class Reads:
 
     def _direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
         """One native get into the host pools' (registered) memory."""
-        return self._client.get(keys, PlanBatch.concat([t.plans for t in todos]))
+        domains, steps = placement(todos)
+        plans = PlanBatch.concat([t.plans for t in todos])
+        return self._client.get(keys, plans, domains, steps)

@@ -19,12 +19,14 @@ from typing import Any
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import InvalidRequestError, RegistrationError
 from mooncake_span.sglang_backend.pool_layout import describe_pool
+from mooncake_span.sglang_backend.prefix_chain import chain_of
 from mooncake_span.sglang_backend.staging import Stager
 from mooncake_span.sglang_backend.storage_page import resolve_storage_page_tokens
 from mooncake_span.sglang_backend.stored_pool import StagedPool, StoredPool
 from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
 from mooncake_span.span.keys import KeySchema, RankTags
 from mooncake_span.store.client import MooncakeClient
+from mooncake_span.store.domains import ChainSpot
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_layout_guard
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,9 @@ class Registration:
         self.group_ids = False
         # Rebound, never mutated: worker threads read it without a lock.
         self.learned_kv_derived: frozenset[str] = frozenset()
+        # Storage keys of a prefix chain per segment before it moves on (set
+        # with the geometry: span_chain_window_tokens in whole storage keys).
+        self.chain_window_keys = 1
 
     @property
     def is_mla(self) -> bool:
@@ -101,8 +106,12 @@ class Registration:
             ranks=rank_tags(self._config),
             tag=self._extra_tag,
         )
-        # Failure domains (store/domains.py): one segment per storage key.
+        # Failure domains (store/domains.py): one segment per storage key, or
+        # per chain window when sglang passes prefix keys (prefix_chain.py).
         self._client.router.domain_of = self.key_schema.domain_of
+        self.chain_window_keys = max(
+            1, self._options.chain_window_tokens // self.geometry.storage_page_tokens
+        )
         self.register_pool(KV_POOL, mem_pool_host)
         for name, pool in list(self.pools.items()):
             if pool.kind is PoolKind.KV_DERIVED:
@@ -189,6 +198,10 @@ class Registration:
             raise RegistrationError(
                 "no host pool registered yet (register_mem_pool_host was not called)"
             )
+
+    def chain_of(self, extra_info: Any, page_keys: list[str]) -> ChainSpot | None:
+        """Where ``page_keys`` sit in the prefix chain ``extra_info`` names (None: no chain)."""
+        return chain_of(extra_info, page_keys, self.key_schema, self.chain_window_keys)
 
     def registered(self, name: str, what: str) -> StoredPool:
         pool = self.pools.get(name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,17 +83,14 @@ class Stager:
         batch = part.batch
         for k, row in enumerate(part.rows):
             batch.pool.stage_row(batch, row, self._view, self._offset(part, k))
-        cut = slice(part.span.objects.start, part.span.objects.stop)
-        groups = part.todo.group_ids
-        domains = part.todo.domains
-        groups = groups[cut] if groups is not None else None
-        domains = domains[cut] if domains is not None else None
-        return self.client.put(part.keys(), part.plans(), groups, domains=domains)
+        groups, domains, steps = part.cut(part.todo.group_ids, part.todo.domains, part.todo.steps)
+        return self.client.put(part.keys(), part.plans(), groups, domains=domains, steps=steps)
 
     def _get_part(self, part: _Part) -> list[bool]:
         batch = part.batch
         ncomp = batch.pool.num_components
-        flags = self.client.get(part.keys(), part.plans())
+        domains, steps = part.cut(part.todo.domains, part.todo.steps)
+        flags = self.client.get(part.keys(), part.plans(), domains, steps)
         arrived: dict[int, bool] = {}
         for o, ok in zip(part.mine, flags, strict=True):
             arrived[o // ncomp] = arrived.get(o // ncomp, True) and ok
@@ -118,6 +116,11 @@ class _Part:
 
     def keys(self) -> list[str]:
         return [self.batch.object_keys[o] for o in self.mine]
+
+    def cut(self, *per_object: list[Any] | None) -> tuple[list[Any] | None, ...]:
+        """This part's share of per-object lists of the transfer (None stays None)."""
+        cut = slice(self.span.objects.start, self.span.objects.stop)
+        return tuple(None if values is None else values[cut] for values in per_object)
 
     def plans(self) -> PlanBatch:
         """Plans of this part's objects in the leased arena rows."""

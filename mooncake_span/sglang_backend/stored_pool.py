@@ -3,7 +3,8 @@
 A :class:`StoredPool` owns everything that depends on one pool's layout: the
 object keys of a call (key-major, component-minor: object ``i * C + c`` is
 component ``c`` of key ``i``), the buffer plans, what a get or a put moves
-(with a put's group ids and placement domains) and the fold from per-object
+(with a put's group ids and placement domains and, for a call that names its
+prefix chain, chain steps) and the fold from per-object
 flags to per-key results. The read and write paths only loop over pools, so
 the object order is written down here and nowhere else.
 
@@ -34,6 +35,7 @@ from mooncake_span.span.plan import (
     pages_of_slots,
     plan_batch,
 )
+from mooncake_span.store.domains import ChainSpot
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
@@ -61,6 +63,8 @@ class PoolBatch:
     object_keys: list[str] = field(default_factory=list)
     # Generic (non zero-copy) calls: one flat span tensor per key instead of host pages.
     flat_bases: list[int] | None = None
+    # Where page_keys sit in their prefix chain (sglang passed prefix keys), or None.
+    chain: ChainSpot | None = None
 
     @property
     def pages_per_key(self) -> int:
@@ -84,9 +88,12 @@ class Transfer:
     object_indices: list[int] | None  # None: every object of the batch, in order
     plans: PlanBatch | None  # None: a staged batch (the stager plans each part)
     group_ids: list[str] | None
-    # A put's placement key per object (KeySchema.domains), whether or not group
-    # ids are sent: all objects of a storage key share one failure domain.
+    # A put's placement key per object (KeySchema.domains, or the chain root's),
+    # whether or not group ids are sent: all objects of a storage key share one
+    # failure domain. A read carries them only when it knows the chain.
     domains: list[str] | None = None
+    # Per object, its key's chain step (ChainSpot); None: placed per key.
+    steps: list[int] | None = None
 
 
 class StoredPool:
@@ -166,7 +173,11 @@ class StoredPool:
 
     def read_all(self, batch: PoolBatch) -> Transfer:
         """A get moves every object of ``batch``, in order."""
-        return Transfer(None, None if batch.staged else self.plans(batch, None), None)
+        plans = None if batch.staged else self.plans(batch, None)
+        if batch.chain is None:
+            return Transfer(None, plans, None)
+        domains, steps = batch.chain.objects(range(len(batch.page_keys)), self.num_components)
+        return Transfer(None, plans, None, domains, steps)
 
     def write_missing(
         self, batch: PoolBatch, stored: Sequence[bool], schema: KeySchema, group_ids: bool
@@ -177,8 +188,11 @@ class StoredPool:
         if not any(stored):
             # Nothing stored yet (most puts): all objects go, in order.
             groups = schema.group_ids(batch.page_keys, ncomp)
-            domains = schema.domains(batch.page_keys, ncomp, groups)
             plans = None if batch.staged else self.plans(batch, None)
+            if batch.chain is not None:
+                domains, steps = batch.chain.objects(range(len(batch.page_keys)), ncomp)
+                return Transfer(None, plans, groups if group_ids else None, domains, steps)
+            domains = schema.domains(batch.page_keys, ncomp, groups)
             return Transfer(None, plans, groups if group_ids else None, domains)
         rows = [i for i, whole in enumerate(self.fold(stored)) if not whole]
         row_plans = None
@@ -192,8 +206,11 @@ class StoredPool:
                     objects.append(row * ncomp + c)
                     picked.append(pos * ncomp + c)
         groups = [schema.group_id(batch.page_keys[i // ncomp]) for i in objects]
-        domains = [schema.domain_of(batch.object_keys[i]) for i in objects]
         plans = None if row_plans is None else row_plans.take(picked)
+        if batch.chain is not None:
+            domains, steps = batch.chain.objects([i // ncomp for i in objects], 1)
+            return Transfer(objects, plans, groups if group_ids else None, domains, steps)
+        domains = [schema.domain_of(batch.object_keys[i]) for i in objects]
         return Transfer(objects, plans, groups if group_ids else None, domains)
 
     def plans(self, batch: PoolBatch, rows: list[int] | None) -> PlanBatch:

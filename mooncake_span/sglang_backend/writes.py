@@ -12,10 +12,12 @@ Per-object flags (stored or written) fold to per-key results.
 from __future__ import annotations
 
 from mooncake_span.sglang_backend.objects import (
+    chain_placement,
     move_selected,
     object_keys,
     per_batch,
     per_key_results,
+    placement,
 )
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.staging import Stager
@@ -36,7 +38,12 @@ class Writes:
         keys = object_keys(physical)
         if keys and not self._client.pressure.cooling:
             # A key already stored (by another rank or node) is not written twice.
-            stored = self._client.exists(keys)
+            # Where a chain's objects sit matters to the check only while the
+            # router is troubled (a bad segment); it costs a pass per object.
+            placed = (None, None)
+            if not self._client.router.untroubled:
+                placed = chain_placement(physical)
+            stored = self._client.exists(keys, *placed)
         else:
             stored = [False] * len(keys)
         schema = self._reg.key_schema
@@ -58,8 +65,5 @@ class Writes:
         groups = None
         if any(t.group_ids is not None for t in todos):
             groups = [g for t in todos for g in t.group_ids or ()]
-        if len(todos) == 1:
-            domains = todos[0].domains
-        else:
-            domains = [d for t in todos for d in t.domains or ()]
-        return self._client.put(keys, plans, groups, domains=domains)
+        domains, steps = placement(todos)
+        return self._client.put(keys, plans, groups, domains=domains, steps=steps)

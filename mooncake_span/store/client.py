@@ -72,6 +72,9 @@ from mooncake_span.store.segments import SegmentDirectory, replica_segments, sta
 
 logger = logging.getLogger(__name__)
 
+# A call's placement as its caller knows it: (domains, chain steps), either None.
+Placed = tuple[Sequence[str] | None, Sequence[int] | None]
+
 # NativeBinding and native_env_defaults are imported from here by callers.
 __all__ = ["MooncakeClient", "NativeBinding", "load_native_binding", "native_env_defaults"]
 
@@ -181,18 +184,22 @@ class MooncakeClient:
         group_ids: Sequence[str] | None = None,
         hard_pin: bool = False,
         domains: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
     ) -> list[bool]:
         """Write objects that do not exist yet. Mooncake keeps the old value of an
         existing key and reports success, so callers check existence first.
-        Objects with the same domain (``domains``, else ``router.domain_of``) land
-        on the same segment. ``hard_pin`` exempts them from eviction (small
-        metadata only). True only if every copy was written."""
+        Objects with the same domain (``domains``, else ``router.domain_of``) and
+        chain step (``steps``: prefix-chain placement) land on the same segment.
+        ``hard_pin`` exempts them from eviction (small metadata only). True only
+        if every copy was written."""
         batch = PlanBatch.of(plans)
+        if steps is not None:
+            self.router.chained = True
         if self.router.direct(keys):
-            ok = self._put_direct(list(keys), batch, group_ids, hard_pin, domains)
+            ok = self._put_direct(list(keys), batch, group_ids, hard_pin, (domains, steps))
             self.router.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
             return ok
-        return self._put_copies(keys, batch, group_ids, hard_pin, domains)
+        return self._put_copies(keys, batch, group_ids, hard_pin, (domains, steps))
 
     def _put_direct(
         self,
@@ -200,12 +207,12 @@ class MooncakeClient:
         batch: PlanBatch,
         group_ids: Sequence[str] | None,
         hard_pin: bool,
-        domains: Sequence[str] | None,
+        placed: Placed,
     ) -> list[bool]:
         """One copy per unique key: the objects go in the caller's order, one
         segment's share at a time."""
         codes = [0] * len(keys)
-        for segment, rows in self.router.direct_groups(keys, domains):
+        for segment, rows in self.router.direct_groups(keys, *placed):
             if rows is None:  # every object goes to one segment
                 codes = self._put_part(keys, batch, group_ids, hard_pin, segment)
                 break
@@ -223,15 +230,15 @@ class MooncakeClient:
         batch: PlanBatch,
         group_ids: Sequence[str] | None,
         hard_pin: bool,
-        domains: Sequence[str] | None,
+        placed: Placed,
     ) -> list[bool]:
         """Every copy of every unique key onto the segment the router places it on;
         a key is written when all its copies are."""
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         written = collections.Counter()
-        mine = [domains[i] for i in unique] if domains is not None else None
-        for segment, entries in self.router.put_groups([keys[i] for i in unique], mine).items():
+        mine = [None if p is None else [p[i] for i in unique] for p in placed]
+        for segment, entries in self.router.put_groups([keys[i] for i in unique], *mine).items():
             rows = [unique[j] for j, _ in entries]
             groups = [group_ids[i] for i in rows] if group_ids else None
             part = [k for _, k in entries]
@@ -283,16 +290,23 @@ class MooncakeClient:
 
     # ---- the read path -----------------------------------------------------------
 
-    def get(self, keys: Sequence[str], plans: Sequence[ObjectPlan] | PlanBatch) -> list[bool]:
+    def get(
+        self,
+        keys: Sequence[str],
+        plans: Sequence[ObjectPlan] | PlanBatch,
+        domains: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
+    ) -> list[bool]:
         """Read objects into the planned buffers; True only for a complete read.
 
         Copies in a bad failure domain are skipped without a transfer; a copy
         that fails is retried on the next one (at most ``span_replica_num``
-        attempts per key). A key that cannot be read is remembered as lost."""
+        attempts per key). A key that cannot be read is remembered as lost.
+        ``domains``/``steps``: the placement its put used, if the caller knows it."""
         batch = PlanBatch.of(plans)
         if self.router.direct(keys):
             return self._get_direct(list(keys), batch)
-        return self._get_copies(keys, batch)
+        return self._get_copies(keys, batch, (domains, steps))
 
     def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
         """One copy per unique key, in the caller's order, cut by the buffer budget."""
@@ -304,9 +318,9 @@ class MooncakeClient:
             self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
         return ok
 
-    def _get_copies(self, keys: Sequence[str], batch: PlanBatch) -> list[bool]:
+    def _get_copies(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
         """Each key's live copies in turn, until one reads completely."""
-        candidates = self.router.read_rows(keys, self._locate)
+        candidates = self.router.read_rows(keys, self._locate, *placed)
         ok = [False] * len(keys)
         unreadable = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]
@@ -406,14 +420,19 @@ class MooncakeClient:
 
     # ---- existence ---------------------------------------------------------------
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
+    def exists(
+        self,
+        keys: Sequence[str],
+        domains: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
+    ) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
-        absent without asking the master."""
+        absent without asking the master. ``domains``/``steps`` as for ``get``."""
         if self.router.untroubled:
             return [code == 1 for code in self._exists_codes(list(keys))]  # the common case
         lost = self.router.lost_mask(keys)
-        rows = self.router.read_rows(keys, self._locate)
+        rows = self.router.read_rows(keys, self._locate, domains, steps)
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
         skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
         if skipped:

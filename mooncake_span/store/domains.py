@@ -10,6 +10,12 @@ clock and the segment list):
   the same segment, and the key lives or dies as a whole. Adding or removing a
   segment moves only the keys that rank it first (about 1/N of them), so a new
   node takes its share of new writes and is not flooded.
+* ``ChainSpot`` extends that to a prefix chain (a conversation's page keys,
+  each hashed from the one before): every key of the chain takes its root's
+  domain key and a *step*, its chain position divided by the window. Step s
+  sits on the s-th segment of the root's order (cyclically), so a chain
+  shorter than the window lives or dies as a whole, and a longer one moves on
+  to the root's next segment every window.
 * ``DomainHealth`` remembers segments that failed a transfer, for a bounded
   time. Keys placed there read as misses without a transfer attempt, and
   writes skip them, while every other segment is served as before.
@@ -25,6 +31,7 @@ import hashlib
 import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,21 +73,69 @@ def segment_weights(domain_keys: Sequence[str], segments: Sequence[str]) -> np.n
     return x
 
 
-def _rankings(domain_keys: Sequence[str], segments: Sequence[str]) -> np.ndarray:
-    """Per domain, indices into ``segments`` from most to least preferred."""
-    return np.argsort(segment_weights(domain_keys, segments), axis=1, kind="stable")[:, ::-1]
+def _rankings(
+    domain_keys: Sequence[str], segments: Sequence[str], steps: Sequence[int] | None = None
+) -> np.ndarray:
+    """Per domain, indices into ``segments`` from most to least preferred; with
+    ``steps``, row i is rotated left by ``steps[i]`` (mod the segment count), so
+    it starts at the segment its chain window sits on."""
+    order = np.argsort(segment_weights(domain_keys, segments), axis=1, kind="stable")[:, ::-1]
+    if steps is None or not len(order):
+        return order
+    shift = np.asarray(steps, dtype=np.int64) % len(segments)
+    if not shift.any():
+        return order
+    columns = (np.arange(len(segments))[None, :] + shift[:, None]) % len(segments)
+    return np.take_along_axis(order, columns, axis=1)
+
+
+def first_choices(
+    domain_keys: Sequence[str], segments: Sequence[str], steps: Sequence[int]
+) -> np.ndarray:
+    """Per domain, the index into ``segments`` of the segment its chain step sits on."""
+    return _rankings(domain_keys, segments, steps)[:, 0]
+
+
+@dataclass(frozen=True)
+class ChainSpot:
+    """A run of consecutive keys of one prefix chain: the chain's placement key
+    (its root's domain), the chain position of the run's first key, and the
+    window (keys per step). Everything here follows from the chain itself, so
+    every call, process, rank and pool component that names a key of the chain
+    computes the same step for it."""
+
+    domain: str
+    start: int
+    window_keys: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"a chain position is >= 0, got {self.start}")
+        if self.window_keys < 1:
+            raise ValueError(f"a chain window is >= 1 key, got {self.window_keys}")
+
+    def objects(self, rows: Sequence[int], per_key: int) -> tuple[list[str], list[int]]:
+        """Domains and steps of ``per_key`` objects for each key ``rows[i]`` of the run;
+        a key's step is its chain position over the window."""
+        start, window = self.start, self.window_keys
+        if per_key == 1:
+            steps = [(start + row) // window for row in rows]
+        else:
+            steps = [step for row in rows for step in [(start + row) // window] * per_key]
+        return [self.domain] * len(steps), steps
 
 
 def rank_segments(
-    domain_key: str, segments: Sequence[str], bad: frozenset[str] = frozenset()
+    domain_key: str, segments: Sequence[str], bad: frozenset[str] = frozenset(), step: int = 0
 ) -> list[str]:
-    """``segments`` ordered by preference for ``domain_key``; segments in ``bad`` go last.
+    """``segments`` ordered by preference for ``domain_key`` at chain step ``step``
+    (the root's order rotated left by ``step``); segments in ``bad`` go last.
 
-    Deterministic across processes: it depends only on the two strings.
+    Deterministic across processes: it depends only on the strings and the step.
     """
     if not segments:
         return []
-    ranked = [segments[i] for i in _rankings([domain_key], segments)[0].tolist()]
+    ranked = [segments[i] for i in _rankings([domain_key], segments, [step])[0].tolist()]
     if bad:
         ranked = [s for s in ranked if s not in bad] + [s for s in ranked if s in bad]
     return ranked
@@ -100,13 +155,15 @@ def copy_candidates(
     domains: Sequence[str] | None,
     segments: Sequence[str],
     copies: int,
+    steps: Sequence[int] | None = None,
 ) -> list[list[tuple[str, str]]]:
     """Per key, its copies as (object key, segment placement chose for it), in
     copy order ("" when there are fewer segments than copies).
-    ``domains`` (default: the keys) is the placement key of each key."""
+    ``domains`` (default: the keys) is the placement key of each key, ``steps``
+    (default: 0) its chain step."""
     if not segments:
         return [[(copy_key(key, r), "") for r in range(copies)] for key in keys]
-    order = _rankings(domains if domains else keys, segments)[:, :copies].tolist()
+    order = _rankings(domains if domains else keys, segments, steps)[:, :copies].tolist()
     return [
         [(copy_key(key, r), segments[row[r]] if r < len(row) else "") for r in range(copies)]
         for key, row in zip(keys, order, strict=True)
@@ -147,17 +204,19 @@ def put_targets(
     segments: Sequence[str],
     copies: int,
     bad: frozenset[str],
+    steps: Sequence[int] | None = None,
 ) -> dict[str, list[tuple[int, str]]]:
     """Segment -> [(index into keys, object key)] to write there ("" = let Mooncake place).
 
-    Copy r goes to the r-th ranked segment; a copy whose segment is bad moves
-    to the next live segment no other copy of the key uses, so a node that
-    died costs new writes nothing once it is known bad."""
+    Copy r goes to the r-th ranked segment (counted from the key's chain step,
+    ``steps``); a copy whose segment is bad moves to the next live segment no
+    other copy of the key uses, so a node that died costs new writes nothing
+    once it is known bad."""
     if not segments:
         # No segment directory: Mooncake places every copy, whatever the domain
         # (callers may pass no domains then: computing them costs per object).
         return {"": [(i, copy_key(k, r)) for i, k in enumerate(keys) for r in range(copies)]}
-    order = _rankings(domains if domains else keys, segments).tolist()
+    order = _rankings(domains if domains else keys, segments, steps).tolist()
     out: dict[str, list[tuple[int, str]]] = {}
     if copies == 1 and not bad:
         for i, (key, row) in enumerate(zip(keys, order, strict=True)):

@@ -12,7 +12,8 @@ clock it is given. It decides, per call:
   of per-object Python, and the objects go in consecutive slices of at most
   ``max_buffers_per_call`` buffers (one native call when they fit);
 * which segment each object of a put is placed on (rendezvous hashing of its
-  domain key, ``domains.py``);
+  domain key, rotated by its chain step when the caller knows its prefix
+  chain: ``domains.py``);
 * which copies of a key are worth a read while some segment is bad.
 
 Where the master says a suspect object lives is an RPC; the client makes it
@@ -33,6 +34,7 @@ from mooncake_span.store.domains import (
     LostKeys,
     copy_candidates,
     copy_key,
+    first_choices,
     live_copies,
     put_targets,
     segment_weights,
@@ -61,6 +63,10 @@ class DomainRouter:
         # The placement key of an object key: objects with one domain share a
         # segment. Set by the backend (KeySchema.domain_of); None: the key itself.
         self.domain_of: Callable[[str], str] | None = None
+        # Set once a put was placed by prefix chain: from then on a read that
+        # names no chain cannot compute where its keys are (domain_of gives the
+        # per-key answer), so while a segment is bad the master is asked.
+        self.chained = False
 
     # ---- failure-domain state ------------------------------------------------
 
@@ -123,49 +129,78 @@ class DomainRouter:
         return spans
 
     def direct_groups(
-        self, keys: Sequence[str], domains: Sequence[str] | None = None
+        self,
+        keys: Sequence[str],
+        domains: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
     ) -> list[tuple[str, list[int] | None]]:
         """(segment, positions in keys) per segment a direct put writes to; positions
         None: all of them. Segment "": Mooncake places the objects (no segment list).
-        ``domains``: the placement key of every key, if the caller has them."""
+        ``domains``: the placement key of every key, if the caller has them;
+        ``steps``: their chain steps (a prefix chain's keys share its root's domain)."""
         segments = self.segments()
         if len(segments) <= 1:
             return [(segments[0] if segments else "", None)]
-        weights = segment_weights(self._domains(keys, domains) or keys, segments)
+        placed = self._domains(keys, domains, steps) or keys
+        if steps is None:
+            chosen_of = np.argmax(segment_weights(placed, segments), axis=1)
+        else:
+            chosen_of = first_choices(placed, segments, steps)
         rows: dict[int, list[int]] = {}
-        for i, chosen in enumerate(np.argmax(weights, axis=1).tolist()):
+        for i, chosen in enumerate(chosen_of.tolist()):
             rows.setdefault(chosen, []).append(i)
         return [(segments[chosen], positions) for chosen, positions in rows.items()]
 
     def put_groups(
-        self, keys: Sequence[str], domains: Sequence[str] | None = None
+        self,
+        keys: Sequence[str],
+        domains: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
     ) -> dict[str, list[tuple[int, str]]]:
         """Segment -> [(index into keys, object key)]: every copy of every key."""
         segments = self.segments()
         return put_targets(
             keys,
-            self._domains(keys, domains) if segments else None,
+            self._domains(keys, domains, steps) if segments else None,
             segments,
             self.copies,
             self.bad_segments(),
+            steps,
         )
 
-    def read_rows(self, keys: Sequence[str], locate: Locate) -> list[list[str]]:
+    def read_rows(
+        self,
+        keys: Sequence[str],
+        locate: Locate,
+        domains: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
+    ) -> list[list[str]]:
         """Per key, the copies to try, in order; [] when all sit in bad failure domains.
         Placement is computed only while some segment is bad, and ``locate`` is
-        called only if a key was placed on a bad segment."""
+        called only if a key was placed on a bad segment, or if its placement is
+        unknown: a read naming no chain (``domains``/``steps``) once puts were
+        placed by chain."""
         bad = self.bad_segments()
         if not bad:
             if self.copies == 1:
                 return [[key] for key in keys]
             return [[copy_key(key, r) for r in range(self.copies)] for key in keys]
-        rows = copy_candidates(keys, self._domains(keys), self.segments(), self.copies)
+        if domains is None and self.chained:
+            rows = copy_candidates(keys, None, (), self.copies)  # every copy: ask the master
+        else:
+            placed = self._domains(keys, domains, steps)
+            rows = copy_candidates(keys, placed, self.segments(), self.copies, steps)
         suspects = suspect_copies(rows, bad)
         return live_copies(rows, bad, locate(suspects) if suspects else {})
 
     def _domains(
-        self, keys: Sequence[str], given: Sequence[str] | None = None
+        self,
+        keys: Sequence[str],
+        given: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
     ) -> Sequence[str] | None:
+        if steps is not None and (given is None or len(steps) != len(keys)):
+            raise ValueError(f"chain steps for {len(keys)} keys need a domain and a step each")
         if given is not None:
             if len(given) != len(keys):
                 raise ValueError(f"{len(given)} placement domains for {len(keys)} keys")

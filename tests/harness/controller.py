@@ -320,13 +320,17 @@ class ControllerHarness:
         token_ids: Sequence[int] | None = None,
         last_hash: str | None = None,
         seed: int = 0,
+        prefix_keys: Sequence[str] | None = None,
     ) -> BackupResult:
         """Fill host pages with random bytes and back them up to L3.
 
         Either ``keys`` fresh storage pages, or the pages of ``token_ids``
         (whole pages, chained after ``last_hash``). KV-derived sidecars cover
         every page; trailing sidecars their window, like UnifiedRadixCache's
-        ``write_backup_storage``. Returns once the backup thread acked.
+        ``write_backup_storage``. ``prefix_keys``: the chain's keys before
+        these, as a radix cache with ``hicache_storage_pass_prefix_keys`` passes
+        them (``[]`` for a chain's first backup; None: the knob is off).
+        Returns once the backup thread acked.
         """
         if token_ids is None:
             if keys is None:
@@ -352,7 +356,7 @@ class ControllerHarness:
                 kv_slots,
                 token_ids,
                 hash_value=hashes,
-                prefix_keys=None,
+                prefix_keys=None if prefix_keys is None else list(prefix_keys),
                 extra_pools=sidecars or None,
             )
             operation = _get_ack(self.controller.ack_backup_queue, "backup")
@@ -404,16 +408,18 @@ class ControllerHarness:
         token_ids: Sequence[int],
         *,
         last_hash: str | None = None,
+        prefix_keys: Sequence[str] | None = None,
     ) -> HitQuery:
         """Ask the backend how much of ``token_ids`` L3 can restore, with the
-        PoolTransfers ``UnifiedRadixCache.prefetch_from_storage`` sends."""
+        PoolTransfers ``UnifiedRadixCache.prefetch_from_storage`` sends
+        (``prefix_keys`` as for ``backup``; the prefetch carries them too)."""
         token_ids = list(token_ids)
         keys = len(token_ids) // self.page_tokens
         operation = PrefetchOperation(
             CacheRequestHandle(f"harness-{next(self._request_ids)}", 0),
             token_ids[: keys * self.page_tokens],
             last_hash,
-            prefix_keys=None,
+            prefix_keys=None if prefix_keys is None else list(prefix_keys),
             pool_transfers=self._query_sidecars(self, keys) or None,
         )
         hashes, hit_tokens = self.controller._storage_hit_query(operation)

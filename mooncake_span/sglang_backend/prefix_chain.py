@@ -1,0 +1,69 @@
+"""Where a call's keys sit in their prefix chain, from sglang's ``extra_info``.
+
+With ``hicache_storage_pass_prefix_keys: true`` in the storage extra-config,
+sglang 0.5.23's controllers pop the knob (it never reaches the backend's
+config) and hand every backup, hit query and prefetch batch an
+``HiCacheStorageExtraInfo`` whose ``prefix_keys`` are the page hashes from
+the start of the sequence up to the call's first key: ``prefix_keys + keys``
+is one chain, whichever batch of the conversation the call carries. The chain
+root (the first prefix key, or the call's first key when there is none) and
+the position ``len(prefix_keys)`` are all placement needs
+(``store/domains.ChainSpot``). ``prefix_keys`` None: the knob is off, and
+placement stays per storage key.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from mooncake_span.errors import InvalidRequestError
+from mooncake_span.span.keys import KeySchema
+from mooncake_span.store.domains import ChainSpot
+
+logger = logging.getLogger(__name__)
+
+PASS_PREFIX_KEYS = "hicache_storage_pass_prefix_keys"
+
+
+def chain_of(
+    extra_info: Any, page_keys: list[str], schema: KeySchema, window_keys: int
+) -> ChainSpot | None:
+    """The chain spot of ``page_keys`` (validated, non-empty), or None without prefix keys."""
+    prefix = getattr(extra_info, "prefix_keys", None)
+    if prefix is None:
+        return None
+    if not isinstance(prefix, (list, tuple)):
+        raise InvalidRequestError(
+            f"extra_info.prefix_keys must be a list of str, got {type(prefix).__name__}"
+        )
+    root = prefix[0] if prefix else page_keys[0]
+    if not isinstance(root, str) or not root:
+        raise InvalidRequestError(f"extra_info.prefix_keys[0] must be a non-empty str: {root!r}")
+    # The root's own per-key domain: a chain and its first key share a segment.
+    (domain,) = schema.domains([root], 1)
+    return ChainSpot(domain, len(prefix), window_keys)
+
+
+class PerKeyNotice:
+    """One log line, at the first backup that arrives without prefix keys."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said = False
+
+    def backup(self, chain: ChainSpot | None) -> None:
+        if chain is not None or self._said:
+            return
+        with self._lock:
+            if self._said:
+                return
+            self._said = True
+        logger.info(
+            "mooncake-span: backups arrive without prefix keys, so each storage key is placed "
+            "on its own segment; set %s: true in the storage extra-config to keep a "
+            "conversation's keys on one node (losing 1 of N nodes then costs about 1/N of the "
+            "cached prefixes, not nearly all of them)",
+            PASS_PREFIX_KEYS,
+        )
