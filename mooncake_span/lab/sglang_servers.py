@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,7 +106,9 @@ class ServerOptions:
         return config
 
 
-def server_argv(options: ServerOptions, port: int, python: str = sys.executable) -> list[str]:
+def server_argv(
+    options: ServerOptions, port: int, host: str = HOST, python: str = sys.executable
+) -> list[str]:
     argv = [
         python,
         "-m",
@@ -114,7 +116,7 @@ def server_argv(options: ServerOptions, port: int, python: str = sys.executable)
         "--model-path",
         str(options.model_path),
         "--host",
-        HOST,
+        host,
         "--port",
         str(port),
         "--device",
@@ -231,18 +233,53 @@ def parse_completion(answer: Mapping[str, Any], e2e_s: float) -> Completion:
     )
 
 
-class _Served:
-    """A process with an HTTP port on loopback, started and stopped by PID group."""
+def _call_here(fn: Callable[[], Any]) -> Any:
+    return fn()
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, port: int):
+
+@dataclass(frozen=True)
+class Place:
+    """Where a server runs and how this process reaches it; the default is loopback here."""
+
+    address: str = HOST
+    wrap_argv: Callable[[list[str]], list[str]] = list
+    env: Mapping[str, str] = field(default_factory=dict)
+    call: Callable[[Callable[[], Any]], Any] = _call_here
+
+
+def namespace_place(topology: Any, host: str) -> Place:
+    """A host of a :class:`~mooncake_span.lab.topology.NetnsTopology`: its address, its
+    Mooncake environment, and every HTTP request sent from inside its namespace."""
+    address = topology.address(host)
+    return Place(
+        address=address,
+        wrap_argv=lambda argv: topology.exec_argv(host, argv),
+        env={**topology.host_env(host), "SGLANG_HOST_IP": address},
+        call=lambda fn: topology.call_in(host, fn, REQUEST_TIMEOUT_S + 10.0),
+    )
+
+
+class _Served:
+    """A process with an HTTP port, started and stopped by PID group."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log_dir: Path,
+        port: int,
+        place: Place = Place(),
+    ):
         self.name = name
         self.port = port
+        self.place = place
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.process = L.LocalProcess(name, argv, log_dir / f"{name}.log", env)
+        self.process = L.LocalProcess(name, place.wrap_argv(argv), log_dir / f"{name}.log", env)
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.place.address}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -251,7 +288,8 @@ class _Served:
     def _ready(self) -> bool:
         # /model_info, not /health: a port picked free can be taken by another
         # process before the server binds it, and a Mooncake master answers /health.
-        answer = L.http_get(f"{self.url}/model_info", timeout_s=5.0)
+        url = f"{self.url}/model_info"
+        answer = self.place.call(lambda: L.http_get(url, timeout_s=5.0))
         return answer is not None and answer[0] == 200 and '"model_path"' in answer[1]
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> _Served:
@@ -305,13 +343,16 @@ class SglangServer(_Served):
         log_dir: Path,
         port: int | None = None,
         env: Mapping[str, str] = (),
+        place: Place = Place(),
     ) -> None:
         port = port if port is not None else L.pick_free_ports(HOST, 1)[0]
         # Said either way: an opt-in left in the caller's environment must not
         # turn a MooncakeStore arm into this backend.
         extra_env = {PLUGIN_OPT_IN_ENV: "1" if options.plugin_opt_in else "0", **options.env}
+        extra_env.update(place.env)
         extra_env.update(env)
-        super().__init__(name, server_argv(options, port), server_env(extra_env), log_dir, port)
+        argv = server_argv(options, port, place.address)
+        super().__init__(name, argv, server_env(extra_env), log_dir, port, place)
         self.options = options
 
     def generate(
@@ -321,10 +362,9 @@ class SglangServer(_Served):
         timeout_s: float = REQUEST_TIMEOUT_S,
         url: str | None = None,
     ) -> Completion:
+        target, body = f"{url or self.url}/generate", generate_body(input_ids, max_new_tokens)
         started = time.perf_counter()
-        answer = _post_json(
-            f"{url or self.url}/generate", generate_body(input_ids, max_new_tokens), timeout_s
-        )
+        answer = self.place.call(lambda: _post_json(target, body, timeout_s))
         return parse_completion(answer, time.perf_counter() - started)
 
     def flush_cache(self, timeout_s: float = 30.0) -> None:
@@ -334,8 +374,13 @@ class SglangServer(_Served):
         bookkeeping can still be in flight), so this retries until ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
+        url = f"{self.url}/flush_cache"
+
+        def flush() -> L.HttpAnswer | None:
+            return L.http_get(url, timeout_s=timeout_s)
+
         while True:
-            answer = L.http_get(f"{self.url}/flush_cache", timeout_s=timeout_s)
+            answer = self.place.call(flush)
             if answer is not None and answer[0] == 200:
                 return
             if time.monotonic() > deadline:
