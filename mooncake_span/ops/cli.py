@@ -328,6 +328,8 @@ def run_serve_demo_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mooncake-span demo: {exc}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C, so the servers and the cluster are stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     report = run_serve_demo(config)
     print("demo OK" if report.ok else "demo FAILED", flush=True)
     return 0 if report.ok else 1

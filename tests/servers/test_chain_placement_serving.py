@@ -15,7 +15,12 @@ from mooncake_span.lab.sglang_servers import ServerOptions
 from tests.servers.conftest import ANSWER_TOKENS, PAGE_TOKENS, PROMPT_TOKENS, prompt
 from tests.servers.test_two_servers import FULL_RESTORE_TOKENS, stored_keys, wait_for_backup
 
-pytestmark = [pytest.mark.integration, pytest.mark.servers, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.servers,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+]
 
 # All of them on the killed node has odds 2**-12.
 CONVERSATIONS = 12

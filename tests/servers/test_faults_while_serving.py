@@ -20,7 +20,12 @@ from mooncake_span.ops.master_http import iter_lines
 from tests.servers.conftest import ANSWER_TOKENS, PAGE_TOKENS, PROMPT_TOKENS, prompt
 from tests.servers.test_two_servers import wait_for_backup
 
-pytestmark = [pytest.mark.integration, pytest.mark.servers, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.servers,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+]
 
 # A request after a fault may wait for one failed transfer or RPC timeout
 # before it recomputes; sglang's prefetch timeout bounds the wait.

@@ -19,7 +19,13 @@ from mooncake_span.lab.topology import NetnsTopology, TopologySpec
 from tests.conftest import require_netns
 from tests.servers.conftest import ANSWER_TOKENS, PAGE_TOKENS, PROMPT_TOKENS, prompt, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.servers, pytest.mark.netns, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.servers,
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+]
 
 HOSTS = ("master", "store1", "writer", "reader")
 SERVER_PORT = 30000

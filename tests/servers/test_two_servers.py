@@ -26,7 +26,12 @@ from tests.servers.conftest import (
     wait_until,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.servers, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.servers,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+]
 
 # The last page of a prompt is always computed, never restored.
 FULL_RESTORE_TOKENS = PROMPT_TOKENS - PAGE_TOKENS
