@@ -265,7 +265,7 @@ class MooncakeClient:
         grouped = bool(group_ids) and self.options.group_ids
         for span in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
             if not hard_pin and self.pressure.cooling:
-                self._gate.counters[FULL_SKIPPED_LABEL] += len(span)
+                self._gate.count(FULL_SKIPPED_LABEL, len(span))
                 codes += [SKIPPED_CODE] * len(span)
                 continue
             config = replicate_config(
@@ -325,7 +325,7 @@ class MooncakeClient:
         unreadable = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]
         if len(pending) < len(keys):
-            self._gate.counters["DOMAIN_BAD_SKIPPED"] += len(keys) - len(pending)
+            self._gate.count("DOMAIN_BAD_SKIPPED", len(keys) - len(pending))
         for attempt in range(self.router.copies):
             pending = [i for i in pending if attempt < len(candidates[i])]
             if not pending:
@@ -364,7 +364,7 @@ class MooncakeClient:
         if codes != batch.nbytes:
             short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
             if short:
-                self._gate.counters["SHORT_READ"] += short
+                self._gate.count("SHORT_READ", short)
         return codes
 
     def _on_failed_reads(
@@ -436,9 +436,9 @@ class MooncakeClient:
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
         skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
         if skipped:
-            self._gate.counters["DOMAIN_BAD_SKIPPED"] += skipped
+            self._gate.count("DOMAIN_BAD_SKIPPED", skipped)
         if any(lost):
-            self._gate.counters["LOST_KEY_SKIPPED"] += sum(lost)
+            self._gate.count("LOST_KEY_SKIPPED", sum(lost))
         found = dict(zip(asked, self._exists_codes(asked), strict=True)) if asked else {}
         return [
             not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
@@ -506,7 +506,7 @@ class MooncakeClient:
     def stats(self) -> dict[str, Any]:
         snapshot = self._gate.breaker()
         return {
-            "error_counts": dict(self._gate.counters),
+            "error_counts": self._gate.counts(),
             "breaker_state": snapshot.state.value,
             "breaker_consecutive_failures": snapshot.consecutive_failures,
             "breaker_times_opened": snapshot.times_opened,
@@ -514,6 +514,5 @@ class MooncakeClient:
             "bad_segments": sorted(self.router.bad_segments()),
             "domains_marked_bad": self.router.times_marked,
             "lost_keys": self.router.lost_count,
-            "integrity_failures": dict(self._integrity.counts),
-            "integrity_removed": self._integrity.removed,
+            **self._integrity.snapshot(),
         }
