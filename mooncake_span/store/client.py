@@ -116,7 +116,7 @@ class MooncakeClient:
         self._gate = NativeGate(options, clock)
         self.pressure = PutPressure(options.full_cooldown_s, now_s=clock)
         self._directory: SegmentDirectory | None = None
-        # Placement and failure domains; the backend sets router.domain_of.
+        # Placement and failure domains; the backend gives the placement key (place_by).
         self.router = DomainRouter(options, self.segments, clock)
         self._integrity = IntegrityFailures(
             lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
@@ -175,7 +175,16 @@ class MooncakeClient:
     def closed(self) -> bool:
         return self._gate.closed
 
+    def place_by(self, domain_of: Callable[[str], str] | None) -> None:
+        """Objects whose ``domain_of(object key)`` is equal share a segment, unless
+        a call names its domains (None: each key is its own domain)."""
+        self.router.place_by(domain_of)
+
     # ---- the write path ----------------------------------------------------------
+
+    def puts_paused(self) -> bool:
+        """True while a full cluster's cool-down skips puts (``pressure.py``)."""
+        return self.pressure.cooling
 
     def put(
         self,
@@ -188,13 +197,14 @@ class MooncakeClient:
     ) -> list[bool]:
         """Write objects that do not exist yet. Mooncake keeps the old value of an
         existing key and reports success, so callers check existence first.
-        Objects with the same domain (``domains``, else ``router.domain_of``) and
+        Objects with the same domain (``domains``, else ``place_by``'s) and
         chain step (``steps``: prefix-chain placement) land on the same segment.
-        ``hard_pin`` exempts them from eviction (small metadata only). True only
-        if every copy was written."""
+        ``group_ids``, when given, are sent (the caller decides whether they are
+        wanted). ``hard_pin`` exempts the objects from eviction (small metadata
+        only). True only if every copy was written."""
         batch = PlanBatch.of(plans)
         if steps is not None:
-            self.router.chained = True
+            self.router.note_chain_put()
         if self.router.direct(keys):
             ok = self._put_direct(list(keys), batch, group_ids, hard_pin, (domains, steps))
             self.router.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
@@ -262,9 +272,9 @@ class MooncakeClient:
         while the cluster is full). Every object failing to transfer there marks
         the segment bad."""
         codes: list[int] = []
-        grouped = bool(group_ids) and self.options.group_ids
+        grouped = bool(group_ids)
         for span in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
-            if not hard_pin and self.pressure.cooling:
+            if not hard_pin and self.puts_paused():
                 self._gate.count(FULL_SKIPPED_LABEL, len(span))
                 codes += [SKIPPED_CODE] * len(span)
                 continue

@@ -61,12 +61,21 @@ class DomainRouter:
         self.segments = segments
         self._max_buffers = options.max_buffers_per_call
         # The placement key of an object key: objects with one domain share a
-        # segment. Set by the backend (KeySchema.domain_of); None: the key itself.
-        self.domain_of: Callable[[str], str] | None = None
+        # segment. Given through place_by (the client passes on the backend's
+        # KeySchema.domain_of); None: the key itself.
+        self._domain_of: Callable[[str], str] | None = None
         # Set once a put was placed by prefix chain: from then on a read that
         # names no chain cannot compute where its keys are (domain_of gives the
         # per-key answer), so while a segment is bad the master is asked.
         self.chained = False
+
+    def place_by(self, domain_of: Callable[[str], str] | None) -> None:
+        """Place objects by ``domain_of(object key)`` (None: by the key itself)."""
+        self._domain_of = domain_of
+
+    def note_chain_put(self) -> None:
+        """A put was placed by prefix chain (see ``chained``)."""
+        self.chained = True
 
     # ---- failure-domain state ------------------------------------------------
 
@@ -205,4 +214,4 @@ class DomainRouter:
             if len(given) != len(keys):
                 raise ValueError(f"{len(given)} placement domains for {len(keys)} keys")
             return given
-        return list(map(self.domain_of, keys)) if self.domain_of is not None else None
+        return list(map(self._domain_of, keys)) if self._domain_of is not None else None
