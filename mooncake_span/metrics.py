@@ -80,7 +80,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "hit_queries_total": ("counter", "Hit queries answered (batch_exists, batch_exists_v2)", ()),
     "hit_query_rpcs_total": (
         "counter",
-        "Existence RPCs (batch_is_exist rounds) sent by hit queries",
+        "Native RPCs sent by hit queries (batch_is_exist calls, and replica lookups while a "
+        "segment is bad)",
         (),
     ),
     "hit_query_probed_objects_total": (

@@ -57,12 +57,12 @@ class HitProber:
         tally: ProbeTally,
         chain: ChainSpot | None,
     ) -> list[list[bool]]:
-        """One existence RPC for every (pool, keys, offset of keys[0] in the query)
-        part; per part, per key flags. With ``chain``, the client learns where
-        each object was placed (it matters while a segment is bad)."""
+        """One existence query for every (pool, keys, offset of keys[0] in the
+        query) part, counted by the RPCs the client sends for it; per part, per
+        key flags. With ``chain``, the client learns where each object was
+        placed (it matters while a segment is bad)."""
         per_part = [pool.object_keys(schema, keys) for pool, keys, _ in parts]
         flat = [k for keys in per_part for k in keys]
-        tally.add(len(flat))
         domains = steps = None
         if chain is not None:
             domains, steps = [], []
@@ -71,7 +71,9 @@ class HitProber:
                 more = chain.objects(range(offset, offset + len(keys)), per_key)
                 domains += more[0]
                 steps += more[1]
-        found = self._client.exists(flat, domains, steps) if flat else []
+        sent: list[None] = []  # one entry per native RPC the client sends
+        found = self._client.exists(flat, domains, steps, lambda: sent.append(None)) if flat else []
+        tally.add(len(flat), len(sent))
         counts = [len(keys) for keys in per_part]
         return [
             pool.fold(flags)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import operator
 import re
@@ -97,6 +98,10 @@ _EXISTS_KEYS_PER_CALL = 4096
 # one call carries: a 1024-object MHA put took 148 ms in one call and 46 ms in
 # calls of 64 (32 ms without group ids); a 256-object one 23 vs 19 ms.
 _GROUPED_PUT_OBJECTS = 64
+
+
+def _uncounted() -> None:
+    """The ``on_rpc`` of a caller that does not count RPCs."""
 
 
 class MooncakeClient:
@@ -415,13 +420,17 @@ class MooncakeClient:
             )
 
     def _locate(
-        self, object_keys: Sequence[str], sizes: dict[str, int] | None = None
+        self,
+        object_keys: Sequence[str],
+        sizes: dict[str, int] | None = None,
+        on_rpc: Callable[[], None] = _uncounted,
     ) -> dict[str, set[str]]:
         """Where the master says objects are (one RPC); {} if it does not answer."""
         if not object_keys:
             return {}
         suppress = contextlib.suppress(TransportError, StoreClosedError)
         with suppress, self._gate.native("batch_get_replica_desc") as store:
+            on_rpc()  # past the gate: the RPC goes out
             try:
                 return replica_segments(store.batch_get_replica_desc(list(object_keys)), sizes)
             except Exception:  # observation only: unknown means "treat as lost"
@@ -435,32 +444,39 @@ class MooncakeClient:
         keys: Sequence[str],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
+        on_rpc: Callable[[], None] = _uncounted,
     ) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
-        absent without asking the master. ``domains``/``steps`` as for ``get``."""
-        if self.router.untroubled:
-            return [code == 1 for code in self._exists_codes(list(keys))]  # the common case
+        absent without asking the master. ``domains``/``steps`` as for ``get``;
+        ``on_rpc`` is called once per native RPC sent (existence queries of at
+        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are)."""
+        if self.router.untroubled:  # the common case
+            return [code == 1 for code in self._exists_codes(list(keys), on_rpc)]
         lost = self.router.lost_mask(keys)
-        rows = self.router.read_rows(keys, self._locate, domains, steps)
+        locate = functools.partial(self._locate, on_rpc=on_rpc)
+        rows = self.router.read_rows(keys, locate, domains, steps)
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
         skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
         if skipped:
             self._gate.count("DOMAIN_BAD_SKIPPED", skipped)
         if any(lost):
             self._gate.count("LOST_KEY_SKIPPED", sum(lost))
-        found = dict(zip(asked, self._exists_codes(asked), strict=True)) if asked else {}
+        found = dict(zip(asked, self._exists_codes(asked, on_rpc), strict=True)) if asked else {}
         return [
             not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
         ]
 
-    def _exists_codes(self, keys: list[str]) -> list[int]:
+    def _exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
         out: list[int] = []
         for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
             chunk = keys[start : start + _EXISTS_KEYS_PER_CALL]
-            codes = self._gate.invoke(
-                "batch_is_exist", lambda s, keys=chunk: s.batch_is_exist(keys), len(chunk)
-            )
+
+            def ask(store: Any, keys: list[str] = chunk) -> list[int]:
+                on_rpc()  # called once the gate let the call through
+                return store.batch_is_exist(keys)
+
+            codes = self._gate.invoke("batch_is_exist", ask, len(chunk))
             if all(is_transport_failure(code) for code in codes):
                 # Nothing answered: a caller must not read this as "absent" and
                 # follow up with a put that would wait just as long.
