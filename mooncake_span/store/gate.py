@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 # Error counters live as long as the client and are keyed by code name, and an
 # unknown native code gets a label of its own (CODE_<n>): past this many
 # labels, new codes are counted together under _OTHER_CODES_LABEL. Bound: at
-# most _MAX_ERROR_LABELS + 1 code labels plus the five fixed ones.
+# most _MAX_ERROR_LABELS + 1 code labels plus the seven fixed ones (three
+# counted here, four by the client through count()).
 _MAX_ERROR_LABELS = 64
 _OTHER_CODES_LABEL = "CODE_OTHER"
 
