@@ -278,19 +278,19 @@ class MooncakeClient:
         the segment bad."""
         codes: list[int] = []
         grouped = bool(group_ids)
-        for span in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
+        for call in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
             if not hard_pin and self.puts_paused():
-                self._gate.count(FULL_SKIPPED_LABEL, len(span))
-                codes += [SKIPPED_CODE] * len(span)
+                self._gate.count(FULL_SKIPPED_LABEL, len(call))
+                codes += [SKIPPED_CODE] * len(call)
                 continue
             config = replicate_config(
                 self._binding.replicate_config_factory,
                 self.options.replica_num if self.router.copies == 1 else 1,
-                group_ids[span.start : span.stop] if grouped else None,
+                group_ids[call.start : call.stop] if grouped else None,
                 hard_pin,
                 segment,
             )
-            codes += self._put_call(keys[span.start : span.stop], batch.part(span), config)
+            codes += self._put_call(keys[call.start : call.stop], batch.part(call), config)
         if segment and codes and all(is_transfer_failure(c) for c in codes):
             self._mark_bad([segment], "batch_put_from_multi_buffers")
         return codes
@@ -326,8 +326,8 @@ class MooncakeClient:
     def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
         """One copy per unique key, in the caller's order, cut by the buffer budget."""
         codes: list[int] = []
-        for span in self.router.calls(batch):
-            codes += self._get_call(keys[span.start : span.stop], batch.part(span))
+        for call in self.router.calls(batch):
+            codes += self._get_call(keys[call.start : call.stop], batch.part(call))
         ok = list(map(operator.eq, codes, batch.nbytes))
         if not all(ok):
             self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
@@ -363,9 +363,9 @@ class MooncakeClient:
         out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
         for round_positions in dedup_rounds(keys):
             rows = batch.take(round_positions)
-            for span in self.router.calls(rows):  # the one place the buffer budget is cut
-                idx = round_positions[span.start : span.stop]
-                codes = self._get_call([keys[i] for i in idx], rows.part(span))
+            for call in self.router.calls(rows):  # the one place the buffer budget is cut
+                idx = round_positions[call.start : call.stop]
+                codes = self._get_call([keys[i] for i in idx], rows.part(call))
                 for i, code in zip(idx, codes, strict=True):
                     out[i] = code
         return out

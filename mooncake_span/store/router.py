@@ -128,14 +128,14 @@ class DomainRouter:
         counts = list(map(len, batch.ptrs))
         if sum(counts) <= self._max_buffers and not 0 < max_objects < len(counts):
             return [range(len(counts))]
-        spans = split_calls(counts, self._max_buffers)
+        calls = split_calls(counts, self._max_buffers)
         if max_objects > 0:
-            spans = [
-                range(start, min(start + max_objects, span.stop))
-                for span in spans
-                for start in range(span.start, span.stop, max_objects)
+            calls = [
+                range(start, min(start + max_objects, call.stop))
+                for call in calls
+                for start in range(call.start, call.stop, max_objects)
             ]
-        return spans
+        return calls
 
     def direct_groups(
         self,
