@@ -74,9 +74,9 @@ from mooncake_span.sglang_backend.writes import Writes
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
 from mooncake_span.span.keys import KeySchema, check_page_keys
 from mooncake_span.span.probe import KV_ROUNDS_ALONE, ProbeTally
+from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient, NativeBinding
 from mooncake_span.store.layout_guard import GeometryRecord
-from mooncake_span.store.staging import StagingArena
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from mooncake_span.errors import RegistrationError
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.byte_budget import StagedPart, next_part, rows_left_bytes
 from mooncake_span.span.plan import PlanBatch, plan_objects_from_flat
+from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.staging import StagingArena
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import pytest
 from mooncake_span.config import load_span_options
 from mooncake_span.errors import ConfigError, ErrorCode
 from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.arena import StagingArena, create_blob, read_blob
 from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, PutPressure
-from mooncake_span.store.staging import StagingArena, create_blob, read_blob
 from mooncake_span.testing import pools as P
 from mooncake_span.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, FakeClock, fake_client, listening_port, slots_of
