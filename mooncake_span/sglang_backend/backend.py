@@ -67,7 +67,7 @@ from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice
 from mooncake_span.sglang_backend.reads import Reads
 from mooncake_span.sglang_backend.recording import GET, SET, CallRecorder, Path
 from mooncake_span.sglang_backend.registration import Registration
-from mooncake_span.sglang_backend.staging import Stager
+from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stats import METRIC_WINDOW, UNPOLLED_WINDOW, SpanStorageMetrics
 from mooncake_span.sglang_backend.stored_pool import StoredPool
 from mooncake_span.sglang_backend.writes import Writes

@@ -20,7 +20,7 @@ from mooncake_span.config import SpanOptions
 from mooncake_span.errors import InvalidRequestError, RegistrationError
 from mooncake_span.sglang_backend.pool_layout import describe_pool
 from mooncake_span.sglang_backend.prefix_chain import chain_of
-from mooncake_span.sglang_backend.staging import Stager
+from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.storage_page import resolve_storage_page_tokens
 from mooncake_span.sglang_backend.stored_pool import StagedPool, StoredPool
 from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
