@@ -33,7 +33,7 @@ import torch
 
 from mooncake_span.bench.native import TimedNativeStore, Topology
 from mooncake_span.bench.workloads import BenchConfig
-from mooncake_span.span.probe import KV_ROUNDS_ALONE, KV_ROUNDS_WITH_SIDECARS, ProbePolicy
+from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, KV_ROUNDS_WITH_SIDECARS, ProbePolicy
 from mooncake_span.testing import pools as P
 
 logger = logging.getLogger(__name__)

@@ -72,8 +72,8 @@ from mooncake_span.sglang_backend.stats import METRIC_WINDOW, UNPOLLED_WINDOW, S
 from mooncake_span.sglang_backend.stored_pool import StoredPool
 from mooncake_span.sglang_backend.writes import Writes
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
+from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.span.keys import KeySchema, check_page_keys
-from mooncake_span.span.probe import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient, NativeBinding
 from mooncake_span.store.layout_guard import GeometryRecord

@@ -2,7 +2,7 @@
 
 Every existing object a hit query probes is leased by Mooncake 0.3.13 for
 about 10 s and cannot be evicted meanwhile, so the rounds follow
-``span.probe``: KV in growing chunks up to the first miss, then the sidecars on
+``span.hit_rounds``: KV in growing chunks up to the first miss, then the sidecars on
 the KV-hit prefix in one round. The hit math itself is ``span.hits``.
 """
 
@@ -14,6 +14,13 @@ from typing import Any
 from mooncake_span.sglang_backend.objects import split
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
 from mooncake_span.sglang_backend.stored_pool import StoredPool
+from mooncake_span.span.hit_rounds import (
+    KV_ROUNDS_ALONE,
+    KV_ROUNDS_WITH_SIDECARS,
+    ProbePolicy,
+    ProbeTally,
+    sidecar_pages,
+)
 from mooncake_span.span.hits import (
     HitResult,
     PoolHitQuery,
@@ -22,13 +29,6 @@ from mooncake_span.span.hits import (
     leading_run,
 )
 from mooncake_span.span.keys import KeySchema
-from mooncake_span.span.probe import (
-    KV_ROUNDS_ALONE,
-    KV_ROUNDS_WITH_SIDECARS,
-    ProbePolicy,
-    ProbeTally,
-    sidecar_pages,
-)
 from mooncake_span.store.domains import ChainSpot
 
 

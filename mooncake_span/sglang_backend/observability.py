@@ -86,7 +86,7 @@ class CallObserver:
             logger.debug("mooncake-span: metrics update failed", exc_info=True)
 
     def hit_query(self, queried_keys: int, hit_keys: int, tally: Any) -> None:
-        """``tally``: a ``span.probe.ProbeTally`` (existence RPCs, objects probed)."""
+        """``tally``: a ``span.hit_rounds.ProbeTally`` (existence RPCs, objects probed)."""
         if self._metrics is None:
             return
         try:

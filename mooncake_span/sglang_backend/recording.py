@@ -28,8 +28,8 @@ from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.stats import CallCounters, RateLimitedLog, SpanStorageMetrics
 from mooncake_span.sglang_backend.stored_pool import PoolBatch
 from mooncake_span.span.geometry import SpanGeometry
+from mooncake_span.span.hit_rounds import ProbeTally
 from mooncake_span.span.hits import leading_run
-from mooncake_span.span.probe import ProbeTally
 from mooncake_span.store.client import MooncakeClient
 
 GET = "get"
