@@ -29,7 +29,7 @@ from typing import Any
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import StoreClosedError, TransportError, code_name, is_cluster_failure
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
-from mooncake_span.store.probe import RecoveryProbe
+from mooncake_span.store.recovery import RecoveryProbe
 
 logger = logging.getLogger(__name__)
 
