@@ -67,7 +67,7 @@ from mooncake_span.store.native import (
     setup_store,
     wait_for_segments,
 )
-from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, SKIPPED_CODE, PutPressure
+from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL, SKIPPED_CODE, PutPressure
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
 
