@@ -16,7 +16,7 @@ conventions into plain Python ones, once:
   a call of a healthy cluster goes out as the caller built it, in one native
   call, and otherwise calls carry at most ``max_buffers_per_call`` buffers and
   a get never names one key twice (Mooncake would leave a buffer unwritten);
-* a no-space answer to a put pauses puts (``pressure.py``): they read False.
+* a no-space answer to a put pauses puts (``put_cooldown.py``): they read False.
 
 Every TTL and cool-down runs on the one ``clock`` the client is given.
 
@@ -188,7 +188,7 @@ class MooncakeClient:
     # ---- the write path ----------------------------------------------------------
 
     def puts_paused(self) -> bool:
-        """True while a full cluster's cool-down skips puts (``pressure.py``)."""
+        """True while a full cluster's cool-down skips puts (``put_cooldown.py``)."""
         return self.pressure.cooling
 
     def put(
