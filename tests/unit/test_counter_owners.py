@@ -102,3 +102,26 @@ def test_integrity_failures_count_every_corrupt_object():
         "integrity_failures": {"CHECKSUM_MISMATCH": THREADS * per_thread},
         "integrity_removed": THREADS * per_thread,
     }
+
+
+def test_prometheus_adds_each_failure_once_whatever_order_snapshots_arrive():
+    """Each thread takes the client's cumulative stats() and syncs it; an older
+    snapshot can arrive after a newer one. Before, the stale one moved the seen
+    counts back and the next sync added the difference again (5 + 6 = 11 here)."""
+    prom = pytest.importorskip("prometheus_client")
+    from mooncake_span import metrics as M
+
+    registry = prom.CollectorRegistry()
+    sync = M.ClientStatsSync(M.get_metrics(registry))
+    for total in (5, 3, 9):
+        sync.sync(
+            {
+                "error_counts": {"OBJECT_NOT_FOUND": total},
+                "integrity_failures": {"CHECKSUM_MISMATCH": total},
+                "breaker_times_opened": total,
+            }
+        )
+    value = registry.get_sample_value
+    assert value("mooncake_span_failed_objects_total", {"code": "OBJECT_NOT_FOUND"}) == 9
+    assert value("mooncake_span_integrity_failures_total", {"code": "CHECKSUM_MISMATCH"}) == 9
+    assert value("mooncake_span_breaker_opens_total", {}) == 9
