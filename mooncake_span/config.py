@@ -175,10 +175,10 @@ class SpanOptions:
     lost_key_ttl_s: float = 30.0
     lost_keys_max: int = 100_000
     # The registered arena that staged pools, the generic path and the layout
-    # guard move bytes through (store/staging.py); a call larger than it is cut.
+    # guard move bytes through (store/arena.py); a call larger than it is cut.
     staging_buffer_size_bytes: int = _DEFAULT_STAGING_BYTES
     # After a no-space put answer (NO_AVAILABLE_HANDLE), puts pause this long
-    # or until a put in flight succeeds (store/pressure.py); 0 disables.
+    # or until a put in flight succeeds (store/put_cooldown.py); 0 disables.
     full_cooldown_s: float = 1.0
     # Mooncake's own CRC-64 per object (MOONCAKE_STORE_CHECKSUM, read at the
     # process's first setup): full-object gets of objects put with it verify

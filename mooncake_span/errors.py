@@ -107,7 +107,7 @@ TRANSPORT_CODES = frozenset(
 INTEGRITY_CODES = frozenset({ErrorCode.CHECKSUM_MISMATCH})
 
 # Mooncake's answers to a put that mean "no space for this object now"
-# (store/pressure.py pauses puts on them).
+# (store/put_cooldown.py pauses puts on them).
 NO_SPACE_CODES = frozenset({ErrorCode.NO_AVAILABLE_HANDLE, ErrorCode.TENANT_QUOTA_EXCEEDED})
 
 

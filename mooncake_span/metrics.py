@@ -80,7 +80,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "hit_queries_total": ("counter", "Hit queries answered (batch_exists, batch_exists_v2)", ()),
     "hit_query_rpcs_total": (
         "counter",
-        "Existence RPCs (batch_is_exist rounds) sent by hit queries",
+        "Native RPCs sent by hit queries (batch_is_exist calls, and replica lookups while a "
+        "segment is bad)",
         (),
     ),
     "hit_query_probed_objects_total": (
@@ -249,6 +250,15 @@ def exposition_registry() -> Any:
     return registry
 
 
+def _advance(seen: dict[str, int], now: Mapping[str, int]) -> dict[str, int]:
+    """What cumulative counts grew by since ``seen``, which moves up to them.
+    A count below the one seen comes from an older snapshot (sglang's threads
+    take and sync theirs in either order): it adds nothing and moves nothing."""
+    grown = {key: n - seen.get(key, 0) for key, n in now.items() if n > seen.get(key, 0)}
+    seen.update((key, seen.get(key, 0) + n) for key, n in grown.items())
+    return grown
+
+
 class ClientStatsSync:
     """Turns one client's cumulative ``stats()`` into counter increments."""
 
@@ -276,12 +286,11 @@ class ClientStatsSync:
                 self._seen_corrupt,
             ):
                 return  # the common case: nothing failed since the last call
-            deltas = {code: n - self._seen_codes.get(code, 0) for code, n in codes.items()}
-            corrupted = {c: n - self._seen_corrupt.get(c, 0) for c, n in corrupt.items()}
-            self._seen_corrupt = dict(corrupt)
+            deltas = _advance(self._seen_codes, codes)
+            corrupted = _advance(self._seen_corrupt, corrupt)
             newly_bad = bad - self._seen_bad
-            self._seen_codes = dict(codes)
-            opened, self._seen_opens = opens - self._seen_opens, opens
+            opened = max(0, opens - self._seen_opens)
+            self._seen_opens = max(opens, self._seen_opens)
             self._state, self._seen_bad = state, bad
         for code, delta in deltas.items():
             self._metrics.add_failed_objects(code, delta)

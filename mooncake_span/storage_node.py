@@ -1,9 +1,9 @@
 """Public entry point ``python -m mooncake_span.storage_node`` (scripts and operators use it).
 
-The implementation lives in :mod:`mooncake_span.ops.storage_node`.
+The implementation lives in :mod:`mooncake_span.ops.storage_process`.
 """
 
-from mooncake_span.ops.storage_node import main
+from mooncake_span.ops.storage_process import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

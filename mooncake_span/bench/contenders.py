@@ -22,7 +22,6 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransfer,
 )
 
-from mooncake_span.bench.native import TimedNativeStore, Topology
 from mooncake_span.bench.pages import (
     Placement,
     PoolPart,
@@ -31,6 +30,7 @@ from mooncake_span.bench.pages import (
     _wipe,
     build_parts,
 )
+from mooncake_span.bench.shared_native import TimedNativeStore, Topology
 from mooncake_span.bench.workloads import (
     DSA_INDEX_KPOOL,
     HOST_PAGE_TOKENS,

@@ -31,9 +31,9 @@ from unittest import mock
 
 import torch
 
-from mooncake_span.bench.native import TimedNativeStore, Topology
+from mooncake_span.bench.shared_native import TimedNativeStore, Topology
 from mooncake_span.bench.workloads import BenchConfig
-from mooncake_span.span.probe import KV_ROUNDS_ALONE, KV_ROUNDS_WITH_SIDECARS, ProbePolicy
+from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, KV_ROUNDS_WITH_SIDECARS, ProbePolicy
 from mooncake_span.testing import pools as P
 
 logger = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ def measure_shape(contender: Contender, shape: str, tag: str) -> ShapeFigures:
 
 @contextlib.contextmanager
 def _topology(segment_bytes: int) -> Iterator[Topology]:
-    with mock.patch("mooncake_span.bench.native.ClusterSpec", _short_lease_spec):
+    with mock.patch("mooncake_span.bench.shared_native.ClusterSpec", _short_lease_spec):
         topology = Topology("same", BenchConfig(segment_bytes=segment_bytes, progress=False))
         with topology:
             yield topology

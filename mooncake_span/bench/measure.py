@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_span.bench.contenders import WorkloadRunner
-from mooncake_span.bench.native import NativeCounters, TimedNativeStore
+from mooncake_span.bench.shared_native import NativeCounters, TimedNativeStore
 from mooncake_span.bench.workloads import ContenderSpec, Workload
 
 logger = logging.getLogger(__name__)

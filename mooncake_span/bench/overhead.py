@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from mooncake_span.bench import contenders as C
-from mooncake_span.bench.native import TimedNativeStore, Topology
 from mooncake_span.bench.pages import build_parts
+from mooncake_span.bench.shared_native import TimedNativeStore, Topology
 from mooncake_span.bench.workloads import (
     HOST_PAGE_TOKENS,
     LARGE,

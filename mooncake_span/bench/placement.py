@@ -40,7 +40,7 @@ from unittest import mock
 
 import torch
 
-from mooncake_span.bench.native import Topology
+from mooncake_span.bench.shared_native import Topology
 from mooncake_span.bench.workloads import BenchConfig
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.store.domains import ChainSpot, put_targets

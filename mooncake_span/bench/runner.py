@@ -62,9 +62,9 @@ from typing import Any
 
 from mooncake_span.bench.contenders import WorkloadRunner
 from mooncake_span.bench.measure import RunRecord, run_contender, summarize
-from mooncake_span.bench.native import Topology
 from mooncake_span.bench.plot import write_plot
 from mooncake_span.bench.report import format_markdown, format_table
+from mooncake_span.bench.shared_native import Topology
 from mooncake_span.bench.targets import evaluate_targets
 from mooncake_span.bench.workloads import (
     LARGE,

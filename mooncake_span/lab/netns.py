@@ -50,15 +50,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mooncake_span.lab.cluster import (
-    ETCD_CLIENT_PORT,
-    HTTP_METADATA_PORT,
-    MASTER_METRICS_PORT,
-    MASTER_RPC_PORT,
-    ClusterStartError,
-    NetnsCluster,
-    NetnsClusterSpec,
-)
 from mooncake_span.lab.namespaces import (
     _NETNS_DIR,
     DEFAULT_HOSTS,
@@ -70,6 +61,15 @@ from mooncake_span.lab.namespaces import (
     _state_dir,
     netns_unavailable_reason,
     run_in_namespace,
+)
+from mooncake_span.lab.netns_cluster import (
+    ETCD_CLIENT_PORT,
+    HTTP_METADATA_PORT,
+    MASTER_METRICS_PORT,
+    MASTER_RPC_PORT,
+    ClusterStartError,
+    NetnsCluster,
+    NetnsClusterSpec,
 )
 from mooncake_span.lab.topology import _LIVE_TOPOLOGIES, NetnsProcess, NetnsTopology, TopologySpec
 

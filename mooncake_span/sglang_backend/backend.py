@@ -67,16 +67,16 @@ from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice
 from mooncake_span.sglang_backend.reads import Reads
 from mooncake_span.sglang_backend.recording import GET, SET, CallRecorder, Path
 from mooncake_span.sglang_backend.registration import Registration
-from mooncake_span.sglang_backend.staging import Stager
+from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stats import METRIC_WINDOW, UNPOLLED_WINDOW, SpanStorageMetrics
 from mooncake_span.sglang_backend.stored_pool import StoredPool
 from mooncake_span.sglang_backend.writes import Writes
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
+from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.span.keys import KeySchema, check_page_keys
-from mooncake_span.span.probe import KV_ROUNDS_ALONE, ProbeTally
+from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient, NativeBinding
 from mooncake_span.store.layout_guard import GeometryRecord
-from mooncake_span.store.staging import StagingArena
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Every existing object a hit query probes is leased by Mooncake 0.3.13 for
 about 10 s and cannot be evicted meanwhile, so the rounds follow
-``span.probe``: KV in growing chunks up to the first miss, then the sidecars on
+``span.hit_rounds``: KV in growing chunks up to the first miss, then the sidecars on
 the KV-hit prefix in one round. The hit math itself is ``span.hits``.
 """
 
@@ -14,6 +14,13 @@ from typing import Any
 from mooncake_span.sglang_backend.objects import split
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
 from mooncake_span.sglang_backend.stored_pool import StoredPool
+from mooncake_span.span.hit_rounds import (
+    KV_ROUNDS_ALONE,
+    KV_ROUNDS_WITH_SIDECARS,
+    ProbePolicy,
+    ProbeTally,
+    sidecar_pages,
+)
 from mooncake_span.span.hits import (
     HitResult,
     PoolHitQuery,
@@ -22,13 +29,6 @@ from mooncake_span.span.hits import (
     leading_run,
 )
 from mooncake_span.span.keys import KeySchema
-from mooncake_span.span.probe import (
-    KV_ROUNDS_ALONE,
-    KV_ROUNDS_WITH_SIDECARS,
-    ProbePolicy,
-    ProbeTally,
-    sidecar_pages,
-)
 from mooncake_span.store.domains import ChainSpot
 
 
@@ -57,12 +57,12 @@ class HitProber:
         tally: ProbeTally,
         chain: ChainSpot | None,
     ) -> list[list[bool]]:
-        """One existence RPC for every (pool, keys, offset of keys[0] in the query)
-        part; per part, per key flags. With ``chain``, the client learns where
-        each object was placed (it matters while a segment is bad)."""
+        """One existence query for every (pool, keys, offset of keys[0] in the
+        query) part, counted by the RPCs the client sends for it; per part, per
+        key flags. With ``chain``, the client learns where each object was
+        placed (it matters while a segment is bad)."""
         per_part = [pool.object_keys(schema, keys) for pool, keys, _ in parts]
         flat = [k for keys in per_part for k in keys]
-        tally.add(len(flat))
         domains = steps = None
         if chain is not None:
             domains, steps = [], []
@@ -71,7 +71,9 @@ class HitProber:
                 more = chain.objects(range(offset, offset + len(keys)), per_key)
                 domains += more[0]
                 steps += more[1]
-        found = self._client.exists(flat, domains, steps) if flat else []
+        sent: list[None] = []  # one entry per native RPC the client sends
+        found = self._client.exists(flat, domains, steps, lambda: sent.append(None)) if flat else []
+        tally.add(len(flat), len(sent))
         counts = [len(keys) for keys in per_part]
         return [
             pool.fold(flags)

@@ -5,8 +5,8 @@ only: every sglang-facing call's duration and outcome, the keys, host pages
 and bytes a get or put moved, and the hit queries (keys asked vs restorable,
 existence RPCs and objects probed). It also folds the store client's
 cumulative counters (failed objects by Mooncake code, breaker openings and
-state) into the metrics after each call. It never raises: metrics must not
-turn a served request into a miss.
+state) into the metrics after each call. No method that observes a call
+raises: metrics must not turn a served request into a miss.
 
 Outcomes: ``ok`` (every key succeeded, or the call answered), ``partial``
 (some keys), ``miss`` (none), ``rejected`` (bad input or a cluster failure the
@@ -86,8 +86,12 @@ class CallObserver:
             logger.debug("mooncake-span: metrics update failed", exc_info=True)
 
     def hit_query(self, queried_keys: int, hit_keys: int, tally: Any) -> None:
-        """``tally``: a ``span.probe.ProbeTally`` (existence RPCs, objects probed)."""
-        if self._metrics is not None:
+        """``tally``: a ``span.hit_rounds.ProbeTally`` (existence RPCs, objects probed)."""
+        if self._metrics is None:
+            return
+        try:
             self._metrics.observe_hit_query(
                 queried_keys, hit_keys, rpcs=tally.rpcs, probed_objects=tally.objects
             )
+        except Exception:
+            logger.debug("mooncake-span: metrics update failed", exc_info=True)

@@ -17,7 +17,7 @@ from mooncake_span.sglang_backend.objects import (
     per_key_results,
     placement,
 )
-from mooncake_span.sglang_backend.staging import Stager
+from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient

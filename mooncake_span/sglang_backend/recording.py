@@ -1,8 +1,11 @@
 """Metrics and accounting of the backend's calls, kept in one place.
 
-A ``CallRecorder`` owns every counter the backend reports and is the one
-place that writes them, wrapped around the calls rather than threaded
-through them (the read and write paths know nothing of metrics):
+A ``CallRecorder`` is the one place the backend's calls are recorded from,
+wrapped around the calls rather than threaded through them (the read and
+write paths know nothing of metrics). The counters themselves have one owner
+each, which takes its own lock on every write: ``CallCounters`` (``stats.py``:
+what ``get_stats()`` reports) and ``CallObserver`` (``observability.py``: the
+Prometheus metrics). The recorder feeds them:
 
 * ``guard.never_raise`` hands it each sglang call's outcome: duration and
   outcome for Prometheus (``finished``), refused input (``reject``: the
@@ -25,8 +28,8 @@ from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.stats import CallCounters, RateLimitedLog, SpanStorageMetrics
 from mooncake_span.sglang_backend.stored_pool import PoolBatch
 from mooncake_span.span.geometry import SpanGeometry
+from mooncake_span.span.hit_rounds import ProbeTally
 from mooncake_span.span.hits import leading_run
-from mooncake_span.span.probe import ProbeTally
 from mooncake_span.store.client import MooncakeClient
 
 GET = "get"
@@ -50,8 +53,7 @@ class CallRecorder:
     def reject(self, op_name: str, exc: Exception) -> None:
         """A call (or one transfer of a v2 call) refused: bad input or a cluster failure."""
         label = type(exc).__name__
-        with self.counters.lock:
-            self.counters.rejected_calls[label] = self.counters.rejected_calls.get(label, 0) + 1
+        self.counters.count_rejected(label)
         self._log.error(f"{op_name}:{label}", "mooncake-span %s rejected: %s", op_name, exc)
 
     def transfer(self, operation: str, path: Path, batches: list[PoolBatch]) -> list[list[bool]]:
@@ -81,18 +83,10 @@ class CallRecorder:
     def storage_metrics(self, geometry: SpanGeometry | None) -> SpanStorageMetrics:
         """sglang's StorageMetrics since the last call, with the client's fault counters."""
         client_stats = self._client.stats()
-        with self.counters.lock:
-            counters = self.counters
-            metrics = SpanStorageMetrics(
-                prefetch_tokens=counters.prefetch_tokens,
-                backup_tokens=counters.backup_tokens,
-                pages_per_span=geometry.pages_per_span if geometry else 1,
-                storage_page_tokens=geometry.storage_page_tokens if geometry else 0,
-                error_counts=client_stats["error_counts"],
-                rejected_calls=dict(counters.rejected_calls),
-                breaker_state=client_stats["breaker_state"],
-                breaker_times_opened=client_stats["breaker_times_opened"],
-                dropped_metric_records=counters.dropped_records,
-            )
-            counters.drain_into(metrics)
-        return metrics
+        return self.counters.drain(
+            pages_per_span=geometry.pages_per_span if geometry else 1,
+            storage_page_tokens=geometry.storage_page_tokens if geometry else 0,
+            error_counts=client_stats["error_counts"],
+            breaker_state=client_stats["breaker_state"],
+            breaker_times_opened=client_stats["breaker_times_opened"],
+        )

@@ -20,7 +20,7 @@ from mooncake_span.config import SpanOptions
 from mooncake_span.errors import InvalidRequestError, RegistrationError
 from mooncake_span.sglang_backend.pool_layout import describe_pool
 from mooncake_span.sglang_backend.prefix_chain import chain_of
-from mooncake_span.sglang_backend.staging import Stager
+from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.storage_page import resolve_storage_page_tokens
 from mooncake_span.sglang_backend.stored_pool import StagedPool, StoredPool
 from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
@@ -76,9 +76,11 @@ class Registration:
         self.pools: dict[str, StoredPool] = {}
         self.geometry: SpanGeometry | None = None
         self.key_schema: KeySchema | None = None
-        # Eviction group ids cost Mooncake time per object; they only matter
-        # when a key owns more than one object (set at each registration):
-        # MHA's k and v share one object, so only multi-pool stacks send them.
+        # Whether puts carry eviction group ids, decided here alone (the client
+        # sends what it is given). They cost Mooncake time per object and only
+        # matter when a key owns more than one object (set at each
+        # registration): MHA's k and v share one object, so only multi-pool
+        # stacks send them, and only while span_group_ids is on.
         self.group_ids = False
         # Rebound, never mutated: worker threads read it without a lock.
         self.learned_kv_derived: frozenset[str] = frozenset()
@@ -108,7 +110,7 @@ class Registration:
         )
         # Failure domains (store/domains.py): one segment per storage key, or
         # per chain window when sglang passes prefix keys (prefix_chain.py).
-        self._client.router.domain_of = self.key_schema.domain_of
+        self._client.place_by(self.key_schema.domain_of)
         self.chain_window_keys = max(
             1, self._options.chain_window_tokens // self.geometry.storage_page_tokens
         )
@@ -132,7 +134,7 @@ class Registration:
             self._client.register_buffer(ptr, size)
         self.pools[name] = pool
         objects_per_key = sum(p.num_components for p in self.pools.values() if not p.is_logical)
-        self.group_ids = objects_per_key > 1
+        self.group_ids = self._options.group_ids and objects_per_key > 1
 
     def check_layout(self) -> str:
         """Publish this namespace's geometry record or check it against the published one:

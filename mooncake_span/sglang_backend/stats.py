@@ -70,10 +70,14 @@ class RateLimitedLog:
 
 @dataclass
 class CallCounters:
-    """Per-call metric records in windows of ``window`` entries, plus totals."""
+    """Per-call metric records in windows of ``window`` entries, plus totals.
+
+    The one owner of what ``get_stats()`` reports of the backend's own calls:
+    every write goes through a method here, under ``_lock`` (sglang's backup
+    and prefetch threads call at once)."""
 
     window: int = UNPOLLED_WINDOW
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     prefetch_pgs: deque[int] = field(init=False)
     backup_pgs: deque[int] = field(init=False)
     prefetch_bandwidth: deque[float] = field(init=False)
@@ -100,7 +104,7 @@ class CallCounters:
 
     def record(self, backup: bool, keys: int, tokens: int, gib_per_s: float | None) -> None:
         """One KV call: a backup (put) or else a prefetch (get)."""
-        with self.lock:
+        with self._lock:
             if backup:
                 pgs = self.backup_pgs
                 bandwidth = self.backup_bandwidth
@@ -116,13 +120,32 @@ class CallCounters:
                 bandwidth.append(gib_per_s)
 
     def record_hit_query(self, rpcs: int, probed_objects: int) -> None:
-        with self.lock:
+        with self._lock:
             self.hit_queries += 1
             self.hit_query_rpcs += rpcs
             self.hit_query_probed_objects += probed_objects
 
-    def drain_into(self, metrics: StorageMetrics) -> None:
-        """Move the records and token totals into ``metrics``; the caller holds ``lock``."""
+    def count_rejected(self, label: str) -> None:
+        """One call refused, keyed by its exception class name."""
+        with self._lock:
+            self.rejected_calls[label] = self.rejected_calls.get(label, 0) + 1
+
+    def drain(self, **client_fields: Any) -> SpanStorageMetrics:
+        """sglang's StorageMetrics since the last drain, with ``client_fields``
+        (the geometry and the store client's fault counters) beside them."""
+        with self._lock:
+            metrics = SpanStorageMetrics(
+                prefetch_tokens=self.prefetch_tokens,
+                backup_tokens=self.backup_tokens,
+                rejected_calls=dict(self.rejected_calls),
+                dropped_metric_records=self.dropped_records,
+                **client_fields,
+            )
+            self._drain_into(metrics)
+        return metrics
+
+    def _drain_into(self, metrics: StorageMetrics) -> None:
+        """Move the records and token totals into ``metrics``; the caller holds ``_lock``."""
         for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
             records = getattr(self, name)
             getattr(metrics, name).extend(records)

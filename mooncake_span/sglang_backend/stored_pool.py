@@ -10,8 +10,8 @@ the object order is written down here and nowhere else.
 
 Pools whose host pages cannot be addressed by an affine pointer model (the DSA
 indexer in layer_first) are a :class:`StagedPool`: their bytes go through the
-registered staging arena (``staging.py``), a flat key row per storage key,
-filled before a put and copied back after a get. The generic path's flat
+registered staging arena (``stager.py``, over ``store/arena.py``), a flat key
+row per storage key, filled before a put and copied back after a get. The generic path's flat
 tensors (sglang's own, unregistered) travel the same way.
 """
 

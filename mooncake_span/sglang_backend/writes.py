@@ -20,7 +20,7 @@ from mooncake_span.sglang_backend.objects import (
     placement,
 )
 from mooncake_span.sglang_backend.registration import Registration
-from mooncake_span.sglang_backend.staging import Stager
+from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient
@@ -36,7 +36,7 @@ class Writes:
         """Per batch, per key: is every object of the key stored now?"""
         physical = [b for b in batches if not b.pool.is_logical]
         keys = object_keys(physical)
-        if keys and not self._client.pressure.cooling:
+        if keys and not self._client.puts_paused():
             # A key already stored (by another rank or node) is not written twice.
             # Where a chain's objects sit matters to the check only while the
             # router is troubled (a bad segment); it costs a pass per object.

@@ -16,7 +16,7 @@ conventions into plain Python ones, once:
   a call of a healthy cluster goes out as the caller built it, in one native
   call, and otherwise calls carry at most ``max_buffers_per_call`` buffers and
   a get never names one key twice (Mooncake would leave a buffer unwritten);
-* a no-space answer to a put pauses puts (``pressure.py``): they read False.
+* a no-space answer to a put pauses puts (``put_cooldown.py``): they read False.
 
 Every TTL and cool-down runs on the one ``clock`` the client is given.
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import operator
 import re
@@ -66,7 +67,7 @@ from mooncake_span.store.native import (
     setup_store,
     wait_for_segments,
 )
-from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, SKIPPED_CODE, PutPressure
+from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL, SKIPPED_CODE, PutPressure
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
 
@@ -99,6 +100,10 @@ _EXISTS_KEYS_PER_CALL = 4096
 _GROUPED_PUT_OBJECTS = 64
 
 
+def _uncounted() -> None:
+    """The ``on_rpc`` of a caller that does not count RPCs."""
+
+
 class MooncakeClient:
     def __init__(
         self,
@@ -116,7 +121,7 @@ class MooncakeClient:
         self._gate = NativeGate(options, clock)
         self.pressure = PutPressure(options.full_cooldown_s, now_s=clock)
         self._directory: SegmentDirectory | None = None
-        # Placement and failure domains; the backend sets router.domain_of.
+        # Placement and failure domains; the backend gives the placement key (place_by).
         self.router = DomainRouter(options, self.segments, clock)
         self._integrity = IntegrityFailures(
             lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
@@ -175,7 +180,16 @@ class MooncakeClient:
     def closed(self) -> bool:
         return self._gate.closed
 
+    def place_by(self, domain_of: Callable[[str], str] | None) -> None:
+        """Objects whose ``domain_of(object key)`` is equal share a segment, unless
+        a call names its domains (None: each key is its own domain)."""
+        self.router.place_by(domain_of)
+
     # ---- the write path ----------------------------------------------------------
+
+    def puts_paused(self) -> bool:
+        """True while a full cluster's cool-down skips puts (``put_cooldown.py``)."""
+        return self.pressure.cooling
 
     def put(
         self,
@@ -188,13 +202,14 @@ class MooncakeClient:
     ) -> list[bool]:
         """Write objects that do not exist yet. Mooncake keeps the old value of an
         existing key and reports success, so callers check existence first.
-        Objects with the same domain (``domains``, else ``router.domain_of``) and
+        Objects with the same domain (``domains``, else ``place_by``'s) and
         chain step (``steps``: prefix-chain placement) land on the same segment.
-        ``hard_pin`` exempts them from eviction (small metadata only). True only
-        if every copy was written."""
+        ``group_ids``, when given, are sent (the caller decides whether they are
+        wanted). ``hard_pin`` exempts the objects from eviction (small metadata
+        only). True only if every copy was written."""
         batch = PlanBatch.of(plans)
         if steps is not None:
-            self.router.chained = True
+            self.router.note_chain_put()
         if self.router.direct(keys):
             ok = self._put_direct(list(keys), batch, group_ids, hard_pin, (domains, steps))
             self.router.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
@@ -262,20 +277,20 @@ class MooncakeClient:
         while the cluster is full). Every object failing to transfer there marks
         the segment bad."""
         codes: list[int] = []
-        grouped = bool(group_ids) and self.options.group_ids
-        for span in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
-            if not hard_pin and self.pressure.cooling:
-                self._gate.counters[FULL_SKIPPED_LABEL] += len(span)
-                codes += [SKIPPED_CODE] * len(span)
+        grouped = bool(group_ids)
+        for call in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
+            if not hard_pin and self.puts_paused():
+                self._gate.count(FULL_SKIPPED_LABEL, len(call))
+                codes += [SKIPPED_CODE] * len(call)
                 continue
             config = replicate_config(
                 self._binding.replicate_config_factory,
                 self.options.replica_num if self.router.copies == 1 else 1,
-                group_ids[span.start : span.stop] if grouped else None,
+                group_ids[call.start : call.stop] if grouped else None,
                 hard_pin,
                 segment,
             )
-            codes += self._put_call(keys[span.start : span.stop], batch.part(span), config)
+            codes += self._put_call(keys[call.start : call.stop], batch.part(call), config)
         if segment and codes and all(is_transfer_failure(c) for c in codes):
             self._mark_bad([segment], "batch_put_from_multi_buffers")
         return codes
@@ -311,8 +326,8 @@ class MooncakeClient:
     def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
         """One copy per unique key, in the caller's order, cut by the buffer budget."""
         codes: list[int] = []
-        for span in self.router.calls(batch):
-            codes += self._get_call(keys[span.start : span.stop], batch.part(span))
+        for call in self.router.calls(batch):
+            codes += self._get_call(keys[call.start : call.stop], batch.part(call))
         ok = list(map(operator.eq, codes, batch.nbytes))
         if not all(ok):
             self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
@@ -325,7 +340,7 @@ class MooncakeClient:
         unreadable = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]
         if len(pending) < len(keys):
-            self._gate.counters["DOMAIN_BAD_SKIPPED"] += len(keys) - len(pending)
+            self._gate.count("DOMAIN_BAD_SKIPPED", len(keys) - len(pending))
         for attempt in range(self.router.copies):
             pending = [i for i in pending if attempt < len(candidates[i])]
             if not pending:
@@ -348,9 +363,9 @@ class MooncakeClient:
         out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
         for round_positions in dedup_rounds(keys):
             rows = batch.take(round_positions)
-            for span in self.router.calls(rows):  # the one place the buffer budget is cut
-                idx = round_positions[span.start : span.stop]
-                codes = self._get_call([keys[i] for i in idx], rows.part(span))
+            for call in self.router.calls(rows):  # the one place the buffer budget is cut
+                idx = round_positions[call.start : call.stop]
+                codes = self._get_call([keys[i] for i in idx], rows.part(call))
                 for i, code in zip(idx, codes, strict=True):
                     out[i] = code
         return out
@@ -364,7 +379,7 @@ class MooncakeClient:
         if codes != batch.nbytes:
             short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
             if short:
-                self._gate.counters["SHORT_READ"] += short
+                self._gate.count("SHORT_READ", short)
         return codes
 
     def _on_failed_reads(
@@ -405,13 +420,17 @@ class MooncakeClient:
             )
 
     def _locate(
-        self, object_keys: Sequence[str], sizes: dict[str, int] | None = None
+        self,
+        object_keys: Sequence[str],
+        sizes: dict[str, int] | None = None,
+        on_rpc: Callable[[], None] = _uncounted,
     ) -> dict[str, set[str]]:
         """Where the master says objects are (one RPC); {} if it does not answer."""
         if not object_keys:
             return {}
         suppress = contextlib.suppress(TransportError, StoreClosedError)
         with suppress, self._gate.native("batch_get_replica_desc") as store:
+            on_rpc()  # past the gate: the RPC goes out
             try:
                 return replica_segments(store.batch_get_replica_desc(list(object_keys)), sizes)
             except Exception:  # observation only: unknown means "treat as lost"
@@ -425,32 +444,39 @@ class MooncakeClient:
         keys: Sequence[str],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
+        on_rpc: Callable[[], None] = _uncounted,
     ) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
-        absent without asking the master. ``domains``/``steps`` as for ``get``."""
-        if self.router.untroubled:
-            return [code == 1 for code in self._exists_codes(list(keys))]  # the common case
+        absent without asking the master. ``domains``/``steps`` as for ``get``;
+        ``on_rpc`` is called once per native RPC sent (existence queries of at
+        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are)."""
+        if self.router.untroubled:  # the common case
+            return [code == 1 for code in self._exists_codes(list(keys), on_rpc)]
         lost = self.router.lost_mask(keys)
-        rows = self.router.read_rows(keys, self._locate, domains, steps)
+        locate = functools.partial(self._locate, on_rpc=on_rpc)
+        rows = self.router.read_rows(keys, locate, domains, steps)
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
         skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
         if skipped:
-            self._gate.counters["DOMAIN_BAD_SKIPPED"] += skipped
+            self._gate.count("DOMAIN_BAD_SKIPPED", skipped)
         if any(lost):
-            self._gate.counters["LOST_KEY_SKIPPED"] += sum(lost)
-        found = dict(zip(asked, self._exists_codes(asked), strict=True)) if asked else {}
+            self._gate.count("LOST_KEY_SKIPPED", sum(lost))
+        found = dict(zip(asked, self._exists_codes(asked, on_rpc), strict=True)) if asked else {}
         return [
             not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
         ]
 
-    def _exists_codes(self, keys: list[str]) -> list[int]:
+    def _exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
         out: list[int] = []
         for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
             chunk = keys[start : start + _EXISTS_KEYS_PER_CALL]
-            codes = self._gate.invoke(
-                "batch_is_exist", lambda s, keys=chunk: s.batch_is_exist(keys), len(chunk)
-            )
+
+            def ask(store: Any, keys: list[str] = chunk) -> list[int]:
+                on_rpc()  # called once the gate let the call through
+                return store.batch_is_exist(keys)
+
+            codes = self._gate.invoke("batch_is_exist", ask, len(chunk))
             if all(is_transport_failure(code) for code in codes):
                 # Nothing answered: a caller must not read this as "absent" and
                 # follow up with a put that would wait just as long.
@@ -506,7 +532,7 @@ class MooncakeClient:
     def stats(self) -> dict[str, Any]:
         snapshot = self._gate.breaker()
         return {
-            "error_counts": dict(self._gate.counters),
+            "error_counts": self._gate.counts(),
             "breaker_state": snapshot.state.value,
             "breaker_consecutive_failures": snapshot.consecutive_failures,
             "breaker_times_opened": snapshot.times_opened,
@@ -514,6 +540,5 @@ class MooncakeClient:
             "bad_segments": sorted(self.router.bad_segments()),
             "domains_marked_bad": self.router.times_marked,
             "lost_keys": self.router.lost_count,
-            "integrity_failures": dict(self._integrity.counts),
-            "integrity_removed": self._integrity.removed,
+            **self._integrity.snapshot(),
         }

@@ -1,14 +1,18 @@
 """The gate every native call of one client passes through.
 
-``NativeGate`` holds the native store once it is set up and hands it to one
-call at a time as the rules allow: never after ``close`` (the native client
-segfaults when called after close) or before setup, never while the circuit
-breaker is open. It counts calls in flight, so that closing waits (bounded)
-for them, checks the shape of every answer, counts every non-success code by
-name, and feeds the breaker: a call where every entry is a cluster-level
+``NativeGate`` holds the native store once it is set up and hands it to each
+call as the rules allow (calls of several threads run at once): never after
+``close`` (the native client segfaults when called after close) or before
+setup, never while the circuit breaker is open. It counts calls in flight, so
+that closing waits (bounded) for them, checks the shape of every answer, and
+feeds the breaker: a call where every entry is a cluster-level
 failure (``errors.is_cluster_failure``), an exception or a wrong-length result
 counts against it, any other answer proves the master alive. While the
 breaker is open, ``RecoveryProbe`` asks the cluster past the gate.
+
+It owns the client's error counters: every non-success code by name, and what
+the client skipped or found wrong (``count``). Every increment takes one lock,
+since sglang's backup and prefetch threads call at once.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ from typing import Any
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import StoreClosedError, TransportError, code_name, is_cluster_failure
 from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
-from mooncake_span.store.probe import RecoveryProbe
+from mooncake_span.store.recovery import RecoveryProbe
 
 logger = logging.getLogger(__name__)
 
 # Error counters live as long as the client and are keyed by code name, and an
 # unknown native code gets a label of its own (CODE_<n>): past this many
 # labels, new codes are counted together under _OTHER_CODES_LABEL. Bound: at
-# most _MAX_ERROR_LABELS + 1 code labels plus the five fixed ones.
+# most _MAX_ERROR_LABELS + 1 code labels plus the seven fixed ones (three
+# counted here, four by the client through count()).
 _MAX_ERROR_LABELS = 64
 _OTHER_CODES_LABEL = "CODE_OTHER"
 
@@ -48,7 +53,8 @@ class NativeGate:
         self._prober = RecoveryProbe(
             self._breaker, options.breaker_probe_interval_s, self._probe_once
         )
-        self.counters: collections.Counter[str] = collections.Counter()
+        self._counts_lock = threading.Lock()
+        self._counters: collections.Counter[str] = collections.Counter()
         self._probe_key = f"mooncake-span-probe-{uuid.uuid4().hex}"
 
     # ---- lifecycle -------------------------------------------------------
@@ -91,7 +97,7 @@ class NativeGate:
             if self.store is None:
                 raise StoreClosedError(f"{op} called before connect()")
             if self._breaker.is_open:
-                self.counters["BREAKER_REJECTED"] += 1
+                self.count("BREAKER_REJECTED")
                 raise TransportError(f"{op} refused: circuit breaker open (cluster unreachable)")
             self._inflight += 1
             return self.store
@@ -117,14 +123,14 @@ class NativeGate:
         try:
             result = fn(store)
         except Exception as exc:  # the binding's own errors are whole-call failures
-            self.counters["EXCEPTION"] += 1
+            self.count("EXCEPTION")
             self._fail(op, repr(exc))
             raise TransportError(f"{op} raised {exc!r}") from exc
         finally:
             self._leave()
         if not isinstance(result, list) or len(result) != expected_len:
             # e.g. the empty list an uninitialised client returns
-            self.counters["BAD_RESULT_LENGTH"] += 1
+            self.count("BAD_RESULT_LENGTH")
             self._fail(
                 op,
                 f"returned {type(result).__name__} of length "
@@ -148,12 +154,7 @@ class NativeGate:
         if not codes or min(codes) >= 0:
             self._breaker.record_success()
             return
-        for code in codes:
-            if code < 0:
-                label = code_name(code)
-                if label not in self.counters and len(self.counters) >= _MAX_ERROR_LABELS:
-                    label = _OTHER_CODES_LABEL
-                self.counters[label] += 1
+        self._count_codes(codes)
         if all(is_cluster_failure(c) for c in codes):
             self._fail(op, f"all {len(codes)} entries failed ({code_name(codes[0])})")
         else:
@@ -183,11 +184,35 @@ class NativeGate:
         finally:
             self._leave()
 
+    # ---- the error counters -------------------------------------------------------
+
+    def count(self, label: str, n: int = 1) -> None:
+        """Count ``n`` objects or calls under a fixed ``label`` (a skip or a wrong answer)."""
+        with self._counts_lock:
+            self._counters[label] += n
+
+    def _count_codes(self, codes: Sequence[int]) -> None:
+        """Count each negative code by name, within the label bound."""
+        with self._counts_lock:
+            for code in codes:
+                if code < 0:
+                    label = code_name(code)
+                    if label not in self._counters and len(self._counters) >= _MAX_ERROR_LABELS:
+                        label = _OTHER_CODES_LABEL
+                    self._counters[label] += 1
+
+    def counts(self) -> dict[str, int]:
+        """A copy of the error counters."""
+        with self._counts_lock:
+            return dict(self._counters)
+
     # ---- observation -----------------------------------------------------------
 
     def revision(self) -> tuple[int, bool]:
         """Changes whenever a failure is counted or the breaker flips."""
-        return sum(self.counters.values()), self._breaker.is_open
+        with self._counts_lock:
+            total = sum(self._counters.values())
+        return total, self._breaker.is_open
 
     def breaker(self) -> BreakerSnapshot:
         return self._breaker.snapshot()

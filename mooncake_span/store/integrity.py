@@ -36,8 +36,8 @@ class IntegrityFailures:
         self._remove_object = remove_object
         self._clock = clock
         self._lock = threading.Lock()
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.removed = 0
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._removed = 0
         self._last_log_s = float("-inf")
         self._unlogged = 0
 
@@ -51,8 +51,8 @@ class IntegrityFailures:
         now = self._clock()
         with self._lock:
             for _, code in failed:
-                self.counts[code_name(code)] += 1
-            self.removed += removed
+                self._counts[code_name(code)] += 1
+            self._removed += removed
             quiet = now - self._last_log_s >= _LOG_INTERVAL_S
             if quiet:
                 unlogged = self._unlogged  # held back since the last line
@@ -72,6 +72,11 @@ class IntegrityFailures:
                 f" ({unlogged} more since the last line)" if unlogged else "",
             )
         return [object_key for object_key, _ in failed]
+
+    def snapshot(self) -> dict[str, object]:
+        """The client's ``stats()`` entries: failures by code name, objects removed."""
+        with self._lock:
+            return {"integrity_failures": dict(self._counts), "integrity_removed": self._removed}
 
     def _remove(self, object_key: str) -> bool:
         """Never raises: a removal that fails leaves the key to the lost-key cache."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from mooncake_span.errors import LayoutConflictError
 from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, sanitize_token
-from mooncake_span.store.staging import StagingArena, create_blob, read_blob
+from mooncake_span.store.arena import StagingArena, create_blob, read_blob
 
 if TYPE_CHECKING:
     from mooncake_span.config import SpanOptions

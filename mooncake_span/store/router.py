@@ -61,12 +61,21 @@ class DomainRouter:
         self.segments = segments
         self._max_buffers = options.max_buffers_per_call
         # The placement key of an object key: objects with one domain share a
-        # segment. Set by the backend (KeySchema.domain_of); None: the key itself.
-        self.domain_of: Callable[[str], str] | None = None
+        # segment. Given through place_by (the client passes on the backend's
+        # KeySchema.domain_of); None: the key itself.
+        self._domain_of: Callable[[str], str] | None = None
         # Set once a put was placed by prefix chain: from then on a read that
         # names no chain cannot compute where its keys are (domain_of gives the
         # per-key answer), so while a segment is bad the master is asked.
         self.chained = False
+
+    def place_by(self, domain_of: Callable[[str], str] | None) -> None:
+        """Place objects by ``domain_of(object key)`` (None: by the key itself)."""
+        self._domain_of = domain_of
+
+    def note_chain_put(self) -> None:
+        """A put was placed by prefix chain (see ``chained``)."""
+        self.chained = True
 
     # ---- failure-domain state ------------------------------------------------
 
@@ -119,14 +128,14 @@ class DomainRouter:
         counts = list(map(len, batch.ptrs))
         if sum(counts) <= self._max_buffers and not 0 < max_objects < len(counts):
             return [range(len(counts))]
-        spans = split_calls(counts, self._max_buffers)
+        calls = split_calls(counts, self._max_buffers)
         if max_objects > 0:
-            spans = [
-                range(start, min(start + max_objects, span.stop))
-                for span in spans
-                for start in range(span.start, span.stop, max_objects)
+            calls = [
+                range(start, min(start + max_objects, call.stop))
+                for call in calls
+                for start in range(call.start, call.stop, max_objects)
             ]
-        return spans
+        return calls
 
     def direct_groups(
         self,
@@ -205,4 +214,4 @@ class DomainRouter:
             if len(given) != len(keys):
                 raise ValueError(f"{len(given)} placement domains for {len(keys)} keys")
             return given
-        return list(map(self.domain_of, keys)) if self.domain_of is not None else None
+        return list(map(self._domain_of, keys)) if self._domain_of is not None else None

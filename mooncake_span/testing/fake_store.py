@@ -37,7 +37,7 @@ import threading
 from dataclasses import dataclass, field
 
 from mooncake_span.errors import ErrorCode
-from mooncake_span.span.staging import ByteRanges
+from mooncake_span.span.byte_budget import ByteRanges
 
 logger = logging.getLogger(__name__)
 

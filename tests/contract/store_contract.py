@@ -126,7 +126,7 @@ class StoreContract:
         client = make_client(placement_options, fresh=True)
         segments = client.segments()
         assert segments, "placement found no segment list"
-        client.router.domain_of = lambda key: key.rsplit("-", 1)[0]
+        client.place_by(lambda key: key.rsplit("-", 1)[0])
         keys = [f"{key_namespace}.dom-{component}" for component in ("k", "indexer", "conv_0")]
         self.put_objects(client, keys, 2, seed=61)
         located = client._locate(keys)

@@ -15,7 +15,7 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from mooncake_span.span.staging import ByteRanges
+from mooncake_span.span.byte_budget import ByteRanges
 from mooncake_span.store.native import NativeBinding
 
 

@@ -17,7 +17,7 @@ from mooncake_span.mooncake_settings import load_mooncake_settings
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient, load_native_binding
-from mooncake_span.store.pressure import FULL_SKIPPED_LABEL
+from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.bench import leases as L
-from mooncake_span.span.probe import KV_ROUNDS_WITH_SIDECARS
+from mooncake_span.span.hit_rounds import KV_ROUNDS_WITH_SIDECARS
 from mooncake_span.testing import pools as P
 
 OBJECT_HAS_LEASE = -706

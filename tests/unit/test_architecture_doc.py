@@ -12,6 +12,13 @@ updating the page fails here:
   package or its tests (a module, class, function, method or module-level name), an option
   key of ``config.py``, or one of the few
   sglang / Mooncake / tool names the page talks about (``EXTERNAL``).
+
+Names are also checked against the module the page credits them to: in the
+"Packages" table, every such name in a row's role column lives in the row's
+module (for a package row, in a module of that package): it is defined there,
+or the module imports it (what the module takes or hands back, named for
+context). A name credited to a module that neither defines nor imports it
+fails, even if some other module defines it.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ EXTERNAL = {
     "prometheus_client",
     "setns",
     "service_ready",
+    "sglang_router",
 }
 
 _PATH = re.compile(r"^[\w./-]+\.py$")
@@ -73,10 +81,14 @@ def _spans() -> list[str]:
     return sorted(set(re.findall(r"`([^`\n]+)`", text)))
 
 
-def _defined_names() -> set[str]:
-    # Option keys are names the page may use too (span_*, sglang's keys we read).
-    names: set[str] = {"mooncake_span", *config._SPAN_KEYS, *config.FOREIGN_KEYS}
-    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
+# Option keys are names the page may use too (span_*, sglang's keys we read).
+OPTION_KEYS = {"mooncake_span", *config._SPAN_KEYS, *config.FOREIGN_KEYS}
+
+
+def _names_of(paths: list[pathlib.Path], imported: bool = False) -> set[str]:
+    """The stems of ``paths`` and every name they define (and, if ``imported``, import)."""
+    names: set[str] = set()
+    for path in paths:
         names.add(path.stem)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -89,7 +101,13 @@ def _defined_names() -> set[str]:
                             names.add(leaf.id)
                         elif isinstance(leaf, ast.Attribute):
                             names.add(leaf.attr)
+            elif imported and isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update(alias.asname or alias.name for alias in node.names)
     return names
+
+
+def _defined_names() -> set[str]:
+    return OPTION_KEYS | _names_of([*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py")])
 
 
 def _module_for(dotted: str) -> tuple[object, list[str]] | None:
@@ -149,6 +167,51 @@ def _problem(span: str, defined: set[str]) -> str | None:
     if _SNAKE.match(token):
         return None if token in defined or token in EXTERNAL else "not defined in the package"
     return None
+
+
+def _package_rows() -> list[tuple[list[str], list[str]]]:
+    """Per row of the "Packages" table: the modules it is about, and its role's code spans."""
+    table = DOC.read_text().split("\n## Packages\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`"):
+            rows.append((re.findall(r"`([^`]+)`", cells[0]), re.findall(r"`([^`]+)`", cells[1])))
+    return rows
+
+
+def _credit_problem(modules: list[str], span: str) -> str | None:
+    """Why ``span`` (a role's code span) does not live in ``modules``, or None."""
+    token = span.split("(")[0].strip()
+    if not (_CAMEL.match(token) or _SNAKE.match(token)):
+        return None  # paths, dotted module names and metrics are checked where they point
+    first = token.split(".")[0]
+    if first in EXTERNAL or first in OPTION_KEYS:
+        return None
+    paths: list[pathlib.Path] = []
+    for module in modules:
+        where = PACKAGE / module
+        paths += sorted(where.rglob("*.py")) if module.endswith("/") else [where]
+    if first in _names_of(paths, imported=True):
+        return None
+    return f"neither defined nor imported in {', '.join(modules)}"
+
+
+def test_every_name_in_the_package_table_lives_in_the_module_it_is_credited_to():
+    problems = {
+        (modules[0], span): why
+        for modules, spans in _package_rows()
+        for span in spans
+        if (why := _credit_problem(modules, span))
+    }
+    assert problems == {}
+
+
+def test_a_name_credited_to_the_wrong_module_is_reported():
+    assert _credit_problem(["sglang_backend/l3_layout.py"], "describe_layout") is None
+    assert _credit_problem(["sglang_backend/l3_layout.py"], "MooncakeSpanStore") is not None
+    assert _credit_problem(["store/"], "DomainRouter") is None
+    assert _credit_problem(["span/"], "DomainRouter") is not None
 
 
 def test_every_code_name_on_the_architecture_page_exists():

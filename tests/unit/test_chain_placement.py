@@ -233,9 +233,9 @@ def test_reads_of_a_chain_skip_only_the_dead_window(chain_rig):
     located: list[list[str]] = []
     locate = store.client._locate
 
-    def counting(object_keys, sizes=None):
+    def counting(object_keys, sizes=None, **counted):
         located.append(list(object_keys))
-        return locate(object_keys, sizes)
+        return locate(object_keys, sizes, **counted)
 
     store.client._locate = counting
     assert (

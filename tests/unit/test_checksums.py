@@ -198,7 +198,7 @@ def test_integrity_failures_log_once_per_interval(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "e" in lines[1] and "(1 more since the last line)" in lines[1]
     assert removed == ["a", "c", "e"]
-    assert failures.counts == {"CHECKSUM_MISMATCH": 3}
+    assert failures.snapshot()["integrity_failures"] == {"CHECKSUM_MISMATCH": 3}
 
 
 def test_integrity_failures_become_a_counter():

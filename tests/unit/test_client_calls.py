@@ -129,7 +129,7 @@ def test_a_direct_put_over_several_segments_places_and_answers_per_key(make_clie
     segments = ("127.0.0.1:12001", "127.0.0.1:12002", "127.0.0.1:12003")
     cluster = FakeCluster(segments=segments)
     client = make_client(cluster)
-    client.router.domain_of = lambda key: key.split("#")[0]
+    client.place_by(lambda key: key.split("#")[0])
     keys = [f"d{i}#{c}" for i in range(30) for c in ("kv", "idx")]
     groups = [k.split("#")[0] for k in keys]
     source = np.random.default_rng(5).integers(0, 256, len(keys) * OBJECT_BYTES, dtype=np.uint8)

@@ -37,7 +37,7 @@ def make_client(cluster):
 
         def make(**options) -> MooncakeClient:
             client = fake_client(master, cluster, **options)
-            client.router.domain_of = lambda key: key.rsplit("__", 1)[0]
+            client.place_by(lambda key: key.rsplit("__", 1)[0])
             clients.append(client)
             return client
 

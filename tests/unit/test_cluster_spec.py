@@ -161,10 +161,10 @@ def test_storage_node_rejects_bad_urls_before_touching_mooncake(capsys):
 
 
 def _node_settings(argv, environ):
-    from mooncake_span.ops import storage_node
+    from mooncake_span.ops import storage_process
 
-    args = storage_node.build_parser().parse_args(argv)
-    return storage_node.settings_from_args(args, environ)
+    args = storage_process.build_parser().parse_args(argv)
+    return storage_process.settings_from_args(args, environ)
 
 
 def test_storage_node_flags_build_mooncake_settings():

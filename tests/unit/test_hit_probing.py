@@ -1,4 +1,4 @@
-"""Hit queries probe only what can be read (span.probe, sglang_backend.hit_query).
+"""Hit queries probe only what can be read (span.hit_rounds, sglang_backend.hit_query).
 
 Mooncake 0.3.13 leases every existing object ``batch_is_exist`` finds, so the
 bound that matters is which objects a query names. The backend runs on the
@@ -14,6 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_span.span.geometry import PoolKind
+from mooncake_span.span.hit_rounds import (
+    KV_ROUNDS_ALONE,
+    KV_ROUNDS_WITH_SIDECARS,
+    ProbePolicy,
+    ProbeTally,
+    sidecar_pages,
+)
 from mooncake_span.span.hits import (
     ALL_PAGES,
     BLOCK_GROUPS,
@@ -21,13 +28,6 @@ from mooncake_span.span.hits import (
     PoolHitQuery,
     compute_hits,
     leading_run,
-)
-from mooncake_span.span.probe import (
-    KV_ROUNDS_ALONE,
-    KV_ROUNDS_WITH_SIDECARS,
-    ProbePolicy,
-    ProbeTally,
-    sidecar_pages,
 )
 from mooncake_span.testing import pools as P
 from mooncake_span.testing.fake_store import FakeCluster, FakeStore

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.lab import cluster as lab_cluster
 from mooncake_span.lab import netns
+from mooncake_span.lab import netns_cluster as lab_cluster
 from mooncake_span.ops import cluster as ops_cluster
 from mooncake_span.ops import launcher as L
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.bench import leases as L
-from mooncake_span.span.probe import ProbePolicy
+from mooncake_span.span.hit_rounds import ProbePolicy
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import threading
 import time
 
 from mooncake_span.store.breaker import CircuitBreaker
-from mooncake_span.store.probe import RecoveryProbe
+from mooncake_span.store.recovery import RecoveryProbe
 
 
 def _wait(predicate, timeout_s: float = 5.0) -> bool:

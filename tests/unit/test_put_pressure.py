@@ -1,4 +1,4 @@
-"""The full-cluster put cool-down (store/pressure.py), on the contract-checked fake.
+"""The full-cluster put cool-down (store/put_cooldown.py), on the contract-checked fake.
 
 The fake answers ``NO_AVAILABLE_HANDLE`` once its capacity is used up, as a
 full Mooncake segment does; the clock is injected, so nothing sleeps.
@@ -14,9 +14,9 @@ import pytest
 from mooncake_span.config import load_span_options
 from mooncake_span.errors import ConfigError, ErrorCode
 from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.arena import StagingArena, create_blob, read_blob
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.pressure import FULL_SKIPPED_LABEL, PutPressure
-from mooncake_span.store.staging import StagingArena, create_blob, read_blob
+from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL, PutPressure
 from mooncake_span.testing import pools as P
 from mooncake_span.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, FakeClock, fake_client, listening_port, slots_of
@@ -169,7 +169,7 @@ def test_metadata_puts_are_not_held_back(rig):
 def test_one_log_line_per_interval(rig, caplog):
     clock = FakeClock()
     pressure = PutPressure(1.0, now_s=clock)
-    with caplog.at_level(logging.WARNING, logger="mooncake_span.store.pressure"):
+    with caplog.at_level(logging.WARNING, logger="mooncake_span.store.put_cooldown"):
         for _ in range(5):
             pressure.record([NO_SPACE])
             clock.now_s += 2.0  # each refusal after the last cool-down ended

@@ -67,7 +67,7 @@ def test_direct_groups_follow_the_segment_list():
 def test_direct_groups_put_each_key_on_its_first_ranked_segment():
     segments = ("s1", "s2", "s3", "s4")
     router = _router(segments)
-    router.domain_of = lambda key: key.split("/")[0]
+    router.place_by(lambda key: key.split("/")[0])
     keys = [f"k{i}/{c}" for i in range(40) for c in ("kv", "idx")]
     groups = router.direct_groups(keys)
     positions = sorted(i for _, rows in groups for i in rows)
@@ -81,7 +81,7 @@ def test_direct_groups_put_each_key_on_its_first_ranked_segment():
 
 def test_put_groups_place_every_component_of_a_key_together():
     router = _router(("s1", "s2", "s3"))
-    router.domain_of = lambda key: key.split("/")[0]
+    router.place_by(lambda key: key.split("/")[0])
     keys = [f"k{i}/{c}" for i in range(20) for c in ("kv", "idx")]
     groups = router.put_groups(keys)
     where = {obj: seg for seg, entries in groups.items() for _, obj in entries}
@@ -111,7 +111,7 @@ def test_read_rows_ask_the_master_only_about_suspect_copies():
 
 def test_given_domains_replace_domain_of_and_must_match_the_keys():
     router = _router(("s1", "s2", "s3"))
-    router.domain_of = lambda key: pytest.fail("domain_of called although domains were given")
+    router.place_by(lambda key: pytest.fail("domain_of called although domains were given"))
     keys = [f"obj{i}" for i in range(12)]
     domains = [f"d{i // 3}" for i in range(12)]
     groups = router.direct_groups(keys, domains)

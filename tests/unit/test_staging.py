@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from mooncake_span.errors import ErrorCode, InvalidRequestError, RegistrationError
-from mooncake_span.span.staging import ByteRanges, largest_gap, next_part, rows_left_bytes
-from mooncake_span.store.staging import StagingArena, StagingBusyError, create_blob, read_blob
+from mooncake_span.span.byte_budget import ByteRanges, largest_gap, next_part, rows_left_bytes
+from mooncake_span.store.arena import StagingArena, StagingBusyError, create_blob, read_blob
 from mooncake_span.testing import pools as P
 from mooncake_span.testing.fake_store import FakeCluster, FakeStore
 from tests.harness.registered import CheckedStore, UnregisteredMemoryError

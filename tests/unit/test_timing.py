@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mooncake_span.bench.native import NativeCounters, TimedNativeStore
+from mooncake_span.bench.shared_native import NativeCounters, TimedNativeStore
 from mooncake_span.bench.timing import TimedProxy
 
 

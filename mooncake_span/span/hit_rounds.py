@@ -95,7 +95,10 @@ class ProbeTally:
     rpcs: int = 0
     objects: int = 0
 
-    def add(self, objects: int) -> None:
+    def add(self, objects: int, rpcs: int = 1) -> None:
+        """A round naming ``objects`` objects, sent in ``rpcs`` native RPCs (the
+        store client splits long queries and may ask where suspect copies are).
+        A round naming none sends nothing."""
         if objects:
-            self.rpcs += 1
+            self.rpcs += rpcs
             self.objects += objects

@@ -48,13 +48,11 @@ class PutPressure:
 
     @property
     def cooling(self) -> bool:
-        """True while puts should be skipped (never when the cool-down is disabled)."""
-        if self._until_s is None:  # the common case, read without the lock
-            return False
-        with self._lock:
-            if self._until_s is not None and self._now_s() >= self._until_s:
-                self._until_s = None  # time is up: the next put probes
-            return self._until_s is not None
+        """True while puts should be skipped (never when the cool-down is disabled).
+        Only reads: once its time is up the next put probes, and its answer
+        (``record``) ends the cool-down or starts the next one."""
+        until_s = self._until_s  # read once, without the lock: record() rebinds it
+        return until_s is not None and self._now_s() < until_s
 
     def record(self, codes: list[int]) -> list[int]:
         """Take note of the answers of one native put call, and pass them on.

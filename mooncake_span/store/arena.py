@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mooncake_span.errors import InvalidRequestError, MooncakeSpanError
+from mooncake_span.span.byte_budget import align_up, largest_gap
 from mooncake_span.span.plan import ObjectPlan
-from mooncake_span.span.staging import align_up, largest_gap
 
 if TYPE_CHECKING:
     from mooncake_span.store.client import MooncakeClient

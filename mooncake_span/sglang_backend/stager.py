@@ -4,7 +4,7 @@ A staged batch (a ``StagedPool``'s host pages, or the generic path's flat
 tensors, which sglang allocates per call) is cut into parts of whole key rows
 that fit one lease of the registered ``StagingArena``; each part is one put
 (rows copied in first) or one get (rows whose objects all arrived copied out
-after), and its lease ends with its native call. ``span/staging.py`` plans the
+after), and its lease ends with its native call. ``span/byte_budget.py`` plans the
 parts; this module copies and calls.
 """
 
@@ -19,10 +19,10 @@ import torch
 
 from mooncake_span.errors import RegistrationError
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
+from mooncake_span.span.byte_budget import StagedPart, next_part, rows_left_bytes
 from mooncake_span.span.plan import PlanBatch, plan_objects_from_flat
-from mooncake_span.span.staging import StagedPart, next_part, rows_left_bytes
+from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.staging import StagingArena
 
 logger = logging.getLogger(__name__)
 
