@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mooncake_span.lab.cluster import NetnsCluster, NetnsClusterSpec
+from mooncake_span.lab.netns_cluster import NetnsCluster, NetnsClusterSpec
 from mooncake_span.lab.sglang_servers import ServerOptions, namespace_place
 from mooncake_span.lab.topology import NetnsTopology, TopologySpec
 from tests.conftest import require_netns
