@@ -45,6 +45,7 @@ DYNAMIC_BACKEND_KEYS = {
     "interface_v1": 1,
 }
 PD_TRANSFER_BACKEND = "mooncake"
+WARM_UP_TOKEN = 1
 # Set in the environment of a server whose `mooncake` name this project serves.
 PLUGIN_OPT_IN_ENV = "MOONCAKE_SPAN_SERVE_MOONCAKE"
 
@@ -366,6 +367,21 @@ class SglangServer(_Served):
         started = time.perf_counter()
         answer = self.place.call(lambda: _post_json(target, body, timeout_s))
         return parse_completion(answer, time.perf_counter() - started)
+
+    def warm_up(self) -> None:
+        """Answer one page-long prompt, then drop the caches it filled.
+
+        A fresh server JIT-loads sglang's page-hash extension (a file lock and a
+        ninja check) at its first full page. Left to the first real request,
+        that load sits inside the prefetch a hit query starts, and under the
+        default ``timeout`` policy (1 s plus 0.25 s per 1,024 tokens) a loaded box
+        drops the prefetch. The prompt is one token repeated, a page nobody else
+        sends; its one key in L3 is the same for every server.
+        """
+        if self.options.disaggregation_mode is not None:
+            return  # served only through a router, with its peer
+        self.generate([WARM_UP_TOKEN] * (self.options.page_size_tokens + 1), 1)
+        self.flush_cache()
 
     def flush_cache(self, timeout_s: float = 30.0) -> None:
         """Drop the device and host caches, so the next request can only hit L3.

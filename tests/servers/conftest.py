@@ -25,6 +25,7 @@ from mooncake_span.lab.sglang_servers import (
 )
 from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
+from mooncake_span.ops.master_http import iter_lines
 from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model
 from tests.conftest import require_mooncake
 
@@ -49,12 +50,15 @@ def prompt(seed: int, n_tokens: int = PROMPT_TOKENS, vocab: int = 500) -> list[i
 
 
 def start_all(servers: Sequence[_Served]) -> None:
-    """Start every process at once (they take ~30 s each) and wait for all."""
+    """Start every process at once (they take ~30 s each), wait for all, warm servers up."""
     for server in servers:
         server.process.start()
     try:
         for server in servers:
             server.wait_ready()
+        for server in servers:
+            if isinstance(server, SglangServer):
+                server.warm_up()
     except BaseException:
         for server in servers:
             server.stop()
@@ -154,6 +158,35 @@ def recompute_server(
     yield get
     for server in servers.values():
         server.stop()
+
+
+BACKUP_TIMEOUT_S = 30.0
+KEYS_SETTLED_S = 1.0
+
+
+def stored_keys(cluster) -> list[str]:
+    return list(iter_lines(f"{cluster.metrics_url}/get_all_keys", timeout_s=5.0))
+
+
+def settled_key_count(count: Callable[[], int]) -> int:
+    """The master's key count once it has not changed for a second (backups are async)."""
+    deadline = time.monotonic() + BACKUP_TIMEOUT_S
+    last, since = count(), time.monotonic()
+    while time.monotonic() - since < KEYS_SETTLED_S:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the key count kept changing for {BACKUP_TIMEOUT_S:.0f}s")
+        time.sleep(0.2)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def wait_for_backup(cluster, min_keys: int) -> None:
+    """Write-through backups are asynchronous: wait until the objects are on the master."""
+    wait_until(
+        lambda: len(stored_keys(cluster)) >= min_keys, BACKUP_TIMEOUT_S, f"{min_keys} keys stored"
+    )
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -12,8 +12,16 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.lab.sglang_servers import ServerOptions
-from tests.servers.conftest import ANSWER_TOKENS, PAGE_TOKENS, PROMPT_TOKENS, prompt
-from tests.servers.test_two_servers import FULL_RESTORE_TOKENS, stored_keys, wait_for_backup
+from tests.servers.conftest import (
+    ANSWER_TOKENS,
+    PAGE_TOKENS,
+    PROMPT_TOKENS,
+    prompt,
+    settled_key_count,
+    stored_keys,
+    wait_for_backup,
+)
+from tests.servers.test_two_servers import FULL_RESTORE_TOKENS
 
 pytestmark = [
     pytest.mark.integration,
@@ -39,9 +47,10 @@ def test_one_of_two_nodes_lost_costs_whole_prompts(tiny_model, launched, recompu
     launched.start(writer, reader)
     recompute = recompute_server("llama")
     prompts = [prompt(100 + i) for i in range(CONVERSATIONS)]
+    base = settled_key_count(lambda: len(stored_keys(cluster)))
     for p in prompts:
         writer.generate(p, ANSWER_TOKENS)
-    wait_for_backup(cluster, CONVERSATIONS * (PROMPT_TOKENS // PAGE_TOKENS - 1))
+    wait_for_backup(cluster, base + CONVERSATIONS * (PROMPT_TOKENS // PAGE_TOKENS - 1))
     stored = len(stored_keys(cluster))
 
     cluster.kill_storage_node(1)

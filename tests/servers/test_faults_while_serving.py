@@ -16,9 +16,15 @@ import time
 import pytest
 
 from mooncake_span.lab.sglang_servers import ServerOptions
-from mooncake_span.ops.master_http import iter_lines
-from tests.servers.conftest import ANSWER_TOKENS, PAGE_TOKENS, PROMPT_TOKENS, prompt
-from tests.servers.test_two_servers import wait_for_backup
+from tests.servers.conftest import (
+    ANSWER_TOKENS,
+    PAGE_TOKENS,
+    PROMPT_TOKENS,
+    prompt,
+    settled_key_count,
+    stored_keys,
+    wait_for_backup,
+)
 
 pytestmark = [
     pytest.mark.integration,
@@ -32,10 +38,6 @@ pytestmark = [
 FAULT_ANSWER_BOUND_S = 30.0
 HEAL_BOUND_S = 90.0
 PAGES_PER_PROMPT = PROMPT_TOKENS // PAGE_TOKENS
-
-
-def stored_objects(cluster) -> list[str]:
-    return list(iter_lines(f"{cluster.metrics_url}/get_all_keys", timeout_s=5.0))
 
 
 def object_extents(cluster, keys: list[str]) -> list[tuple[int, int]]:
@@ -98,15 +100,16 @@ def test_faults_while_serving(tiny_model, launched, recompute_server):
     expected = {name: recompute(p) for name, p in prompts.items()}
 
     # 1. A corrupted object is a miss under checksums, never wrong bytes.
+    before = settled_key_count(lambda: len(stored_keys(cluster)))
     writer.generate(prompts["corrupt"], ANSWER_TOKENS)
-    wait_for_backup(cluster, PAGES_PER_PROMPT - 1)
-    flip_bytes(cluster.pids()["node0"], object_extents(cluster, stored_objects(cluster)))
+    wait_for_backup(cluster, before + PAGES_PER_PROMPT - 1)
+    flip_bytes(cluster.pids()["node0"], object_extents(cluster, stored_keys(cluster)))
     corrupt = answer_within_bound(reader, prompts["corrupt"], expected["corrupt"])
     assert corrupt.storage_tokens == 0, corrupt.meta_info
     assert "failed their integrity check" in reader.log_text()
 
     # 2. The only storage node dies between the backup and the read.
-    before = len(stored_objects(cluster))
+    before = len(stored_keys(cluster))
     writer.generate(prompts["node"], ANSWER_TOKENS)
     wait_for_backup(cluster, before + PAGES_PER_PROMPT - 1)
     cluster.kill_storage_node(0)

@@ -17,7 +17,14 @@ from mooncake_span.lab.netns_cluster import NetnsCluster, NetnsClusterSpec
 from mooncake_span.lab.sglang_servers import ServerOptions, namespace_place
 from mooncake_span.lab.topology import NetnsTopology, TopologySpec
 from tests.conftest import require_netns
-from tests.servers.conftest import ANSWER_TOKENS, PAGE_TOKENS, PROMPT_TOKENS, prompt, wait_until
+from tests.servers.conftest import (
+    ANSWER_TOKENS,
+    PAGE_TOKENS,
+    PROMPT_TOKENS,
+    prompt,
+    settled_key_count,
+    wait_until,
+)
 
 pytestmark = [
     pytest.mark.integration,
@@ -56,16 +63,17 @@ def test_reader_on_another_host_restores_from_the_storage_node(
     recompute = recompute_server("llama")
     p = prompt(7)
     expected = recompute(p)
-
-    written = servers["writer"].generate(p, ANSWER_TOKENS)
-    assert written.output_ids == expected.output_ids
     keys_url = f"{cluster.metrics_url(0)}/get_all_keys"
 
     def stored() -> int:
         answer = topology.http_get("master", keys_url, timeout_s=5.0)
         return 0 if answer is None else len(answer[1].split())
 
-    wait_until(lambda: stored() >= PROMPT_TOKENS // PAGE_TOKENS - 1, 30.0, "the writer's backup")
+    base = settled_key_count(stored)
+    written = servers["writer"].generate(p, ANSWER_TOKENS)
+    assert written.output_ids == expected.output_ids
+    pages = PROMPT_TOKENS // PAGE_TOKENS
+    wait_until(lambda: stored() >= base + pages - 1, 30.0, "the writer's backup")
     servers["writer"].kill()
 
     restored = servers["reader"].generate(p, ANSWER_TOKENS)

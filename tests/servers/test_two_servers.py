@@ -17,13 +17,14 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.lab.sglang_servers import ServerOptions
-from mooncake_span.ops.master_http import iter_lines
 from tests.servers.conftest import (
     ANSWER_TOKENS,
     PAGE_TOKENS,
     PROMPT_TOKENS,
     prompt,
-    wait_until,
+    settled_key_count,
+    stored_keys,
+    wait_for_backup,
 )
 
 pytestmark = [
@@ -36,18 +37,6 @@ pytestmark = [
 # The last page of a prompt is always computed, never restored.
 FULL_RESTORE_TOKENS = PROMPT_TOKENS - PAGE_TOKENS
 SHARED_PAGES = 6
-BACKUP_TIMEOUT_S = 30.0
-
-
-def stored_keys(cluster) -> list[str]:
-    return list(iter_lines(f"{cluster.metrics_url}/get_all_keys", timeout_s=5.0))
-
-
-def wait_for_backup(cluster, min_keys: int) -> None:
-    """Write-through backups are asynchronous: wait until the objects are on the master."""
-    wait_until(
-        lambda: len(stored_keys(cluster)) >= min_keys, BACKUP_TIMEOUT_S, f"{min_keys} keys stored"
-    )
 
 
 CASES = [
@@ -81,6 +70,7 @@ def test_second_server_restores_from_l3(
     writer, reader = launched.server("writer", options), launched.server("reader", options)
     launched.start(writer, reader)
     recompute = recompute_server(architecture)
+    base = settled_key_count(lambda: len(stored_keys(cluster)))
 
     full, other = prompt(1), prompt(2)
     partial = other[: SHARED_PAGES * PAGE_TOKENS] + prompt(3, PROMPT_TOKENS // 2)
@@ -89,7 +79,7 @@ def test_second_server_restores_from_l3(
         written = writer.generate(p, ANSWER_TOKENS)
         assert written.storage_tokens == 0
     assert writer.generate(full, ANSWER_TOKENS).output_ids == expected["full"].output_ids
-    wait_for_backup(cluster, 2 * (PROMPT_TOKENS // PAGE_TOKENS))
+    wait_for_backup(cluster, base + 2 * (PROMPT_TOKENS // PAGE_TOKENS))
 
     restored = reader.generate(full, ANSWER_TOKENS)
     assert restored.storage_tokens == FULL_RESTORE_TOKENS, restored.meta_info
