@@ -404,6 +404,40 @@ class SglangServer(_Served):
             time.sleep(0.2)
 
 
+def start_together(servers: Sequence[_Served]) -> None:
+    """Start every process at once (a server takes ~30 s), wait for all, warm servers up.
+
+    If one fails, every one of them is stopped before the error propagates.
+    """
+    for server in servers:
+        server.process.start()
+    try:
+        for server in servers:
+            server.wait_ready()
+        for server in servers:
+            if isinstance(server, SglangServer):
+                server.warm_up()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+
+
+def settled_count(count: Callable[[], int], timeout_s: float = 30.0, settle_s: float = 1.0) -> int:
+    """``count()`` once it has not changed for ``settle_s``: write-through backups land
+    asynchronously, so a master's key count is a baseline only when it is quiet."""
+    deadline = time.monotonic() + timeout_s
+    last, since = count(), time.monotonic()
+    while time.monotonic() - since < settle_s:
+        if time.monotonic() > deadline:
+            raise ServerError(f"the count kept changing for {timeout_s:.0f}s")
+        time.sleep(0.2)
+        now = count()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
 def router_argv(
     prefill_urls: Sequence[tuple[str, int]],
     decode_urls: Sequence[str],

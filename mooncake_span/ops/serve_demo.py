@@ -19,7 +19,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mooncake_span.lab.sglang_servers import Completion, ServerOptions, SglangServer
+from mooncake_span.lab.sglang_servers import (
+    Completion,
+    ServerOptions,
+    SglangServer,
+    settled_count,
+    start_together,
+)
 from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
 from mooncake_span.ops.master_http import iter_lines
@@ -70,18 +76,6 @@ def _stored_keys(cluster: LocalCluster) -> int:
     return sum(1 for _ in iter_lines(f"{cluster.metrics_url}/get_all_keys", timeout_s=5.0))
 
 
-def _settled_keys(cluster: LocalCluster) -> int:
-    """The master's key count once it has not moved for a second (backups are async)."""
-    deadline = time.monotonic() + BACKUP_TIMEOUT_S
-    last, since = _stored_keys(cluster), time.monotonic()
-    while time.monotonic() - since < 1.0 and time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = _stored_keys(cluster)
-        if now != last:
-            last, since = now, time.monotonic()
-    return last
-
-
 def _wait_for_backup(cluster: LocalCluster, min_keys: int) -> None:
     deadline = time.monotonic() + BACKUP_TIMEOUT_S
     while _stored_keys(cluster) < min_keys:
@@ -112,13 +106,8 @@ def run_serve_demo(config: ServeDemoConfig, log_dir: Path | None = None) -> Serv
         )
         servers = [SglangServer(name, options, log_dir) for name in ("A", "B")]
         started = time.monotonic()
-        for server in servers:
-            server.process.start()
         try:
-            for server in servers:
-                server.wait_ready()
-            for server in servers:
-                server.warm_up()
+            start_together(servers)
             startup_s = time.monotonic() - started
             print(f"servers A and B up in {startup_s:.0f}s (logs: {log_dir})", flush=True)
             report = _ask_both(cluster, servers, input_ids, config.answer_tokens, startup_s)
@@ -136,7 +125,7 @@ def _ask_both(
     answer_tokens: int,
     startup_s: float,
 ) -> ServeDemoReport:
-    base_keys = _settled_keys(cluster)
+    base_keys = settled_count(lambda: _stored_keys(cluster))
     first = servers[0].generate(input_ids, answer_tokens)
     print(
         f"A: {first.prompt_tokens}-token prompt answered in {first.e2e_s:.2f}s "

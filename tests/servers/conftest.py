@@ -22,6 +22,8 @@ from mooncake_span.lab.sglang_servers import (
     ServerOptions,
     SglangServer,
     _Served,
+    settled_count,
+    start_together,
 )
 from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
@@ -47,22 +49,6 @@ def _pid_alive(pid: int) -> bool:
 def prompt(seed: int, n_tokens: int = PROMPT_TOKENS, vocab: int = 500) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(n_tokens)]
-
-
-def start_all(servers: Sequence[_Served]) -> None:
-    """Start every process at once (they take ~30 s each), wait for all, warm servers up."""
-    for server in servers:
-        server.process.start()
-    try:
-        for server in servers:
-            server.wait_ready()
-        for server in servers:
-            if isinstance(server, SglangServer):
-                server.warm_up()
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +91,7 @@ class Launched:
         return served
 
     def start(self, *servers: _Served) -> None:
-        start_all(servers)
+        start_together(servers)
         self.pids.update(s.pid for s in servers if s.pid is not None)
 
     def stop_all(self) -> None:
@@ -161,7 +147,6 @@ def recompute_server(
 
 
 BACKUP_TIMEOUT_S = 30.0
-KEYS_SETTLED_S = 1.0
 
 
 def stored_keys(cluster) -> list[str]:
@@ -169,17 +154,7 @@ def stored_keys(cluster) -> list[str]:
 
 
 def settled_key_count(count: Callable[[], int]) -> int:
-    """The master's key count once it has not changed for a second (backups are async)."""
-    deadline = time.monotonic() + BACKUP_TIMEOUT_S
-    last, since = count(), time.monotonic()
-    while time.monotonic() - since < KEYS_SETTLED_S:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the key count kept changing for {BACKUP_TIMEOUT_S:.0f}s")
-        time.sleep(0.2)
-        now = count()
-        if now != last:
-            last, since = now, time.monotonic()
-    return last
+    return settled_count(count, timeout_s=BACKUP_TIMEOUT_S)
 
 
 def wait_for_backup(cluster, min_keys: int) -> None:
