@@ -289,9 +289,14 @@ class _Served:
     def _ready(self) -> bool:
         # /model_info, not /health: a port picked free can be taken by another
         # process before the server binds it, and a Mooncake master answers /health.
-        url = f"{self.url}/model_info"
-        answer = self.place.call(lambda: L.http_get(url, timeout_s=5.0))
-        return answer is not None and answer[0] == 200 and '"model_path"' in answer[1]
+        # Then /health, which answers 503 until sglang's own start-up request is done:
+        # /model_info answers before it.
+        info_url, health_url = f"{self.url}/model_info", f"{self.url}/health"
+        info = self.place.call(lambda: L.http_get(info_url, timeout_s=5.0))
+        if info is None or info[0] != 200 or '"model_path"' not in info[1]:
+            return False
+        health = self.place.call(lambda: L.http_get(health_url, timeout_s=5.0))
+        return health is not None and health[0] == 200
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> _Served:
         self.process.start()
