@@ -96,7 +96,7 @@ def check_agreement(rounds: Sequence[Mapping[str, Any]]) -> None:
         raise DisagreementError("greedy tokens differ from recompute: " + "; ".join(bad))
 
 
-def _distribution(values: Sequence[float]) -> dict[str, float]:
+def distribution(values: Sequence[float]) -> dict[str, float]:
     return {
         "p50": percentile(values, 50),
         "p99": percentile(values, 99),
@@ -115,14 +115,14 @@ def summarize_cell(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for arm in ARMS:
         answers = [r["arms"][arm] for r in timed]
         arms[arm] = {
-            "ttft_s": _distribution([a["ttft_s"] for a in answers]),
+            "ttft_s": distribution([a["ttft_s"] for a in answers]),
             "storage_tokens": sorted({a["storage_tokens"] for a in answers}),
             "cached_tokens": sorted({a["cached_tokens"] for a in answers}),
         }
     ratios = {}
     for numerator, denominator in RATIO_PAIRS:
         values = paired_ratios(timed, numerator, denominator)
-        ratios[f"{numerator}/{denominator}"] = {**_distribution(values), "per_round": values}
+        ratios[f"{numerator}/{denominator}"] = {**distribution(values), "per_round": values}
     return {"rounds": len(timed), "arms": arms, "paired_ttft_ratio": ratios}
 
 

@@ -526,8 +526,16 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--serve",
         action="store_true",
-        help="only the serving section: real sglang servers on embedded clusters, a second "
-        "server's TTFT from L3 vs recompute and sglang's MooncakeStore (mooncake_span.bench.serve)",
+        help="only the serving section: real sglang servers on embedded clusters, recompute vs "
+        "this backend vs sglang's MooncakeStore: a second server's TTFT from L3, multi-turn hit "
+        "rate by tier and throughput, prefill/decode turn 2 (mooncake_span.bench.serve)",
+    )
+    bench.add_argument(
+        "--serve-workloads",
+        default=None,
+        metavar="LIST",
+        help="--serve: comma list of repeated, multiturn and pd (default all three; "
+        "multiturn and pd use the first of --serve-models)",
     )
     bench.add_argument(
         "--serve-models",
@@ -545,7 +553,8 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--serve-rounds",
         type=_positive_int_arg,
         default=None,
-        help="--serve: timed rounds per prompt length, after one warm-up (default 8)",
+        help="--serve: timed rounds per prompt length (default 8) and of pd (default 6), "
+        "after one warm-up round",
     )
     bench.add_argument(
         "--placement",
@@ -583,7 +592,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.serve import run_serve_command
 
         return run_serve_command(
-            args.serve_models, args.serve_lengths, args.serve_rounds, args.json, args.plot
+            args.serve_models,
+            args.serve_lengths,
+            args.serve_rounds,
+            args.serve_workloads,
+            args.json,
+            args.plot,
         )
     if args.placement:
         from mooncake_span.bench.placement import run_placement_command

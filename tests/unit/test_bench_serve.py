@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from mooncake_span.bench import serve
+from mooncake_span.bench import serve, serve_arms
 from mooncake_span.bench import serve_stats as S
 from mooncake_span.testing.cpu_server.models import TinyModelSpec
 
@@ -146,19 +146,19 @@ def test_metric_deltas_and_ttft_parts():
 
 
 def test_prompts_are_fresh_per_round_and_reproducible():
-    first = serve.round_prompt(0, "llama", 256, 0)
-    assert first == serve.round_prompt(0, "llama", 256, 0)
+    first = serve_arms.round_prompt(0, "llama", 256, 0)
+    assert first == serve_arms.round_prompt(0, "llama", 256, 0)
     assert len(first) == 256
-    assert first[:64] != serve.round_prompt(0, "llama", 256, 1)[:64]
-    assert max(first) < serve.PROMPT_VOCAB_TOKENS
+    assert first[:64] != serve_arms.round_prompt(0, "llama", 256, 1)[:64]
+    assert max(first) < serve_arms.PROMPT_VOCAB_TOKENS
 
 
 def test_config_sizes_the_pools_and_checks_lengths():
     config = serve.ServeConfig(lengths_tokens=(2048, 4096), answer_tokens=8)
     assert config.max_total_tokens == 4096 + 3 * 64
-    assert serve.kv_bytes_per_token(config.model_spec("llama")) == 32 * 1024
+    assert serve_arms.kv_bytes_per_token(config.model_spec("llama")) == 32 * 1024
     mla = TinyModelSpec(architecture="deepseek_v2", hidden_size=512, num_layers=8, num_heads=8)
-    assert serve.kv_bytes_per_token(mla) == 8 * 192 * 4
+    assert serve_arms.kv_bytes_per_token(mla) == 8 * 192 * 4
     with pytest.raises(ValueError, match="multiple of the page"):
         serve.ServeConfig(lengths_tokens=(1000,))
     with pytest.raises(ValueError):

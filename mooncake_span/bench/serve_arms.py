@@ -1,0 +1,186 @@
+"""Servers, clusters and requests shared by the serving benchmark's workloads.
+
+Each arm of ``mooncake-span bench --serve`` is a set of real sglang servers:
+``recompute`` without an L3, ``span`` with this project's backend
+(``--hicache-storage-backend dynamic``) and ``mooncake`` with sglang's built-in
+``MooncakeStore``, each L3 arm on an embedded Mooncake cluster of its own.
+This module starts them, sends streamed greedy requests (TTFT is the time to
+the first streamed chunk) and watches a master for the pages a server backs up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+import urllib.request
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from mooncake_span.bench import serve_stats as S
+from mooncake_span.lab.sglang_servers import (
+    Completion,
+    ServerOptions,
+    SglangServer,
+    generate_body,
+    parse_completion,
+)
+from mooncake_span.ops.cluster import LocalCluster
+from mooncake_span.ops.cluster_spec import ClusterSpec
+from mooncake_span.ops.launcher import http_get
+from mooncake_span.ops.master_http import iter_lines
+from mooncake_span.testing.cpu_server.models import TinyModelSpec
+
+logger = logging.getLogger(__name__)
+
+SERVER_START_TIMEOUT_S = 420.0
+BACKUP_TIMEOUT_S = 60.0
+BACKUP_POLL_S = 0.25
+# The backup is complete when the writer's new keys stop growing for this long.
+BACKUP_SETTLED_S = 1.0
+REQUEST_TIMEOUT_S = 300.0
+# sglang's log lines for a server that serves, and for one that lost its port.
+READY_TEXT = "The server is fired up and ready to roll"
+PORT_TAKEN_TEXT = "address already in use"
+PROMPT_VOCAB_TOKENS = 500
+
+
+def kv_bytes_per_token(spec: TinyModelSpec) -> int:
+    """fp32 KV bytes one token occupies (MHA: K and V; MLA: latent plus rope part)."""
+    head_dim = spec.hidden_size // spec.num_heads
+    if spec.is_mla:
+        # models.py: kv_lora_rank = 2 * head_dim, qk_rope_head_dim = head_dim.
+        return spec.num_layers * 3 * head_dim * 4
+    return spec.num_layers * 2 * spec.hidden_size * 4
+
+
+def round_prompt(seed: int, architecture: str, length_tokens: int, index: int) -> list[int]:
+    """A fresh random prompt for one round, sharing no prefix with any other round."""
+    rng = random.Random(f"{seed}:{architecture}:{length_tokens}:{index}")
+    return [rng.randrange(PROMPT_VOCAB_TOKENS) for _ in range(length_tokens)]
+
+
+def stream_generate(
+    url: str, input_ids: Sequence[int], max_new_tokens: int
+) -> tuple[float, Completion]:
+    """One streamed greedy generation: (seconds to the first chunk, the final answer)."""
+    body = {**generate_body(input_ids, max_new_tokens), "stream": True}
+    request = urllib.request.Request(
+        f"{url}/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    started = time.perf_counter()
+    ttft_s, last = None, None
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+        for raw in answer:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            if ttft_s is None:
+                ttft_s = time.perf_counter() - started
+            last = json.loads(line[len("data:") :])
+    if last is None or ttft_s is None:
+        raise RuntimeError(f"{url}/generate streamed no chunk")
+    return ttft_s, parse_completion(last, time.perf_counter() - started)
+
+
+def scrape(server: SglangServer) -> dict[str, float]:
+    answer = http_get(f"{server.url}/metrics", timeout_s=10.0)
+    if answer is None or answer[0] != 200:
+        return {}
+    return S.parse_prometheus(answer[1])
+
+
+def stored_keys(cluster: LocalCluster) -> set[str]:
+    return set(iter_lines(f"{cluster.metrics_url}/get_all_keys", timeout_s=10.0))
+
+
+def wait_for_backup(cluster: LocalCluster, before: set[str], min_new_keys: int) -> dict:
+    """Wait until the writer's new keys number ``min_new_keys`` and stop growing."""
+    started = time.monotonic()
+    seen, settled_at = -1, started
+    while True:
+        new_keys = len(stored_keys(cluster) - before)
+        now = time.monotonic()
+        if new_keys != seen:
+            seen, settled_at = new_keys, now
+        if new_keys >= min_new_keys and now - settled_at >= BACKUP_SETTLED_S:
+            return {"new_keys": new_keys, "complete": True, "wait_s": now - started}
+        if now - started > BACKUP_TIMEOUT_S:
+            logger.warning("backup incomplete: %d of %d keys", new_keys, min_new_keys)
+            return {"new_keys": new_keys, "complete": False, "wait_s": now - started}
+        time.sleep(BACKUP_POLL_S)
+
+
+def arm_options(
+    arm: str, model_path: Path, cluster: LocalCluster | None, **fields: Any
+) -> ServerOptions:
+    """One arm's server: no L3 (recompute), this backend (``dynamic``) or ``MooncakeStore``.
+
+    ``fields`` are the remaining :class:`ServerOptions`; every server serves
+    ``/metrics`` for the TTFT breakdown.
+    """
+    fields = {"extra_args": ("--enable-metrics",), **fields}
+    if arm == S.RECOMPUTE:
+        return ServerOptions(model_path=model_path, storage_backend=None, **fields)
+    storage = cluster.client_config(0)
+    if arm == S.MOONCAKE:
+        storage = {k: v for k, v in storage.items() if not k.startswith("span_")}
+    backend = "dynamic" if arm == S.SPAN else "mooncake"
+    return ServerOptions(
+        model_path=model_path,
+        storage_backend=backend,
+        storage_config=storage,
+        env=cluster.client_env(),
+        **fields,
+    )
+
+
+def arm_clusters(stack: ExitStack, segment_bytes: int, log_dir: Path) -> dict[str, LocalCluster]:
+    """An embedded cluster per L3 arm (one storage node each), stopped with ``stack``.
+
+    Separate clusters keep one arm's keys and evictions from touching the other's.
+    """
+    clusters = {}
+    for arm in S.L3_ARMS:
+        spec = ClusterSpec(
+            storage_nodes=1,
+            storage_node_segment_bytes=segment_bytes,
+            eviction_ratio=0.2,
+            log_dir=log_dir / f"cluster-{arm}",
+        )
+        clusters[arm] = stack.enter_context(LocalCluster(spec))
+    return clusters
+
+
+def _wait_or_relaunch(server: SglangServer, log_dir: Path, stack: ExitStack) -> SglangServer:
+    """Wait for a started server; one whose port another process bound first starts again.
+
+    A port picked free can be taken before the server binds it (other servers
+    start on this host too); sglang then logs the bind error and hangs in its
+    shutdown instead of exiting, so the log is what tells.
+    """
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while PORT_TAKEN_TEXT not in (text := server.log_text()):
+        if READY_TEXT in text or not server.running() or time.monotonic() > deadline:
+            server.wait_ready(max(1.0, deadline - time.monotonic()))
+            return server
+        time.sleep(1.0)
+    logger.warning("%s lost port %d to another process; starting again", server.name, server.port)
+    server.stop()
+    fresh = SglangServer(server.name, server.options, log_dir)
+    stack.callback(fresh.stop)
+    fresh.process.start()
+    fresh.wait_ready(SERVER_START_TIMEOUT_S)
+    return fresh
+
+
+def start_servers(servers: dict[Any, SglangServer], log_dir: Path, stack: ExitStack) -> dict:
+    """Start every server at once (each takes ~30 s here) and wait for all of them."""
+    for server in servers.values():
+        server.process.start()
+    return {key: _wait_or_relaunch(server, log_dir, stack) for key, server in servers.items()}
