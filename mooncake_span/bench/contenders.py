@@ -15,11 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import (
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-)
 
 from mooncake_span.bench.backends import span_backend, storage_config, upstream_backend
 from mooncake_span.bench.pages import Placement, build_parts, host_pools
@@ -32,6 +27,7 @@ from mooncake_span.bench.workloads import (
     Workload,
 )
 from mooncake_span.span.plan import ObjectPlan, plan_objects, split_calls
+from mooncake_span.testing import controller as sg
 from mooncake_span.testing import page_io
 
 logger = logging.getLogger(__name__)
@@ -451,20 +447,9 @@ def _and(flags: list[bool], other: list[bool]) -> list[bool]:
     )
 
 
-def _sidecars(
-    keys: list[str], slots: torch.Tensor, state: int
-) -> tuple[PoolTransfer, PoolTransfer]:
+def _sidecars(keys: list[str], slots: torch.Tensor, state: int) -> tuple[Any, Any]:
     """The DSA indexer transfer (the KV's slots) and the Mamba state of the last key."""
-    indexer = PoolTransfer(
-        PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV
-    )
-    mamba = PoolTransfer(
-        PoolName.MAMBA,
-        host_indices=torch.tensor([state]),
-        keys=[keys[-1]],
-        hit_policy=PoolHitPolicy.TRAILING_PAGES,
-    )
-    return indexer, mamba
+    return sg.indexer(keys, slots), sg.state([keys[-1]], torch.tensor([state]))
 
 
 def backend_put(
@@ -478,9 +463,9 @@ def backend_put(
     def run() -> list[bool]:
         # sglang's HybridCacheController: sidecars first, then KV.
         side = store.batch_set_v2(sidecars)
-        ok = _and(list(store.batch_set_v1(keys, slots)), list(side[PoolName.INDEXER]))
+        ok = _and(list(store.batch_set_v1(keys, slots)), list(side[sg.INDEXER]))
         if last:
-            ok[-1] = ok[-1] and bool(side[PoolName.MAMBA][0])
+            ok[-1] = ok[-1] and bool(side[sg.MAMBA][0])
         return ok
 
     return run
@@ -497,22 +482,15 @@ def backend_get(
     def run() -> list[bool]:
         ok = _and(
             list(store.batch_get_v1(keys, slots)),
-            list(store.batch_get_v2(indexer)[PoolName.INDEXER]),
+            list(store.batch_get_v2(indexer)[sg.INDEXER]),
         )
         if last:
-            ok[-1] = ok[-1] and bool(store.batch_get_v2(mamba)[PoolName.MAMBA][0])
+            ok[-1] = ok[-1] and bool(store.batch_get_v2(mamba)[sg.MAMBA][0])
         return ok
 
     return run
 
 
 def backend_exists(store: Any, keys: list[str], dsa: bool) -> Callable[[], int]:
-    transfers = None
-    if dsa:
-        transfers = [
-            PoolTransfer(PoolName.INDEXER, keys=None, indices_from_pool=PoolName.KV),
-            PoolTransfer(
-                PoolName.MAMBA, keys=["placeholder"], hit_policy=PoolHitPolicy.TRAILING_PAGES
-            ),
-        ]
+    transfers = sg.hit_query("placeholder") if dsa else None
     return lambda: int(store.batch_exists_v2(keys, transfers).kv_hit_pages)

@@ -127,21 +127,11 @@ def _keys(tag: str, count: int) -> list[str]:
 
 
 def _transfers(keys: list[str], with_slots: bool) -> list[Any]:
-    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from mooncake_span.testing import controller as sg
 
     slots = torch.arange(len(keys) * PAGE_TOKENS) if with_slots else None
     states = torch.arange(len(keys)) if with_slots else None
-    return [
-        PoolTransfer(
-            PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV
-        ),
-        PoolTransfer(
-            PoolName.MAMBA,
-            host_indices=states,
-            keys=keys if with_slots else [keys[-1]],
-            hit_policy=PoolHitPolicy.TRAILING_PAGES,
-        ),
-    ]
+    return [sg.indexer(keys, slots), sg.state(keys if with_slots else [keys[-1]], states)]
 
 
 def backup(contender: Contender, keys: list[str]) -> int:

@@ -231,17 +231,15 @@ def build_rig(
 
 
 def _indexer(keys: list[str], slots: Any) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from mooncake_span.testing import controller as sg
 
-    return PoolTransfer(
-        PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV
-    )
+    return sg.indexer(keys, slots)
 
 
 def _lookup() -> Any:
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from mooncake_span.testing import controller as sg
 
-    return PoolTransfer(PoolName.INDEXER, keys=None, indices_from_pool=PoolName.KV)
+    return sg.indexer(None)
 
 
 def drive(rig: Rig, config: PressureConfig, sleep: Callable[[float], None] = time.sleep) -> dict:
