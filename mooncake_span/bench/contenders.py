@@ -282,7 +282,7 @@ class WorkloadRunner:
             gets.append(_raw_closure(get_calls, kpc, is_put=False))
         return puts, gets, []
 
-    def _upstream_pages_per_call(self) -> int:
+    def upstream_pages_per_call(self) -> int:
         """Pages per upstream call that stay within the TCP per-peer limit.
 
         Upstream MooncakeStore sends one native call per v1/v2 call and never
@@ -301,7 +301,7 @@ class WorkloadRunner:
         store = self.backends[spec.name]
         k = spec.pages_per_key
         step_pages = (
-            self.w.pages_per_call if spec.kind == "span" else self._upstream_pages_per_call()
+            self.w.pages_per_call if spec.kind == "span" else self.upstream_pages_per_call()
         )
         dsa = self.w.model.has_sidecars
         page_tokens = self.w.model.page_tokens
