@@ -36,10 +36,9 @@ _CHILD_TIMEOUT_S = 600
 
 
 def _cell_store(cluster: Any, topology: str, size: str, pages: int, verify: bool) -> Any:
-    from mooncake_span.bench import contenders as C
-    from mooncake_span.bench.pages import build_parts
+    from mooncake_span.bench.backends import span_backend, storage_config
+    from mooncake_span.bench.pages import build_parts, host_pools
     from mooncake_span.bench.workloads import HOST_PAGE_TOKENS, MODELS
-    from mooncake_span.sglang_backend.backend import MooncakeSpanStore
 
     model = MODELS[("mla", size)]
     parts = build_parts(model, "page_first", 2 * pages, 2)
@@ -49,10 +48,8 @@ def _cell_store(cluster: Any, topology: str, size: str, pages: int, verify: bool
         "storage_page_size": HOST_PAGE_TOKENS * PAGES_PER_KEY,
         "span_verify_checksums": verify,
     }
-    store = MooncakeSpanStore(C._storage_config(model, extra, f"ck-{topology}-{size}"), {})
-    C._register(store, parts)
-    store.on_host_pools_registered()
-    return store, parts
+    config = storage_config(extra, f"ck-{topology}-{size}", is_mla=model.is_mla)
+    return span_backend(config, host_pools(parts)), parts
 
 
 def _measure_cell(cluster: Any, cell: tuple[str, str, int], verify: bool, reps: int) -> dict:
@@ -71,12 +68,12 @@ def _measure_cell(cluster: Any, cell: tuple[str, str, int], verify: bool, reps: 
     put_s, get_s = [], []
     try:
         for rep in range(reps + 1):  # rep 0 warms up
-            keys = C._page_keys(f"ck/{verify}/{rep}", pages // PAGES_PER_KEY)
+            keys = C.page_keys(f"ck/{verify}/{rep}", pages // PAGES_PER_KEY)
             page_io.wipe_pages(pool, [int(p) * HOST_PAGE_TOKENS for p in dst])
             started = time.perf_counter()
-            put_ok = store.batch_set_v1(keys, C._slots(src))
+            put_ok = store.batch_set_v1(keys, C.page_slots(src))
             mid = time.perf_counter()
-            get_ok = store.batch_get_v1(keys, C._slots(dst))
+            get_ok = store.batch_get_v1(keys, C.page_slots(dst))
             done = time.perf_counter()
             got = [page_io.page_bytes(pool, int(p) * HOST_PAGE_TOKENS) for p in dst]
             if not (all(put_ok) and all(get_ok) and got == want):

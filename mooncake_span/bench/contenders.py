@@ -12,37 +12,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.hicache_storage import (
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-)
 
-from mooncake_span.bench.pages import (
-    Placement,
-    PoolPart,
-    _fill_random,
-    _rows_equal,
-    _wipe,
-    build_parts,
-)
+from mooncake_span.bench.backends import span_backend, storage_config, upstream_backend
+from mooncake_span.bench.pages import Placement, build_parts, host_pools
 from mooncake_span.bench.shared_native import TimedNativeStore, Topology
 from mooncake_span.bench.workloads import (
     DSA_INDEX_KPOOL,
     HOST_PAGE_TOKENS,
     TCP_BUFFERS_PER_CALL,
     ContenderSpec,
-    ModelShape,
     Workload,
 )
-from mooncake_span.sglang_backend.backend import MooncakeSpanStore
 from mooncake_span.span.plan import ObjectPlan, plan_objects, split_calls
-from mooncake_span.store.client import NativeBinding
-from mooncake_span.testing import pools as P
+from mooncake_span.testing import controller as sg
+from mooncake_span.testing import page_io
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +36,12 @@ logger = logging.getLogger(__name__)
 # contenders
 
 
-def _page_keys(tag: str, count: int) -> list[str]:
+def page_keys(tag: str, count: int) -> list[str]:
     # sglang's keys are 64-hex sha256 strings; unique per contender and run.
     return [hashlib.sha256(f"{tag}/{i}".encode()).hexdigest() for i in range(count)]
 
 
-def _slots(pages: np.ndarray, page_tokens: int = HOST_PAGE_TOKENS) -> torch.Tensor:
+def page_slots(pages: np.ndarray, page_tokens: int = HOST_PAGE_TOKENS) -> torch.Tensor:
     return torch.from_numpy(
         (pages[:, None] * page_tokens + np.arange(page_tokens)).reshape(-1).astype(np.int64)
     )
@@ -99,18 +85,6 @@ class PreparedRun:
     dst: np.ndarray
 
 
-def _storage_config(model: ModelShape, extra: dict[str, Any], name: str) -> Any:
-    return P.single_rank_storage_config(
-        extra, model_name=name, is_mla=model.is_mla, enable_storage_metrics=False
-    )
-
-
-def _register(store: Any, parts: list[PoolPart]) -> None:
-    store.register_mem_pool_host(parts[0].pool)
-    for part in parts:
-        store.register_mem_host_pool_v2(part.pool, part.name)
-
-
 class WorkloadRunner:
     """Pools, stores and per-run preparation for one workload."""
 
@@ -124,7 +98,9 @@ class WorkloadRunner:
             workload.model, workload.layout, 2 * workload.pages_per_run, 2 * self.calls
         )
         self.placement = Placement.make(workload.pages_per_run, self.calls, self.rng)
-        _fill_random(self.parts, self.placement, self.rng)
+        for part in self.parts:
+            rows = self.placement.scattered[0] if part.per_key else self.placement.state_src
+            page_io.fill_random_rows(part.views, rows, self.rng)
         self.specs = {c: ContenderSpec.parse(c) for c in workload.contenders}
         self.backends: dict[str, Any] = {}
         self.staging: np.ndarray | None = None
@@ -147,43 +123,28 @@ class WorkloadRunner:
     def _extra(self) -> dict[str, Any]:
         return {**self.topology.client_config, "span_layout_guard": "off"}
 
-    def _make_span(self, spec: ContenderSpec) -> MooncakeSpanStore:
+    def _make_span(self, spec: ContenderSpec) -> Any:
         model = self.w.model
         if model.family == "dsa" and spec.pages_per_key != DSA_INDEX_KPOOL:
             raise ValueError("the compressed DSA model's storage page is 4 host pages")
         if model.family == "dsa-stock" and spec.pages_per_key != 1:
             raise ValueError("stock sglang 0.5.23 stores one 256-token host page per key")
-        from mooncake.store import ReplicateConfig
-
         extra = {
             **self._extra(),
             "span_max_buffers_per_call": spec.max_buffers_per_call,
             "span_group_ids": spec.group_ids,
         }
-        config = _storage_config(model, extra, f"bench-{self.nonce}")
+        config = storage_config(extra, f"bench-{self.nonce}", is_mla=model.is_mla)
         # K=1 is configured as a stock deployment is (no storage_page_size
         # anywhere); K>1 as a span-aware build hands it over, on the config.
         if spec.pages_per_key > 1:
             config.storage_page_size = model.page_tokens * spec.pages_per_key
-        binding = NativeBinding(lambda: self.store, ReplicateConfig)
-        store = MooncakeSpanStore(config, {}, binding=binding)
-        _register(store, self.parts)
-        store.on_host_pools_registered()
-        return store
+        return span_backend(config, host_pools(self.parts), self.store)
 
     def _make_upstream(self) -> Any:
-        from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
-
-        store_proxy = self.store
-        config = _storage_config(self.w.model, self._extra(), f"bench-up-{self.nonce}")
-        # The real upstream class, constructed as sglang does; only the native
-        # client it creates is the topology's shared one.
-        with mock.patch.object(
-            MooncakeStore, "_import_mooncake_store", lambda _self: lambda: store_proxy
-        ):
-            store = MooncakeStore(config, self.parts[0].pool)
-        _register(store, self.parts)
-        return store
+        name = f"bench-up-{self.nonce}"
+        config = storage_config(self._extra(), name, is_mla=self.w.model.is_mla)
+        return upstream_backend(config, host_pools(self.parts), self.store)
 
     def close(self) -> None:
         for store in self.backends.values():
@@ -200,7 +161,7 @@ class WorkloadRunner:
         spec = self.specs[name]
         src, dst = self.placement.pages(spec.placement)
         k = spec.pages_per_key
-        keys = _page_keys(f"{self.nonce}/{name}/{rep}", len(src) // k)
+        keys = page_keys(f"{self.nonce}/{name}/{rep}", len(src) // k)
         builder = {
             "memcpy": self._prep_memcpy,
             "raw-1buf": self._prep_raw,
@@ -211,7 +172,7 @@ class WorkloadRunner:
         put, get, exists = builder(spec, keys, src, dst)
         exists_all = None
         if spec.kind in ("span", "upstream"):
-            exists_all = _backend_exists(self.backends[name], keys, self.w.model.has_sidecars)
+            exists_all = backend_exists(self.backends[name], keys, self.w.model.has_sidecars)
         return PreparedRun(put, get, exists, exists_all, len(keys), k, src, dst)
 
     def _call_pages(self, pages: np.ndarray, c: int) -> np.ndarray:
@@ -321,7 +282,7 @@ class WorkloadRunner:
             gets.append(_raw_closure(get_calls, kpc, is_put=False))
         return puts, gets, []
 
-    def _upstream_pages_per_call(self) -> int:
+    def upstream_pages_per_call(self) -> int:
         """Pages per upstream call that stay within the TCP per-peer limit.
 
         Upstream MooncakeStore sends one native call per v1/v2 call and never
@@ -340,7 +301,7 @@ class WorkloadRunner:
         store = self.backends[spec.name]
         k = spec.pages_per_key
         step_pages = (
-            self.w.pages_per_call if spec.kind == "span" else self._upstream_pages_per_call()
+            self.w.pages_per_call if spec.kind == "span" else self.upstream_pages_per_call()
         )
         dsa = self.w.model.has_sidecars
         page_tokens = self.w.model.page_tokens
@@ -353,23 +314,23 @@ class WorkloadRunner:
             for lo in range(0, len(s_call), step_pages):
                 sub_keys = call_keys[lo // k : (lo + step_pages) // k]
                 s_slots, d_slots = (
-                    _slots(s_call[lo : lo + step_pages], page_tokens),
-                    _slots(d_call[lo : lo + step_pages], page_tokens),
+                    page_slots(s_call[lo : lo + step_pages], page_tokens),
+                    page_slots(d_call[lo : lo + step_pages], page_tokens),
                 )
                 last = lo + step_pages >= len(s_call)
                 put_steps.append(
-                    _backend_put(
+                    backend_put(
                         store, sub_keys, s_slots, dsa, last, int(self.placement.state_src[c])
                     )
                 )
                 get_steps.append(
-                    _backend_get(
+                    backend_get(
                         store, sub_keys, d_slots, dsa, last, int(self.placement.state_dst[c])
                     )
                 )
             puts.append(_chain(put_steps))
             gets.append(_chain(get_steps))
-            exists.append(_backend_exists(store, call_keys, dsa))
+            exists.append(backend_exists(store, call_keys, dsa))
         return puts, gets, exists
 
     def plan_seconds(self, name: str) -> float | None:
@@ -408,7 +369,8 @@ class WorkloadRunner:
     # ---- verification -------------------------------------------------------------
 
     def wipe(self, run: PreparedRun) -> None:
-        _wipe(self.parts, run.dst, self.placement.state_dst)
+        for part in self.parts:
+            page_io.wipe_rows(part.layout, run.dst if part.per_key else self.placement.state_dst)
 
     def verify(self, run: PreparedRun, key_ok: np.ndarray) -> tuple[bool, int]:
         """(every page of every key reported ok is byte-exact, pages compared)."""
@@ -417,13 +379,13 @@ class WorkloadRunner:
         good = True
         for part in self.parts:
             if part.per_key:
-                good &= bool(_rows_equal(part.layout, src, dst).all())
+                good &= bool(page_io.rows_equal(part.layout, src, dst).all())
             else:
                 # the state of call c belongs to the call's last key
                 call_ok = key_ok.reshape(self.calls, -1)[:, -1]
                 s = self.placement.state_src[call_ok]
                 d = self.placement.state_dst[call_ok]
-                good &= bool(_rows_equal(part.layout, s, d).all())
+                good &= bool(page_io.rows_equal(part.layout, s, d).all())
         return good, int(page_ok.sum())
 
     def remove_all(self) -> None:
@@ -485,23 +447,12 @@ def _and(flags: list[bool], other: list[bool]) -> list[bool]:
     )
 
 
-def _sidecars(
-    keys: list[str], slots: torch.Tensor, state: int
-) -> tuple[PoolTransfer, PoolTransfer]:
+def _sidecars(keys: list[str], slots: torch.Tensor, state: int) -> tuple[Any, Any]:
     """The DSA indexer transfer (the KV's slots) and the Mamba state of the last key."""
-    indexer = PoolTransfer(
-        PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV
-    )
-    mamba = PoolTransfer(
-        PoolName.MAMBA,
-        host_indices=torch.tensor([state]),
-        keys=[keys[-1]],
-        hit_policy=PoolHitPolicy.TRAILING_PAGES,
-    )
-    return indexer, mamba
+    return sg.indexer(keys, slots), sg.state([keys[-1]], torch.tensor([state]))
 
 
-def _backend_put(
+def backend_put(
     store: Any, keys: list[str], slots: torch.Tensor, dsa: bool, last: bool, state: int
 ):
     if not dsa:
@@ -512,15 +463,15 @@ def _backend_put(
     def run() -> list[bool]:
         # sglang's HybridCacheController: sidecars first, then KV.
         side = store.batch_set_v2(sidecars)
-        ok = _and(list(store.batch_set_v1(keys, slots)), list(side[PoolName.INDEXER]))
+        ok = _and(list(store.batch_set_v1(keys, slots)), list(side[sg.INDEXER]))
         if last:
-            ok[-1] = ok[-1] and bool(side[PoolName.MAMBA][0])
+            ok[-1] = ok[-1] and bool(side[sg.MAMBA][0])
         return ok
 
     return run
 
 
-def _backend_get(
+def backend_get(
     store: Any, keys: list[str], slots: torch.Tensor, dsa: bool, last: bool, state: int
 ):
     if not dsa:
@@ -531,22 +482,15 @@ def _backend_get(
     def run() -> list[bool]:
         ok = _and(
             list(store.batch_get_v1(keys, slots)),
-            list(store.batch_get_v2(indexer)[PoolName.INDEXER]),
+            list(store.batch_get_v2(indexer)[sg.INDEXER]),
         )
         if last:
-            ok[-1] = ok[-1] and bool(store.batch_get_v2(mamba)[PoolName.MAMBA][0])
+            ok[-1] = ok[-1] and bool(store.batch_get_v2(mamba)[sg.MAMBA][0])
         return ok
 
     return run
 
 
-def _backend_exists(store: Any, keys: list[str], dsa: bool) -> Callable[[], int]:
-    transfers = None
-    if dsa:
-        transfers = [
-            PoolTransfer(PoolName.INDEXER, keys=None, indices_from_pool=PoolName.KV),
-            PoolTransfer(
-                PoolName.MAMBA, keys=["placeholder"], hit_policy=PoolHitPolicy.TRAILING_PAGES
-            ),
-        ]
+def backend_exists(store: Any, keys: list[str], dsa: bool) -> Callable[[], int]:
+    transfers = sg.hit_query("placeholder") if dsa else None
     return lambda: int(store.batch_exists_v2(keys, transfers).kv_hit_pages)

@@ -31,7 +31,8 @@ from unittest import mock
 
 import torch
 
-from mooncake_span.bench.shared_native import TimedNativeStore, Topology
+from mooncake_span.bench.backends import span_backend, storage_config, upstream_backend
+from mooncake_span.bench.shared_native import RecordingNative, Topology
 from mooncake_span.bench.workloads import BenchConfig
 from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, KV_ROUNDS_WITH_SIDECARS, ProbePolicy
 from mooncake_span.testing import pools as P
@@ -60,34 +61,12 @@ BACKUP_WINDOW_S = 2.0
 RETRY_S = 0.05
 
 
-class RecordingNative(TimedNativeStore):
-    """The topology's native client, recording existence calls and stored keys."""
-
-    def __init__(self, store: Any) -> None:
-        super().__init__(store)
-        self.exist_calls: list[list[str]] = []
-        self.stored: set[str] = set()
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]:
-        self.exist_calls.append(list(keys))
-        return self._target.batch_is_exist(keys)
-
-    def _record(self, keys: list[str], codes: Any) -> Any:
-        if isinstance(codes, list):
-            self.stored.update(k for k, code in zip(keys, codes, strict=False) if code == 0)
-        return codes
-
-    def batch_put_from_multi_buffers(self, keys: list[str], *args: Any) -> Any:
-        return self._record(keys, self._target.batch_put_from_multi_buffers(keys, *args))
-
-    def batch_put_from(self, keys: list[str], *args: Any) -> Any:
-        return self._record(keys, self._target.batch_put_from(keys, *args))
-
-    def leased(self) -> list[str]:
-        """Stored objects a non-forced remove refuses with -706 (every other one is removed)."""
-        out = [k for k in sorted(self.stored) if self._target.remove(k) == OBJECT_HAS_LEASE]
-        self.stored.clear()
-        return out
+def leased(native: RecordingNative) -> list[str]:
+    """Stored objects a non-forced remove refuses with -706 (every other one is
+    removed); the record of stored objects starts afresh."""
+    out = [k for k in sorted(native.stored) if native.remove(k) == OBJECT_HAS_LEASE]
+    native.stored.clear()
+    return out
 
 
 @dataclass
@@ -106,7 +85,7 @@ def _config(client_config: dict[str, Any], name: str, page_tokens: int, **more: 
         "storage_page_size": page_tokens,
         **more,
     }
-    return P.single_rank_storage_config(extra, model_name=name, enable_storage_metrics=False)
+    return storage_config(extra, name)
 
 
 @dataclass
@@ -130,30 +109,16 @@ def make_contender(
     kind: str, rig: Rig, nonce: str, policy: ProbePolicy | None = None, group_ids: bool = True
 ) -> Contender:
     """Our backend or sglang's MooncakeStore on DSA pools, K=1, on the rig's client."""
-    from mooncake.store import ReplicateConfig
-    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
-
-    from mooncake_span.sglang_backend.backend import MooncakeSpanStore
-    from mooncake_span.store.client import NativeBinding
-
     native, pool_set, topology = rig.native, rig.pool_set, rig.topology
     config = _config(
         topology.client_config, f"lease-{kind}-{nonce}", PAGE_TOKENS, span_group_ids=group_ids
     )
-    kv = pool_set.pools[P.PoolName.KV]
     if kind == "span":
-        binding = NativeBinding(lambda: native, ReplicateConfig)
-        store = MooncakeSpanStore(config, {}, binding=binding)
+        store = span_backend(config, pool_set.pools, native)
         if policy is not None:
             store.prober.policy = policy
     else:
-        with mock.patch.object(MooncakeStore, "_import_mooncake_store", lambda _s: lambda: native):
-            store = MooncakeStore(config, kv)
-    store.register_mem_pool_host(kv)
-    for name, pool in pool_set.pools.items():
-        store.register_mem_host_pool_v2(pool, name)
-    if kind == "span":
-        store.on_host_pools_registered()
+        store = upstream_backend(config, pool_set.pools, native)
     return Contender(kind, native, store, pool_set)
 
 
@@ -162,21 +127,11 @@ def _keys(tag: str, count: int) -> list[str]:
 
 
 def _transfers(keys: list[str], with_slots: bool) -> list[Any]:
-    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+    from mooncake_span.testing import controller as sg
 
     slots = torch.arange(len(keys) * PAGE_TOKENS) if with_slots else None
     states = torch.arange(len(keys)) if with_slots else None
-    return [
-        PoolTransfer(
-            PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV
-        ),
-        PoolTransfer(
-            PoolName.MAMBA,
-            host_indices=states,
-            keys=keys if with_slots else [keys[-1]],
-            hit_policy=PoolHitPolicy.TRAILING_PAGES,
-        ),
-    ]
+    return [sg.indexer(keys, slots), sg.state(keys if with_slots else [keys[-1]], states)]
 
 
 def backup(contender: Contender, keys: list[str]) -> int:
@@ -186,7 +141,7 @@ def backup(contender: Contender, keys: list[str]) -> int:
     before = set(native.stored) if native is not None else set()
     kv = store.batch_set_v1(keys, torch.arange(len(keys) * PAGE_TOKENS))
     if native is not None:  # None: a caller that does not count objects
-        contender.kv_objects |= native.stored - before
+        contender.kv_objects |= native.stored.keys() - before
     flags = [all(f) for f in zip(kv, *side.values(), strict=True)]
     return sum(flags)
 
@@ -226,8 +181,8 @@ def measure_shape(contender: Contender, shape: str, tag: str) -> ShapeFigures:
     hit = contender.store.batch_exists_v2(asked, _transfers(asked, with_slots=False))
     probed = {k for call in native.exist_calls for k in call}
     rpcs, probed_objects = len(native.exist_calls), sum(map(len, native.exist_calls))
-    leased = native.leased()
-    kv_leased = [k for k in leased if k in contender.kv_objects]
+    held = leased(native)
+    kv_leased = [k for k in held if k in contender.kv_objects]
     # Latency of the same query again (the unleased objects are gone now, so
     # the answer is the same or shorter); median of QUERY_TIMING_REPS.
     seconds = []
@@ -239,11 +194,11 @@ def measure_shape(contender: Contender, shape: str, tag: str) -> ShapeFigures:
         hit_keys=int(hit.kv_hit_pages),
         rpcs=rpcs,
         probed_objects=probed_objects,
-        leased_objects=len(leased),
+        leased_objects=len(held),
         leased_kv_objects=len(kv_leased),
-        leased_sidecar_objects=len(leased) - len(kv_leased),
+        leased_sidecar_objects=len(held) - len(kv_leased),
         stored_objects=stored_objects,
-        leased_not_probed=len(set(leased) - probed),
+        leased_not_probed=len(set(held) - probed),
         query_ms=1e3 * statistics.median(seconds),
     )
 

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from mooncake_span.bench import contenders as C
-from mooncake_span.bench.pages import build_parts
+from mooncake_span.bench.backends import span_backend, storage_config, upstream_backend
+from mooncake_span.bench.pages import build_parts, host_pools
 from mooncake_span.bench.shared_native import TimedNativeStore, Topology
 from mooncake_span.bench.workloads import (
     HOST_PAGE_TOKENS,
@@ -43,7 +44,6 @@ from mooncake_span.bench.workloads import (
 )
 from mooncake_span.errors import ErrorCode
 from mooncake_span.span.plan import plan_objects
-from mooncake_span.store.client import NativeBinding
 
 _NOT_FOUND = int(ErrorCode.OBJECT_NOT_FOUND)
 
@@ -282,18 +282,20 @@ class _Rig:
         if spec.name in self.stores:
             return self.stores[spec.name]
         if spec.kind == "span":
-            from mooncake_span.sglang_backend.backend import MooncakeSpanStore
-
-            config = C._storage_config(self.model, self._extra(spec), f"oh-{spec.name}")
+            config = storage_config(self._extra(spec), f"oh-{spec.name}", is_mla=self.model.is_mla)
             segments = [f"10.0.0.{i}:15000" for i in range(self.cell.segments)]
-            binding = NativeBinding(
-                lambda: self.native, self._replicate_config, lambda _url: list(segments)
+            store = span_backend(
+                config,
+                host_pools(self.parts),
+                self.native,
+                replicate_config=self._replicate_config,
+                list_segments=lambda _url: list(segments),
             )
-            store = MooncakeSpanStore(config, {}, binding=binding)
-            C._register(store, self.parts)
-            store.on_host_pools_registered()
         else:
-            store = self._upstream()
+            config = storage_config(
+                dict(self.client_config), "oh-upstream", is_mla=self.model.is_mla
+            )
+            store = upstream_backend(config, host_pools(self.parts), self.native)
         self.stores[spec.name] = store
         return store
 
@@ -304,32 +306,18 @@ class _Rig:
 
         return ReplicateConfig()
 
-    def _upstream(self) -> Any:
-        from unittest import mock
-
-        from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
-
-        config = C._storage_config(self.model, dict(self.client_config), "oh-upstream")
-        native = self.native
-        with mock.patch.object(
-            MooncakeStore, "_import_mooncake_store", lambda _self: lambda: native
-        ):
-            store = MooncakeStore(config, self.parts[0].pool)
-        C._register(store, self.parts)
-        return store
-
     def closures(self, name: str, rep: int) -> tuple[list[Callable[[], Any]], int]:
         """(put, get, exists) closures of one call of ``name``, and its keys per call."""
         spec = ContenderSpec.parse(name)
         k = spec.pages_per_key
-        keys = C._page_keys(f"{name}/{rep}", len(self.src) // k)
+        keys = C.page_keys(f"{name}/{rep}", len(self.src) // k)
         if spec.kind == "raw":
             return self._raw(keys, k), len(keys)
         store = self.store_for(spec)
-        s_slots, d_slots = C._slots(self.src), C._slots(self.dst)
-        put = C._backend_put(store, keys, s_slots, self.dsa, True, 0)
-        get = C._backend_get(store, keys, d_slots, self.dsa, True, 1)
-        exists = C._backend_exists(store, keys, self.dsa)
+        s_slots, d_slots = C.page_slots(self.src), C.page_slots(self.dst)
+        put = C.backend_put(store, keys, s_slots, self.dsa, True, 0)
+        get = C.backend_get(store, keys, d_slots, self.dsa, True, 1)
+        exists = C.backend_exists(store, keys, self.dsa)
         return [put, get, exists], len(keys)
 
     def _raw(self, keys: list[str], k: int) -> list[Callable[[], Any]]:

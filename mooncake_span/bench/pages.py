@@ -1,10 +1,11 @@
-"""Host pools of real sglang classes as flat page views: filling, wiping, comparing, addressing."""
+"""A workload's host pools (real sglang classes) and which of their pages a run moves.
+
+Filling, wiping and comparing those pages is ``testing.page_io``'s.
+"""
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,14 +14,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolName,
 )
 
-from mooncake_span.bench.workloads import (
-    _VERIFY_CHUNK_BYTES,
-    DSA_INDEX_KPOOL,
-    HOST_PAGE_TOKENS,
-    ModelShape,
-)
+from mooncake_span.bench.workloads import DSA_INDEX_KPOOL, HOST_PAGE_TOKENS, ModelShape
 from mooncake_span.sglang_backend.pool_layout import describe_pool
 from mooncake_span.span.plan import PageLayout
+from mooncake_span.testing import page_io
 from mooncake_span.testing import pools as P
 
 logger = logging.getLogger(__name__)
@@ -42,19 +39,6 @@ class PoolPart:
     @property
     def page_bytes(self) -> int:
         return self.layout.flat_page_bytes
-
-
-def _slot_views(layout: PageLayout) -> list[np.ndarray]:
-    """Strided uint8 views ``view[page] = bytes of (page, slot)`` over the pool's memory."""
-    views = []
-    for b in sorted({s for comp in layout.components for s in comp}):
-        size, stride = layout.slot_bytes[b], layout.page_stride_bytes[b]
-        extent = (layout.num_pages - 1) * stride + size
-        flat = np.frombuffer(
-            (ctypes.c_uint8 * extent).from_address(layout.base_ptrs[b]), dtype=np.uint8
-        )
-        views.append(np.lib.stride_tricks.as_strided(flat, (layout.num_pages, size), (stride, 1)))
-    return views
 
 
 def _stock_parts(
@@ -134,8 +118,13 @@ def build_parts(
         shape = describe_pool(str(name.value), pool, is_mla=model.is_mla)
         if shape.staged or shape.layout is None:
             raise ValueError(f"{model.label}/{layout}: pool {name} has no zero-copy pointers")
-        parts.append(PoolPart(name, pool, shape.layout, per_key, _slot_views(shape.layout)))
+        parts.append(PoolPart(name, pool, shape.layout, per_key, page_io.slot_views(shape.layout)))
     return parts
+
+
+def host_pools(parts: list[PoolPart]) -> dict[PoolName, Any]:
+    """The parts' pools by name, KV first: what a backend registers."""
+    return {part.name: part.pool for part in parts}
 
 
 @dataclass(frozen=True)
@@ -170,48 +159,3 @@ class Placement:
 
     def pages(self, placement: str) -> tuple[np.ndarray, np.ndarray]:
         return self.consecutive if placement == "consecutive" else self.scattered
-
-
-def _fill_random(parts: list[PoolPart], placement: Placement, rng: np.random.Generator) -> None:
-    for part in parts:
-        rows = placement.scattered[0] if part.per_key else placement.state_src
-        for view in part.views:
-            for chunk in _row_chunks(rows, view.shape[1]):
-                view[chunk] = rng.integers(0, 256, size=(len(chunk), view.shape[1]), dtype=np.uint8)
-
-
-def _row_chunks(rows: np.ndarray, row_bytes: int) -> Iterator[np.ndarray]:
-    step = max(1, _VERIFY_CHUNK_BYTES // max(row_bytes, 1))
-    for start in range(0, len(rows), step):
-        yield rows[start : start + step]
-
-
-_libc = ctypes.CDLL(None)
-_memcmp = _libc.memcmp
-_memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_memcmp.restype = ctypes.c_int
-
-
-def _slot_addresses(layout: PageLayout, rows: np.ndarray) -> Iterator[tuple[list[int], int]]:
-    for b in sorted({s for comp in layout.components for s in comp}):
-        addrs = layout.base_ptrs[b] + rows.astype(np.int64) * layout.page_stride_bytes[b]
-        yield addrs.tolist(), layout.slot_bytes[b]
-
-
-def _wipe(parts: list[PoolPart], dst: np.ndarray, state_dst: np.ndarray) -> None:
-    for part in parts:
-        for addrs, size in _slot_addresses(part.layout, dst if part.per_key else state_dst):
-            for addr in addrs:
-                ctypes.memset(addr, 0, size)
-
-
-def _rows_equal(layout: PageLayout, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Per row: are all slots of page ``a[i]`` byte-equal to those of ``b[i]`` (memcmp)."""
-    out = np.ones(len(a), dtype=bool)
-    for (xs, size), (ys, _) in zip(
-        _slot_addresses(layout, a), _slot_addresses(layout, b), strict=True
-    ):
-        for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            if _memcmp(x, y, size):
-                out[i] = False
-    return out

@@ -36,11 +36,11 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
-from unittest import mock
 
 import torch
 
-from mooncake_span.bench.shared_native import Topology
+from mooncake_span.bench.backends import span_backend, storage_config, upstream_backend
+from mooncake_span.bench.shared_native import RecordingNative, Topology
 from mooncake_span.bench.workloads import BenchConfig
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.store.domains import ChainSpot, put_targets
@@ -111,31 +111,6 @@ class Tally:
     if_lost: dict[str, float] = field(default_factory=dict)
 
 
-class Recording:
-    """The shared native client, recording each contender's stored objects and bytes."""
-
-    def __init__(self, native: Any) -> None:
-        self._native = native
-        self.current: Tally | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._native, name)
-
-    def _record(self, keys: list[str], sizes: list[Any], codes: Any) -> Any:
-        if self.current is not None and isinstance(codes, list):
-            for key, size, code in zip(keys, sizes, codes, strict=False):
-                if code == 0:
-                    self.current.object_keys[key] = size if isinstance(size, int) else sum(size)
-        return codes
-
-    def batch_put_from_multi_buffers(self, keys, ptrs, sizes, config) -> Any:
-        codes = self._native.batch_put_from_multi_buffers(keys, ptrs, sizes, config)
-        return self._record(keys, sizes, codes)
-
-    def batch_put_from(self, keys, ptrs, sizes, *config) -> Any:
-        return self._record(keys, sizes, self._native.batch_put_from(keys, ptrs, sizes, *config))
-
-
 def _info(contender: str, prefix: list[str]) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
@@ -159,7 +134,7 @@ class Rig:
         self.nonce = nonce
         self.cluster: LocalCluster | None = None
         self.topology: Topology | None = None
-        self.native: Recording | None = None
+        self.native: RecordingNative | None = None
         self.kv = P.build_mla_host("page_first", host_pages=2 * MAX_PAGES, **MLA_SHAPE)
         self.stores: dict[str, Any] = {}
         self.tallies = {name: Tally() for name in CONTENDERS}
@@ -179,7 +154,7 @@ class Rig:
                 progress=False,
             )
             self.topology = Topology("remote", config).__enter__()
-            self.native = Recording(self.topology.store)
+            self.native = RecordingNative(self.topology.native)
             for name in CONTENDERS:
                 self.stores[name] = self._make(name)
         except BaseException:
@@ -196,38 +171,21 @@ class Rig:
         }
 
     def _make(self, name: str) -> Any:
-        from mooncake.store import ReplicateConfig
-        from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
-
-        from mooncake_span.sglang_backend.backend import MooncakeSpanStore
-        from mooncake_span.store.client import NativeBinding
-
-        config = P.single_rank_storage_config(
-            self._extra(), model_name=f"place-{name}-{self.nonce}", enable_storage_metrics=False
-        )
-        native = self.native
+        config = storage_config(self._extra(), f"place-{name}-{self.nonce}")
+        pools = {P.PoolName.KV: self.kv}
         if name == "upstream":
-            with mock.patch.object(
-                MooncakeStore, "_import_mooncake_store", lambda _s: lambda: native
-            ):
-                store = MooncakeStore(config, self.kv)
-            store.register_mem_pool_host(self.kv)
-            return store
-        store = MooncakeSpanStore(
-            config, {}, binding=NativeBinding(lambda: native, ReplicateConfig)
-        )
-        store.register_mem_pool_host(self.kv)
-        store.on_host_pools_registered()
-        return store
+            return upstream_backend(config, pools, self.native)
+        return span_backend(config, pools, self.native)
 
     def __exit__(self, *exc: object) -> None:
         for store in self.stores.values():
             with contextlib.suppress(Exception):
                 store.close()
         self.stores.clear()
-        if self.topology is not None:
+        if self.native is not None:
             with contextlib.suppress(Exception):
-                self.topology.store.unregister_all()
+                self.native.unregister_all()
+        if self.topology is not None:
             self.topology.__exit__(None, None, None)
             self.topology = None
         if self.cluster is not None:
@@ -245,7 +203,7 @@ class Rig:
             self.kv, [p * PAGE_TOKENS for p in range(len(conv.keys))], seed=conv.seed
         )
         store, tally = self.stores[name], self.tallies[name]
-        self.native.current = tally
+        self.native.stored.clear()
         done = 0
         for turn in conv.turns:
             for start in range(done, done + turn, STORAGE_BATCH_SIZE):
@@ -260,7 +218,7 @@ class Rig:
                 if not all(ok):
                     raise RuntimeError(f"{name}: a backup of {stop - start} pages failed")
             done += turn
-        self.native.current = None
+        tally.object_keys.update(self.native.stored)
         tally.pages_put += len(conv.keys)
         tally.stored_tokens += conv.tokens
         return [_page_digest(self.kv, p) for p in range(len(conv.keys))]

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_span.bench.targets import _summary
+from mooncake_span.bench.targets import contender_summary
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +40,13 @@ def write_plot(result: dict[str, Any], path: str) -> None:
             if w["section"] == "grid"
             and w["topology"] in (topo, "remote" if topo == "tcp" else topo)
         ]
-        names = [n for n in colors if any(_summary(w, n) for w in grid)]
+        names = [n for n in colors if any(contender_summary(w, n) for w in grid)]
         width = 0.8 / max(1, len(names))
         for i, n in enumerate(names):
             xs, ys = [], []
             for j, w in enumerate(grid):
-                s = _summary(w, n)
-                ref = _summary(w, "upstream") or _summary(w, "raw-K4")
+                s = contender_summary(w, n)
+                ref = contender_summary(w, "upstream") or contender_summary(w, "raw-K4")
                 if (
                     s
                     and ref
@@ -82,7 +82,7 @@ def write_plot(result: dict[str, Any], path: str) -> None:
             w for w in result["workloads"] if w["section"] == "batch" and w["topology"] == topo
         ]
         for n in ("span-K4", "raw-K4", "upstream"):
-            pts = [(w["pages_per_call"], _summary(w, n)) for w in batch]
+            pts = [(w["pages_per_call"], contender_summary(w, n)) for w in batch]
             pts = [(p, s) for p, s in pts if s and s["get_gbps"]["median"]]
             if pts:
                 ax.plot(

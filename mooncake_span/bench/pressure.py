@@ -18,7 +18,6 @@ bytes counts as corrupt, and the command exits 1 if any does.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import logging
@@ -30,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from mooncake_span.bench.shared_native import RecordingNative
 
 logger = logging.getLogger(__name__)
 
@@ -94,35 +95,15 @@ class PressureConfig:
             raise ValueError(f"newest_share must be in (0, 1], got {self.newest_share}")
 
 
-class CountingStore:
-    """The native store, with every put call, object and answer counted."""
-
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self.put_calls = 0
-        self.put_objects = 0
-        self.put_codes: collections.Counter[int] = collections.Counter()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def batch_put_from_multi_buffers(self, keys, all_ptrs, all_sizes, config=None):  # noqa: ANN001
-        codes = self._store.batch_put_from_multi_buffers(keys, all_ptrs, all_sizes, config)
-        self.put_calls += 1
-        self.put_objects += len(keys)
-        if isinstance(codes, list):
-            self.put_codes.update(int(c) for c in codes)
-        return codes
-
-
-def counting_binding(binding: Any) -> tuple[Any, list[CountingStore]]:
-    """``binding`` whose stores are wrapped in ``CountingStore`` (listed as made)."""
+def counting_binding(binding: Any) -> tuple[Any, list[RecordingNative]]:
+    """``binding`` whose stores are wrapped in ``RecordingNative`` (listed as made);
+    the backend still owns each client it makes."""
     from mooncake_span.store.native import NativeBinding
 
-    made: list[CountingStore] = []
+    made: list[RecordingNative] = []
 
-    def factory() -> CountingStore:
-        made.append(CountingStore(binding.store_factory()))
+    def factory() -> RecordingNative:
+        made.append(RecordingNative(binding.store_factory(), shared=False))
         return made[-1]
 
     return (
@@ -156,7 +137,7 @@ class Rig:
     """A backend on DSA host pools, its counted native store, and the offered keys."""
 
     store: Any
-    counted: CountingStore
+    counted: RecordingNative
     pools: Any
     requests: list[list[str]]
     bytes_per_key: int
@@ -217,7 +198,7 @@ def build_rig(
 ) -> Rig:
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
-    from mooncake_span.sglang_backend.backend import MooncakeSpanStore
+    from mooncake_span.bench.backends import span_backend, storage_config
     from mooncake_span.testing import pools as P
 
     pools = P.build_dsa_pools(
@@ -234,13 +215,11 @@ def build_rig(
         "span_full_cooldown_s": cooldown_s,
     }
     counted_binding, made = counting_binding(binding)
-    store = MooncakeSpanStore(
-        P.single_rank_storage_config(extra, model_name=_MODEL), {}, binding=counted_binding
+    store = span_backend(
+        storage_config(extra, _MODEL, metrics=True),
+        {PoolName.KV: pools.kv, PoolName.INDEXER: pools.indexer},
+        binding=counted_binding,
     )
-    store.register_mem_pool_host(pools.kv)
-    store.register_mem_host_pool_v2(pools.kv, PoolName.KV)
-    store.register_mem_host_pool_v2(pools.indexer, PoolName.INDEXER)
-    store.on_host_pools_registered()
     bytes_per_key = _INDEX_KPOOL * sum(
         p.get_dummy_flat_data_page().nbytes for p in (pools.kv, pools.indexer)
     )
@@ -252,17 +231,15 @@ def build_rig(
 
 
 def _indexer(keys: list[str], slots: Any) -> Any:
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from mooncake_span.testing import controller as sg
 
-    return PoolTransfer(
-        PoolName.INDEXER, host_indices=slots, keys=keys, indices_from_pool=PoolName.KV
-    )
+    return sg.indexer(keys, slots)
 
 
 def _lookup() -> Any:
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from mooncake_span.testing import controller as sg
 
-    return PoolTransfer(PoolName.INDEXER, keys=None, indices_from_pool=PoolName.KV)
+    return sg.indexer(None)
 
 
 def drive(rig: Rig, config: PressureConfig, sleep: Callable[[float], None] = time.sleep) -> dict:

@@ -6,8 +6,8 @@ import json
 import logging
 from typing import Any
 
-from mooncake_span.bench.targets import _summary
-from mooncake_span.bench.workloads import _MiB
+from mooncake_span.bench.targets import contender_summary
+from mooncake_span.bench.workloads import MiB
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"[{w['name']}] {w['model']['layers']} layers, KV page "
             f"{w['kv_page_bytes'] / 1024:.0f} KiB (all pools "
             f"{w['page_bytes_all_pools'] / 1024:.0f} KiB/page), {w['pages_per_run']} pages = "
-            f"{w['bytes_per_run'] / _MiB:.0f} MiB per run, {w['pages_per_call']} pages/call"
+            f"{w['bytes_per_run'] / MiB:.0f} MiB per run, {w['pages_per_call']} pages/call"
             + (
                 f", upstream {w['upstream_pages_per_native_call']} pages/native call"
                 if w.get("upstream_pages_per_native_call") not in (None, w["pages_per_call"])
@@ -142,7 +142,7 @@ def format_markdown(result: dict[str, Any]) -> str:
         for w in grid:
             cells = []
             for name in _GRID_COLUMNS:
-                s = _summary(w, name)
+                s = contender_summary(w, name)
                 cells.append(
                     ""
                     if s is None

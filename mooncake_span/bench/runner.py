@@ -296,7 +296,7 @@ def _run_workload(
             "page_bytes_all_pools": sum(p.page_bytes for p in runner.parts if p.per_key),
             "layers": workload.model.layers,
             "bytes_per_run": bytes_per_run,
-            "upstream_pages_per_native_call": runner._upstream_pages_per_call()
+            "upstream_pages_per_native_call": runner.upstream_pages_per_call()
             if "upstream" in names
             else None,
             "isolated_client": workload.isolated,

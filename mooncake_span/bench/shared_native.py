@@ -1,7 +1,9 @@
-"""The one native Mooncake client a benchmark topology shares, timed alike for every contender."""
+"""The one native Mooncake client a benchmark topology shares, timed alike for every contender,
+and the recording wrapper the benchmarks that count objects put around a client."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -10,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mooncake_span.bench.timing import TimedProxy
-from mooncake_span.bench.workloads import BenchConfig, _MiB
+from mooncake_span.bench.workloads import BenchConfig, MiB
 from mooncake_span.config import SpanOptions
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.store.client import native_env_defaults
@@ -51,15 +53,17 @@ _IO_CALLS = (
 class TimedNativeStore(TimedProxy):
     """The one ``MooncakeDistributedStore`` of a topology, handed to every contender.
 
-    ``setup``/``close`` are no-ops (the harness owns the client's lifetime), a
-    buffer is registered once however many contenders register it, and every
-    data and existence call is timed, so "Python time" = wall - native time is
-    measured the same way for every contender.
+    Every data and existence call is timed, so "Python time" = wall - native
+    time is measured the same way for every contender. With ``shared`` (the
+    default) the harness owns the client: ``setup``/``close`` are no-ops and a
+    buffer is registered once however many contenders register it. Without,
+    the backend that made the client owns it and those calls go through.
     """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, *, shared: bool = True) -> None:
         super().__init__(store, (*_IO_CALLS, "batch_is_exist"), self._count)
         self.counters = NativeCounters()
+        self._shared = shared
         self._registered: dict[int, int] = {}
 
     def _count(
@@ -80,12 +84,14 @@ class TimedNativeStore(TimedProxy):
         return NativeCounters(**asdict(self.counters))
 
     def setup(self, *args: Any, **kwargs: Any) -> int:
-        return 0
+        return 0 if self._shared else self._target.setup(*args, **kwargs)
 
     def close(self) -> int:
-        return 0
+        return 0 if self._shared else self._target.close()
 
     def register_buffer(self, ptr: int, size: int) -> int:
+        if not self._shared:
+            return self._target.register_buffer(ptr, size)
         if self._registered.get(ptr, -1) >= size:
             return 0
         rc = self._target.register_buffer(ptr, size)
@@ -97,6 +103,44 @@ class TimedNativeStore(TimedProxy):
         for ptr in list(self._registered):
             self._target.unregister_buffer(ptr)
         self._registered.clear()
+
+
+class RecordingNative(TimedNativeStore):
+    """A native client that also keeps what the benchmarks counting objects read:
+    the keys of every existence call, every object a put stored (with its
+    bytes), and every put call, object and answer code.
+
+    The recorded calls are not timed: no benchmark that records reads the
+    native seconds."""
+
+    def __init__(self, store: Any, *, shared: bool = True) -> None:
+        super().__init__(store, shared=shared)
+        self.exist_calls: list[list[str]] = []
+        self.stored: dict[str, int] = {}  # object key -> bytes
+        self.put_calls = 0
+        self.put_objects = 0
+        self.put_codes: collections.Counter[int] = collections.Counter()
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]:
+        self.exist_calls.append(list(keys))
+        return self._target.batch_is_exist(keys)
+
+    def batch_put_from_multi_buffers(self, keys: list[str], ptrs: Any, sizes: Any, *config: Any):
+        codes = self._target.batch_put_from_multi_buffers(keys, ptrs, sizes, *config)
+        return self._record(keys, sizes, codes)
+
+    def batch_put_from(self, keys: list[str], ptrs: Any, sizes: Any, *config: Any) -> Any:
+        return self._record(keys, sizes, self._target.batch_put_from(keys, ptrs, sizes, *config))
+
+    def _record(self, keys: list[str], sizes: Any, codes: Any) -> Any:
+        self.put_calls += 1
+        self.put_objects += len(keys)
+        if isinstance(codes, list):
+            self.put_codes.update(int(c) for c in codes)
+            for key, size, code in zip(keys, sizes, codes, strict=False):
+                if code == 0:
+                    self.stored[key] = size if isinstance(size, int) else sum(size)
+        return codes
 
 
 class Topology:
@@ -145,7 +189,7 @@ class Topology:
             c["local_hostname"],
             c["metadata_server"],
             int(c["global_segment_size"]),
-            16 * _MiB,
+            16 * MiB,
             cfg.protocol,
             cfg.device,
             c["master_server_address"],

@@ -22,7 +22,9 @@ def _records(w: dict[str, Any], name: str) -> list[RunRecord] | None:
     return None
 
 
-def _summary(w: dict[str, Any], name: str) -> dict[str, Any] | None:
+def contender_summary(w: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """Contender ``name``'s summary in workload ``w`` of a result; None where it did not run."""
+    """The summary of contender ``name`` in workload ``w`` of a result (None: not run)."""
     for c in w["contenders"]:
         if c["name"] == name:
             return c["summary"]
@@ -144,7 +146,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     for w in result["workloads"]:
         if w["section"] not in ("grid", "batch"):
             continue
-        s, u = _summary(w, "span-K4"), _summary(w, "upstream")
+        s, u = contender_summary(w, "span-K4"), contender_summary(w, "upstream")
         if not (
             s and u and s["exists_us_per_ktoken"]["median"] and u["exists_us_per_ktoken"]["median"]
         ):
@@ -189,7 +191,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     for w in result["workloads"]:
         if w["section"] != "coalesce":
             continue
-        cons, scat = _summary(w, "span-K4@consec"), _summary(w, "span-K4")
+        cons, scat = contender_summary(w, "span-K4@consec"), contender_summary(w, "span-K4")
         ratio = _ratio_rows(
             result, "coalesce", "span-K4@consec", "span-K4", lambda x, n=w["name"]: x["name"] == n
         )

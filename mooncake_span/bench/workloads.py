@@ -13,8 +13,7 @@ HOST_PAGE_TOKENS = 64
 # The TCP transport queues 1024 transfers per peer plus 1024 admissions; a call
 # past 2048 buffers to one peer fails partly (perf-anchors §2c).
 TCP_BUFFERS_PER_CALL = 2048
-_VERIFY_CHUNK_BYTES = 64 << 20
-_MiB = 1 << 20
+MiB = 1 << 20
 
 SECTIONS = ("grid", "batch", "coalesce", "chunks", "stock")
 TOPOLOGIES = ("same", "tcp")
@@ -181,7 +180,7 @@ class BenchConfig:
     device: str = ""
     master_server_address: str | None = None
     metadata_server: str | None = None
-    segment_bytes: int = 1536 * _MiB
+    segment_bytes: int = 1536 * MiB
     seed: int = 0
     progress: bool = True
 

@@ -399,7 +399,7 @@ def _quiet_sglang_cpu_warnings() -> None:
 def run_demo_command(args: argparse.Namespace) -> int:
     _quiet_sglang_cpu_warnings()
     # sglang is imported only here, so `cluster up` works without it.
-    from mooncake_span.bench.demo import DemoConfig, run_demo
+    from mooncake_span.ops.span_demo import DemoConfig, run_demo
 
     try:
         config = DemoConfig(
@@ -674,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     _register_bench(subparsers)
     doctor.register(subparsers)
     inspect_cmd.register(subparsers)
-    from mooncake_span.bench import soak  # no sglang until the command runs
+    from mooncake_span.lab import soak  # no sglang until the command runs
 
     soak.register_parser(subparsers, _size_arg)
     return parser

@@ -1,4 +1,5 @@
-"""``mooncake-span demo``: a compressed hybrid DSA model's KV cache through Mooncake L3.
+"""``mooncake-span demo-span``: a compressed hybrid DSA model's KV cache through Mooncake L3,
+at the level of host pools (no sglang server; ``mooncake-span demo`` runs two).
 
 The pool set is what sglang builds for the GLM-5.3-Flash family: an MLA KV
 anchor, a DSA indexer sidecar with compressed keys (``index_kpool=4``) and
@@ -22,18 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from sglang.srt.mem_cache.hicache_storage import (
-    STORAGE_BATCH_SIZE,
-    PoolHitPolicy,
-    PoolName,
-    PoolTransfer,
-)
-from sglang.srt.mem_cache.utils import get_hash_str
-
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
-from mooncake_span.sglang_backend.backend import MooncakeSpanStore
-from mooncake_span.testing import pools as P
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +69,6 @@ class DemoReport:
         return self.hit_keys == self.keys and self.mismatched_pages == 0
 
 
-def _slots(pages: list[int]) -> torch.Tensor:
-    return torch.cat(
-        [torch.arange(p * HOST_PAGE_TOKENS, (p + 1) * HOST_PAGE_TOKENS) for p in pages]
-    )
-
-
 def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> DemoReport:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     if config.master_server_address is None:
@@ -108,6 +92,17 @@ def run_demo(config: DemoConfig, say: Callable[[str], None] = print) -> DemoRepo
 def _run(
     config: DemoConfig, client_config: dict[str, Any], say: Callable[[str], None]
 ) -> DemoReport:
+    # sglang, torch and the host pools load here: the CLI imports this module
+    # on machines that have none of them.
+    import torch
+
+    from mooncake_span.bench.backends import span_backend, storage_config
+    from mooncake_span.testing import controller as sg
+    from mooncake_span.testing import pools as P
+
+    def slots_of(pages: list[int]) -> torch.Tensor:
+        return sg.slots_of_pages(pages, HOST_PAGE_TOKENS)
+
     rng = random.Random(config.seed)
     keys_total = config.requests * config.keys_per_request
     host_pages = keys_total * INDEX_KPOOL
@@ -120,17 +115,13 @@ def _run(
         rope_dim=config.rope_dim,
         index_kpool=INDEX_KPOOL,
     )
-    kv, indexer, mamba = pools[PoolName.KV], pools[PoolName.INDEXER], pools[PoolName.MAMBA]
+    kv, indexer, mamba = pools[sg.KV], pools[sg.INDEXER], pools[sg.MAMBA]
     storage_page = pools.storage_page_tokens
-    storage_config = P.single_rank_storage_config(dict(client_config), model_name=DEMO_MODEL)
+    config_of_store = storage_config(dict(client_config), DEMO_MODEL, metrics=True)
     # The span shape is what a span-aware build hands over, on its config.
-    storage_config.storage_page_size = storage_page
-    store = MooncakeSpanStore(storage_config, {})
+    config_of_store.storage_page_size = storage_page
+    store = span_backend(config_of_store, pools.pools)
     try:
-        store.register_mem_pool_host(kv)
-        for name, pool in pools.pools.items():
-            store.register_mem_host_pool_v2(pool, name)
-        store.on_host_pools_registered()
         say(
             f"pools: MLA KV ({config.layout}) + DSA indexer + Mamba; host page {HOST_PAGE_TOKENS} "
             f"tokens, storage page {storage_page} tokens (K={store.geometry.pages_per_span})"
@@ -141,7 +132,7 @@ def _run(
         requests = []
         for r in range(config.requests):
             tokens = [rng.randrange(1 << 20) for _ in range(config.keys_per_request * storage_page)]
-            keys = get_hash_str(tokens, None, page_size=storage_page)
+            keys = sg.page_hashes(tokens, storage_page)
             pages = src_pages[
                 r * config.keys_per_request * INDEX_KPOOL : (r + 1)
                 * config.keys_per_request
@@ -160,26 +151,12 @@ def _run(
 
         started = time.perf_counter()
         for keys, pages, r in requests:
-            for b in range(0, len(keys), STORAGE_BATCH_SIZE):
-                batch = keys[b : b + STORAGE_BATCH_SIZE]
-                slots = _slots(pages[b * INDEX_KPOOL : (b + len(batch)) * INDEX_KPOOL])
-                sidecars = [
-                    PoolTransfer(
-                        PoolName.INDEXER,
-                        host_indices=slots,
-                        keys=batch,
-                        indices_from_pool=PoolName.KV,
-                    )
-                ]
+            for b in range(0, len(keys), sg.STORAGE_BATCH_SIZE):
+                batch = keys[b : b + sg.STORAGE_BATCH_SIZE]
+                slots = slots_of(pages[b * INDEX_KPOOL : (b + len(batch)) * INDEX_KPOOL])
+                sidecars = [sg.indexer(batch, slots)]
                 if b + len(batch) == len(keys):
-                    sidecars.append(
-                        PoolTransfer(
-                            PoolName.MAMBA,
-                            host_indices=torch.tensor([r]),
-                            keys=[keys[-1]],
-                            hit_policy=PoolHitPolicy.TRAILING_PAGES,
-                        )
-                    )
+                    sidecars.append(sg.state([keys[-1]], torch.tensor([r])))
                 side = store.batch_set_v2(sidecars)
                 ok = store.batch_set_v1(batch, slots)
                 if not (all(ok) and all(all(v) for v in side.values())):
@@ -198,43 +175,22 @@ def _run(
         hit_keys = 0
         mismatched = 0
         for keys, pages, r in requests:
-            hit = store.batch_exists_v2(
-                keys,
-                [
-                    PoolTransfer(PoolName.INDEXER, keys=None, indices_from_pool=PoolName.KV),
-                    PoolTransfer(
-                        PoolName.MAMBA,
-                        keys=["__placeholder__"],
-                        hit_policy=PoolHitPolicy.TRAILING_PAGES,
-                    ),
-                ],
-            )
+            hit = store.batch_exists_v2(keys, sg.hit_query())
             got = 0
             dst = dst_pages[r * config.keys_per_request * INDEX_KPOOL :]
-            for b in range(0, hit.kv_hit_pages, STORAGE_BATCH_SIZE):
-                batch = keys[b : min(b + STORAGE_BATCH_SIZE, hit.kv_hit_pages)]
-                slots = _slots(dst[b * INDEX_KPOOL : (b + len(batch)) * INDEX_KPOOL])
+            for b in range(0, hit.kv_hit_pages, sg.STORAGE_BATCH_SIZE):
+                batch = keys[b : min(b + sg.STORAGE_BATCH_SIZE, hit.kv_hit_pages)]
+                slots = slots_of(dst[b * INDEX_KPOOL : (b + len(batch)) * INDEX_KPOOL])
                 kv_ok = store.batch_get_v1(batch, slots)
-                side = store.batch_get_v2(
-                    [PoolTransfer(PoolName.INDEXER, host_indices=slots, keys=batch)]
-                )
+                side = store.batch_get_v2([sg.indexer(batch, slots, follows_kv=False)])
                 got += min(
                     kv_ok.index(False) if False in kv_ok else len(kv_ok),
-                    side[PoolName.INDEXER].count(True),
+                    side[sg.INDEXER].count(True),
                 )
             state_slot = config.requests + r
             if got == len(keys):
-                st = store.batch_get_v2(
-                    [
-                        PoolTransfer(
-                            PoolName.MAMBA,
-                            host_indices=torch.tensor([state_slot]),
-                            keys=[keys[-1]],
-                            hit_policy=PoolHitPolicy.TRAILING_PAGES,
-                        )
-                    ]
-                )
-                if not st[PoolName.MAMBA][0]:
+                st = store.batch_get_v2([sg.state([keys[-1]], torch.tensor([state_slot]))])
+                if not st[sg.MAMBA][0]:
                     got = 0
             hit_keys += got
             for i, (src, new) in enumerate(zip(pages, dst, strict=False)):

@@ -1,4 +1,4 @@
-"""Verdict, table, JSON and PNG of a ``mooncake-span soak`` report (see ``bench/soak.py``)."""
+"""Verdict, table, JSON and PNG of a ``mooncake-span soak`` report (see ``lab/soak.py``)."""
 
 from __future__ import annotations
 

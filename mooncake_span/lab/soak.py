@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_span.bench.soak_report import OPS, analyse, format_table, write_outputs
+from mooncake_span.lab.soak_report import OPS, analyse, format_table, write_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -208,13 +208,12 @@ class Traffic:
         self, config: SoakConfig, client_config: dict[str, Any], book: LatencyBook
     ) -> None:
         import torch
-        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-        from mooncake_span.sglang_backend.backend import MooncakeSpanStore
+        from mooncake_span.bench.backends import span_backend, storage_config
+        from mooncake_span.testing import controller as sg
         from mooncake_span.testing import pools as P
 
-        self._name, self._transfer = PoolName, PoolTransfer
-        self._trailing = PoolHitPolicy.TRAILING_PAGES
+        self._sg = sg
         self.book = book
         kpr = config.keys_per_request
         pages = kpr * _INDEX_KPOOL
@@ -228,14 +227,9 @@ class Traffic:
             index_kpool=_INDEX_KPOOL,
         )
         extra = {**client_config, "storage_page_size": self.pools.storage_page_tokens}
-        storage_config = P.single_rank_storage_config(
-            extra, model_name=_MODEL, enable_storage_metrics=config.storage_metrics
+        self.store = span_backend(
+            storage_config(extra, _MODEL, metrics=config.storage_metrics), self.pools.pools
         )
-        self.store = MooncakeSpanStore(storage_config, {})
-        self.store.register_mem_pool_host(self.pools[PoolName.KV])
-        for name, pool in self.pools.pools.items():
-            self.store.register_mem_host_pool_v2(pool, name)
-        self.store.on_host_pools_registered()
 
         def slots(first_page: int) -> torch.Tensor:
             start = first_page * _HOST_PAGE_TOKENS
@@ -245,7 +239,7 @@ class Traffic:
         # Built once: the harness must not allocate per call what it could keep.
         self._state_slots = (torch.tensor([0]), torch.tensor([1]))
         self.bytes_per_key = _INDEX_KPOOL * sum(
-            self.pools[n].get_dummy_flat_data_page().nbytes for n in (PoolName.KV, PoolName.INDEXER)
+            self.pools[n].get_dummy_flat_data_page().nbytes for n in (sg.KV, sg.INDEXER)
         )
         total_bytes = config.working_set_ratio * config.storage_nodes * config.segment_bytes
         n_requests = max(2, int(total_bytes // (self.bytes_per_key * kpr)))
@@ -267,30 +261,17 @@ class Traffic:
         return result
 
     def _mamba(self, key: str, slot: int) -> Any:
-        return self._transfer(
-            self._name.MAMBA,
-            host_indices=self._state_slots[slot],
-            keys=[key],
-            hit_policy=self._trailing,
-        )
+        return self._sg.state([key], self._state_slots[slot])
 
     def backup_once(self, rng: random.Random) -> None:
         keys = rng.choice(self.requests)
         slots = self._backup_slots
-        sidecars = [
-            self._transfer(
-                self._name.INDEXER, host_indices=slots, keys=keys, indices_from_pool=self._name.KV
-            ),
-            self._mamba(keys[-1], 0),
-        ]
+        sidecars = [self._sg.indexer(keys, slots), self._mamba(keys[-1], 0)]
         self._timed(0, lambda: self.store.batch_set_v2(sidecars))
         self._timed(1, lambda: self.store.batch_set_v1(keys, slots))
 
     def _hit_query(self, keys: list[str]) -> Any:
-        queries = [
-            self._transfer(self._name.INDEXER, keys=None, indices_from_pool=self._name.KV),
-            self._transfer(self._name.MAMBA, keys=["__placeholder__"], hit_policy=self._trailing),
-        ]
+        queries = self._sg.hit_query()
         return self._timed(2, lambda: self.store.batch_exists_v2(keys, queries))
 
     def prefetch_once(self, rng: random.Random) -> None:
@@ -300,7 +281,7 @@ class Traffic:
             return
         batch, slots = keys[:hit], self._prefetch_slots[: hit * _INDEX_KPOOL * _HOST_PAGE_TOKENS]
         got = self._timed(3, lambda: self.store.batch_get_v1(batch, slots))
-        side = [self._transfer(self._name.INDEXER, host_indices=slots, keys=batch)]
+        side = [self._sg.indexer(batch, slots, follows_kv=False)]
         self._timed(4, lambda: self.store.batch_get_v2(side))
         if hit == len(keys) and all(got):
             self._timed(4, lambda: self.store.batch_get_v2([self._mamba(keys[-1], 1)]))

@@ -5,7 +5,7 @@ objects spread over a few span namespaces (real object-key grammar), runs the
 inspect collection once with sampled bytes, and writes a JSON document with
 the key count, the scan time and the total time. Usage::
 
-    python -m mooncake_span.bench.inspect_scale --keys 100000 --json out.json
+    python -m mooncake_span.ops.inspect_scale --keys 100000 --json out.json
 """
 
 from __future__ import annotations
