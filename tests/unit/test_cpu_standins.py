@@ -35,6 +35,7 @@ DIRECT_COPIES = (
 # while this one imports sglang too; its test (the last one) collects the result.
 _E2E = """
 import json, types
+import torch
 import sgl_kernel
 from mooncake_span.testing.cpu_server import standins
 import sglang.srt.mem_cache.pool_host.base as base
@@ -54,6 +55,8 @@ print("RESULT " + json.dumps({
     "wrapped": base.HostKVCache.__init__.__wrapped__.__qualname__,
     "handler": [handler.__name__, handler(types.SimpleNamespace(), None).name],
     "sender": conn.MooncakeKVSender.supports_host_tensor_indices,
+    # 1e-39 is denormal in fp32: read as zero once denormals are flushed.
+    "denormals_flushed": (torch.tensor([1e-39]) * 1.0).item() == 0.0,
 }))
 """
 
@@ -628,4 +631,5 @@ def test_install_end_to_end_in_a_fresh_process():
         "wrapped": "HostKVCache.__init__",
         "handler": ["handle_attention_torch_native", "MLA"],
         "sender": False,
+        "denormals_flushed": True,
     }

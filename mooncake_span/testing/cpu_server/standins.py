@@ -1,6 +1,6 @@
 """What sglang 0.5.23 lacks to serve on a CPU-only host, and how each gap is filled.
 
-A real ``sglang.launch_server`` runs on this project's CPU boxes with five
+A real ``sglang.launch_server`` runs on this project's CPU boxes with six
 small stand-ins. None of them is needed on a GPU host, and the runtime never
 imports this module: only test support and the demo put
 ``cpu_server/site`` on a server's ``PYTHONPATH``, whose ``sitecustomize``
@@ -25,6 +25,17 @@ them).
 5. PD prefill on a Mooncake sender asks for host-tensor indices, which build a
    pinned tensor: the sender says it cannot take them, so the page-index path
    runs.
+6. ``torch_native`` extends a request with a cached prefix by padding its
+   queries to the whole sequence in a ``torch.empty`` tensor, attending with all
+   of them and keeping only the new rows. The prefix rows are whatever the
+   allocator hands back; when that memory last held small integers (index
+   tensors), they read as denormal floats, and x86 computes denormals in
+   microcode: one layer's attention over 2,048 tokens took 12.3 s instead of
+   0.45 s. So a restored request's TTFT depended on the allocator's history (a
+   restored DeepSeek-V2 prompt took 5 s in one round and 50 s in another, for
+   either L3 backend). Every server process flushes denormals to zero, which
+   changes no result that is kept: the padded rows are dropped, and the
+   recompute server runs with the same setting.
 
 Each patch is applied right after sglang imports the module it patches (an
 import hook, so importing sglang stays lazy and in sglang's own order).
@@ -277,6 +288,20 @@ def patch_mooncake_kv_sender(module: ModuleType) -> None:
     module.MooncakeKVSender.supports_host_tensor_indices = False
 
 
+# ---------------------------------------------------------------------------
+# 6. Denormals in torch_native's padded queries
+
+
+def flush_denormals(torch: Any) -> None:
+    """Flush denormal floats to zero in this thread, where sglang's scheduler runs the model.
+
+    The flag is per thread; servers here run torch with one thread
+    (``OMP_NUM_THREADS=1``), the scheduler's main thread, which runs this.
+    """
+    if not torch.set_flush_denormal(True):
+        logger.warning("this CPU cannot flush denormals; restored-request TTFT may vary")
+
+
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "sglang.srt.mem_cache.pool_host.base": patch_host_pool_base,
     "sglang.srt.mem_cache.pool_host.mha": patch_direct_copies,
@@ -343,4 +368,5 @@ def install() -> bool:
     sys.meta_path.insert(0, _PatchAfterImport(PATCHES))
     if importlib.util.find_spec("sgl_kernel") is None:
         sys.meta_path.append(_SglKernelFinder())
+    flush_denormals(torch)
     return True
