@@ -72,6 +72,8 @@ def per_batch(flat: Sequence[Item], batches: Sequence[PoolBatch]) -> list[Sequen
 
 def per_key_results(batches: Sequence[PoolBatch], object_flags: Sequence[bool]) -> list[list[bool]]:
     """Per batch, per key: did every object of the key arrive (or is it stored)?"""
+    if len(batches) == 1:  # a v1 or generic call: nothing to slice
+        return [batches[0].pool.per_key_results(batches[0], object_flags)]
     parts = per_batch(object_flags, batches)
     return [
         batch.pool.per_key_results(batch, part) for batch, part in zip(batches, parts, strict=True)
