@@ -23,10 +23,12 @@ never raises; bad input and cluster failures become ``False`` / misses with a
 rate-limited log line naming the pool, the key and the sizes. Construction
 and registration errors do raise, so a misconfigured server fails at startup.
 
-This class only checks and delegates: registration to ``registration.py``,
-argument checking to ``batches.py``, gets to ``reads.py``, puts to
-``writes.py``, hit queries to ``hit_query.py``, and every metric and counter
-to the ``CallRecorder`` (``recording.py``) wrapped around those calls.
+This module builds the backend and holds its control path (registration,
+through ``registration.py``), hit queries (``hit_query.py``) and admin calls.
+The data calls read top-down in one module per direction, mixed into this
+class: every get in ``reads.py`` (``ReadPath``), every put in ``writes.py``
+(``WritePath``), each from the sglang method to the native call. Metrics and
+counters wrap those calls (``guard.never_raise``, ``recording.recorded``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -45,32 +46,27 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from mooncake_span.config import SpanOptions, load_span_options
-from mooncake_span.errors import InvalidRequestError, RegistrationError
+from mooncake_span.errors import RegistrationError
 from mooncake_span.mooncake_settings import MooncakeSettings
-from mooncake_span.sglang_backend import batches
 from mooncake_span.sglang_backend.connection import rank_settings, shared_transfer_engine
 from mooncake_span.sglang_backend.guard import (
     miss_count,
-    miss_flag,
     miss_hit_result,
-    miss_none_per_key,
     miss_nothing,
-    miss_per_key,
-    miss_per_transfer,
     never_raise,
 )
 from mooncake_span.sglang_backend.hit_query import HitProber
 from mooncake_span.sglang_backend.l3_layout import describe_layout
 from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
-from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice
-from mooncake_span.sglang_backend.reads import Reads
-from mooncake_span.sglang_backend.recording import GET, SET, CallRecorder, Path
+from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice, chain_of
+from mooncake_span.sglang_backend.reads import ReadPath
+from mooncake_span.sglang_backend.recording import CallRecorder
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stats import METRIC_WINDOW, UNPOLLED_WINDOW, SpanStorageMetrics
 from mooncake_span.sglang_backend.stored_pool import StoredPool
-from mooncake_span.sglang_backend.writes import Writes
+from mooncake_span.sglang_backend.writes import WritePath
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
 from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.span.keys import KeySchema, check_page_keys
@@ -80,12 +76,8 @@ from mooncake_span.store.layout_guard import GeometryRecord
 
 logger = logging.getLogger(__name__)
 
-Tensor = torch.Tensor
-# Per-key results of a v2 call, keyed by the transfers' pool names.
-TransferResults = dict[Any, list[bool]]
 
-
-class MooncakeSpanStore(HiCacheStorage):
+class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
     """HiCache L3 backend on Mooncake; one object per (storage key, pool component)."""
 
     supports_page_spans = True
@@ -123,12 +115,10 @@ class MooncakeSpanStore(HiCacheStorage):
             self.client.register_buffer,
             float(self.options.transfer_timeout_s),
         )
-        self.stager = Stager(self.client, arena)  # registered memory for unregistered bytes
+        self.stager = Stager(arena)  # registered memory for unregistered bytes
         self.registration = Registration(storage_config, self.options, self.client, self.stager)
-        self.reads = Reads(self.client, self.stager)
-        self.writes = Writes(self.client, self.stager, self.registration)
         self.prober = HitProber(self.client)
-        self._per_key_notice = PerKeyNotice()
+        self.per_key_notice = PerKeyNotice()
 
     # ---- the namespace (registration.py owns it) ------------------------------------
 
@@ -181,51 +171,10 @@ class MooncakeSpanStore(HiCacheStorage):
     def on_host_pools_registered(self) -> None:
         self.layout_guard_result = self.registration.check_layout()
 
-    # ---- zero-copy API ------------------------------------------------------------------------
-
+    # ---- hits (the data calls: gets in reads.py, puts in writes.py) ------------------------
     # sglang's extra_info (HiCacheStorageExtraInfo) matters for its prefix_keys
     # only (hicache_storage_pass_prefix_keys): they place a conversation's keys
     # by its chain (prefix_chain.py); everything else in it is ignored.
-
-    @never_raise(miss_per_key)
-    def batch_get_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
-        batch = batches.pool_batch(
-            self.registration, KV_POOL, keys, host_indices, extra_info=extra_info
-        )
-        return self.recorder.kv_transfer(GET, self.reads.get, batch, self.geometry)
-
-    @never_raise(miss_per_key)
-    def batch_set_v1(self, keys: list[str], host_indices: Tensor, extra_info=None) -> list[bool]:
-        batch = batches.pool_batch(
-            self.registration, KV_POOL, keys, host_indices, extra_info=extra_info
-        )
-        self._per_key_notice.backup(batch.chain)
-        return self.recorder.kv_transfer(SET, self.writes.put, batch, self.geometry)
-
-    @never_raise(miss_per_transfer)
-    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
-        return self._transfers("batch_get_v2", GET, self.reads.get, transfers, extra_info)
-
-    @never_raise(miss_per_transfer)
-    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info=None) -> TransferResults:
-        return self._transfers("batch_set_v2", SET, self.writes.put, transfers, extra_info)
-
-    def _transfers(
-        self, op_name: str, operation: str, path: Path, transfers: Any, extra_info: Any
-    ) -> TransferResults:
-        """One batch per transfer (a bad one is refused alone and stays a miss), moved
-        together along ``path``."""
-        request = batches.transfer_batches(
-            self.registration, op_name, transfers, self.recorder.reject, extra_info
-        )
-        if operation == SET and request.batches:
-            self._per_key_notice.backup(request.batches[0].chain)
-        if request.batches:
-            moved = self.recorder.transfer(operation, path, request.batches)
-            request.results.update(zip(request.names, moved, strict=True))
-        return request.results
-
-    # ---- hits -----------------------------------------------------------------------------------
 
     @never_raise(miss_count)
     def batch_exists(
@@ -236,7 +185,8 @@ class MooncakeSpanStore(HiCacheStorage):
         kv = self.pools[KV_POOL]
         if kv.is_logical:
             return 0
-        chain = self.registration.chain_of(extra_info, page_keys) if page_keys else None
+        window = self.registration.chain_window_keys
+        chain = chain_of(extra_info, page_keys, self.key_schema, window) if page_keys else None
         tally = ProbeTally()
         hits = self.prober.kv_prefix(self.key_schema, kv, page_keys, KV_ROUNDS_ALONE, tally, chain)
         self.recorder.hit_query(len(page_keys), hits, tally)
@@ -256,54 +206,14 @@ class MooncakeSpanStore(HiCacheStorage):
             for t in list(pool_transfers or [])
         ]
         tally = ProbeTally()
-        chain = self.registration.chain_of(extra_info, page_keys) if page_keys else None
+        window = self.registration.chain_window_keys
+        chain = chain_of(extra_info, page_keys, self.key_schema, window) if page_keys else None
         kv = self.pools[KV_POOL]
         hit = self.prober.hits(self.key_schema, kv, page_keys, transfers, tally, chain)
         self.recorder.hit_query(len(page_keys), hit.kv_hit_pages, tally)
         names = {pool_name_str(t.name): t.name for t, _ in transfers}
         pool_hits = {names.get(n, PoolName.KV): v for n, v in hit.pool_hit_pages.items()}
         return PoolTransferResult(hit.kv_hit_pages, pool_hits, hit.restorable_prefix_pages)
-
-    # ---- generic (non zero-copy) API: flat page tensors -------------------------------------
-
-    @never_raise(miss_none_per_key)
-    def batch_get(
-        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
-    ) -> list[torch.Tensor | None]:
-        self.registration.require_ready()
-        if target_locations is not None:
-            targets = list(target_locations)
-        else:
-            span_bytes = batches.span_bytes(self.registration)
-            targets = [torch.empty(span_bytes, dtype=torch.uint8) for _ in keys]
-        batch = batches.flat_batch(self.registration, keys, targets)
-        ok = self.recorder.kv_transfer(GET, self.reads.get, batch, self.geometry)
-        return [t if good else None for t, good in zip(targets, ok, strict=True)]
-
-    @never_raise(miss_flag)
-    def batch_set(
-        self,
-        keys: list[str],
-        values: Any = None,
-        target_locations: Any = None,
-        target_sizes: Any = None,
-    ) -> bool:
-        if values is None:
-            raise InvalidRequestError("batch_set needs values (flat page tensors)")
-        values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
-        batch = batches.flat_batch(self.registration, keys, values)
-        ok = self.recorder.kv_transfer(SET, self.writes.put, batch, self.geometry)
-        return bool(ok) and all(ok)
-
-    def get(
-        self, key: str, target_location: Any = None, target_sizes: Any = None
-    ) -> torch.Tensor | None:
-        return self.batch_get([key], None if target_location is None else [target_location])[0]
-
-    def set(
-        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
-    ) -> bool:
-        return self.batch_set([key], None if value is None else [value])
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

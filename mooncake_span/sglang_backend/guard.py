@@ -6,7 +6,9 @@ method those threads call is wrapped in :func:`never_raise` with the value it
 answers on a miss: bad caller input and cluster failures are logged (rate
 limited, naming what is wrong) and become misses; unexpected bugs are logged
 with a traceback and become misses too. What happened is handed to the
-backend's ``recorder`` (``recording.CallRecorder``), which counts and logs it.
+backend's ``recorder`` (``recording.CallRecorder``): a refusal to ``reject``
+(counted and logged), every call's duration and outcome to its Prometheus
+``observer``.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ logger = logging.getLogger(__name__)
 Method = TypeVar("Method", bound=Callable[..., Any])
 
 
-class Recorder(Protocol):
-    def reject(self, op_name: str, exc: Exception) -> None: ...
+class Observer(Protocol):
+    def call(self, op_name: str, failure: str | None, result: Any, elapsed_s: float) -> None: ...
 
-    def finished(
-        self, op_name: str, failure: str | None, result: Any, elapsed_s: float
-    ) -> None: ...
+
+class Recorder(Protocol):
+    observer: Observer
+
+    def reject(self, op_name: str, exc: Exception) -> None: ...
 
 
 class Recorded(Protocol):
@@ -60,7 +64,7 @@ def never_raise(miss: Callable[..., Any]) -> Callable[[Method], Method]:
                 failure = "error"
             if failure is not None:
                 result = miss(*args, **kwargs)
-            self.recorder.finished(op_name, failure, result, time.perf_counter() - started)
+            self.recorder.observer.call(op_name, failure, result, time.perf_counter() - started)
             return result
 
         return guarded  # type: ignore[return-value]

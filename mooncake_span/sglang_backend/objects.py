@@ -3,24 +3,21 @@
 A call's batches are laid end to end, each contributing its object keys in its
 pool's order (``StoredPool``), so one existence query, put or get covers them
 all. This module owns that layout: slicing a flat per-object list back into
-per-batch parts, folding them to per-key results, and moving a subset of the
-objects (a put skipping what is stored, staged batches beside zero-copy ones)
-with the results put back in their slots.
+per-batch parts, folding them to per-key results, and selecting a subset of
+the objects to move (a put skipping what is stored, staged batches beside
+zero-copy ones) with the slots their results are put back in. It moves
+nothing itself: the read and write paths do, top-down.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 
 Item = TypeVar("Item")
-
-# A staged batch's objects named by its Transfer, moved through the arena; per-object flags.
-StagedMove = Callable[[PoolBatch, Transfer], list[bool]]
-# Object keys of zero-copy batches with their transfers, in one native call; per-object flags.
-DirectMove = Callable[[list[str], list[Transfer]], list[bool]]
 
 
 def object_keys(batches: Sequence[PoolBatch]) -> list[str]:
@@ -75,26 +72,29 @@ def per_batch(flat: Sequence[Item], batches: Sequence[PoolBatch]) -> list[Sequen
 
 def per_key_results(batches: Sequence[PoolBatch], object_flags: Sequence[bool]) -> list[list[bool]]:
     """Per batch, per key: did every object of the key arrive (or is it stored)?"""
+    if len(batches) == 1:  # a v1 or generic call: nothing to slice
+        return [batches[0].pool.per_key_results(batches[0], object_flags)]
     parts = per_batch(object_flags, batches)
     return [
         batch.pool.per_key_results(batch, part) for batch, part in zip(batches, parts, strict=True)
     ]
 
 
-def move_selected(
-    batches: Sequence[PoolBatch],
-    todos: Sequence[Transfer],
-    done: Sequence[bool],
-    staged: StagedMove,
-    direct: DirectMove,
-) -> list[bool]:
-    """Move the objects each ``todos[i]`` names: a staged batch alone through
-    ``staged``, the zero-copy ones together in one ``direct`` call. Per-object
-    flags over all ``batches``; objects not moved keep their ``done`` flag."""
-    out = list(done)
-    direct_keys: list[str] = []
-    direct_slots: list[int] = []
-    direct_todos: list[Transfer] = []
+@dataclass
+class Selection:
+    """The objects a call moves, by how they move (``select``)."""
+
+    staged: list[tuple[PoolBatch, Transfer, list[int]]] = field(default_factory=list)
+    direct_keys: list[str] = field(default_factory=list)
+    direct_slots: list[int] = field(default_factory=list)
+    direct_todos: list[Transfer] = field(default_factory=list)
+
+
+def select(batches: Sequence[PoolBatch], todos: Sequence[Transfer]) -> Selection:
+    """The objects each ``todos[i]`` names, with their slots in the call's flat
+    object list: a staged batch's alone (it moves through the arena by itself),
+    the zero-copy ones together (they move in one native call)."""
+    chosen = Selection()
     offset = 0
     for batch, todo in zip(batches, todos, strict=True):
         count = len(batch.object_keys)
@@ -104,16 +104,15 @@ def move_selected(
         if not slots:
             continue
         if batch.staged:
-            _put_back(out, slots, staged(batch, todo))
+            chosen.staged.append((batch, todo, slots))
         else:
-            direct_keys += [batch.object_keys[i] for i in indices]
-            direct_slots += slots
-            direct_todos.append(todo)
-    if direct_keys:
-        _put_back(out, direct_slots, direct(direct_keys, direct_todos))
-    return out
+            chosen.direct_keys += [batch.object_keys[i] for i in indices]
+            chosen.direct_slots += slots
+            chosen.direct_todos.append(todo)
+    return chosen
 
 
-def _put_back(out: list[bool], slots: Sequence[int], flags: Sequence[bool]) -> None:
+def put_back(out: list[bool], slots: Sequence[int], flags: Sequence[bool]) -> None:
+    """The flags of moved objects into their ``slots`` of the call's flat list."""
     for slot, ok in zip(slots, flags, strict=True):
         out[slot] = ok

@@ -1,48 +1,119 @@
-"""The read path: a get of prepared batches, from their plans to per-key results.
+"""The read path: sglang's gets, top-down from its call to the native get.
 
-``Reads.get`` moves every object of every batch: the zero-copy batches in
-one native get (``MooncakeClient.get``, which cuts it into buffer-budget
-segments), each staged batch through the arena (``Stager.get_batch``, which
-copies complete rows back into the host pool). The per-object flags are then
-folded to per-key results, clamped after the first missing key, as sglang
-reads a result list as a prefix. A call that names its prefix chain tells the
-client where its keys were placed, for reads while a segment is bad.
+A prefetch calls ``batch_get_v1`` (the KV pool), ``batch_get_v2`` (one
+``PoolTransfer`` per pool) or, without ``interface_v1``, the generic
+``batch_get`` (flat page tensors). Each method:
+
+1. is wrapped in ``guard.never_raise``: whatever happens below, sglang gets
+   per-key results (a refusal or a failure is a logged miss);
+2. turns its arguments into ``PoolBatch`` es (``Registration.pool_batch``,
+   ``transfer_batches``, ``flat_batch``: keys checked, host indices to host
+   pages by the stride rule, object keys named);
+3. runs ``_get``, wrapped in ``recording.recorded``, which records what moved:
+   every object of every batch, the zero-copy batches in one
+   ``MooncakeClient.get`` (which cuts it by the buffer budget and sends each
+   part through ``NativeGate.invoke``), each staged batch through the arena in
+   lease-sized parts, copied back into the host pool only for keys whose
+   objects all arrived;
+4. folds the per-object flags to per-key results, clamped after the first
+   missing key, as sglang reads a result list as a prefix.
+
+A call that names its prefix chain tells the client where its keys were
+placed, for reads while a segment is bad.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
+import torch
+
+from mooncake_span.sglang_backend.guard import (
+    miss_none_per_key,
+    miss_per_key,
+    miss_per_transfer,
+    never_raise,
+)
 from mooncake_span.sglang_backend.objects import (
-    move_selected,
     object_keys,
     per_key_results,
     placement,
+    put_back,
+    select,
 )
-from mooncake_span.sglang_backend.stager import Stager
+from mooncake_span.sglang_backend.recording import GET, recorded
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
+from mooncake_span.span.geometry import KV_POOL
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store.client import MooncakeClient
 
 
-class Reads:
-    def __init__(self, client: MooncakeClient, stager: Stager) -> None:
-        self._client = client
-        self._stager = stager
+class ReadPath:
+    """The get methods of ``MooncakeSpanStore``, on what ``backend.py`` builds:
+    its ``registration``, ``client``, ``stager`` and ``recorder``."""
 
-    def get(self, batches: list[PoolBatch]) -> list[list[bool]]:
+    @never_raise(miss_per_key)
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info=None) -> list[bool]:
+        batch = self.registration.pool_batch(KV_POOL, keys, host_indices, extra_info=extra_info)
+        return self._get([batch], kv_call=True)[0]
+
+    @never_raise(miss_per_transfer)
+    def batch_get_v2(self, transfers: list[Any], extra_info=None) -> dict[Any, list[bool]]:
+        request = self.registration.transfer_batches(transfers, extra_info)
+        for refused in request.refused:
+            self.recorder.reject("batch_get_v2", refused)
+        if request.batches:
+            request.answer(self._get(request.batches))
+        return request.results
+
+    @never_raise(miss_none_per_key)
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        self.registration.require_ready()
+        if target_locations is not None:
+            targets = list(target_locations)
+        else:
+            span_bytes = self.registration.span_bytes
+            targets = [torch.empty(span_bytes, dtype=torch.uint8) for _ in keys]
+        batch = self.registration.flat_batch(keys, targets)
+        (ok,) = self._get([batch], kv_call=True)
+        return [t if good else None for t, good in zip(targets, ok, strict=True)]
+
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None
+    ) -> torch.Tensor | None:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    @recorded(GET)
+    def _get(self, batches: list[PoolBatch]) -> list[list[bool]]:
         """Per batch, per key: did every object of the key arrive?"""
         physical = [b for b in batches if not b.pool.is_logical]
-        keys = object_keys(physical)
         todos = [b.pool.read_all(b) for b in physical]
-        if any(b.staged for b in physical):
-            flags = move_selected(
-                physical, todos, [False] * len(keys), self._stager.get_batch, self._direct
-            )
-        else:
-            flags = self._direct(keys, todos) if keys else []
+        if not any(b.staged for b in physical):  # nearly every call: one native get
+            keys = object_keys(physical)
+            return per_key_results(batches, self._get_direct(keys, todos) if keys else [])
+        chosen = select(physical, todos)
+        flags = [False] * sum(len(b.object_keys) for b in physical)
+        for batch, todo, slots in chosen.staged:
+            put_back(flags, slots, self._get_staged(batch, todo))
+        if chosen.direct_keys:
+            direct = self._get_direct(chosen.direct_keys, chosen.direct_todos)
+            put_back(flags, chosen.direct_slots, direct)
         return per_key_results(batches, flags)
 
-    def _direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
-        """One native get into the host pools' (registered) memory."""
+    def _get_direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
+        """One native get of zero-copy batches, into the host pools' (registered) memory."""
         domains, steps = placement(todos)
-        plans = PlanBatch.concat([t.plans for t in todos])
-        return self._client.get(keys, plans, domains, steps)
+        return self.client.get(keys, PlanBatch.concat([t.plans for t in todos]), domains, steps)
+
+    def _get_staged(self, batch: PoolBatch, todo: Transfer) -> list[bool]:
+        """A staged batch's objects, one native get per lease of the arena."""
+        flags: list[bool] = []
+        with contextlib.closing(self.stager.parts(batch, todo)) as parts:
+            for part in parts:
+                domains, steps = part.cut(todo.domains, todo.steps)
+                got = self.client.get(part.keys(), part.plans(), domains, steps)
+                self.stager.unstage(part, got)
+                flags += got
+        return flags

@@ -1,25 +1,26 @@
 """Metrics and accounting of the backend's calls, kept in one place.
 
-A ``CallRecorder`` is the one place the backend's calls are recorded from,
-wrapped around the calls rather than threaded through them (the read and
-write paths know nothing of metrics). The counters themselves have one owner
-each, which takes its own lock on every write: ``CallCounters`` (``stats.py``:
-what ``get_stats()`` reports) and ``CallObserver`` (``observability.py``: the
-Prometheus metrics). The recorder feeds them:
+Accounting wraps the calls rather than being threaded through them: the read
+and write paths know nothing of metrics. The counters themselves have one
+owner each, which takes its own lock on every write: ``CallCounters``
+(``stats.py``: what ``get_stats()`` reports) and ``CallObserver``
+(``observability.py``: the Prometheus metrics). They are fed so:
 
-* ``guard.never_raise`` hands it each sglang call's outcome: duration and
-  outcome for Prometheus (``finished``), refused input (``reject``: the
-  rejected-calls counter and a rate-limited log line);
-* ``transfer`` wraps a read or write path: keys, host pages and bytes moved
-  per pool for Prometheus; ``kv_transfer`` adds sglang's ``StorageMetrics``
-  records (pages, tokens, bandwidth) of a KV call (v1, generic);
-* ``hit_query`` counts existence RPCs and probed objects of a hit query.
+* ``guard.never_raise`` wraps each sglang call: its duration and outcome go to
+  the observer, refused input to ``CallRecorder.reject`` (the rejected-calls
+  counter and a rate-limited log line);
+* ``recorded`` wraps a read or write path (``reads.py``, ``writes.py``): keys,
+  host pages and bytes moved per pool for Prometheus and, for the one KV batch
+  of a v1 or generic call, sglang's ``StorageMetrics`` records (pages, tokens,
+  bandwidth);
+* ``CallRecorder.hit_query`` counts existence RPCs and probed objects of a hit query.
 
 ``storage_metrics`` builds what ``get_stats()`` returns to sglang.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,8 +36,30 @@ from mooncake_span.store.client import MooncakeClient
 GET = "get"
 SET = "set"
 
-# A read or write path: prepared batches -> per batch, per key results.
-Path = Callable[[list[PoolBatch]], list[list[bool]]]
+# A read or write path of a backend: its prepared batches -> per batch, per key results.
+Path = Callable[[Any, list[PoolBatch]], list[list[bool]]]
+
+
+def recorded(operation: str) -> Callable[[Path], Callable[..., list[list[bool]]]]:
+    """Wrap a path so that what it moved is recorded (``operation``: GET or SET).
+    The wrapped path takes ``kv_call=True`` for the one KV batch of a v1 or
+    generic call, which also adds sglang's per-call records."""
+
+    def decorate(path: Path) -> Callable[..., list[list[bool]]]:
+        @functools.wraps(path)
+        def recorded_path(self: Any, batches: list[PoolBatch], kv_call: bool = False):
+            started = time.perf_counter()
+            results = path(self, batches)
+            self.recorder.observer.moved(operation, batches, results)
+            if kv_call:
+                elapsed_s = time.perf_counter() - started
+                geometry = self.registration.geometry
+                self.recorder.kv_call(operation, batches[0], results[0], elapsed_s, geometry)
+            return results
+
+        return recorded_path
+
+    return decorate
 
 
 class CallRecorder:
@@ -46,35 +69,25 @@ class CallRecorder:
         self.counters = CallCounters(window)  # sglang's StorageMetrics, drained by get_stats()
         self._log = RateLimitedLog()  # rejected calls, rate limited
 
-    def finished(self, op_name: str, failure: str | None, result: Any, elapsed_s: float) -> None:
-        """One sglang call answered: ``failure`` is None, "rejected" or "error"."""
-        self.observer.call(op_name, failure, result, elapsed_s)
-
     def reject(self, op_name: str, exc: Exception) -> None:
         """A call (or one transfer of a v2 call) refused: bad input or a cluster failure."""
         label = type(exc).__name__
         self.counters.count_rejected(label)
         self._log.error(f"{op_name}:{label}", "mooncake-span %s rejected: %s", op_name, exc)
 
-    def transfer(self, operation: str, path: Path, batches: list[PoolBatch]) -> list[list[bool]]:
-        """``path`` over ``batches``, with what it moved recorded per pool."""
-        results = path(batches)
-        self.observer.moved(operation, batches, results)
-        return results
-
-    def kv_transfer(
-        self, operation: str, path: Path, batch: PoolBatch, geometry: SpanGeometry
-    ) -> list[bool]:
-        """A KV call's one batch: also sglang's per-call records (keys, tokens, GiB/s)."""
-        started = time.perf_counter()
-        (results,) = path([batch])
-        self.observer.moved(operation, [batch], [results])
-        elapsed_s = time.perf_counter() - started
+    def kv_call(
+        self,
+        operation: str,
+        batch: PoolBatch,
+        results: list[bool],
+        elapsed_s: float,
+        geometry: SpanGeometry,
+    ) -> None:
+        """sglang's per-call records of a KV call (keys, tokens, GiB/s)."""
         tokens = leading_run(results) * geometry.storage_page_tokens
         gib = batch.pool.moved_bytes(batch, results) / (1 << 30)
         gib_per_s = gib / elapsed_s if elapsed_s else None
         self.counters.record(operation == SET, len(results), tokens, gib_per_s)
-        return results
 
     def hit_query(self, queried_keys: int, hit_keys: int, tally: ProbeTally) -> None:
         self.counters.record_hit_query(tally.rpcs, tally.objects)

@@ -7,26 +7,37 @@ a ``StoredPool`` and registers its buffers with Mooncake, and
 ``check_layout`` publishes or checks the namespace's geometry record (the
 layout guard). What later calls need from the namespace (pools, geometry,
 schema, whether puts carry group ids, the router-facing layout facts) is read
-from here.
+from here, and every data call's arguments are checked and turned into
+``PoolBatch`` es here (``pool_batch`` for v1 and each v2 transfer, refused
+alone in ``transfer_batches``; ``flat_batch`` for the generic path's tensors).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+
 from mooncake_span.config import SpanOptions
-from mooncake_span.errors import InvalidRequestError, RegistrationError
-from mooncake_span.sglang_backend.pool_layout import describe_pool
+from mooncake_span.errors import InvalidRequestError, MooncakeSpanError, RegistrationError
+from mooncake_span.sglang_backend.guard import miss_per_transfer
+from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
 from mooncake_span.sglang_backend.prefix_chain import chain_of
 from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.storage_page import resolve_storage_page_tokens
-from mooncake_span.sglang_backend.stored_pool import StagedPool, StoredPool
+from mooncake_span.sglang_backend.stored_pool import (
+    PoolBatch,
+    StagedPool,
+    StoredPool,
+    check_host_indices,
+)
 from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
-from mooncake_span.span.keys import KeySchema, RankTags
+from mooncake_span.span.keys import KeySchema, RankTags, check_page_keys
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.domains import ChainSpot
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_layout_guard
 
 logger = logging.getLogger(__name__)
@@ -193,17 +204,15 @@ class Registration:
             pp_size=int(getattr(self._config, "pp_size", 1) or 1),
         )
 
-    # ---- per call ----------------------------------------------------------------------
+    # ---- per call: sglang's arguments as batches ------------------------------------
+    # A bad argument raises InvalidRequestError naming the pool and what is
+    # wrong; the guard turns that into a logged miss.
 
     def require_ready(self) -> None:
         if self.key_schema is None or self.geometry is None:
             raise RegistrationError(
                 "no host pool registered yet (register_mem_pool_host was not called)"
             )
-
-    def chain_of(self, extra_info: Any, page_keys: list[str]) -> ChainSpot | None:
-        """Where ``page_keys`` sit in the prefix chain ``extra_info`` names (None: no chain)."""
-        return chain_of(extra_info, page_keys, self.key_schema, self.chain_window_keys)
 
     def registered(self, name: str, what: str) -> StoredPool:
         pool = self.pools.get(name)
@@ -213,9 +222,114 @@ class Registration:
             )
         return pool
 
-    def kind_of(self, name: str, pool: StoredPool, kv_derived_hint: bool) -> PoolKind:
-        """The pool's kind for this call; a state pool sglang indexes by KV slots
-        (``indices_from_pool`` = kv) is learned as KV-derived."""
-        if kv_derived_hint and pool.kind is PoolKind.STATE and name not in self.learned_kv_derived:
-            self.learned_kv_derived = self.learned_kv_derived | {name}
-        return classify_pool(name, self.learned_kv_derived)
+    def pool_batch(
+        self,
+        name: str,
+        keys: Any,
+        host_indices: Any,
+        *,
+        kv_derived_hint: bool = False,
+        extra_info: Any = None,
+    ) -> PoolBatch:
+        """One pool's part of a zero-copy call: its keys, host pages and, when
+        ``extra_info`` carries prefix keys, where the keys sit in their chain.
+        ``kv_derived_hint``: sglang indexes this (state) pool by KV slots, so it
+        is learned as KV-derived."""
+        self.require_ready()
+        pool = self.registered(name, "transfer")
+        page_keys = check_page_keys(keys)
+        if not page_keys:
+            raise InvalidRequestError(f"pool {name!r}: transfer has no keys")
+        chain = chain_of(extra_info, page_keys, self.key_schema, self.chain_window_keys)
+        if pool.is_logical:
+            check_host_indices(name, host_indices)
+            pages = np.zeros((len(page_keys), 0), dtype=np.int64)
+        else:
+            learned = self.learned_kv_derived
+            if kv_derived_hint and pool.kind is PoolKind.STATE and name not in learned:
+                self.learned_kv_derived = learned = learned | {name}
+            kind = classify_pool(name, learned)
+            pages = pool.host_pages(kind, len(page_keys), host_indices, self.geometry)
+        batch = pool.batch(self.key_schema, page_keys, pages)
+        batch.chain = chain
+        return batch
+
+    def transfer_batches(self, transfers: Any, extra_info: Any = None) -> TransferBatches:
+        """A v2 call's transfers as batches. A transfer refused here is left out
+        with its error in ``refused`` (it stays a miss; the others still move).
+        ``extra_info``'s prefix keys precede each transfer's own keys (sglang
+        groups trailing transfers so)."""
+        self.require_ready()
+        try:
+            transfers = list(transfers or [])
+        except TypeError as exc:
+            raise InvalidRequestError(
+                f"transfers must be a list of PoolTransfer, got {type(transfers).__name__}"
+            ) from exc
+        out = TransferBatches(miss_per_transfer(transfers))
+        for transfer in transfers:
+            name = pool_name_str(getattr(transfer, "name", None))
+            hint = pool_name_str(getattr(transfer, "indices_from_pool", None)) == KV_POOL
+            try:
+                batch = self.pool_batch(
+                    name,
+                    getattr(transfer, "keys", None),
+                    getattr(transfer, "host_indices", None),
+                    kv_derived_hint=hint,
+                    extra_info=extra_info,
+                )
+            except MooncakeSpanError as exc:
+                out.refused.append(exc)
+                continue
+            out.names.append(transfer.name)
+            out.batches.append(batch)
+        return out
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes of one storage key's KV: a generic value's size."""
+        return self.pools[KV_POOL].layout.flat_page_bytes * self.geometry.pages_per_span
+
+    def flat_batch(self, keys: Any, tensors: Sequence[Any]) -> PoolBatch:
+        """A KV batch whose objects come from one flat span tensor per key (generic path)."""
+        self.require_ready()
+        kv = self.pools[KV_POOL]
+        page_keys = check_page_keys(keys)
+        if len(tensors) != len(page_keys):
+            raise InvalidRequestError(f"{len(page_keys)} keys but {len(tensors)} tensors")
+        pages = np.zeros((len(page_keys), self.geometry.pages_per_span), dtype=np.int64)
+        batch = kv.batch(self.key_schema, page_keys, pages)
+        if not kv.is_logical:
+            size = self.span_bytes
+            batch.flat_bases = [_flat_base(i, t, size) for i, t in enumerate(tensors)]
+        return batch
+
+
+@dataclass
+class TransferBatches:
+    """A v2 call's transfers as batches; ``results`` starts as a miss for every transfer."""
+
+    results: dict[Any, list[bool]]
+    names: list[Any] = field(default_factory=list)  # the result key of each batch
+    batches: list[PoolBatch] = field(default_factory=list)
+    refused: list[MooncakeSpanError] = field(default_factory=list)
+
+    def answer(self, moved: list[list[bool]]) -> None:
+        """The per-key results of the batches, in their transfers' slots."""
+        self.results.update(zip(self.names, moved, strict=True))
+
+
+def _flat_base(index: int, tensor: Any, span_bytes: int) -> int:
+    """Address of one generic value: a contiguous CPU tensor of exactly one storage page."""
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+    ):
+        raise InvalidRequestError(f"generic value #{index} must be a contiguous CPU tensor")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes != span_bytes:
+        raise InvalidRequestError(
+            f"generic value #{index} holds {nbytes} bytes; a storage page is {span_bytes} bytes"
+        )
+    return tensor.data_ptr()

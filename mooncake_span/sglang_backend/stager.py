@@ -3,15 +3,16 @@
 A staged batch (a ``StagedPool``'s host pages, or the generic path's flat
 tensors, which sglang allocates per call) is cut into parts of whole key rows
 that fit one lease of the registered ``StagingArena``; each part is one put
-(rows copied in first) or one get (rows whose objects all arrived copied out
-after), and its lease ends with its native call. ``span/byte_budget.py`` plans the
-parts; this module copies and calls.
+(rows copied in first: ``stage``) or one get (rows whose objects all arrived
+copied out after: ``unstage``), and its lease ends with its native call, which
+the read and write paths make. ``span/byte_budget.py`` plans the parts; this
+module leases and copies.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,16 +23,14 @@ from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.byte_budget import StagedPart, next_part, rows_left_bytes
 from mooncake_span.span.plan import PlanBatch, plan_objects_from_flat
 from mooncake_span.store.arena import StagingArena
-from mooncake_span.store.client import MooncakeClient
 
 logger = logging.getLogger(__name__)
 
 
 class Stager:
-    """Moves staged batches through ``arena`` with ``client``."""
+    """Leases of ``arena`` for staged batches, and the row copies in and out."""
 
-    def __init__(self, client: MooncakeClient, arena: StagingArena) -> None:
-        self.client = client
+    def __init__(self, arena: StagingArena) -> None:
         self.arena = arena
         self._view = torch.frombuffer(arena.memory, dtype=torch.uint8)
 
@@ -48,60 +47,49 @@ class Stager:
             raise RegistrationError(f"{what} (every transfer of this pool stages through it)")
         logger.warning("mooncake-span: %s, or the generic path (interface_v1 off) misses", what)
 
-    def get_batch(self, batch: PoolBatch, todo: Transfer) -> list[bool]:
-        """Get the objects ``todo`` names, per object; rows whose objects all
-        arrived are copied out of the arena."""
-        return self._in_parts(batch, todo, self._get_part)
-
-    def put_batch(self, batch: PoolBatch, todo: Transfer) -> list[bool]:
-        """Put the objects ``todo`` names, per object; rows are copied in first."""
-        return self._in_parts(batch, todo, self._put_part)
-
-    def _in_parts(self, batch: PoolBatch, todo: Transfer, move_part: PartMove) -> list[bool]:
-        """``move_part`` over lease-sized parts of the objects ``todo`` names."""
+    def parts(self, batch: PoolBatch, todo: Transfer) -> Iterator[StagedRows]:
+        """The objects ``todo`` names, in parts of whole key rows that fit one
+        lease; each part's lease ends when the next part is asked for (or the
+        generator is closed), so its native call goes between."""
         ncomp = batch.pool.num_components
         objects = todo.object_indices
         if objects is None:
             objects = list(range(len(batch.object_keys)))
         row_of = [o // ncomp for o in objects]
         row_bytes = batch.row_bytes
-        out: list[bool] = []
-        while len(out) < len(objects):
-            start = len(out)
+        start = 0
+        while start < len(objects):
             want = rows_left_bytes(row_of, start, row_bytes)
             with self.arena.lease(want, row_bytes) as lease:
                 part = next_part(row_of, start, lease.size_bytes, row_bytes)
                 mine = [objects[i] for i in part.objects]
-                out += move_part(_Part(batch, todo, part, lease.ptr, mine))
-        return out
+                yield StagedRows(batch, todo, part, lease.ptr, mine)
+            start = part.objects.stop
 
-    def _offset(self, part: _Part, k: int) -> int:
-        """Arena offset of the part's ``k``-th row."""
-        return part.base_ptr - self.arena.base_ptr + k * part.batch.row_bytes
-
-    def _put_part(self, part: _Part) -> list[bool]:
+    def stage(self, part: StagedRows) -> None:
+        """Copy the part's rows into its lease (before its put)."""
         batch = part.batch
         for k, row in enumerate(part.rows):
             batch.pool.stage_row(batch, row, self._view, self._offset(part, k))
-        groups, domains, steps = part.cut(part.todo.group_ids, part.todo.domains, part.todo.steps)
-        return self.client.put(part.keys(), part.plans(), groups, domains=domains, steps=steps)
 
-    def _get_part(self, part: _Part) -> list[bool]:
+    def unstage(self, part: StagedRows, flags: Sequence[bool]) -> None:
+        """Copy back out of the lease the rows whose objects all arrived (after its get)."""
         batch = part.batch
         ncomp = batch.pool.num_components
-        domains, steps = part.cut(part.todo.domains, part.todo.steps)
-        flags = self.client.get(part.keys(), part.plans(), domains, steps)
         arrived: dict[int, bool] = {}
         for o, ok in zip(part.mine, flags, strict=True):
             arrived[o // ncomp] = arrived.get(o // ncomp, True) and ok
         for k, row in enumerate(part.rows):
             if arrived.get(row):
                 batch.pool.unstage_row(batch, row, self._view, self._offset(part, k))
-        return flags
+
+    def _offset(self, part: StagedRows, k: int) -> int:
+        """Arena offset of the part's ``k``-th row."""
+        return part.base_ptr - self.arena.base_ptr + k * part.batch.row_bytes
 
 
 @dataclass(frozen=True)
-class _Part:
+class StagedRows:
     """One lease's worth of a staged batch: whole key rows at ``base_ptr``."""
 
     batch: PoolBatch
@@ -133,7 +121,3 @@ class _Part:
         ncomp = batch.pool.num_components
         position = {row: k for k, row in enumerate(self.rows)}
         return row_plans.take([position[o // ncomp] * ncomp + o % ncomp for o in self.mine])
-
-
-# One part's native call (and its copies in or out); per-object flags.
-PartMove = Callable[[_Part], list[bool]]

@@ -1,69 +1,143 @@
-"""The write path: a put of prepared batches, from the existence check to per-key results.
+"""The write path: sglang's puts, top-down from its call to the native put.
 
-``Writes.put`` first asks which objects are already stored (another rank or
-node wrote them; skipped while the store's put cool-down runs, since then no
-put is sent at all), then puts only the missing ones with their eviction
-group ids and failure-domain placement keys: the zero-copy batches in one
-native put (``MooncakeClient.put``: segments cut by the buffer budget and the
-grouped-put cap), each staged batch through the arena (``Stager.put_batch``).
-Per-object flags (stored or written) fold to per-key results.
+A backup calls ``batch_set_v2`` (sidecar pools, one ``PoolTransfer`` each)
+and then ``batch_set_v1`` (the KV pool) or, without ``interface_v1``, the
+generic ``batch_set`` (flat page tensors). Each method:
+
+1. is wrapped in ``guard.never_raise``: whatever happens below, sglang gets
+   per-key results (a refusal or a failure is a logged miss);
+2. turns its arguments into ``PoolBatch`` es (``Registration.pool_batch``,
+   ``transfer_batches``, ``flat_batch``), and says once if backups arrive
+   without prefix keys (``PerKeyNotice``);
+3. runs ``_put``, wrapped in ``recording.recorded``, which records what moved.
+   It first asks which objects are already stored (another rank or node wrote
+   them; not asked while the put cool-down runs, since then no put is sent at
+   all), then puts only the missing ones (``StoredPool.write_missing``) with
+   their eviction group ids and failure-domain placement keys: the zero-copy
+   batches in one ``MooncakeClient.put`` (segments cut by the buffer budget and
+   the grouped-put cap, each part through ``NativeGate.invoke``), each staged
+   batch through the arena in lease-sized parts, its rows copied in first;
+4. folds the per-object flags (stored, or written now) to per-key results.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
+import torch
+
+from mooncake_span.errors import InvalidRequestError
+from mooncake_span.sglang_backend.guard import (
+    miss_flag,
+    miss_per_key,
+    miss_per_transfer,
+    never_raise,
+)
 from mooncake_span.sglang_backend.objects import (
     chain_placement,
-    move_selected,
     object_keys,
     per_batch,
     per_key_results,
     placement,
+    put_back,
+    select,
 )
-from mooncake_span.sglang_backend.registration import Registration
-from mooncake_span.sglang_backend.stager import Stager
+from mooncake_span.sglang_backend.recording import SET, recorded
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
+from mooncake_span.span.geometry import KV_POOL
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store.client import MooncakeClient
 
 
-class Writes:
-    def __init__(self, client: MooncakeClient, stager: Stager, reg: Registration) -> None:
-        self._client = client
-        self._stager = stager
-        self._reg = reg
+class WritePath:
+    """The put methods of ``MooncakeSpanStore``, on what ``backend.py`` builds:
+    its ``registration``, ``client``, ``stager``, ``recorder`` and ``per_key_notice``."""
 
-    def put(self, batches: list[PoolBatch]) -> list[list[bool]]:
+    @never_raise(miss_per_key)
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info=None) -> list[bool]:
+        batch = self.registration.pool_batch(KV_POOL, keys, host_indices, extra_info=extra_info)
+        self.per_key_notice.backup(batch.chain)
+        return self._put([batch], kv_call=True)[0]
+
+    @never_raise(miss_per_transfer)
+    def batch_set_v2(self, transfers: list[Any], extra_info=None) -> dict[Any, list[bool]]:
+        request = self.registration.transfer_batches(transfers, extra_info)
+        for refused in request.refused:
+            self.recorder.reject("batch_set_v2", refused)
+        if request.batches:
+            self.per_key_notice.backup(request.batches[0].chain)
+            request.answer(self._put(request.batches))
+        return request.results
+
+    @never_raise(miss_flag)
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        if values is None:
+            raise InvalidRequestError("batch_set needs values (flat page tensors)")
+        values = [v.contiguous() if isinstance(v, torch.Tensor) else v for v in values]
+        batch = self.registration.flat_batch(keys, values)
+        (ok,) = self._put([batch], kv_call=True)
+        return bool(ok) and all(ok)
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return self.batch_set([key], None if value is None else [value])
+
+    @recorded(SET)
+    def _put(self, batches: list[PoolBatch]) -> list[list[bool]]:
         """Per batch, per key: is every object of the key stored now?"""
         physical = [b for b in batches if not b.pool.is_logical]
         keys = object_keys(physical)
-        if keys and not self._client.puts_paused():
+        if keys and not self.client.puts_paused():
             # A key already stored (by another rank or node) is not written twice.
             # Where a chain's objects sit matters to the check only while the
             # router is troubled (a bad segment); it costs a pass per object.
             placed = (None, None)
-            if not self._client.router.untroubled:
+            if not self.client.router.untroubled:
                 placed = chain_placement(physical)
-            stored = self._client.exists(keys, *placed)
+            stored = self.client.exists(keys, *placed)
         else:
             stored = [False] * len(keys)
-        schema = self._reg.key_schema
-        group_ids = self._reg.group_ids
+        schema, group_ids = self.registration.key_schema, self.registration.group_ids
         todos = [
             batch.pool.write_missing(batch, part, schema, group_ids)
             for batch, part in zip(physical, per_batch(stored, physical), strict=True)
         ]
         if not any(b.staged for b in physical) and all(t.object_indices is None for t in todos):
             # Every object moves, in order: no per-object bookkeeping.
-            flags = self._direct(keys, todos) if keys else []
-        else:
-            flags = move_selected(physical, todos, stored, self._stager.put_batch, self._direct)
+            return per_key_results(batches, self._put_direct(keys, todos) if keys else [])
+        chosen = select(physical, todos)
+        flags = list(stored)
+        for batch, todo, slots in chosen.staged:
+            put_back(flags, slots, self._put_staged(batch, todo))
+        if chosen.direct_keys:
+            direct = self._put_direct(chosen.direct_keys, chosen.direct_todos)
+            put_back(flags, chosen.direct_slots, direct)
         return per_key_results(batches, flags)
 
-    def _direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
-        """One native put from the host pools' (registered) memory."""
+    def _put_direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
+        """One native put of zero-copy batches, from the host pools' (registered) memory."""
         plans = PlanBatch.concat([t.plans for t in todos])
         groups = None
         if any(t.group_ids is not None for t in todos):
             groups = [g for t in todos for g in t.group_ids or ()]
         domains, steps = placement(todos)
-        return self._client.put(keys, plans, groups, domains=domains, steps=steps)
+        return self.client.put(keys, plans, groups, domains=domains, steps=steps)
+
+    def _put_staged(self, batch: PoolBatch, todo: Transfer) -> list[bool]:
+        """A staged batch's objects, one native put per lease of the arena."""
+        flags: list[bool] = []
+        with contextlib.closing(self.stager.parts(batch, todo)) as parts:
+            for part in parts:
+                self.stager.stage(part)
+                groups, domains, steps = part.cut(todo.group_ids, todo.domains, todo.steps)
+                flags += self.client.put(
+                    part.keys(), part.plans(), groups, domains=domains, steps=steps
+                )
+        return flags
