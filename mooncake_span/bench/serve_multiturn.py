@@ -2,18 +2,20 @@
 
 ``mooncake-span bench --serve --serve-workloads multiturn``. In the spirit of
 sglang's ``benchmark/hicache/bench_multiturn.py``: ``clients`` conversations
-of ``turns`` turns each; a conversation's first prompt is fresh random text,
-and every later turn sends its whole history (every earlier prompt and
-answer) plus new text. The device pool holds one long conversation, the host
-tier ``hicache_ratio`` times that, and all conversations together are larger
-than both, so a conversation's earlier turns have left host memory by the
-time it comes back: only an L3 can serve them.
+of ``turns`` turns each, at most ``parallel`` requests in flight; a
+conversation's first prompt is fresh random text, and every later turn sends
+its whole history (every earlier prompt and answer) plus new text. Device and
+host memory together hold fewer tokens than all conversations, so by the time
+a conversation comes back the other clients' turns have pushed its history
+out of both: only an L3 can serve it. The host tier does hold what the
+requests in flight prefetch at once, since sglang skips a storage prefetch it
+cannot find host memory for, whichever backend it uses.
 
 Each arm has one server (``recompute`` keeps sglang's host tier but has no L3),
 all alive together (``--sleep-on-idle``). Turn t goes to every arm in the
-order ``round_order(ARMS, t)``; an arm gets all its clients' requests at once,
-one thread each, streamed, so each request has its own TTFT and the server
-batches them as it would real traffic. An arm's input throughput is the prompt
+order ``round_order(ARMS, t)``; an arm gets all its clients' requests of that
+turn from ``parallel`` threads, streamed, so each request has its own TTFT and
+the server batches them as it would real traffic. An arm's input throughput is the prompt
 tokens it was sent over the wall time of its turns; the wait for an L3 arm's
 backup to reach its master comes after that arm's turn and is not timed. Every
 arm's greedy answers must equal recompute's for every client and turn; each arm
@@ -51,7 +53,8 @@ BACKUP_TIMEOUT_S = 60.0
 @dataclass(frozen=True)
 class MultiTurnConfig:
     model: str = "llama"
-    clients: int = 6
+    clients: int = 12
+    parallel: int = 3
     turns: int = 6
     first_prompt_tokens: int = 768
     new_tokens_per_turn: int = 192
@@ -61,7 +64,7 @@ class MultiTurnConfig:
     num_heads: int = 8
     page_size_tokens: int = 64
     # The device KV pool; the host tier is hicache_ratio times it.
-    device_tokens: int = 2560
+    device_tokens: int = 4096
     hicache_ratio: float = 2.0
     segment_bytes: int = 1 << 30
     # As in the repeated-prompt workload: a restore is never dropped half way.
@@ -70,14 +73,24 @@ class MultiTurnConfig:
     work_dir: Path = field(default_factory=lambda: Path("/tmp/mooncake-span-serve"))
 
     def __post_init__(self) -> None:
-        if self.clients < 1 or self.turns < 2:
-            raise ValueError(f"need clients >= 1 and turns >= 2, got {self.clients}, {self.turns}")
+        if self.clients < 1 or self.turns < 2 or not 1 <= self.parallel <= self.clients:
+            raise ValueError(
+                f"need clients >= 1, turns >= 2 and 1 <= parallel <= clients, got clients "
+                f"{self.clients}, turns {self.turns}, parallel {self.parallel}"
+            )
         if self.first_prompt_tokens < self.page_size_tokens or self.new_tokens_per_turn < 1:
             raise ValueError("the first prompt must fill a page and every turn must add text")
         if self.device_tokens < self.longest_request_tokens + self.page_size_tokens:
             raise ValueError(
                 f"device_tokens {self.device_tokens} cannot hold the longest request "
                 f"({self.longest_request_tokens} tokens) and a page"
+            )
+        if self.parallel * self.longest_request_tokens > self.host_tokens:
+            raise ValueError(
+                f"{self.parallel} requests in flight prefetch up to "
+                f"{self.parallel * self.longest_request_tokens} tokens into a host tier of "
+                f"{self.host_tokens}: sglang would skip prefetches for want of host memory; "
+                "lower parallel or raise hicache_ratio"
             )
         if self.working_set_tokens <= self.device_tokens + self.host_tokens:
             raise ValueError(
@@ -136,11 +149,11 @@ def _one_request(url: str, prompt: list[int], answer_tokens: int) -> dict[str, A
 
 
 def run_arm_turn(
-    server: SglangServer, prompts: Sequence[list[int]], answer_tokens: int
+    server: SglangServer, prompts: Sequence[list[int]], answer_tokens: int, parallel: int
 ) -> tuple[float, list[dict[str, Any]]]:
-    """Every client's request of one turn sent at once: (wall seconds, one record each)."""
+    """Every client's request of one turn, ``parallel`` in flight: (wall seconds, records)."""
     started = time.perf_counter()
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    with ThreadPoolExecutor(parallel) as pool:
         futures = [
             pool.submit(_one_request, server.url, prompt, answer_tokens) for prompt in prompts
         ]
@@ -267,7 +280,9 @@ def _run_turn(
     arms = {}
     for arm in order:
         prompts = [histories[arm][c] + fresh[c] for c in range(config.clients)]
-        wall_s, requests = run_arm_turn(servers[arm], prompts, config.answer_tokens)
+        wall_s, requests = run_arm_turn(
+            servers[arm], prompts, config.answer_tokens, config.parallel
+        )
         for c, request in enumerate(requests):
             histories[arm][c] = prompts[c] + request["output_ids"]
         arms[arm] = {"wall_s": wall_s, "requests": requests}
@@ -285,6 +300,7 @@ def format_multiturn(result: Mapping[str, Any]) -> str:
     config = result["config"]
     lines = [
         f"multiturn {config['model']}: {config['clients']} clients x {config['turns']} turns, "
+        f"{config['parallel']} in flight, "
         f"working set {result['working_set_tokens']} tokens, device {config['device_tokens']} "
         f"+ host {result['host_tokens']} tokens"
     ]

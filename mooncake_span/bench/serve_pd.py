@@ -31,13 +31,17 @@ from typing import Any
 
 from mooncake_span.bench import serve_arms as A
 from mooncake_span.bench import serve_stats as S
-from mooncake_span.lab.sglang_servers import HOST, Router, SglangServer
+from mooncake_span.lab.sglang_servers import HOST, Router, SglangServer, start_together
 from mooncake_span.ops import launcher as L
 from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model
 
 logger = logging.getLogger(__name__)
 
 ROUTER_TIMEOUT_S = 300.0
+# sglang's --num-reserved-decode-tokens default: a decode server admits a request
+# only when its pool holds the request and this many more tokens, and a request
+# it cannot admit waits for ever.
+DECODE_RESERVED_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,9 @@ class PdConfig:
 
     @property
     def max_total_tokens(self) -> int:
-        pages = -(-(self.turn2_tokens + self.answer_tokens) // self.page_size_tokens)
-        return (pages + 2) * self.page_size_tokens
+        """Every server's device pool: turn 2 with its answer, decode's reserve and two pages."""
+        tokens = self.turn2_tokens + self.answer_tokens + DECODE_RESERVED_TOKENS
+        return (-(-tokens // self.page_size_tokens) + 2) * self.page_size_tokens
 
     def model_spec(self) -> TinyModelSpec:
         return TinyModelSpec(
@@ -155,19 +160,21 @@ def _start_arms(config: PdConfig, stack: ExitStack, log_dir: Path) -> dict[str, 
             servers[arm, name] = server
             stack.callback(server.stop)
     servers = A.start_servers(servers, log_dir, stack)
-    arms = {}
+    routers = {}
     for arm in S.ARMS:
-        routers = []
         for name in ("prefill1", "prefill2"):
             prefill = [(servers[arm, name], bootstraps[arm][name])]
             router = Router(f"pd-{arm}-router-{name}", prefill, [servers[arm, "decode"]], log_dir)
             stack.callback(router.stop)
-            router.start()
-            # The router answers 503 until it has registered its workers.
-            router.generate_until_served([1] * (config.page_size_tokens + 1), 1, ROUTER_TIMEOUT_S)
-            routers.append(router)
-        arms[arm] = PdArm(routers[0], routers[1], clusters.get(arm))
-    return arms
+            routers[arm, name] = router
+    start_together(list(routers.values()))
+    for router in routers.values():
+        # A router answers 503 until it has registered its workers.
+        router.generate_until_served([1] * (config.page_size_tokens + 1), 1, ROUTER_TIMEOUT_S)
+    return {
+        arm: PdArm(routers[arm, "prefill1"], routers[arm, "prefill2"], clusters.get(arm))
+        for arm in S.ARMS
+    }
 
 
 def run_pd_round(config: PdConfig, arms: Mapping[str, PdArm], index: int) -> dict[str, Any]:

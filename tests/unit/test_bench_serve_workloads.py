@@ -27,10 +27,16 @@ def _turn(index, arms):
 def test_multiturn_config_needs_a_working_set_beyond_device_and_host() -> None:
     config = MT.MultiTurnConfig()
     assert config.longest_request_tokens == 768 + 5 * (8 + 192) + 8
-    assert config.working_set_tokens == 6 * config.longest_request_tokens
+    assert config.working_set_tokens == 12 * config.longest_request_tokens
     assert config.working_set_tokens > config.device_tokens + config.host_tokens
+    # What the requests in flight prefetch fits the host tier.
+    assert config.parallel * config.longest_request_tokens <= config.host_tokens
     with pytest.raises(ValueError, match="L3 would serve nothing"):
-        MT.MultiTurnConfig(clients=1)
+        MT.MultiTurnConfig(clients=6)
+    with pytest.raises(ValueError, match="skip prefetches for want of host memory"):
+        MT.MultiTurnConfig(parallel=5)
+    with pytest.raises(ValueError, match="parallel <= clients"):
+        MT.MultiTurnConfig(clients=2, parallel=3)
     with pytest.raises(ValueError, match="cannot hold the longest request"):
         MT.MultiTurnConfig(device_tokens=1024)
     with pytest.raises(ValueError, match="turns >= 2"):
@@ -162,3 +168,11 @@ def test_write_plot_draws_every_measured_workload(tmp_path) -> None:
     assert path.stat().st_size > 1000
     with pytest.raises(ValueError, match="nothing measured"):
         serve.write_plot({"multiturn": {"turns": []}}, str(tmp_path / "empty.png"))
+
+
+def test_pd_device_pool_admits_turn_two_on_decode() -> None:
+    config = PD.PdConfig()
+    # A decode server admits a request only with its reserve free beside it.
+    needed = config.turn2_tokens + config.answer_tokens + PD.DECODE_RESERVED_TOKENS
+    assert config.max_total_tokens >= needed
+    assert config.max_total_tokens % config.page_size_tokens == 0
