@@ -317,7 +317,4 @@ def format_multiturn(result: Mapping[str, Any]) -> str:
             f"  {pair:<20} input throughput p50 {ratios['input_throughput']['p50']:.2f}x  "
             f"slowest TTFT p50 {ratios['slowest_ttft']['p50']:.2f}x"
         )
-    lines.append(
-        "greedy tokens: " + ("all arms agree" if not result["disagreeing"] else "DISAGREE")
-    )
     return "\n".join(lines)
