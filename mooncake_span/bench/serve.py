@@ -38,7 +38,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from mooncake_span.bench.serve_multiturn import MultiTurnConfig, format_multitur
 from mooncake_span.bench.serve_pd import PdConfig, check_pd, format_pd, run_pd
 from mooncake_span.lab.sglang_servers import SglangServer
 from mooncake_span.ops.cluster import LocalCluster
-from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model
+from mooncake_span.testing.cpu_server.models import ensure_model
 
 logger = logging.getLogger(__name__)
 
@@ -67,24 +67,12 @@ METRIC_PREFIXES = (
 
 
 @dataclass(frozen=True)
-class ServeConfig:
+class ServeConfig(A.ServeSetup):
     models: tuple[str, ...] = DEFAULT_MODELS
     lengths_tokens: tuple[int, ...] = DEFAULT_LENGTHS_TOKENS
     rounds: int = 8
     warmup_rounds: int = 1
     answer_tokens: int = 8
-    hidden_size: int = 512
-    num_layers: int = 8
-    num_heads: int = 8
-    page_size_tokens: int = 64
-    hicache_ratio: float = 2.0
-    # Per L3 arm's storage node; old rounds' objects are evicted to make room.
-    segment_bytes: int = 1 << 30
-    # wait_complete: a prefetch is never dropped half way, so each round
-    # measures a full restore rather than the policy's timeout under load.
-    prefetch_policy: str = "wait_complete"
-    seed: int = 0
-    work_dir: Path = field(default_factory=lambda: Path("/tmp/mooncake-span-serve"))
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.warmup_rounds < 0:
@@ -95,14 +83,6 @@ class ServeConfig:
                     f"prompt length {length} must be a multiple of the page "
                     f"({self.page_size_tokens} tokens) and at least 4 pages"
                 )
-
-    def model_spec(self, architecture: str) -> TinyModelSpec:
-        return TinyModelSpec(
-            architecture=architecture,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-        )
 
     @property
     def max_total_tokens(self) -> int:
@@ -139,10 +119,7 @@ def started_arms(config: ServeConfig, architecture: str, log_dir: Path) -> Itera
                 arm,
                 model_path,
                 clusters.get(arm),
-                prefetch_policy=config.prefetch_policy,
-                page_size_tokens=config.page_size_tokens,
-                max_total_tokens=config.max_total_tokens,
-                hicache_ratio=config.hicache_ratio,
+                **config.server_fields(config.max_total_tokens),
             )
             roles = ("reader", "writer") if arm in S.L3_ARMS else ("reader",)
             for role in roles:
@@ -271,7 +248,7 @@ def run_serve(
     started = time.monotonic()
     result: dict[str, Any] = {
         "bench": "serve",
-        "config": {**asdict(config), "work_dir": str(config.work_dir)},
+        "config": config.described(),
         "ttft_measure": "seconds from sending /generate to the first streamed chunk",
         "models": {},
     }

@@ -17,6 +17,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,45 @@ REQUEST_TIMEOUT_S = 300.0
 READY_TEXT = "The server is fired up and ready to roll"
 PORT_TAKEN_TEXT = "address already in use"
 PROMPT_VOCAB_TOKENS = 500
+
+
+@dataclass(frozen=True)
+class ServeSetup:
+    """What the servers of every workload share: the tiny model, the caches, the clusters."""
+
+    hidden_size: int = 512
+    num_layers: int = 8
+    num_heads: int = 8
+    page_size_tokens: int = 64
+    hicache_ratio: float = 2.0
+    # Per L3 arm's storage node; old rounds' objects are evicted to make room.
+    segment_bytes: int = 1 << 30
+    # wait_complete: a prefetch is never dropped half way, so every request
+    # measures a whole restore rather than the policy's timeout under load.
+    prefetch_policy: str = "wait_complete"
+    seed: int = 0
+    work_dir: Path = field(default_factory=lambda: Path("/tmp/mooncake-span-serve"))
+
+    def model_spec(self, architecture: str) -> TinyModelSpec:
+        return TinyModelSpec(
+            architecture=architecture,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+        )
+
+    def server_fields(self, max_total_tokens: int) -> dict[str, Any]:
+        """The :class:`ServerOptions` fields every arm's servers share."""
+        return {
+            "prefetch_policy": self.prefetch_policy,
+            "page_size_tokens": self.page_size_tokens,
+            "max_total_tokens": max_total_tokens,
+            "hicache_ratio": self.hicache_ratio,
+        }
+
+    def described(self) -> dict[str, Any]:
+        """The configuration as JSON can hold it."""
+        return {**asdict(self), "work_dir": str(self.work_dir)}
 
 
 def kv_bytes_per_token(spec: TinyModelSpec) -> int:

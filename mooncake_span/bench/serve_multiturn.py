@@ -32,14 +32,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from mooncake_span.bench import serve_arms as A
 from mooncake_span.bench import serve_stats as S
 from mooncake_span.lab.sglang_servers import SglangServer, settled_count
-from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model
+from mooncake_span.testing.cpu_server.models import ensure_model
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ BACKUP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
-class MultiTurnConfig:
+class MultiTurnConfig(A.ServeSetup):
     model: str = "llama"
     clients: int = 12
     parallel: int = 3
@@ -59,18 +58,8 @@ class MultiTurnConfig:
     first_prompt_tokens: int = 768
     new_tokens_per_turn: int = 192
     answer_tokens: int = 8
-    hidden_size: int = 512
-    num_layers: int = 8
-    num_heads: int = 8
-    page_size_tokens: int = 64
     # The device KV pool; the host tier is hicache_ratio times it.
     device_tokens: int = 4096
-    hicache_ratio: float = 2.0
-    segment_bytes: int = 1 << 30
-    # As in the repeated-prompt workload: a restore is never dropped half way.
-    prefetch_policy: str = "wait_complete"
-    seed: int = 0
-    work_dir: Path = field(default_factory=lambda: Path("/tmp/mooncake-span-serve"))
 
     def __post_init__(self) -> None:
         if self.clients < 1 or self.turns < 2 or not 1 <= self.parallel <= self.clients:
@@ -115,14 +104,6 @@ class MultiTurnConfig:
     @property
     def working_set_tokens(self) -> int:
         return self.clients * self.longest_request_tokens
-
-    def model_spec(self) -> TinyModelSpec:
-        return TinyModelSpec(
-            architecture=self.model,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-        )
 
 
 def new_text(seed: int, client: int, turn: int, n_tokens: int) -> list[int]:
@@ -221,10 +202,10 @@ def run_multiturn(
     """All turns on one server per arm; ``checkpoint`` gets the result after each turn."""
     started = time.monotonic()
     log_dir = config.work_dir / "logs" / f"multiturn-{config.model}"
-    spec = config.model_spec()
+    spec = config.model_spec(config.model)
     result: dict[str, Any] = {
         "workload": "multiturn",
-        "config": {**asdict(config), "work_dir": str(config.work_dir)},
+        "config": config.described(),
         "model": asdict(spec),
         "kv_bytes_per_token": A.kv_bytes_per_token(spec),
         "host_tokens": config.host_tokens,
@@ -240,10 +221,7 @@ def run_multiturn(
                 arm,
                 model_path,
                 clusters.get(arm),
-                prefetch_policy=config.prefetch_policy,
-                page_size_tokens=config.page_size_tokens,
-                max_total_tokens=config.device_tokens,
-                hicache_ratio=config.hicache_ratio,
+                **config.server_fields(config.device_tokens),
             )
             servers[arm] = SglangServer(f"multiturn-{config.model}-{arm}", options, log_dir)
             stack.callback(servers[arm].stop)

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from mooncake_span.bench import serve_arms as A
 from mooncake_span.bench import serve_stats as S
 from mooncake_span.lab.sglang_servers import HOST, Router, SglangServer, start_together
 from mooncake_span.ops import launcher as L
-from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model
+from mooncake_span.testing.cpu_server.models import ensure_model
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ DECODE_RESERVED_TOKENS = 512
 
 
 @dataclass(frozen=True)
-class PdConfig:
+class PdConfig(A.ServeSetup):
     model: str = "llama"
     prompt_tokens: int = 2048
     # 96 answer tokens fill a page beyond the prompt, which decode writes to L3.
@@ -53,15 +53,6 @@ class PdConfig:
     new_tokens: int = 64
     rounds: int = 6
     warmup_rounds: int = 1
-    hidden_size: int = 512
-    num_layers: int = 8
-    num_heads: int = 8
-    page_size_tokens: int = 64
-    hicache_ratio: float = 2.0
-    segment_bytes: int = 1 << 30
-    prefetch_policy: str = "wait_complete"
-    seed: int = 0
-    work_dir: Path = field(default_factory=lambda: Path("/tmp/mooncake-span-serve"))
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.warmup_rounds < 0:
@@ -97,14 +88,6 @@ class PdConfig:
         tokens = self.turn2_tokens + self.answer_tokens + DECODE_RESERVED_TOKENS
         return (-(-tokens // self.page_size_tokens) + 2) * self.page_size_tokens
 
-    def model_spec(self) -> TinyModelSpec:
-        return TinyModelSpec(
-            architecture=self.model,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            num_heads=self.num_heads,
-        )
-
 
 @dataclass
 class PdArm:
@@ -118,12 +101,7 @@ class PdArm:
 def _arm_servers(
     config: PdConfig, arm: str, model_path: Path, cluster: Any, log_dir: Path
 ) -> tuple[dict[str, SglangServer], dict[str, int]]:
-    fields = dict(
-        prefetch_policy=config.prefetch_policy,
-        page_size_tokens=config.page_size_tokens,
-        max_total_tokens=config.max_total_tokens,
-        hicache_ratio=config.hicache_ratio,
-    )
+    fields = config.server_fields(config.max_total_tokens)
     servers, bootstrap = {}, {}
     for name in ("prefill1", "prefill2"):
         bootstrap[name] = L.pick_free_ports(HOST, 1)[0]
@@ -149,7 +127,7 @@ def _arm_servers(
 
 
 def _start_arms(config: PdConfig, stack: ExitStack, log_dir: Path) -> dict[str, PdArm]:
-    model_path = ensure_model(config.model_spec(), config.work_dir / "models")
+    model_path = ensure_model(config.model_spec(config.model), config.work_dir / "models")
     clusters = A.arm_clusters(stack, config.segment_bytes, log_dir)
     servers, bootstraps = {}, {}
     for arm in S.ARMS:
@@ -230,10 +208,10 @@ def run_pd(
 ) -> dict[str, Any]:
     started = time.monotonic()
     log_dir = config.work_dir / "logs" / f"pd-{config.model}"
-    spec = config.model_spec()
+    spec = config.model_spec(config.model)
     result: dict[str, Any] = {
         "workload": "pd",
-        "config": {**asdict(config), "work_dir": str(config.work_dir)},
+        "config": config.described(),
         "model": asdict(spec),
         "restorable_tokens": config.restorable_tokens,
         "rounds": [],
