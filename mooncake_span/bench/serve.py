@@ -293,6 +293,12 @@ def format_serve(result: Mapping[str, Any]) -> str:
 WORKLOADS = ("repeated", "multiturn", "pd")
 
 
+def check_workloads(workloads: Sequence[str]) -> None:
+    """Raise ValueError unless ``workloads`` names one or more of :data:`WORKLOADS`."""
+    if not workloads or set(workloads) - set(WORKLOADS):
+        raise ValueError(f"workloads must be some of {WORKLOADS}, got {list(workloads)}")
+
+
 def disagreements(result: Mapping[str, Any]) -> list[str]:
     """Every place in a ``run_workloads`` result where some arm's answer differed."""
     bad = []
@@ -317,9 +323,7 @@ def run_workloads(
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The chosen workloads one after another, each on servers of its own."""
-    unknown = sorted(set(workloads) - set(WORKLOADS))
-    if unknown or not workloads:
-        raise ValueError(f"workloads must be some of {WORKLOADS}, got {list(workloads)}")
+    check_workloads(workloads)
     started = time.monotonic()
     result: dict[str, Any] = {
         "bench": "serve",
@@ -459,9 +463,7 @@ def run_serve_command(
         # The conversation workloads run on the first model named.
         multiturn = MultiTurnConfig(model=model_names[0])
         pd = PdConfig(model=model_names[0], rounds=rounds or PdConfig.rounds)
-        unknown = sorted(set(chosen) - set(WORKLOADS))
-        if unknown:
-            raise ValueError(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+        check_workloads(chosen)
     except ValueError as exc:
         print(f"mooncake-span bench --serve: {exc}")
         return 2

@@ -165,15 +165,15 @@ def summarize_arm(turns: Sequence[Mapping[str, Any]], arm: str) -> dict[str, Any
 
 def paired_turn_ratios(turns: Sequence[Mapping[str, Any]], numerator: str, denominator: str):
     """Per later turn, numerator over denominator: input throughput and slowest TTFT."""
-    throughput, p99 = [], []
+    throughput, slowest = [], []
     for turn in turns[1:]:
         a, b = turn["arms"][numerator], turn["arms"][denominator]
         throughput.append(b["wall_s"] / a["wall_s"])
         worst = [max(r["ttft_s"] for r in arm["requests"]) for arm in (a, b)]
-        p99.append(worst[0] / worst[1])
+        slowest.append(worst[0] / worst[1])
     return {
         "input_throughput": {**S.distribution(throughput), "per_turn": throughput},
-        "slowest_ttft": {**S.distribution(p99), "per_turn": p99},
+        "slowest_ttft": {**S.distribution(slowest), "per_turn": slowest},
     }
 
 
