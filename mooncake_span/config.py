@@ -177,9 +177,16 @@ class SpanOptions:
     # The registered arena that staged pools, the generic path and the layout
     # guard move bytes through (store/arena.py); a call larger than it is cut.
     staging_buffer_size_bytes: int = _DEFAULT_STAGING_BYTES
-    # After a no-space put answer (NO_AVAILABLE_HANDLE), puts pause this long
-    # or until a put in flight succeeds (store/put_cooldown.py); 0 disables.
+    # The longest pause of puts on a cluster that keeps refusing them: pauses
+    # start after 3 refused put calls in a row at 10 ms and double while
+    # probes are refused; a stored object ends them (store/put_cooldown.py).
+    # 0: never pause (every put is sent).
     full_cooldown_s: float = 1.0
+    # Backups and hit queries that name their prefix chain (sglang's prefix
+    # keys) renew the Mooncake lease of the chain's stored prefix in the
+    # existence query they send anyway, so Mooncake's LRU eviction takes a
+    # conversation's tail before its prefix (docs/operating.md, "Eviction").
+    refresh_prefix: bool = True
     # Mooncake's own CRC-64 per object (MOONCAKE_STORE_CHECKSUM, read at the
     # process's first setup): full-object gets of objects put with it verify
     # their bytes, and a mismatch reads as a miss. Costs a CPU pass per byte.
@@ -273,6 +280,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_lost_keys_max": ("lost_keys_max", parse_int),
     "span_staging_buffer_size": ("staging_buffer_size_bytes", parse_size_bytes),
     "span_full_cooldown_s": ("full_cooldown_s", float),
+    "span_refresh_prefix": ("refresh_prefix", parse_bool),
     "span_verify_checksums": ("verify_checksums", parse_bool),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}

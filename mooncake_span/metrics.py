@@ -94,6 +94,13 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Objects a Mooncake call failed, by Mooncake code name",
         ("code",),
     ),
+    "backup_objects_skipped_total": (
+        "counter",
+        "Objects of backups that were not written, by reason: stored (already in the "
+        "cluster), cooldown (not sent: puts paused after refused puts; the cluster was not "
+        "asked), refused (sent; the cluster answered no space)",
+        ("reason",),
+    ),
     "integrity_failures_total": (
         "counter",
         "Objects a restore found corrupt (Mooncake's checksum did not match), by code; each "
@@ -196,6 +203,10 @@ class SpanMetrics:
         if count > 0:
             self._child("failed_objects_total", code).inc(count)
 
+    def add_skipped_backup_objects(self, reason: str, count: int) -> None:
+        if count > 0:
+            self._child("backup_objects_skipped_total", reason).inc(count)
+
     def add_integrity_failures(self, code: str, count: int) -> None:
         if count > 0:
             self._child("integrity_failures_total", code).inc(count)
@@ -270,6 +281,7 @@ class ClientStatsSync:
         self._state: str | None = None  # None: the gauge was never set
         self._seen_bad: frozenset[str] = frozenset()
         self._seen_corrupt: dict[str, int] = {}
+        self._seen_skipped: dict[str, int] = {}
 
     def sync(self, stats: Mapping[str, Any]) -> None:
         codes = stats.get("error_counts", {})
@@ -277,17 +289,20 @@ class ClientStatsSync:
         state = str(stats.get("breaker_state", "closed"))
         bad = frozenset(stats.get("bad_segments", ()))
         corrupt = stats.get("integrity_failures", {})
+        skipped = stats.get("skipped_backups", {})
         with self._lock:
-            if (codes, opens, state, bad, corrupt) == (
+            if (codes, opens, state, bad, corrupt, skipped) == (
                 self._seen_codes,
                 self._seen_opens,
                 self._state,
                 self._seen_bad,
                 self._seen_corrupt,
+                self._seen_skipped,
             ):
                 return  # the common case: nothing failed since the last call
             deltas = _advance(self._seen_codes, codes)
             corrupted = _advance(self._seen_corrupt, corrupt)
+            not_written = _advance(self._seen_skipped, skipped)
             newly_bad = bad - self._seen_bad
             opened = max(0, opens - self._seen_opens)
             self._seen_opens = max(opens, self._seen_opens)
@@ -296,6 +311,8 @@ class ClientStatsSync:
             self._metrics.add_failed_objects(code, delta)
         for code, delta in corrupted.items():
             self._metrics.add_integrity_failures(code, delta)
+        for reason, delta in not_written.items():
+            self._metrics.add_skipped_backup_objects(reason, delta)
         self._metrics.add_breaker_opens(opened)
         self._metrics.set_breaker_state(state)
         # A storage node (segment) the client marked bad after a failed transfer.

@@ -59,7 +59,7 @@ from mooncake_span.sglang_backend.hit_query import HitProber
 from mooncake_span.sglang_backend.l3_layout import describe_layout
 from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
-from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice, chain_of
+from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice, chain_of, prefix_keys_of
 from mooncake_span.sglang_backend.reads import ReadPath
 from mooncake_span.sglang_backend.recording import CallRecorder
 from mooncake_span.sglang_backend.registration import Registration
@@ -185,10 +185,11 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         kv = self.pools[KV_POOL]
         if kv.is_logical:
             return 0
-        window = self.registration.chain_window_keys
-        chain = chain_of(extra_info, page_keys, self.key_schema, window) if page_keys else None
+        chain, prefix = self._chain(extra_info, page_keys)
         tally = ProbeTally()
-        hits = self.prober.kv_prefix(self.key_schema, kv, page_keys, KV_ROUNDS_ALONE, tally, chain)
+        hits = self.prober.kv_prefix(
+            self.key_schema, kv, page_keys, KV_ROUNDS_ALONE, tally, chain, prefix
+        )
         self.recorder.hit_query(len(page_keys), hits, tally)
         return hits
 
@@ -206,14 +207,24 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
             for t in list(pool_transfers or [])
         ]
         tally = ProbeTally()
-        window = self.registration.chain_window_keys
-        chain = chain_of(extra_info, page_keys, self.key_schema, window) if page_keys else None
+        chain, prefix = self._chain(extra_info, page_keys)
         kv = self.pools[KV_POOL]
-        hit = self.prober.hits(self.key_schema, kv, page_keys, transfers, tally, chain)
+        hit = self.prober.hits(self.key_schema, kv, page_keys, transfers, tally, chain, prefix)
         self.recorder.hit_query(len(page_keys), hit.kv_hit_pages, tally)
         names = {pool_name_str(t.name): t.name for t, _ in transfers}
         pool_hits = {names.get(n, PoolName.KV): v for n, v in hit.pool_hit_pages.items()}
         return PoolTransferResult(hit.kv_hit_pages, pool_hits, hit.restorable_prefix_pages)
+
+    def _chain(self, extra_info: Any, page_keys: list[str]) -> tuple[Any, list[str]]:
+        """A hit query's chain spot and the prefix keys whose leases it renews
+        (``span_refresh_prefix``); (None, []) without prefix keys."""
+        if not page_keys:
+            return None, []
+        window = self.registration.chain_window_keys
+        chain = chain_of(extra_info, page_keys, self.key_schema, window)
+        if chain is None or not self.options.refresh_prefix:
+            return chain, []
+        return chain, prefix_keys_of(extra_info)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

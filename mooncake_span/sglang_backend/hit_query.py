@@ -56,11 +56,13 @@ class HitProber:
         parts: Sequence[tuple[StoredPool, list[str], int]],
         tally: ProbeTally,
         chain: ChainSpot | None,
+        touch: Sequence[str] = (),
     ) -> list[list[bool]]:
         """One existence query for every (pool, keys, offset of keys[0] in the
         query) part, counted by the RPCs the client sends for it; per part, per
         key flags. With ``chain``, the client learns where each object was
-        placed (it matters while a segment is bad)."""
+        placed (it matters while a segment is bad). ``touch``: objects whose
+        leases the query renews besides (``MooncakeClient.exists``)."""
         per_part = [pool.object_keys(schema, keys) for pool, keys, _ in parts]
         flat = [k for keys in per_part for k in keys]
         domains = steps = None
@@ -72,8 +74,10 @@ class HitProber:
                 domains += more[0]
                 steps += more[1]
         sent: list[None] = []  # one entry per native RPC the client sends
-        found = self._client.exists(flat, domains, steps, lambda: sent.append(None)) if flat else []
-        tally.add(len(flat), len(sent))
+        found = []
+        if flat:
+            found = self._client.exists(flat, domains, steps, lambda: sent.append(None), touch)
+        tally.add(len(flat) + len(touch), len(sent))
         counts = [len(keys) for keys in per_part]
         return [
             pool.fold(flags)
@@ -88,10 +92,17 @@ class HitProber:
         max_rounds: int,
         tally: ProbeTally,
         chain: ChainSpot | None = None,
+        prefix_keys: Sequence[str] = (),
     ) -> int:
-        """Leading keys whose KV objects all exist, probed chunk by chunk."""
+        """Leading keys whose KV objects all exist, probed chunk by chunk. The
+        first round also renews the leases of the KV objects of ``prefix_keys``
+        (the chain's keys before ``page_keys``): reading a chain keeps its prefix
+        as new as its tail for Mooncake's eviction, at no extra RPC."""
+        touch = kv.object_keys(schema, list(prefix_keys)) if prefix_keys else []
         for start, end in self.policy.chunks(len(page_keys), max_rounds):
-            (flags,) = self._round(schema, [(kv, page_keys[start:end], start)], tally, chain)
+            part = [(kv, page_keys[start:end], start)]
+            (flags,) = self._round(schema, part, tally, chain, touch)
+            touch = []
             run = leading_run(flags)
             if run < end - start:
                 return start + run
@@ -105,8 +116,10 @@ class HitProber:
         transfers: Sequence[tuple[Any, StoredPool]],
         tally: ProbeTally,
         chain: ChainSpot | None = None,
+        prefix_keys: Sequence[str] = (),
     ) -> HitResult:
-        """``batch_exists_v2``'s answer; ``transfers`` pairs each PoolTransfer with its pool."""
+        """``batch_exists_v2``'s answer; ``transfers`` pairs each PoolTransfer with its pool.
+        ``prefix_keys``: as for ``kv_prefix``."""
         for transfer, _ in transfers:  # a bad request is refused before anything is leased
             check_policy(pool_name_str(transfer.name), pool_name_str(transfer.hit_policy))
         if kv.is_logical:
@@ -115,7 +128,7 @@ class HitProber:
             kv_pages = len(page_keys)
         else:
             rounds = KV_ROUNDS_WITH_SIDECARS if transfers else KV_ROUNDS_ALONE
-            kv_pages = self.kv_prefix(schema, kv, page_keys, rounds, tally, chain)
+            kv_pages = self.kv_prefix(schema, kv, page_keys, rounds, tally, chain, prefix_keys)
         if not kv_pages or not transfers:
             return compute_hits(kv_pages, [])
         needed = [

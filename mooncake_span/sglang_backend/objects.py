@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
+from mooncake_span.span.keys import KeySchema
 
 Item = TypeVar("Item")
 
@@ -24,6 +25,21 @@ def object_keys(batches: Sequence[PoolBatch]) -> list[str]:
     if len(batches) == 1:
         return batches[0].object_keys
     return [key for batch in batches for key in batch.object_keys]
+
+
+def prefix_objects(batches: Sequence[PoolBatch], schema: KeySchema) -> list[str]:
+    """The objects of the batches' prefix keys (``PoolBatch.prefix_keys``), key by
+    key from the chain's root, every batch's components of a key together, so
+    that a cut keeps the oldest part of the prefix whole."""
+    parts = [
+        (b.pool.object_keys(schema, b.prefix_keys), b.pool.num_components)
+        for b in batches
+        if b.prefix_keys
+    ]
+    if len(parts) <= 1:
+        return parts[0][0] if parts else []
+    count = max(len(keys) // ncomp for keys, ncomp in parts)
+    return [o for i in range(count) for keys, c in parts for o in keys[i * c : (i + 1) * c]]
 
 
 def split(flat: Sequence[Item], counts: Sequence[int]) -> list[Sequence[Item]]:

@@ -9,7 +9,9 @@ is one chain, whichever batch of the conversation the call carries. The chain
 root (the first prefix key, or the call's first key when there is none) and
 the position ``len(prefix_keys)`` are all placement needs
 (``store/domains.ChainSpot``). ``prefix_keys`` None: the knob is off, and
-placement stays per storage key.
+placement stays per storage key. The prefix keys themselves
+(``prefix_keys_of``) are the objects whose leases a backup or a hit query
+renews (``span_refresh_prefix``), so that eviction takes the chain's tail first.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import threading
 from typing import Any
 
 from mooncake_span.errors import InvalidRequestError
-from mooncake_span.span.keys import KeySchema
+from mooncake_span.span.keys import KeySchema, check_page_keys
 from mooncake_span.store.domains import ChainSpot
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,17 @@ def chain_of(
     # The root's own per-key domain: a chain and its first key share a segment.
     (domain,) = schema.domains([root], 1)
     return ChainSpot(domain, len(prefix), window_keys)
+
+
+def prefix_keys_of(extra_info: Any) -> list[str]:
+    """The prefix keys sglang passed, validated; [] without them."""
+    prefix = getattr(extra_info, "prefix_keys", None)
+    if not prefix:
+        return []
+    try:
+        return check_page_keys(prefix)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"extra_info.prefix_keys: {exc}") from None
 
 
 class PerKeyNotice:

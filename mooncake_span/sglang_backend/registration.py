@@ -26,7 +26,7 @@ from mooncake_span.config import SpanOptions
 from mooncake_span.errors import InvalidRequestError, MooncakeSpanError, RegistrationError
 from mooncake_span.sglang_backend.guard import miss_per_transfer
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
-from mooncake_span.sglang_backend.prefix_chain import chain_of
+from mooncake_span.sglang_backend.prefix_chain import chain_of, prefix_keys_of
 from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.storage_page import resolve_storage_page_tokens
 from mooncake_span.sglang_backend.stored_pool import (
@@ -241,6 +241,7 @@ class Registration:
         if not page_keys:
             raise InvalidRequestError(f"pool {name!r}: transfer has no keys")
         chain = chain_of(extra_info, page_keys, self.key_schema, self.chain_window_keys)
+        kind = PoolKind.STATE  # a logical pool has no objects to renew
         if pool.is_logical:
             check_host_indices(name, host_indices)
             pages = np.zeros((len(page_keys), 0), dtype=np.int64)
@@ -252,6 +253,9 @@ class Registration:
             pages = pool.host_pages(kind, len(page_keys), host_indices, self.geometry)
         batch = pool.batch(self.key_schema, page_keys, pages)
         batch.chain = chain
+        if chain is not None and kind is not PoolKind.STATE and self._options.refresh_prefix:
+            # A state pool's hit needs only the state at the prefix's end.
+            batch.prefix_keys = prefix_keys_of(extra_info)
         return batch
 
     def transfer_batches(self, transfers: Any, extra_info: Any = None) -> TransferBatches:

@@ -65,6 +65,9 @@ class PoolBatch:
     flat_bases: list[int] | None = None
     # Where page_keys sit in their prefix chain (sglang passed prefix keys), or None.
     chain: ChainSpot | None = None
+    # The chain's keys before page_keys whose leases a put or hit query renews
+    # (span_refresh_prefix; empty without prefix keys, and for state pools).
+    prefix_keys: list[str] = field(default_factory=list)
 
     @property
     def pages_per_key(self) -> int:

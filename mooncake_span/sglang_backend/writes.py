@@ -11,13 +11,23 @@ generic ``batch_set`` (flat page tensors). Each method:
    without prefix keys (``PerKeyNotice``);
 3. runs ``_put``, wrapped in ``recording.recorded``, which records what moved.
    It first asks which objects are already stored (another rank or node wrote
-   them; not asked while the put cool-down runs, since then no put is sent at
-   all), then puts only the missing ones (``StoredPool.write_missing``) with
-   their eviction group ids and failure-domain placement keys: the zero-copy
+   them; asked in a put cool-down too, so a stored key reads True at every
+   moment), renewing in the same query the leases of the chain's prefix
+   (``PoolBatch.prefix_keys``), then puts only the missing ones
+   (``StoredPool.write_missing``) with their eviction group ids and
+   failure-domain placement keys: the zero-copy
    batches in one ``MooncakeClient.put`` (segments cut by the buffer budget and
    the grouped-put cap, each part through ``NativeGate.invoke``), each staged
    batch through the arena in lease-sized parts, its rows copied in first;
 4. folds the per-object flags (stored, or written now) to per-key results.
+
+Why the prefix's leases: Mooncake evicts the objects with the oldest lease
+timestamp first; a put stamps an object with the time it lands, and a lookup
+stamps what it finds with now + the lease TTL. Renewed just before the tail
+is put, a conversation's prefix is newer than its tail by about the TTL, so
+eviction takes the tail first and a stored key stays reachable from the
+chain's root (docs/operating.md, "Eviction"). A put's own objects keep the
+chain's order (a call the cluster refuses part of keeps its reachable head).
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from mooncake_span.sglang_backend.objects import (
     per_batch,
     per_key_results,
     placement,
+    prefix_objects,
     put_back,
     select,
 )
@@ -47,6 +58,7 @@ from mooncake_span.sglang_backend.recording import SET, recorded
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.geometry import KV_POOL
 from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.put_cooldown import STORED
 
 
 class WritePath:
@@ -94,17 +106,19 @@ class WritePath:
         """Per batch, per key: is every object of the key stored now?"""
         physical = [b for b in batches if not b.pool.is_logical]
         keys = object_keys(physical)
-        if keys and not self.client.puts_paused():
+        schema, group_ids = self.registration.key_schema, self.registration.group_ids
+        stored: list[bool] = []
+        if keys:
             # A key already stored (by another rank or node) is not written twice.
             # Where a chain's objects sit matters to the check only while the
             # router is troubled (a bad segment); it costs a pass per object.
             placed = (None, None)
             if not self.client.router.untroubled:
                 placed = chain_placement(physical)
-            stored = self.client.exists(keys, *placed)
-        else:
-            stored = [False] * len(keys)
-        schema, group_ids = self.registration.key_schema, self.registration.group_ids
+            touch = prefix_objects(physical, schema)
+            stored = self.client.exists(keys, *placed, touch=touch)
+            if True in stored:
+                self.client.pressure.count(STORED, stored.count(True))
         todos = [
             batch.pool.write_missing(batch, part, schema, group_ids)
             for batch, part in zip(physical, per_batch(stored, physical), strict=True)

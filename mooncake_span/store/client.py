@@ -16,7 +16,7 @@ conventions into plain Python ones, once:
   a call of a healthy cluster goes out as the caller built it, in one native
   call, and otherwise calls carry at most ``max_buffers_per_call`` buffers and
   a get never names one key twice (Mooncake would leave a buffer unwritten);
-* a no-space answer to a put pauses puts (``put_cooldown.py``): they read False.
+* refused puts in a row pause puts (``put_cooldown.py``): skipped ones read False.
 
 Every TTL and cool-down runs on the one ``clock`` the client is given.
 
@@ -67,7 +67,12 @@ from mooncake_span.store.native import (
     setup_store,
     wait_for_segments,
 )
-from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL, SKIPPED_CODE, PutPressure
+from mooncake_span.store.put_cooldown import (
+    COOLDOWN,
+    FULL_SKIPPED_LABEL,
+    SKIPPED_CODE,
+    PutPressure,
+)
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
 
@@ -188,7 +193,7 @@ class MooncakeClient:
     # ---- the write path ----------------------------------------------------------
 
     def puts_paused(self) -> bool:
-        """True while a full cluster's cool-down skips puts (``put_cooldown.py``)."""
+        """True while puts pause on a cluster that keeps refusing them (``put_cooldown.py``)."""
         return self.pressure.cooling
 
     def put(
@@ -281,6 +286,7 @@ class MooncakeClient:
         for call in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
             if not hard_pin and self.puts_paused():
                 self._gate.count(FULL_SKIPPED_LABEL, len(call))
+                self.pressure.count(COOLDOWN, len(call))
                 codes += [SKIPPED_CODE] * len(call)
                 continue
             config = replicate_config(
@@ -445,14 +451,23 @@ class MooncakeClient:
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
         on_rpc: Callable[[], None] = _uncounted,
+        touch: Sequence[str] = (),
     ) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
         absent without asking the master. ``domains``/``steps`` as for ``get``;
         ``on_rpc`` is called once per native RPC sent (existence queries of at
-        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are)."""
+        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are).
+
+        ``touch``: objects the query also names, for the lease Mooncake grants
+        every object it finds (their answers are dropped): as many of the first
+        ones as fit in the query's last RPC, so touching never adds one. Only
+        while the router is untroubled (no copies, nothing lost or bad)."""
         if self.router.untroubled:  # the common case
-            return [code == 1 for code in self._exists_codes(list(keys), on_rpc)]
+            room = -len(keys) % _EXISTS_KEYS_PER_CALL
+            asked = [*keys, *touch[:room]] if touch and room else list(keys)
+            codes = self._exists_codes(asked, on_rpc)
+            return [code == 1 for code in codes[: len(keys)]]
         lost = self.router.lost_mask(keys)
         locate = functools.partial(self._locate, on_rpc=on_rpc)
         rows = self.router.read_rows(keys, locate, domains, steps)
@@ -524,10 +539,10 @@ class MooncakeClient:
 
     # ---- statistics ----------------------------------------------------------------
 
-    def stats_revision(self) -> tuple[int, bool, int]:
+    def stats_revision(self) -> tuple[int, bool, int, int]:
         """Cheap to read; changes whenever ``stats()`` has news for the metrics
         (every failure is counted, and the breaker and segment marks follow them)."""
-        return (*self._gate.revision(), self.router.times_marked)
+        return (*self._gate.revision(), self.router.times_marked, self.pressure.skipped_total)
 
     def stats(self) -> dict[str, Any]:
         snapshot = self._gate.breaker()
@@ -540,5 +555,6 @@ class MooncakeClient:
             "bad_segments": sorted(self.router.bad_segments()),
             "domains_marked_bad": self.router.times_marked,
             "lost_keys": self.router.lost_count,
+            "skipped_backups": self.pressure.skipped(),
             **self._integrity.snapshot(),
         }
