@@ -187,6 +187,11 @@ class SpanOptions:
     # existence query they send anyway, so Mooncake's LRU eviction takes a
     # conversation's tail before its prefix (docs/operating.md, "Eviction").
     refresh_prefix: bool = True
+    # A backup whose chain prefix is not wholly in the cluster (the same
+    # existence query says so) is not written: no hit query from the chain's
+    # root could reach it, and it would only evict what can (needs
+    # refresh_prefix, which asks about the prefix).
+    skip_unreachable: bool = True
     # Mooncake's own CRC-64 per object (MOONCAKE_STORE_CHECKSUM, read at the
     # process's first setup): full-object gets of objects put with it verify
     # their bytes, and a mismatch reads as a miss. Costs a CPU pass per byte.
@@ -281,6 +286,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_staging_buffer_size": ("staging_buffer_size_bytes", parse_size_bytes),
     "span_full_cooldown_s": ("full_cooldown_s", float),
     "span_refresh_prefix": ("refresh_prefix", parse_bool),
+    "span_skip_unreachable": ("skip_unreachable", parse_bool),
     "span_verify_checksums": ("verify_checksums", parse_bool),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}

@@ -98,7 +98,8 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "counter",
         "Objects of backups that were not written, by reason: stored (already in the "
         "cluster), cooldown (not sent: puts paused after refused puts; the cluster was not "
-        "asked), refused (sent; the cluster answered no space)",
+        "asked), refused (sent; the cluster answered no space), unreachable (not sent: the "
+        "chain's prefix is not in the cluster)",
         ("reason",),
     ),
     "integrity_failures_total": (

@@ -563,6 +563,14 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "nodes is SIGKILLed, bytes per node and put/get pages/s, per-key vs prefix-chain "
         "placement vs sglang's MooncakeStore (mooncake_span.bench.placement)",
     )
+    bench.add_argument(
+        "--eviction",
+        action="store_true",
+        help="only the eviction section: 48 conversations backed up in 4 turns with prefix "
+        "keys into a segment a third of their size, a quarter re-read between rounds; keys "
+        "reachable as a prefix, dead bytes, returning users' hit tokens, refused and skipped "
+        "backups, master RPCs, vs sglang's MooncakeStore (mooncake_span.bench.eviction)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -603,6 +611,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.placement import run_placement_command
 
         return run_placement_command(args.quick, args.json)
+    if args.eviction:
+        from mooncake_span.bench.eviction import run_eviction_command
+
+        return run_eviction_command(args.quick, args.json)
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

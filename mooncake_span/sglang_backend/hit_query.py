@@ -76,7 +76,8 @@ class HitProber:
         sent: list[None] = []  # one entry per native RPC the client sends
         found = []
         if flat:
-            found = self._client.exists(flat, domains, steps, lambda: sent.append(None), touch)
+            asked = self._client.exists(flat, domains, steps, lambda: sent.append(None), touch)
+            found = asked[: len(flat)]
         tally.add(len(flat) + len(touch), len(sent))
         counts = [len(keys) for keys in per_part]
         return [

@@ -13,7 +13,9 @@ generic ``batch_set`` (flat page tensors). Each method:
    It first asks which objects are already stored (another rank or node wrote
    them; asked in a put cool-down too, so a stored key reads True at every
    moment), renewing in the same query the leases of the chain's prefix
-   (``PoolBatch.prefix_keys``), then puts only the missing ones
+   (``PoolBatch.prefix_keys``); when that prefix is not wholly stored, the
+   new keys could never be reached and nothing is written
+   (``span_skip_unreachable``); otherwise it puts only the missing ones
    (``StoredPool.write_missing``) with their eviction group ids and
    failure-domain placement keys: the zero-copy
    batches in one ``MooncakeClient.put`` (segments cut by the buffer budget and
@@ -58,12 +60,13 @@ from mooncake_span.sglang_backend.recording import SET, recorded
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.geometry import KV_POOL
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store.put_cooldown import STORED
+from mooncake_span.store.put_cooldown import STORED, UNREACHABLE
 
 
 class WritePath:
     """The put methods of ``MooncakeSpanStore``, on what ``backend.py`` builds:
-    its ``registration``, ``client``, ``stager``, ``recorder`` and ``per_key_notice``."""
+    its ``options``, ``registration``, ``client``, ``stager``, ``recorder`` and
+    ``per_key_notice``."""
 
     @never_raise(miss_per_key)
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info=None) -> list[bool]:
@@ -107,18 +110,11 @@ class WritePath:
         physical = [b for b in batches if not b.pool.is_logical]
         keys = object_keys(physical)
         schema, group_ids = self.registration.key_schema, self.registration.group_ids
-        stored: list[bool] = []
-        if keys:
-            # A key already stored (by another rank or node) is not written twice.
-            # Where a chain's objects sit matters to the check only while the
-            # router is troubled (a bad segment); it costs a pass per object.
-            placed = (None, None)
-            if not self.client.router.untroubled:
-                placed = chain_placement(physical)
-            touch = prefix_objects(physical, schema)
-            stored = self.client.exists(keys, *placed, touch=touch)
-            if True in stored:
-                self.client.pressure.count(STORED, stored.count(True))
+        stored, reachable = self._stored(physical, keys)
+        if not reachable:
+            # Behind a hole in its chain: what is stored reads True, nothing is written.
+            self.client.pressure.count(UNREACHABLE, stored.count(False))
+            return per_key_results(batches, stored)
         todos = [
             batch.pool.write_missing(batch, part, schema, group_ids)
             for batch, part in zip(physical, per_batch(stored, physical), strict=True)
@@ -134,6 +130,25 @@ class WritePath:
             direct = self._put_direct(chosen.direct_keys, chosen.direct_todos)
             put_back(flags, chosen.direct_slots, direct)
         return per_key_results(batches, flags)
+
+    def _stored(self, physical: list[PoolBatch], keys: list[str]) -> tuple[list[bool], bool]:
+        """Which objects are stored already (another rank or node wrote them; asked
+        in a put cool-down too), and whether the chain's prefix is wholly in the
+        cluster (True when unknown or not checked). One existence query: the
+        prefix's objects ride along, which renews their leases."""
+        if not keys:
+            return [], True
+        # Where a chain's objects sit matters to the check only while the router
+        # is troubled (a bad segment); it costs a pass per object.
+        placed = (None, None)
+        if not self.client.router.untroubled:
+            placed = chain_placement(physical)
+        touch = prefix_objects(physical, self.registration.key_schema)
+        answers = self.client.exists(keys, *placed, touch=touch)
+        stored = answers[: len(keys)]
+        if True in stored:
+            self.client.pressure.count(STORED, stored.count(True))
+        return stored, not self.options.skip_unreachable or False not in answers[len(keys) :]
 
     def _put_direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
         """One native put of zero-copy batches, from the host pools' (registered) memory."""

@@ -460,14 +460,14 @@ class MooncakeClient:
         most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are).
 
         ``touch``: objects the query also names, for the lease Mooncake grants
-        every object it finds (their answers are dropped): as many of the first
-        ones as fit in the query's last RPC, so touching never adds one. Only
-        while the router is untroubled (no copies, nothing lost or bad)."""
+        every object it finds: as many of the first ones as fit in the query's
+        last RPC, so touching never adds one, and only while the router is
+        untroubled (no copies, nothing lost or bad). Their answers follow those
+        of ``keys``, one per touched object asked (none when none was)."""
         if self.router.untroubled:  # the common case
             room = -len(keys) % _EXISTS_KEYS_PER_CALL
             asked = [*keys, *touch[:room]] if touch and room else list(keys)
-            codes = self._exists_codes(asked, on_rpc)
-            return [code == 1 for code in codes[: len(keys)]]
+            return [code == 1 for code in self._exists_codes(asked, on_rpc)]
         lost = self.router.lost_mask(keys)
         locate = functools.partial(self._locate, on_rpc=on_rpc)
         rows = self.router.read_rows(keys, locate, domains, steps)

@@ -28,7 +28,8 @@ question asked.
 
 ``PutPressure`` also owns the counts of backup objects that were not written,
 by reason (``SKIP_REASONS``): already stored, skipped in a pause (without
-asking the cluster), or refused by it.
+asking the cluster), refused by it, or not sent because the chain's prefix is
+not in the cluster (``span_skip_unreachable``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ FIRST_PAUSE_S = 0.01
 STORED = "stored"  # already in the cluster (the existence query before the put)
 COOLDOWN = "cooldown"  # not sent: a pause after refused puts (the cluster was not asked)
 REFUSED = "refused"  # sent; the cluster answered no space
-SKIP_REASONS = (STORED, COOLDOWN, REFUSED)
+UNREACHABLE = "unreachable"  # not sent: the chain's prefix is not in the cluster
+SKIP_REASONS = (STORED, COOLDOWN, REFUSED, UNREACHABLE)
 
 
 class PutPressure:

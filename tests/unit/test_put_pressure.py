@@ -265,12 +265,15 @@ def test_touched_objects_fill_the_last_query_and_never_add_a_call(rig):
     client, cluster, _, source = rig
     assert _put(client, source, 0, 3) == [True] * 3
     cluster.calls.clear()
-    assert client.exists(["obj-1", "obj-5"], touch=["obj-0", "obj-2", "nope"]) == [True, False]
+    # The touched objects' answers follow the keys' ones.
+    flags = client.exists(["obj-1", "obj-5"], touch=["obj-0", "obj-2", "nope"])
+    assert flags == [True, False, True, True, False]
     assert cluster.calls == [("batch_is_exist", 5)]
     cluster.calls.clear()
     many = [f"absent-{i}" for i in range(4094)]
-    assert client.exists(many, touch=["obj-0", "obj-1", "obj-2"]) == [False] * 4094
-    assert cluster.calls == [("batch_is_exist", 4096)]  # two of the three fit
+    flags = client.exists(many, touch=["obj-0", "obj-1", "obj-2"])
+    assert flags == [False] * 4094 + [True, True]  # two of the three fit
+    assert cluster.calls == [("batch_is_exist", 4096)]
 
 
 def test_metadata_puts_are_not_held_back(rig):
