@@ -100,8 +100,6 @@ def run_fresh(
         for writer in writers.values():
             stack.callback(writer.stop)
         writers = A.start_servers(writers, log_dir, stack)
-        for writer in writers.values():
-            writer.warm_up()
         for index in range(config.rounds):
             prompt = A.round_prompt(config.seed, config.model, config.prompt_tokens, index)
             record: dict[str, Any] = {"round": index, "arms": {}}
