@@ -56,6 +56,7 @@ from mooncake_span.sglang_backend.guard import (
     never_raise,
 )
 from mooncake_span.sglang_backend.hit_query import HitProber
+from mooncake_span.sglang_backend.kv_ahead import KvAhead
 from mooncake_span.sglang_backend.l3_layout import describe_layout
 from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.page_hash import preload_page_hash
@@ -119,6 +120,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.stager = Stager(arena)  # registered memory for unregistered bytes
         self.registration = Registration(storage_config, self.options, self.client, self.stager)
         self.prober = HitProber(self.client)
+        self.kv_ahead = KvAhead()  # a sidecar backup's answers for the KV call after it
         self.per_key_notice = PerKeyNotice()
 
     # ---- the namespace (registration.py owns it) ------------------------------------

@@ -13,7 +13,9 @@ generic ``batch_set`` (flat page tensors). Each method:
    It first asks which objects are already stored (another rank or node wrote
    them; asked in a put cool-down too, so a stored key reads True at every
    moment), renewing in the same query the leases of the chain's prefix
-   (``PoolBatch.prefix_keys``); when that prefix is not wholly stored, the
+   (``PoolBatch.prefix_keys``), and, in a sidecar call, asking for the KV call
+   that follows about its KV objects (``kv_ahead.KvAhead``: that call then sends
+   no query); when that prefix is not wholly stored, the
    new keys could never be reached and nothing is written
    (``span_skip_unreachable``); otherwise it puts only the missing ones
    (``StoredPool.write_missing``) with their eviction group ids and
@@ -58,15 +60,15 @@ from mooncake_span.sglang_backend.objects import (
 )
 from mooncake_span.sglang_backend.recording import SET, recorded
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
-from mooncake_span.span.geometry import KV_POOL
+from mooncake_span.span.geometry import KV_POOL, PoolKind
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.put_cooldown import STORED, UNREACHABLE
 
 
 class WritePath:
     """The put methods of ``MooncakeSpanStore``, on what ``backend.py`` builds:
-    its ``options``, ``registration``, ``client``, ``stager``, ``recorder`` and
-    ``per_key_notice``."""
+    its ``options``, ``registration``, ``client``, ``stager``, ``recorder``,
+    ``kv_ahead`` and ``per_key_notice``."""
 
     @never_raise(miss_per_key)
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info=None) -> list[bool]:
@@ -134,21 +136,48 @@ class WritePath:
     def _stored(self, physical: list[PoolBatch], keys: list[str]) -> tuple[list[bool], bool]:
         """Which objects are stored already (another rank or node wrote them; asked
         in a put cool-down too), and whether the chain's prefix is wholly in the
-        cluster (True when unknown or not checked). One existence query: the
-        prefix's objects ride along, which renews their leases."""
+        cluster (True when unknown or not checked). A KV call right after its
+        sidecar call takes the answers that call asked for it (``KvAhead``)."""
         if not keys:
             return [], True
-        # Where a chain's objects sit matters to the check only while the router
-        # is troubled (a bad segment); it costs a pass per object.
-        placed = (None, None)
-        if not self.client.router.untroubled:
-            placed = chain_placement(physical)
-        touch = prefix_objects(physical, self.registration.key_schema)
-        answers = self.client.exists(keys, *placed, touch=touch)
-        stored = answers[: len(keys)]
+        kept = self.kv_ahead.take(keys)
+        stored, reachable = (kept.stored, kept.reachable) if kept else self._ask(physical, keys)
         if True in stored:
             self.client.pressure.count(STORED, stored.count(True))
-        return stored, not self.options.skip_unreachable or False not in answers[len(keys) :]
+        return stored, reachable
+
+    def _ask(self, physical: list[PoolBatch], keys: list[str]) -> tuple[list[bool], bool]:
+        """One existence query: the call's objects, the KV objects a sidecar call asks
+        for the KV call that follows, and the chain prefix's objects, whose leases
+        it renews."""
+        placed, ahead, ahead_prefix = (None, None), [], []
+        if self.client.router.untroubled:
+            ahead, ahead_prefix = self._kv_of_sidecars(physical)
+        else:
+            # Where a chain's objects sit matters to the check only while the router
+            # is troubled (a bad segment); it costs a pass per object.
+            placed = chain_placement(physical)
+        touch = [*prefix_objects(physical, self.registration.key_schema), *ahead_prefix]
+        answers = self.client.exists([*keys, *ahead], *placed, touch=touch)
+        n, m = len(keys), len(ahead)
+        reachable = not self.options.skip_unreachable or False not in answers[n + m :]
+        if ahead:
+            self.kv_ahead.keep(ahead, answers[n : n + m], reachable)
+        return answers[:n], reachable
+
+    def _kv_of_sidecars(self, physical: list[PoolBatch]) -> tuple[list[str], list[str]]:
+        """For a sidecar call (no KV batch in it): the KV objects of its KV-derived
+        batch's keys and of their chain prefix, asked now for the KV call after it."""
+        kv = self.registration.pools.get(KV_POOL)
+        if kv is None or kv.is_logical or any(b.pool is kv for b in physical):
+            return [], []
+        derived = next((b for b in physical if b.pool.kind is PoolKind.KV_DERIVED), None)
+        if derived is None:
+            return [], []
+        schema = self.registration.key_schema
+        return kv.object_keys(schema, derived.page_keys), kv.object_keys(
+            schema, derived.prefix_keys
+        )
 
     def _put_direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
         """One native put of zero-copy batches, from the host pools' (registered) memory."""

@@ -3,10 +3,14 @@
 A 16 MiB storage node is filled with hard-pinned objects that are then leased
 (a 10-minute lease), so nothing can be evicted: every further put is answered
 ``NO_AVAILABLE_HANDLE``. Native put calls are counted by a wrapper around the
-real store; no timing is asserted.
+real store; no timing is asserted (the bound on probes holds however slow the
+loop runs).
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +21,7 @@ from mooncake_span.mooncake_settings import load_mooncake_settings
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient, load_native_binding
-from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL
+from mooncake_span.store.put_cooldown import FIRST_PAUSE_S, FULL_SKIPPED_LABEL, STREAK_TO_PAUSE
 
 pytestmark = pytest.mark.integration
 
@@ -26,6 +30,7 @@ OBJECT_BYTES = 1 << 20
 # Bound of the fill: more objects than the segment can hold.
 MAX_FILL_OBJECTS = SEGMENT_BYTES // OBJECT_BYTES + 8
 BATCH = 4
+STORM_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -91,17 +96,26 @@ def test_cooldown_kicks_in_on_a_full_segment_and_reads_still_work(make_client, k
     assert pinned, "the segment took no object at all"
 
     cooling, counted = make(60.0)
-    first = cooling.put([f"{key_namespace}-new-{i}" for i in range(BATCH)], _plans(source, BATCH))
-    assert first == [False] * BATCH
-    assert (counted.put_calls, counted.put_objects) == (1, BATCH)
-    assert counted.put_codes == {-200: BATCH}
+    # Refusals in a row are sent and answered; then puts pause (10 ms, doubling).
+    for round_ in range(STREAK_TO_PAUSE):
+        keys = [f"{key_namespace}-new-{round_}-{i}" for i in range(BATCH)]
+        assert cooling.put(keys, _plans(source, BATCH)) == [False] * BATCH
+    assert (counted.put_calls, counted.put_objects) == (STREAK_TO_PAUSE, STREAK_TO_PAUSE * BATCH)
+    assert counted.put_codes == {-200: STREAK_TO_PAUSE * BATCH}
     assert cooling.pressure.cooling
 
-    for round_ in range(3):
-        keys = [f"{key_namespace}-later-{round_}-{i}" for i in range(BATCH)]
+    rounds = 0
+    deadline = time.monotonic() + STORM_S
+    while time.monotonic() < deadline:  # a backup every millisecond
+        keys = [f"{key_namespace}-later-{rounds}-{i}" for i in range(BATCH)]
         assert cooling.put(keys, _plans(source, BATCH)) == [False] * BATCH
-    assert (counted.put_calls, counted.put_objects) == (1, BATCH)  # nothing more was sent
-    assert cooling.stats()["error_counts"][FULL_SKIPPED_LABEL] == 3 * BATCH
+        rounds += 1
+        time.sleep(0.001)
+    # Probes after pauses of 10, 20, 40 ... ms: a handful in STORM_S, not one per backup.
+    probes = counted.put_calls - STREAK_TO_PAUSE
+    assert 1 <= probes <= 1 + math.ceil(math.log2(STORM_S / FIRST_PAUSE_S)) < rounds
+    skipped = cooling.stats()["error_counts"][FULL_SKIPPED_LABEL]
+    assert skipped == (rounds - probes) * BATCH
 
     # Hit queries and restores are unaffected: a pinned object reads back byte-exact.
     assert cooling.exists(pinned[:1]) == [True]

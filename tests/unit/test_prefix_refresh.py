@@ -82,15 +82,49 @@ def test_prefix_keys_are_validated_and_named():
         prefix_keys_of(SimpleNamespace(prefix_keys=["a", ""]))
 
 
-def test_a_backup_asks_about_its_prefix_in_the_same_query(rig):
+def test_a_backup_asks_once_about_both_pools_and_its_prefix(rig):
     make, _ = rig
     store = make()
     assert _backup(store, ["a", "b"], 0, []) == [True, True]
     AskedStore.asked.clear()
     assert _backup(store, ["c", "d"], 2, ["a", "b"]) == [True, True]
-    side, kv = AskedStore.asked  # one query per call, no more
-    assert side == _objects(store, "indexer", ["c", "d"]) + _objects(store, "indexer", ["a", "b"])
-    assert kv == _objects(store, "kv", ["c", "d"]) + _objects(store, "kv", ["a", "b"])
+    # One query for the whole backup: the sidecar call asks for the KV call too.
+    (asked,) = AskedStore.asked
+    idx, kv = (lambda keys: _objects(store, "indexer", keys)), (lambda k: _objects(store, "kv", k))
+    assert asked == idx(["c", "d"]) + kv(["c", "d"]) + idx(["a", "b"]) + kv(["a", "b"])
+
+
+def test_a_kv_call_asks_itself_unless_its_sidecar_call_just_asked_for_the_same_keys(rig):
+    make, _ = rig
+    store = make()
+    slots = slots_of([0, 1], PAGE)
+    store.batch_set_v2([sg.indexer(["a", "b"], slots)], _info([]))
+    AskedStore.asked.clear()
+    assert store.batch_set_v1(["a"], slots_of([0], PAGE), _info([])) == [True]
+    assert AskedStore.asked == [_objects(store, "kv", ["a"])]  # other keys: asked
+    assert store.batch_set_v1(["b"], slots_of([1], PAGE), _info([])) == [True]
+    assert len(AskedStore.asked) == 2  # the kept answer was used up by the first call
+
+
+def test_a_kept_answer_is_used_once_by_its_thread_while_fresh():
+    import threading
+
+    from mooncake_span.sglang_backend.kv_ahead import FRESH_S, KvAhead
+
+    now = [100.0]
+    ahead = KvAhead(clock=lambda: now[0])
+    ahead.keep(["x", "y"], [False, True], True)
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(ahead.take(["x", "y"])))
+    thread.start()
+    thread.join()
+    assert elsewhere == [None]
+    kept = ahead.take(["x", "y"])
+    assert (kept.stored, kept.reachable) == ([False, True], True)
+    assert ahead.take(["x", "y"]) is None
+    ahead.keep(["x"], [False], False)
+    now[0] += FRESH_S + 0.01
+    assert ahead.take(["x"]) is None
 
 
 def test_without_refresh_only_the_calls_keys_are_asked(rig):
@@ -99,7 +133,7 @@ def test_without_refresh_only_the_calls_keys_are_asked(rig):
     assert _backup(store, ["a"], 0, []) == [True]
     AskedStore.asked.clear()
     assert _backup(store, ["b"], 1, ["a"]) == [True]
-    assert AskedStore.asked == [_objects(store, "indexer", ["b"]), _objects(store, "kv", ["b"])]
+    assert AskedStore.asked == [_objects(store, "indexer", ["b"]) + _objects(store, "kv", ["b"])]
 
 
 def test_a_backup_behind_a_hole_writes_nothing_and_stored_keys_read_true(rig):
@@ -114,7 +148,7 @@ def test_a_backup_behind_a_hole_writes_nothing_and_stored_keys_read_true(rig):
     cluster.calls.clear()
     # "d" is stored already, "e" is new: the chain cannot reach either any more.
     assert _backup(store, ["d", "e"], 3, ["a", "b", "c"]) == [True, False]
-    assert [op for op, _ in cluster.calls] == ["batch_is_exist", "batch_is_exist"]
+    assert [op for op, _ in cluster.calls] == ["batch_is_exist"]
     skipped = store.client.stats()["skipped_backups"]
     assert skipped[UNREACHABLE] == 2  # e's indexer and KV objects
     assert skipped[STORED] >= 2
