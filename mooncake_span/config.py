@@ -192,6 +192,10 @@ class SpanOptions:
     # root could reach it, and it would only evict what can (needs
     # refresh_prefix, which asks about the prefix).
     skip_unreachable: bool = True
+    # One in this many prefix chains (by a hash of the root key) keeps a record
+    # of its keys, so `mooncake-span inspect` can estimate how much of a
+    # namespace a hit query can reach (span/chains.py); 0: no records.
+    chain_sample_every: int = 64
     # Mooncake's own CRC-64 per object (MOONCAKE_STORE_CHECKSUM, read at the
     # process's first setup): full-object gets of objects put with it verify
     # their bytes, and a mismatch reads as a miss. Costs a CPU pass per byte.
@@ -259,6 +263,11 @@ class SpanOptions:
                 f"span_chain_window_tokens must be in 1..{1 << 30} tokens, "
                 f"got {self.chain_window_tokens}"
             )
+        if not 0 <= self.chain_sample_every <= 1_000_000:
+            raise ConfigError(
+                f"span_chain_sample_every must be in 0..1000000 (0: no chain records), "
+                f"got {self.chain_sample_every}"
+            )
         if not 1 <= self.lost_keys_max <= 10_000_000:
             raise ConfigError(
                 f"span_lost_keys_max must be in 1..10000000, got {self.lost_keys_max}"
@@ -287,6 +296,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_full_cooldown_s": ("full_cooldown_s", float),
     "span_refresh_prefix": ("refresh_prefix", parse_bool),
     "span_skip_unreachable": ("skip_unreachable", parse_bool),
+    "span_chain_sample_every": ("chain_sample_every", parse_int),
     "span_verify_checksums": ("verify_checksums", parse_bool),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}

@@ -8,10 +8,13 @@ keys and component suffixes are exact counts. Object sizes need one
 reservoir of ``--sample`` keys per namespace, extrapolated, flagged
 ``bytes_estimated``); ``--exact-bytes`` asks for every key instead.
 
-Layout-guard records (``ms2[_tag]_model__geometry``) are small Mooncake
+Layout-guard records (``ms2[_tag]_model__geometry``) and chain records
+(``{namespace}__chain_{root}_{length}``, ``span.chains``) are small Mooncake
 objects; reading their content needs a native client, which runs in a child
 process with a timeout (``probe_worker``) when ``--metadata`` is known, and is
-skipped with ``--no-records``.
+skipped with ``--no-records``. A sample of chain records (``--chains``) gives
+the share of stored keys a hit query can reach: a stored key is one of which
+any object is listed, a reachable one is stored with every key before it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ from mooncake_span.ops.cli_common import (
 )
 from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
+from mooncake_span.span.chains import (
+    chain_record_key,
+    parse_chain_record_key,
+    reachable_estimate,
+    record_keys,
+)
 from mooncake_span.span.geometry import classify_pool
 from mooncake_span.span.keys import KeySchema, RankTags
 from mooncake_span.span.object_layout import (
@@ -57,6 +66,8 @@ class _Namespace:
     page_keys: set[str] = field(default_factory=set)
     suffixes: dict[str, int] = field(default_factory=dict)
     sample: list[str] = field(default_factory=list)
+    # Chain records (span.chains): root page key -> the longest record's length.
+    chains: dict[str, int] = field(default_factory=dict)
 
 
 def _reservoir_add(ns: _Namespace, key: str, limit: int, rng: random.Random) -> None:
@@ -88,11 +99,17 @@ def scan_keys(
     rng = random.Random(0)
     namespaces: dict[str, _Namespace] = {}
     guard_keys: list[str] = []
+    chains: dict[str, dict[str, int]] = {}
     total = 0
     for key in master_http.iter_lines(base_url + "/get_all_keys", timeout_s):
         total += 1
         if parse_guard_key(key) is not None:
             guard_keys.append(key)
+            continue
+        record = parse_chain_record_key(key)
+        if record is not None:
+            roots = chains.setdefault(record[0], {})
+            roots[record[1]] = max(roots.get(record[1], 0), record[2])
             continue
         ns, rest = _known_namespace(namespaces, key)
         if ns is None:
@@ -108,7 +125,37 @@ def scan_keys(
             ns.page_keys.add(page_key)
             ns.suffixes["_" + suffix] = ns.suffixes.get("_" + suffix, 0) + 1
         _reservoir_add(ns, key, sample_per_namespace, rng)
+    for prefix, roots in chains.items():
+        if prefix in namespaces:
+            namespaces[prefix].chains = roots
     return namespaces, guard_keys, total
+
+
+def _chain_sample(namespaces: dict[str, _Namespace], per_namespace: int) -> list[str]:
+    """The record keys to read: the longest record of up to ``per_namespace`` roots
+    (a seeded sample) of every namespace that has records."""
+    rng = random.Random(0)
+    keys = []
+    for prefix, ns in namespaces.items():
+        roots = sorted(ns.chains)
+        for root in rng.sample(roots, min(per_namespace, len(roots))):
+            keys.append(chain_record_key(prefix, root, ns.chains[root]))
+    return keys
+
+
+def _reachable(ns: _Namespace, prefix: str, records: dict[str, str | None]) -> dict[str, Any]:
+    """How much of the sampled chains a hit query from the root still reaches."""
+    texts = [records.get(chain_record_key(prefix, root, n)) for root, n in ns.chains.items()]
+    read = [record_keys(text) for text in texts if text]
+    estimate = reachable_estimate(read, ns.page_keys)
+    share = estimate.share
+    return {
+        "chain_records": len(ns.chains),
+        "chains_sampled": estimate.chains,
+        "stored_keys": estimate.stored_keys,
+        "reachable_keys": estimate.reachable_keys,
+        "share": None if share is None else round(share, 4),
+    }
 
 
 def _bytes(base_url: str, ns: _Namespace, keys: list[str], exact: bool) -> dict[str, Any]:
@@ -178,12 +225,15 @@ def _namespace_doc(
     name: str,
     ns: _Namespace,
     bytes_info: dict[str, Any],
-    guard: dict[str, str | None],
+    blobs: dict[str, str | None],
 ) -> dict[str, Any]:
     doc: dict[str, Any] = {"name": name, "objects": ns.objects, **bytes_info}
     if ns.facts is None:
         doc["examples"] = ns.sample[:3]
         return doc
+    if ns.chains:
+        doc["reachable"] = _reachable(ns, name, blobs)
+    guard = {k: v for k, v in blobs.items() if parse_guard_key(k) is not None}
     facts = ns.facts
     doc.update(asdict(facts))
     doc["storage_page_tokens"] = facts.host_page_tokens * facts.pages_per_span
@@ -256,20 +306,24 @@ def collect(
     sample_per_namespace: int = 32,
     exact_bytes: bool = False,
     read_records: Any = None,
+    chain_sample: int = 32,
 ) -> dict[str, Any]:
-    """The inspect document. ``read_records(keys) -> {key: text|None}`` reads guard records."""
+    """The inspect document. ``read_records(keys) -> {key: text|None}`` reads guard and
+    chain records; ``chain_sample`` chains per namespace estimate what is reachable."""
     started = time.perf_counter()
     limit = sys.maxsize if exact_bytes else sample_per_namespace
     health = master_http.health(base_url, _HTTP_TIMEOUT_S)
     samples = master_http.master_metrics(base_url, _HTTP_TIMEOUT_S)
     namespaces, guard_keys, total = scan_keys(base_url, limit)
     scanned_s = time.perf_counter() - started
-    guard: dict[str, str | None] = dict.fromkeys(guard_keys)
-    if guard_keys and read_records is not None:
-        guard.update(read_records(guard_keys))
+    wanted = [*guard_keys, *_chain_sample(namespaces, chain_sample)]
+    blobs: dict[str, str | None] = dict.fromkeys(wanted)
+    if wanted and read_records is not None:
+        blobs.update(read_records(wanted))
+    guard = {key: blobs[key] for key in guard_keys}
     _add_guarded_namespaces(namespaces, guard)
     docs = [
-        _namespace_doc(name, ns, _bytes(base_url, ns, ns.sample, exact_bytes), guard)
+        _namespace_doc(name, ns, _bytes(base_url, ns, ns.sample, exact_bytes), blobs)
         for name, ns in sorted(namespaces.items(), key=lambda item: -item[1].objects)
     ]
     return {
@@ -343,6 +397,9 @@ def format_text(doc: dict[str, Any]) -> str:
                 f"{ns['storage_keys']} storage keys, guard "
                 + ("record" if guard["record"] else "found" if guard["found"] else "none")
             )
+            reach = ns.get("reachable")
+            if reach and reach["share"] is not None:
+                line += f", reachable ~{reach['share']:.0%} ({reach['chains_sampled']} chains)"
         lines.append(line)
     return "\n".join(lines)
 
@@ -370,6 +427,7 @@ def run_inspect_command(args: argparse.Namespace) -> int:
             sample_per_namespace=args.sample,
             exact_bytes=args.exact_bytes,
             read_records=_record_reader(args, native_log),
+            chain_sample=args.chains,
         )
     except master_http.AdminError as exc:
         print(f"mooncake-span inspect: the master's admin server: {exc}", file=sys.stderr)
@@ -401,6 +459,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--exact-bytes",
         action="store_true",
         help="query every object's size (one HTTP request per key: slow on big stores)",
+    )
+    parser.add_argument(
+        "--chains",
+        type=int,
+        default=32,
+        metavar="N",
+        help="chain records read per namespace to estimate the share of stored keys a hit "
+        "query can reach (default 32; the backend keeps records of a sample of chains, "
+        "span_chain_sample_every)",
     )
     parser.add_argument(
         "--no-records",

@@ -48,6 +48,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from mooncake_span.config import SpanOptions, load_span_options
 from mooncake_span.errors import RegistrationError
 from mooncake_span.mooncake_settings import MooncakeSettings
+from mooncake_span.sglang_backend.chain_records import ChainRecords
 from mooncake_span.sglang_backend.connection import rank_settings, shared_transfer_engine
 from mooncake_span.sglang_backend.guard import (
     miss_count,
@@ -121,6 +122,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.registration = Registration(storage_config, self.options, self.client, self.stager)
         self.prober = HitProber(self.client)
         self.kv_ahead = KvAhead()  # a sidecar backup's answers for the KV call after it
+        self.chain_records = ChainRecords(self.client, arena, self.options.chain_sample_every)
         self.per_key_notice = PerKeyNotice()
 
     # ---- the namespace (registration.py owns it) ------------------------------------

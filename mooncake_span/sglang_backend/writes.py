@@ -68,13 +68,15 @@ from mooncake_span.store.put_cooldown import STORED, UNREACHABLE
 class WritePath:
     """The put methods of ``MooncakeSpanStore``, on what ``backend.py`` builds:
     its ``options``, ``registration``, ``client``, ``stager``, ``recorder``,
-    ``kv_ahead`` and ``per_key_notice``."""
+    ``kv_ahead``, ``chain_records`` and ``per_key_notice``."""
 
     @never_raise(miss_per_key)
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info=None) -> list[bool]:
         batch = self.registration.pool_batch(KV_POOL, keys, host_indices, extra_info=extra_info)
         self.per_key_notice.backup(batch.chain)
-        return self._put([batch], kv_call=True)[0]
+        results = self._put([batch], kv_call=True)[0]
+        self.chain_records.after_backup(self.registration.key_schema, batch, results)
+        return results
 
     @never_raise(miss_per_transfer)
     def batch_set_v2(self, transfers: list[Any], extra_info=None) -> dict[Any, list[bool]]:

@@ -233,3 +233,32 @@ def test_a_chain_loses_its_last_turn_before_its_prefix(cluster, backend):
     # The control lost its first turn while it still held later keys: dead bytes
     # a hit query from the chain's root never reaches.
     assert any(not any(other[:TURN_KEYS]) and any(other[TURN_KEYS:]) for _, other in seen), seen
+
+
+def test_inspect_estimates_the_reachable_share_from_chain_records(cluster, backend):
+    from mooncake_span.ops.inspect_cmd import collect
+    from mooncake_span.store.arena import read_blob
+
+    store, _ = backend("evict-inspect", span_chain_sample_every=1)
+    store.client.remove_all()
+    chains = [[f"c{c}-k{i}" for i in range(2 * TURN_KEYS)] for c in range(4)]
+    for chain in chains:
+        for turn in range(2):
+            _back_up(store, chain, turn)
+    # A key evicted from the middle of the first chain: 7 of its keys stay, 2 reachable.
+    (hole,) = store.pools["kv"].object_keys(store.key_schema, [chains[0][2]])
+    assert store.client.remove([hole]) == 1
+
+    def read(keys):
+        blobs = {k: read_blob(store.client, store.stager.arena, k) for k in keys}
+        return {k: None if v is None else v.decode() for k, v in blobs.items()}
+
+    doc = collect(cluster.metrics_url, read_records=read, chain_sample=8)
+    (ns,) = [n for n in doc["namespaces"] if n["name"] == store.key_schema.prefix]
+    assert ns["reachable"] == {
+        "chain_records": 4,
+        "chains_sampled": 4,
+        "stored_keys": 31,
+        "reachable_keys": 26,
+        "share": round(26 / 31, 4),
+    }

@@ -200,3 +200,69 @@ def test_prefix_objects_interleave_pools_key_by_key():
     assert prefix_objects(batches, schema) == ["kv-a", "a-x", "a-y", "kv-b", "b-x", "b-y"]
     assert prefix_objects(batches[:1], schema) == ["kv-a", "kv-b"]
     assert prefix_objects([], schema) == []
+
+
+# ---- chain records (span/chains.py, sglang_backend/chain_records.py) ---------------------
+
+
+def test_chain_record_keys_round_trip_and_refuse_other_keys():
+    from mooncake_span.span.chains import chain_record_key, parse_chain_record_key
+
+    key = chain_record_key("ms2_m_h64x1_pf_bf16", "ab_cd", 12)
+    assert key == "ms2_m_h64x1_pf_bf16__chain_ab_cd_12"
+    assert parse_chain_record_key(key) == ("ms2_m_h64x1_pf_bf16", "ab_cd", 12)
+    for other in (
+        "ms2_m_h64x1_pf_bf16_abcd_0_kv",
+        "ms2_m__geometry",
+        "__chain_a_1",
+        "x__chain_a_b",
+    ):
+        assert parse_chain_record_key(other) is None
+    with pytest.raises(ValueError):
+        chain_record_key("p", "root", 0)
+
+
+def test_a_fixed_share_of_roots_is_sampled_alike_everywhere():
+    from mooncake_span.span.chains import chain_sampled
+
+    roots = [f"{i:064x}" for i in range(4000)]
+    picked = [r for r in roots if chain_sampled(r, 8)]
+    assert 400 <= len(picked) <= 600
+    assert picked == [r for r in roots if chain_sampled(r, 8)]
+    assert all(chain_sampled(r, 1) for r in roots[:10])
+    assert not any(chain_sampled(r, 0) for r in roots[:10])
+
+
+def test_the_reachable_estimate_counts_stored_keys_before_the_first_hole():
+    from mooncake_span.span.chains import reachable_estimate
+
+    chains = [["a", "b", "c", "d"], ["e", "f"], ["g"]]
+    estimate = reachable_estimate(chains, {"a", "b", "d", "f"})
+    assert (estimate.chains, estimate.stored_keys, estimate.reachable_keys) == (3, 4, 2)
+    assert estimate.share == 0.5
+    assert reachable_estimate([], set()).share is None
+
+
+def test_sampled_chains_keep_a_record_of_their_keys(rig):
+    from mooncake_span.span.chains import chain_record_key, record_keys
+
+    make, cluster = rig
+    store = make(dsa=False, span_chain_sample_every=1)
+    prefix = store.key_schema.prefix
+    slots = slots_of([0, 1], PAGE)
+    assert store.batch_set_v1(["a", "b"], slots, _info([])) == [True, True]
+    assert store.batch_set_v1(["c"], slots_of([2], PAGE), _info(["a", "b"])) == [True]
+    assert store.batch_set_v1(["x"], slots_of([3], PAGE), None) == [True]  # no chain named
+    records = sorted(k for k in cluster.objects if "__chain_" in k)
+    assert records == [chain_record_key(prefix, "a", 2), chain_record_key(prefix, "a", 3)]
+    text = bytes(cluster.objects[records[1]]).decode()
+    assert record_keys(text) == ["a", "b", "c"]
+
+
+def test_no_records_unless_sampled_and_stored(rig):
+    make, cluster = rig
+    store = make(dsa=False, span_chain_sample_every=0)
+    assert store.batch_set_v1(["a"], slots_of([0], PAGE), _info([])) == [True]
+    sampled = make(dsa=False, span_chain_sample_every=1, span_refresh_prefix=False)
+    assert sampled.batch_set_v1(["b"], slots_of([1], PAGE), _info(["a"])) == [True]
+    assert not [k for k in cluster.objects if "__chain_" in k]

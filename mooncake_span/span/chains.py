@@ -1,0 +1,77 @@
+"""Chain records: which stored keys a hit query can still reach. Pure.
+
+A hit query stops at a chain's first missing key, so a stored key is useful
+only while every key before it in its conversation is stored too. Mooncake
+keeps no chains, only keys. For a sample of chains (``chain_sampled``: a fixed
+share of chain roots, the same on every node), the backend stores a small
+record with the chain's page keys as it grows (``chain_record_key``: one
+record per root and length, under the namespace's prefix, so ``clear``
+removes them with the rest). ``mooncake-span inspect`` reads a sample of the
+longest record per root and checks its keys against the stored ones
+(``reachable_estimate``).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+CHAIN_RECORD_MARK = "__chain_"
+
+
+def chain_sampled(root: str, every: int) -> bool:
+    """Whether the chain rooted at page key ``root`` keeps a record: one in ``every``
+    roots (0: none), by a hash every process computes alike."""
+    return every > 0 and zlib.crc32(root.encode("utf-8", "surrogatepass")) % every == 0
+
+
+def chain_record_key(key_prefix: str, root: str, length: int) -> str:
+    """The record of the chain rooted at ``root``, ``length`` keys long, in a namespace."""
+    if length < 1:
+        raise ValueError(f"a chain record covers >= 1 key, got {length}")
+    return f"{key_prefix}{CHAIN_RECORD_MARK}{root}_{length}"
+
+
+def parse_chain_record_key(key: str) -> tuple[str, str, int] | None:
+    """``(namespace key prefix, root, length)`` of a chain record key, else None."""
+    at = key.find(CHAIN_RECORD_MARK)
+    if at <= 0:
+        return None
+    root, _, length = key[at + len(CHAIN_RECORD_MARK) :].rpartition("_")
+    if not root or not length.isdigit() or int(length) < 1:
+        return None
+    return key[:at], root, int(length)
+
+
+def record_bytes(chain: Sequence[str]) -> bytes:
+    return "\n".join(chain).encode("utf-8", "surrogatepass")
+
+
+def record_keys(text: str) -> list[str]:
+    return [line for line in text.split("\n") if line]
+
+
+@dataclass(frozen=True)
+class ReachableEstimate:
+    chains: int
+    stored_keys: int  # keys of the sampled chains that are stored
+    reachable_keys: int  # of those, the ones a hit query from the root reaches
+
+    @property
+    def share(self) -> float | None:
+        return self.reachable_keys / self.stored_keys if self.stored_keys else None
+
+
+def reachable_estimate(
+    chains: Iterable[Sequence[str]], stored: set[str] | frozenset[str]
+) -> ReachableEstimate:
+    """Over ``chains`` (each a list of page keys from its root), how many keys are
+    stored and how many of those lead back to the root unbroken."""
+    count = held = reached = 0
+    for chain in chains:
+        count += 1
+        flags = [key in stored for key in chain]
+        held += sum(flags)
+        reached += flags.index(False) if False in flags else len(flags)
+    return ReachableEstimate(count, held, reached)
