@@ -52,7 +52,7 @@ import random
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -90,7 +90,7 @@ CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     "span-nopause": ("span", {"span_full_cooldown_s": 0}),
     "upstream": ("upstream", {}),
 }
-DEFAULT_CONTENDERS = ("span", "span-norefresh", "upstream")
+DEFAULT_CONTENDERS = ("span", "span-noskip", "span-norefresh", "upstream")
 
 
 @dataclass(frozen=True)
@@ -103,9 +103,11 @@ class EvictionConfig:
     returning: int = 12
     # One round (a turn of every conversation) is spread over this long; with
     # the master's lease it sets how much of the cache a lease covers.
-    round_s: float = 3.0
-    # The master's --default_kv_lease_ttl (None: Mooncake's 10 s).
-    lease_ms: int | None = 1000
+    round_s: float = 4.0
+    # The master's --default_kv_lease_ttl (None: Mooncake's 10 s). 500 ms against
+    # 4 s rounds keeps a lease short beside the time the cache takes to turn
+    # over (~5 s here), as 10 s is beside minutes in a deployment.
+    lease_ms: int | None = 500
     layers: int = 2
     seed: int = 0
     reps: int = 3
@@ -563,10 +565,36 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _provenance() -> dict[str, Any]:
+    """Which tree ran (the driver may run an older tree of the package) and where."""
+    import platform
+    import subprocess
+
+    import mooncake_span
+
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(mooncake_span.__file__)))
+    commit = subprocess.run(
+        ["git", "-C", tree, "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        timeout=5,
+        check=False,
+    ).stdout.strip()
+    return {
+        "tree": tree,
+        "git_commit": commit or None,
+        "python": platform.python_version(),
+        "nproc": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
 def run_eviction(
     config: EvictionConfig, say: Callable[[str], None] = print, storm_s: float = 5.0
 ) -> dict[str, Any]:
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    provenance = _provenance()
     started = time.perf_counter()
     rows = []
     for rep in range(config.reps):
@@ -581,6 +609,7 @@ def run_eviction(
             storms.append(storm_one(name, storm_s, 50.0, config))
             say(f"storm {name}: {storms[-1]}")
     return {
+        "provenance": provenance,
         "config": asdict(config),
         "segment_bytes": segment_bytes(config),
         "key_bytes": key_bytes(config),
@@ -603,12 +632,19 @@ def format_row(row: dict[str, Any]) -> str:
     )
 
 
-def run_eviction_command(quick: bool, json_path: str | None) -> int:
+def run_eviction_command(
+    quick: bool, json_path: str | None, lease_ms: int | None = None, round_s: float | None = None
+) -> int:
+    """``lease_ms`` 0: Mooncake's default lease; None: the config's."""
     config = (
         EvictionConfig(conversations=16, round_s=1.0, reps=1, returning=4)
         if quick
         else EvictionConfig()
     )
+    if lease_ms is not None:
+        config = replace(config, lease_ms=lease_ms or None)
+    if round_s is not None:
+        config = replace(config, round_s=round_s)
     result = run_eviction(config, storm_s=2.0 if quick else 5.0)
     if json_path:
         with open(json_path, "w", encoding="utf-8") as fh:

@@ -571,6 +571,20 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "reachable as a prefix, dead bytes, returning users' hit tokens, refused and skipped "
         "backups, master RPCs, vs sglang's MooncakeStore (mooncake_span.bench.eviction)",
     )
+    bench.add_argument(
+        "--eviction-lease-ms",
+        type=int,
+        default=None,
+        metavar="MS",
+        help="--eviction: the master's lease TTL (default 500; 0: Mooncake's 10 s)",
+    )
+    bench.add_argument(
+        "--eviction-round-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="--eviction: how long one round of backups is spread over (default 4)",
+    )
     bench.set_defaults(func=run_bench_command)
 
 
@@ -614,7 +628,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.eviction:
         from mooncake_span.bench.eviction import run_eviction_command
 
-        return run_eviction_command(args.quick, args.json)
+        return run_eviction_command(
+            args.quick, args.json, args.eviction_lease_ms, args.eviction_round_s
+        )
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,
