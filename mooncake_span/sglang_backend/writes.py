@@ -177,9 +177,8 @@ class WritePath:
         if derived is None:
             return [], []
         schema = self.registration.key_schema
-        return kv.object_keys(schema, derived.page_keys), kv.object_keys(
-            schema, derived.prefix_keys
-        )
+        objects = kv.object_keys(schema, derived.page_keys)
+        return objects, kv.object_keys(schema, derived.prefix_keys)
 
     def _put_direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
         """One native put of zero-copy batches, from the host pools' (registered) memory."""
