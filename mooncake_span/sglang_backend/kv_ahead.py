@@ -1,11 +1,12 @@
 """The KV pool's existence answers, asked one call early.
 
-sglang backs up a batch of a hybrid model (DSA, Mamba) as ``batch_set_v2``
-(its sidecar pools) and then ``batch_set_v1`` (the KV pool), with the same
-page keys, on its one backup thread. The sidecar call's existence query asks
-about the KV objects of those keys too (and renews the chain's KV prefix), and
-keeps the answers here for the KV call that follows, which then sends no query
-of its own: one master RPC less per backup. An answer is used at most once, by
+sglang backs up a batch of a hybrid model as ``batch_set_v2`` (its sidecar
+pools) and then ``batch_set_v1`` (the KV pool), with the same page keys, on its
+one backup thread. When the sidecar call carries a KV-derived pool (DSA's
+indexer, whose keys are the KV keys), its existence query asks about the KV
+objects of those keys too (and renews the chain's KV prefix), and keeps the
+answers here for the KV call that follows, which then sends no query of its
+own: one master RPC less per backup. An answer is used at most once, by
 the thread that asked, for exactly the same objects and within ``FRESH_S``;
 otherwise the KV call asks as always. A stored answer read here is as old as
 the one a put right after a query relies on: milliseconds.
