@@ -15,7 +15,7 @@ from types import MappingProxyType
 from mooncake_span.mooncake_settings import validate_master_address, validate_metadata_server
 from mooncake_span.units import parse_size_bytes
 
-__all__ = ["ClusterSpec", "ExternalCluster", "sglang_client_config"]
+__all__ = ["SSD_LEASE_TTL_MS", "ClusterSpec", "ExternalCluster", "sglang_client_config"]
 
 
 # ---------------------------------------------------------------------------
@@ -31,6 +31,11 @@ __all__ = ["ClusterSpec", "ExternalCluster", "sglang_client_config"]
 # Eviction ratio 0.1 did no better than Mooncake's 0.05 (pooled over 4 runs
 # each), so the watermark and ratio stay Mooncake's, passed explicitly.
 CLUSTER_UP_LEASE_TTL_MS = 2000
+# With an SSD tier every put pins its DRAM copy until the next offload
+# heartbeat (1 s) writes it, and eviction can free only unleased copies: with
+# 10 s leases 256 puts of 1 MiB into a 64 MB segment took 34 s (320 refusals),
+# with 2 s 10.3 s, with 500 ms 4.7-6.2 s (docs/operating.md, "The SSD tier").
+SSD_LEASE_TTL_MS = 500
 CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO = 0.9
 CLUSTER_UP_EVICTION_RATIO = 0.05
 
@@ -58,6 +63,12 @@ class ClusterSpec:
     # Share of objects one eviction pass frees (Mooncake's default 0.05).
     eviction_ratio: float | None = None
     master_extra_args: tuple[str, ...] = ()
+    # SSD tier: each storage node keeps every object on ssd_dir/node<i> too
+    # (ssd_size_bytes each, None: 90% of the disk); the master runs with
+    # --enable_offload and, unless lease_ttl_ms is given, SSD_LEASE_TTL_MS.
+    ssd_dir: str | Path | None = None
+    ssd_size_bytes: int | None = None
+    ssd_read_buffer_bytes: int | None = None
     log_dir: str | Path | None = None
     # Added to the environment of every child and to client_env().
     env_overrides: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -99,6 +110,7 @@ class ClusterSpec:
             )
         if self.lease_ttl_ms is not None:
             _require_int(self.lease_ttl_ms, "lease_ttl_ms", minimum=1)
+        self._check_ssd()
         if self.client_ttl_s is not None:
             _require_int(self.client_ttl_s, "client_ttl_s", minimum=1)
         for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
@@ -127,6 +139,42 @@ class ClusterSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"ClusterSpec.{name}={value!r} must be a positive number")
+
+    def _check_ssd(self) -> None:
+        sizes = ("ssd_size_bytes", "ssd_read_buffer_bytes")
+        if self.ssd_dir is None:
+            given = [name for name in sizes if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"ClusterSpec.{given[0]} needs ssd_dir (--ssd-dir)")
+            return
+        if not self.storage_nodes:
+            raise ValueError(
+                "ClusterSpec.ssd_dir gives storage nodes an SSD tier; set storage_nodes >= 1"
+            )
+        object.__setattr__(self, "ssd_dir", Path(self.ssd_dir))
+        for name in sizes:
+            if getattr(self, name) is not None:
+                try:
+                    object.__setattr__(self, name, parse_size_bytes(getattr(self, name)))
+                except ValueError as exc:
+                    raise ValueError(f"ClusterSpec.{name}: {exc}") from None
+        if (
+            self.ssd_size_bytes is not None
+            and self.ssd_size_bytes < self.storage_node_segment_bytes
+        ):
+            raise ValueError(
+                f"ClusterSpec.ssd_size_bytes={self.ssd_size_bytes} is smaller than one object a "
+                f"node may hold (up to its {self.storage_node_segment_bytes}-byte segment); give "
+                f"--ssd-size at least the segment size (several times it, or the SSD tier holds "
+                f"less than DRAM)"
+            )
+
+    @property
+    def master_lease_ttl_ms(self) -> int | None:
+        """The master's lease: ``lease_ttl_ms``, else SSD_LEASE_TTL_MS with an SSD tier."""
+        if self.lease_ttl_ms is None and self.ssd_dir is not None:
+            return SSD_LEASE_TTL_MS
+        return self.lease_ttl_ms
 
     @property
     def ha(self) -> bool:
