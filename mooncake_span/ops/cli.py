@@ -23,6 +23,7 @@ from mooncake_span.ops.cluster_spec import (
     CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
     CLUSTER_UP_EVICTION_RATIO,
     CLUSTER_UP_LEASE_TTL_MS,
+    SSD_LEASE_TTL_MS,
 )
 from mooncake_span.ops.native_log import add_native_log_arg, native_stderr_to, resolve_native_log
 from mooncake_span.units import parse_size_bytes
@@ -124,12 +125,35 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
         help="replicate object metadata between HA masters so keys survive a failover",
     )
     up.add_argument(
+        "--ssd-dir",
+        default=None,
+        metavar="DIR",
+        help="give every storage node an SSD tier on DIR/node<i> (DIR must exist); a new "
+        "cluster on the same DIR finds the cache again (docs/operating.md, 'The SSD tier')",
+    )
+    up.add_argument(
+        "--ssd-size",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="disk cap of each node's SSD tier, oldest objects evicted first (default: 90%% of "
+        "the disk); at least --segment-size",
+    )
+    up.add_argument(
+        "--ssd-read-buffer",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="RAM each node stages SSD reads in (default: 256mb)",
+    )
+    up.add_argument(
         "--lease-ttl-ms",
         type=_positive_int_arg,
-        default=CLUSTER_UP_LEASE_TTL_MS,
+        default=None,
         metavar="MS",
-        help="master's default_kv_lease_ttl in milliseconds (default: %(default)s; Mooncake's "
-        "10000 keeps every looked-up object unevictable for 10 s, see docs/benchmarks.md)",
+        help=f"master's default_kv_lease_ttl in milliseconds (default: {CLUSTER_UP_LEASE_TTL_MS}, "
+        f"{SSD_LEASE_TTL_MS} with --ssd-dir; Mooncake's 10000 keeps every looked-up object "
+        "unevictable for 10 s, see docs/benchmarks.md)",
     )
     up.add_argument(
         "--client-ttl-s",
@@ -192,8 +216,15 @@ def cluster_up(args: argparse.Namespace) -> int:
             standalone_metadata=args.standalone_metadata,
             ha_masters=args.ha_masters,
             enable_oplog=args.enable_oplog,
-            lease_ttl_ms=args.lease_ttl_ms,
+            lease_ttl_ms=(
+                args.lease_ttl_ms
+                if args.lease_ttl_ms is not None or args.ssd_dir
+                else CLUSTER_UP_LEASE_TTL_MS
+            ),
             client_ttl_s=args.client_ttl_s,
+            ssd_dir=args.ssd_dir,
+            ssd_size_bytes=args.ssd_size,
+            ssd_read_buffer_bytes=args.ssd_read_buffer,
             eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
             eviction_ratio=args.eviction_ratio,
             log_dir=args.log_dir,
@@ -259,6 +290,7 @@ def _print_ready(cluster: LocalCluster) -> None:
     ]
     if cluster.etcd_endpoint is not None:
         lines.append(f"etcd_endpoint:   {cluster.etcd_endpoint}")
+    lines += _ssd_lines(cluster)
     lines += [
         f"log_dir:         {cluster.log_dir}",
         f"pids:            {json.dumps(cluster.pids())}",
@@ -277,6 +309,15 @@ def _print_ready(cluster: LocalCluster) -> None:
         "ready; press Ctrl-C to stop",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _ssd_lines(cluster: LocalCluster) -> list[str]:
+    """Each node's SSD directory and disk cap, as the node itself reported them."""
+    tiers = cluster.ssd_tiers()
+    return [
+        f"ssd node{i}:       {tier['ssd_dir']} (cap {tier['ssd_cap_bytes']} bytes)"
+        for i, tier in enumerate(tiers)
+    ]
 
 
 # ---------------------------------------------------------------------------

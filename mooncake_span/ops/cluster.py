@@ -49,7 +49,7 @@ from mooncake_span.mooncake_settings import validate_master_address, validate_me
 from mooncake_span.ops import launcher as L
 from mooncake_span.ops.cluster_spec import ClusterSpec, ExternalCluster, sglang_client_config
 from mooncake_span.ops.launcher import ClusterStartError, find_executable
-from mooncake_span.store.ssd_tier import check_root
+from mooncake_span.store.ssd_tier import DirLock, check_root
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,9 @@ class LocalCluster:
         if spec.ssd_dir is not None:
             # Refused before anything starts, with the fix in the message.
             try:
-                check_root(str(spec.ssd_dir), "--ssd-dir")
+                root = check_root(str(spec.ssd_dir), "--ssd-dir")
+                for i in range(spec.storage_nodes):
+                    DirLock(root, f"node{i}").check_free(f"{root}/node{i}")
             except ConfigError as exc:
                 raise ClusterStartError(str(exc)) from None
         self._log_dir = self._prepare_log_dir()
@@ -490,6 +492,16 @@ class LocalCluster:
             host=spec.host,
             ssd=ssd,
         )
+
+    def ssd_tiers(self) -> list[dict[str, str]]:
+        """Per storage node, ``ssd_dir`` and ``ssd_cap_bytes`` from its READY line
+        ([] without an SSD tier)."""
+        tiers = []
+        for node in self._nodes if self.spec.ssd_dir is not None else ():
+            ready = [ln for ln in node.output_text().splitlines() if ln.startswith(L.READY_PREFIX)]
+            fields = dict(f.split("=", 1) for f in ready[-1].split()[1:] if "=" in f)
+            tiers.append({k: fields.get(k, "?") for k in ("ssd_dir", "ssd_cap_bytes")})
+        return tiers
 
     def node_ssd_dir(self, i: int) -> Path | None:
         """Storage node i's own SSD directory, None without an SSD tier."""

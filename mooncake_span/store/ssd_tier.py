@@ -232,6 +232,19 @@ class DirLock:
     def acquire(self, what: str) -> dict[str, Any]:
         """Lock; the previous owner's record ({} if none). ConfigError when another
         running process holds it."""
+        fd = self._lock(what)
+        self._fd = fd
+        previous = _read_record(fd)
+        self.update(pid=os.getpid(), state="starting", segment=None, started=time.time())
+        return previous
+
+    def check_free(self, what: str) -> None:
+        """ConfigError if a running process holds the lock; changes nothing."""
+        fd = self._lock(what)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    def _lock(self, what: str) -> int:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o640)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -243,10 +256,7 @@ class DirLock:
                 f"segment {holder.get('segment') or '?'}); give this one another directory or "
                 f"--node-name, or stop that process first"
             ) from None
-        self._fd = fd
-        previous = _read_record(fd)
-        self.update(pid=os.getpid(), state="starting", segment=None, started=time.time())
-        return previous
+        return fd
 
     def update(self, **fields: Any) -> None:
         """Rewrite the record with these fields changed (only while locked)."""
