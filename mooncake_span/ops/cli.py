@@ -29,7 +29,7 @@ from mooncake_span.ops.native_log import add_native_log_arg, native_stderr_to, r
 from mooncake_span.units import parse_size_bytes
 
 if TYPE_CHECKING:
-    from mooncake_span.ops.cluster import LocalCluster
+    from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 
 logger = logging.getLogger(__name__)
 
@@ -203,33 +203,40 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _StopRequested(signal.Signals(signum).name)
 
 
+def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    """The ``ClusterSpec`` of ``cluster up``'s flags (ValueError on a bad combination)."""
+    from mooncake_span.ops.cluster import ClusterSpec
+
+    # Without --lease-ttl-ms: CLUSTER_UP_LEASE_TTL_MS, or ClusterSpec's SSD lease with --ssd-dir.
+    lease_ttl_ms = args.lease_ttl_ms
+    if lease_ttl_ms is None and not args.ssd_dir:
+        lease_ttl_ms = CLUSTER_UP_LEASE_TTL_MS
+    return ClusterSpec(
+        host=args.host,
+        storage_nodes=args.storage_nodes,
+        storage_node_segment_bytes=args.segment_size,
+        etcd=args.etcd,
+        standalone_metadata=args.standalone_metadata,
+        ha_masters=args.ha_masters,
+        enable_oplog=args.enable_oplog,
+        lease_ttl_ms=lease_ttl_ms,
+        client_ttl_s=args.client_ttl_s,
+        eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
+        eviction_ratio=args.eviction_ratio,
+        ssd_dir=args.ssd_dir,
+        ssd_size_bytes=args.ssd_size,
+        ssd_read_buffer_bytes=args.ssd_read_buffer,
+        log_dir=args.log_dir,
+        start_timeout_s=args.start_timeout_s,
+    )
+
+
 def cluster_up(args: argparse.Namespace) -> int:
     """``mooncake-span cluster up``: run a LocalCluster until SIGINT/SIGTERM."""
-    from mooncake_span.ops.cluster import ClusterSpec, ClusterStartError, LocalCluster
+    from mooncake_span.ops.cluster import ClusterStartError, LocalCluster
 
     try:
-        spec = ClusterSpec(
-            host=args.host,
-            storage_nodes=args.storage_nodes,
-            storage_node_segment_bytes=args.segment_size,
-            etcd=args.etcd,
-            standalone_metadata=args.standalone_metadata,
-            ha_masters=args.ha_masters,
-            enable_oplog=args.enable_oplog,
-            lease_ttl_ms=(
-                args.lease_ttl_ms
-                if args.lease_ttl_ms is not None or args.ssd_dir
-                else CLUSTER_UP_LEASE_TTL_MS
-            ),
-            client_ttl_s=args.client_ttl_s,
-            ssd_dir=args.ssd_dir,
-            ssd_size_bytes=args.ssd_size,
-            ssd_read_buffer_bytes=args.ssd_read_buffer,
-            eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
-            eviction_ratio=args.eviction_ratio,
-            log_dir=args.log_dir,
-            start_timeout_s=args.start_timeout_s,
-        )
+        spec = cluster_spec_from_args(args)
     except ValueError as exc:
         print(f"mooncake-span cluster up: {exc}", file=sys.stderr)
         return 2

@@ -53,6 +53,7 @@ from mooncake_span.errors import (
 )
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
+from mooncake_span.store import disk_reads
 from mooncake_span.store.domains import copy_key
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.integrity import IntegrityFailures
@@ -63,6 +64,7 @@ from mooncake_span.store.native import (
     native_env_defaults,
     prepare_native_env,
     replicate_config,
+    serving_tier,
     setup_arguments,
     setup_store,
     wait_for_segments,
@@ -70,6 +72,7 @@ from mooncake_span.store.native import (
 from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL, SKIPPED_CODE, PutPressure
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
+from mooncake_span.store.ssd_tier import DirLock
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,8 @@ class MooncakeClient:
         self._integrity = IntegrityFailures(
             lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
         )
+        self._ssd_read_rpcs = 0  # Mooncake's count of reads it asked an SSD owner for
+        self._ssd_lock: DirLock | None = None  # this rank's SSD directory, if it has one
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -149,7 +154,16 @@ class MooncakeClient:
             wait_for_segments(check_url, binding.list_segments)
         store = binding.store_factory()
         started = time.monotonic()
-        setup_store(store, s, **setup_arguments(s, self._shared_engine))
+        lister = (lambda: binding.list_segments(admin_url)) if admin_url else None
+        self._ssd_lock = serving_tier(s, lister)
+        try:
+            setup_store(store, s, **setup_arguments(s, self._shared_engine))
+        except BaseException:
+            if self._ssd_lock is not None:
+                self._ssd_lock.release()
+            raise
+        if self._ssd_lock is not None:
+            self._ssd_lock.update(state="running", segment=store.get_hostname())
         self._gate.open(store)
         if self.options.placement:
             admin_url = self.options.master_admin_url or s.configured_admin_url()
@@ -175,8 +189,16 @@ class MooncakeClient:
         if self._directory is not None:
             self._directory.stop()
         store = self._gate.shut(_CLOSE_DRAIN_TIMEOUT_S)
-        if store is not None:
-            store.close()
+        if store is None:
+            return
+        state = "stopped"
+        # The disk segment first: readers miss cleanly at once, and a restart right
+        # after registers every key again (store/ssd_tier.py).
+        if self._ssd_lock is not None and store.unmount_local_disk_segment(0) != 0:
+            state = "unmount-failed"
+        store.close()
+        if self._ssd_lock is not None:
+            self._ssd_lock.release(state)
 
     @property
     def closed(self) -> bool:
@@ -322,17 +344,17 @@ class MooncakeClient:
         ``domains``/``steps``: the placement its put used, if the caller knows it."""
         batch = PlanBatch.of(plans)
         if self.router.direct(keys):
-            return self._get_direct(list(keys), batch)
+            return self._get_direct(list(keys), batch, (domains, steps))
         return self._get_copies(keys, batch, (domains, steps))
 
-    def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
+    def _get_direct(self, keys: list[str], batch: PlanBatch, placed: Placed) -> list[bool]:
         """One copy per unique key, in the caller's order, cut by the buffer budget."""
         codes: list[int] = []
         for call in self.router.calls(batch):
             codes += self._get_call(keys[call.start : call.stop], batch.part(call))
         ok = list(map(operator.eq, codes, batch.nbytes))
         if not all(ok):
-            self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
+            self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes, placed))
         return ok
 
     def _get_copies(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
@@ -349,7 +371,11 @@ class MooncakeClient:
                 break
             object_keys = [candidates[i][attempt] for i in pending]
             codes = self._get_codes(object_keys, batch.take(pending))
-            bad = set(self._on_failed_reads(object_keys, [batch.nbytes[i] for i in pending], codes))
+            mine = [None if p is None else [p[i] for i in pending] for p in placed]
+            failed = self._on_failed_reads(
+                object_keys, [batch.nbytes[i] for i in pending], codes, (mine[0], mine[1])
+            )
+            bad = set(failed)
             for i, object_key, code in zip(pending, object_keys, codes, strict=True):
                 ok[i] = code == batch.nbytes[i]
                 unreadable[i] = unreadable[i] or object_key in bad
@@ -375,25 +401,74 @@ class MooncakeClient:
     def _get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
         codes = self._gate.invoke(
             "batch_get_into_multi_buffers",
-            lambda s: s.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes),
+            functools.partial(self._native_get, keys, batch),
             len(keys),
         )
+        overflow = disk_reads.overflowed(codes)
+        if overflow and len(keys) > 1:
+            # An SSD owner's read buffer took less than this call: ask again in halves.
+            for half in disk_reads.halves(overflow):
+                again = self._get_call([keys[i] for i in half], batch.take(half))
+                for i, code in zip(half, again, strict=True):
+                    codes[i] = code
         if codes != batch.nbytes:
             short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
             if short:
                 self._gate.count("SHORT_READ", short)
         return codes
 
+    def _native_get(self, keys: list[str], batch: PlanBatch, store: Any) -> list[int]:
+        codes = store.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes)
+        # Cumulative, per native client: one per SSD owner a get asked over RPC.
+        self._ssd_read_rpcs = max(self._ssd_read_rpcs, store.get_offload_rpc_read_count())
+        return codes
+
     def _on_failed_reads(
-        self, object_keys: Sequence[str], planned: Sequence[int], codes: Sequence[int]
+        self,
+        object_keys: Sequence[str],
+        planned: Sequence[int],
+        codes: Sequence[int],
+        placed: Placed = (None, None),
     ) -> list[str]:
-        """Marks the domains of transfer failures and removes corrupt objects;
-        returns the keys of both kinds (the reads that cannot succeed again)."""
+        """Marks the domains of transfer failures and of SSD owners that are down,
+        and removes corrupt objects; returns the keys to remember lost (the reads
+        that cannot succeed again)."""
         failed = [f for f in zip(object_keys, planned, codes, strict=True) if f[1] != f[2]]
         dead = {k: n for k, n, code in failed if is_transfer_failure(code)}
         if dead:
             self._mark_failed_domains("batch_get_into_multi_buffers", dead)
-        return [*dead, *self._integrity.record(failed)]
+        lost = [*dead, *self._integrity.record(failed)]
+        rpc_failed = disk_reads.owner_failures(codes)
+        if rpc_failed:
+            lost += self._on_owner_down(object_keys, rpc_failed, placed)
+        return lost
+
+    def _on_owner_down(
+        self, object_keys: Sequence[str], positions: list[int], placed: Placed
+    ) -> list[str]:
+        """Reads that failed at the RPC layer: if the master answers and the objects
+        had only disk replicas, their SSD owner is down (``disk_reads.py``). Its
+        segment is marked bad; without a placement to name it, the keys are returned
+        to be remembered lost."""
+        keys = [object_keys[i] for i in positions]
+        suppress = contextlib.suppress(TransportError, StoreClosedError)
+        found = None
+        with suppress, self._gate.native("batch_get_replica_desc") as store:
+            found = store.batch_get_replica_desc(keys)
+        if not isinstance(found, dict):
+            return []  # the master is down too: the breaker's business
+        on_disk = disk_reads.disk_only(found)
+        down = [i for i in positions if object_keys[i] in on_disk]
+        if not down:
+            return []
+        self._gate.answered()  # a storage node is down, not the cluster
+        self._gate.count(disk_reads.OWNER_DOWN_LABEL, len(down))
+        domains, steps = (None if p is None else [p[i] for i in down] for p in placed)
+        segments = self.router.placed_segments([object_keys[i] for i in down], domains, steps)
+        if not segments:
+            return [object_keys[i] for i in down]
+        self._mark_bad(segments, "a read from an SSD owner")
+        return []
 
     # ---- what failed transfers teach (both paths) ---------------------------------
 
@@ -526,10 +601,10 @@ class MooncakeClient:
 
     # ---- statistics ----------------------------------------------------------------
 
-    def stats_revision(self) -> tuple[int, bool, int]:
+    def stats_revision(self) -> tuple[int, bool, int, int]:
         """Cheap to read; changes whenever ``stats()`` has news for the metrics
         (every failure is counted, and the breaker and segment marks follow them)."""
-        return (*self._gate.revision(), self.router.times_marked)
+        return (*self._gate.revision(), self.router.times_marked, self._ssd_read_rpcs)
 
     def stats(self) -> dict[str, Any]:
         snapshot = self._gate.breaker()
@@ -542,5 +617,6 @@ class MooncakeClient:
             "bad_segments": sorted(self.router.bad_segments()),
             "domains_marked_bad": self.router.times_marked,
             "lost_keys": self.router.lost_count,
+            "ssd_read_rpcs": self._ssd_read_rpcs,
             **self._integrity.snapshot(),
         }

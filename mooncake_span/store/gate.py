@@ -160,6 +160,11 @@ class NativeGate:
         else:
             self._breaker.record_success()
 
+    def answered(self) -> None:
+        """A call past the gate got the master's answer: whatever failed before it
+        was not the cluster (e.g. a read from a storage node that is down)."""
+        self._breaker.record_success()
+
     def _fail(self, op: str, why: str) -> None:
         if self._breaker.record_failure(self._clock()):
             logger.warning(

@@ -160,6 +160,18 @@ class DomainRouter:
             rows.setdefault(chosen, []).append(i)
         return [(segments[chosen], positions) for chosen, positions in rows.items()]
 
+    def placed_segments(
+        self,
+        keys: Sequence[str],
+        domains: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
+    ) -> set[str]:
+        """The segments placement put these single-copy objects on; empty when it
+        cannot tell (copies, no segment list, or chain placement without the chain)."""
+        if self.copies != 1 or (domains is None and self.chained):
+            return set()
+        return {segment for segment, _ in self.direct_groups(keys, domains, steps) if segment}
+
     def put_groups(
         self,
         keys: Sequence[str],

@@ -35,7 +35,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -315,3 +315,47 @@ def wait_for_owner_expiry(
             return clock() - started
         sleep(_EXPIRY_POLL_S)
     return clock() - started
+
+
+def open_serving_tier(
+    directory: str,
+    largest_object_bytes: int,
+    environ: MutableMapping[str, str],
+    list_segments: Callable[[], list[str] | None] | None,
+    client_ttl_s: float = 10.0,
+) -> DirLock:
+    """A serving rank's own tier (sglang's ``enable_ssd_offload``): the same checks,
+    lock, wait after a crash and settings as a storage node's. Settings the
+    operator exported win over ours, unless they would keep objects off the
+    disk. Returns the held lock.
+
+    Raises:
+        ConfigError: a bad directory, one in use, or settings that persist nothing.
+    """
+    parent, name = os.path.split(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)  # as sglang's MooncakeStore does
+    check_root(parent, "ssd_offload_path")
+    process_dir(parent, name, "ssd_offload_path")
+    largest = largest_object_bytes or 256 << 20  # a pure reader offloads nothing of its own
+    tier = SsdTier(
+        directory=os.path.join(parent, name),
+        cap_bytes=_int(environ.get(CAP_ENV), 0) or default_cap_bytes(parent),
+        largest_object_bytes=largest,
+    )
+    for env_name, value in tier.native_env().items():
+        environ.setdefault(env_name, value)
+    problems = layout_problems(environ, largest)
+    if problems:
+        raise ConfigError("enable_ssd_offload would persist nothing: " + "; ".join(problems))
+    lock = DirLock(parent, name)
+    previous = lock.acquire(tier.directory)
+    if crashed(previous):
+        logger.warning(
+            "mooncake-span: the previous owner of %s (pid %s) did not stop cleanly; waiting for "
+            "the master to drop it (at most %.0f s)",
+            tier.directory,
+            previous.get("pid"),
+            client_ttl_s + EXPIRY_MARGIN_S,
+        )
+        wait_for_owner_expiry(previous, client_ttl_s, list_segments)
+    return lock

@@ -69,6 +69,9 @@ class FakeReplica:
     def is_memory_replica(self) -> bool:
         return True
 
+    def is_local_disk_replica(self) -> bool:
+        return False
+
     def get_memory_descriptor(self) -> _FakeMemoryDescriptor:
         return _FakeMemoryDescriptor(_FakeBufferDescriptor(self.segment, self.size))
 
@@ -300,6 +303,14 @@ class FakeStore:
             for key in doomed:
                 del self._cluster.objects[key]
         return len(doomed)
+
+    def get_offload_rpc_read_count(self) -> int:
+        # The fake has no SSD tier: nothing is ever read from an owner's disk.
+        return 0
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        self._check()
+        return 0
 
     def get_size(self, key: str) -> int:
         self._check()
