@@ -76,13 +76,14 @@ mc_parse_ssd_args() {
   return 0
 }
 
-# MASTER_SSD_FLAGS: the master flags an SSD tier needs: offload on, and a
-# lease short enough for eviction to free offloaded copies (docs/operating.md,
-# "The SSD tier").
+# MASTER_SSD_FLAGS: the master flags an SSD tier needs: offload on, a lease
+# short enough for eviction to free offloaded copies, and DRAM headroom for
+# write bursts (docs/operating.md, "The SSD tier").
 mc_master_ssd_flags() {
   MASTER_SSD_FLAGS=()
   if [[ "${SSD:-0}" == 1 ]]; then
-    MASTER_SSD_FLAGS=(--enable_offload=true --default_kv_lease_ttl=500)
+    MASTER_SSD_FLAGS=(--enable_offload=true --default_kv_lease_ttl=500
+      --eviction_high_watermark_ratio=0.7 --eviction_ratio=0.2)
   fi
 }
 

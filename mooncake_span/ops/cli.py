@@ -23,6 +23,8 @@ from mooncake_span.ops.cluster_spec import (
     CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
     CLUSTER_UP_EVICTION_RATIO,
     CLUSTER_UP_LEASE_TTL_MS,
+    SSD_EVICTION_HIGH_WATERMARK_RATIO,
+    SSD_EVICTION_RATIO,
     SSD_LEASE_TTL_MS,
 )
 from mooncake_span.ops.native_log import add_native_log_arg, native_stderr_to, resolve_native_log
@@ -165,16 +167,19 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--eviction-high-watermark-ratio",
         type=float,
-        default=CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
+        default=None,
         metavar="RATIO",
-        help="memory usage ratio in (0, 1] that triggers eviction (default: %(default)s)",
+        help=f"memory usage ratio in (0, 1] that triggers eviction (default: "
+        f"{CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO}, {SSD_EVICTION_HIGH_WATERMARK_RATIO} with "
+        "--ssd-dir)",
     )
     up.add_argument(
         "--eviction-ratio",
         type=float,
-        default=CLUSTER_UP_EVICTION_RATIO,
+        default=None,
         metavar="RATIO",
-        help="share of objects one eviction pass frees, in (0, 1] (default: %(default)s)",
+        help=f"share of objects one eviction pass frees, in (0, 1] (default: "
+        f"{CLUSTER_UP_EVICTION_RATIO}, {SSD_EVICTION_RATIO} with --ssd-dir)",
     )
     up.add_argument(
         "--log-dir",
@@ -207,10 +212,10 @@ def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     """The ``ClusterSpec`` of ``cluster up``'s flags (ValueError on a bad combination)."""
     from mooncake_span.ops.cluster import ClusterSpec
 
-    # Without --lease-ttl-ms: CLUSTER_UP_LEASE_TTL_MS, or ClusterSpec's SSD lease with --ssd-dir.
-    lease_ttl_ms = args.lease_ttl_ms
-    if lease_ttl_ms is None and not args.ssd_dir:
-        lease_ttl_ms = CLUSTER_UP_LEASE_TTL_MS
+    # Master tunables not given: CLUSTER_UP_*, or ClusterSpec's SSD_* values with --ssd-dir.
+    def given_or(value: float | None, default: float) -> float | None:
+        return value if value is not None or args.ssd_dir else default
+
     return ClusterSpec(
         host=args.host,
         storage_nodes=args.storage_nodes,
@@ -219,10 +224,12 @@ def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         standalone_metadata=args.standalone_metadata,
         ha_masters=args.ha_masters,
         enable_oplog=args.enable_oplog,
-        lease_ttl_ms=lease_ttl_ms,
+        lease_ttl_ms=given_or(args.lease_ttl_ms, CLUSTER_UP_LEASE_TTL_MS),
         client_ttl_s=args.client_ttl_s,
-        eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
-        eviction_ratio=args.eviction_ratio,
+        eviction_high_watermark_ratio=given_or(
+            args.eviction_high_watermark_ratio, CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO
+        ),
+        eviction_ratio=given_or(args.eviction_ratio, CLUSTER_UP_EVICTION_RATIO),
         ssd_dir=args.ssd_dir,
         ssd_size_bytes=args.ssd_size,
         ssd_read_buffer_bytes=args.ssd_read_buffer,

@@ -465,8 +465,8 @@ class LocalCluster:
             enable_oplog=spec.enable_oplog,
             lease_ttl_ms=spec.master_lease_ttl_ms,
             client_ttl_s=spec.client_ttl_s,
-            eviction_high_watermark_ratio=spec.eviction_high_watermark_ratio,
-            eviction_ratio=spec.eviction_ratio,
+            eviction_high_watermark_ratio=spec.master_eviction_high_watermark_ratio,
+            eviction_ratio=spec.master_eviction_ratio,
             enable_offload=spec.ssd_dir is not None,
             extra_args=spec.master_extra_args,
         )

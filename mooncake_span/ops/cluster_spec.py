@@ -15,7 +15,14 @@ from types import MappingProxyType
 from mooncake_span.mooncake_settings import validate_master_address, validate_metadata_server
 from mooncake_span.units import parse_size_bytes
 
-__all__ = ["SSD_LEASE_TTL_MS", "ClusterSpec", "ExternalCluster", "sglang_client_config"]
+__all__ = [
+    "SSD_EVICTION_HIGH_WATERMARK_RATIO",
+    "SSD_EVICTION_RATIO",
+    "SSD_LEASE_TTL_MS",
+    "ClusterSpec",
+    "ExternalCluster",
+    "sglang_client_config",
+]
 
 
 # ---------------------------------------------------------------------------
@@ -36,6 +43,14 @@ CLUSTER_UP_LEASE_TTL_MS = 2000
 # 10 s leases 256 puts of 1 MiB into a 64 MB segment took 34 s (320 refusals),
 # with 2 s 10.3 s, with 500 ms 4.7-6.2 s (docs/operating.md, "The SSD tier").
 SSD_LEASE_TTL_MS = 500
+# With an SSD tier an evicted DRAM copy is still on disk, so DRAM can keep more
+# headroom for write bursts: a put larger than the free DRAM is refused (-200)
+# until eviction runs, and Mooncake's 0.9 / 0.05 left ~10% free. 96 puts of
+# 1 MiB into a 16 MiB segment, retried after 1.1 s like the put cool-down:
+# 0.9 / 0.05 took 36.6 s with 182 refusals, 0.7 / 0.2 17.8 s with 52, 0.5 / 0.3
+# 10.1 s with 47 (every key byte-exact in each).
+SSD_EVICTION_HIGH_WATERMARK_RATIO = 0.7
+SSD_EVICTION_RATIO = 0.2
 CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO = 0.9
 CLUSTER_UP_EVICTION_RATIO = 0.05
 
@@ -65,7 +80,7 @@ class ClusterSpec:
     master_extra_args: tuple[str, ...] = ()
     # SSD tier: each storage node keeps every object on ssd_dir/node<i> too
     # (ssd_size_bytes each, None: 90% of the disk); the master runs with
-    # --enable_offload and, unless lease_ttl_ms is given, SSD_LEASE_TTL_MS.
+    # --enable_offload and, unless given, the SSD_* lease and eviction values.
     ssd_dir: str | Path | None = None
     ssd_size_bytes: int | None = None
     ssd_read_buffer_bytes: int | None = None
@@ -172,9 +187,22 @@ class ClusterSpec:
     @property
     def master_lease_ttl_ms(self) -> int | None:
         """The master's lease: ``lease_ttl_ms``, else SSD_LEASE_TTL_MS with an SSD tier."""
-        if self.lease_ttl_ms is None and self.ssd_dir is not None:
-            return SSD_LEASE_TTL_MS
-        return self.lease_ttl_ms
+        return self._ssd_default(self.lease_ttl_ms, SSD_LEASE_TTL_MS)
+
+    @property
+    def master_eviction_high_watermark_ratio(self) -> float | None:
+        return self._ssd_default(
+            self.eviction_high_watermark_ratio, SSD_EVICTION_HIGH_WATERMARK_RATIO
+        )
+
+    @property
+    def master_eviction_ratio(self) -> float | None:
+        return self._ssd_default(self.eviction_ratio, SSD_EVICTION_RATIO)
+
+    def _ssd_default(self, given: float | None, with_ssd: float) -> float | None:
+        if given is None and self.ssd_dir is not None:
+            return with_ssd
+        return given
 
     @property
     def ha(self) -> bool:

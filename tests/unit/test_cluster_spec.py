@@ -233,23 +233,28 @@ def test_cluster_up_starts_masters_with_the_measured_eviction_flags():
         CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
         CLUSTER_UP_EVICTION_RATIO,
         CLUSTER_UP_LEASE_TTL_MS,
+        SSD_EVICTION_HIGH_WATERMARK_RATIO,
+        SSD_EVICTION_RATIO,
         SSD_LEASE_TTL_MS,
     )
 
     spec = cluster_spec_from_args(build_parser().parse_args(["cluster", "up"]))
     assert (
         spec.master_lease_ttl_ms,
-        spec.eviction_high_watermark_ratio,
-        spec.eviction_ratio,
+        spec.master_eviction_high_watermark_ratio,
+        spec.master_eviction_ratio,
     ) == (
         CLUSTER_UP_LEASE_TTL_MS,
         CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
         CLUSTER_UP_EVICTION_RATIO,
     )
     ssd = ["cluster", "up", "--ssd-dir", "/nvme/cache"]
-    assert cluster_spec_from_args(build_parser().parse_args(ssd)).master_lease_ttl_ms == (
-        SSD_LEASE_TTL_MS
-    )
+    spec = cluster_spec_from_args(build_parser().parse_args(ssd))
+    assert (
+        spec.master_lease_ttl_ms,
+        spec.master_eviction_high_watermark_ratio,
+        spec.master_eviction_ratio,
+    ) == (SSD_LEASE_TTL_MS, SSD_EVICTION_HIGH_WATERMARK_RATIO, SSD_EVICTION_RATIO)
     given = build_parser().parse_args([*ssd, "--lease-ttl-ms", "700"])
     assert cluster_spec_from_args(given).master_lease_ttl_ms == 700
     args = build_parser().parse_args(["cluster", "up", "--eviction-ratio", "0.2"])
