@@ -117,27 +117,21 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
         return None
     root = ssd_tier.check_root(*found)
     name = args.node_name or socket.gethostname()
-    segment_bytes = settings.global_segment_size_bytes
     cap = _size(args.ssd_size, "--ssd-size") if args.ssd_size is not None else None
-    if cap is not None:
-        ssd_tier.check_cap(cap, segment_bytes)
+    # Every value is checked before anything is created or locked.
+    tier = ssd_tier.SsdTier(
+        directory=os.path.join(root, name),
+        cap_bytes=cap if cap is not None else ssd_tier.default_cap_bytes(root),
+        largest_object_bytes=settings.global_segment_size_bytes,
+        read_buffer_bytes=(
+            _size(args.ssd_read_buffer, "--ssd-read-buffer")
+            if args.ssd_read_buffer is not None
+            else ssd_tier.DEFAULT_READ_BUFFER_BYTES
+        ),
+    )
     directory = ssd_tier.process_dir(root, name, found[1])
     lock = ssd_tier.DirLock(root, name)
     previous = lock.acquire(f"{directory} (node {name!r})")
-    try:
-        tier = ssd_tier.SsdTier(
-            directory=directory,
-            cap_bytes=cap if cap is not None else ssd_tier.default_cap_bytes(directory),
-            largest_object_bytes=segment_bytes,
-            read_buffer_bytes=(
-                _size(args.ssd_read_buffer, "--ssd-read-buffer")
-                if args.ssd_read_buffer is not None
-                else ssd_tier.DEFAULT_READ_BUFFER_BYTES
-            ),
-        )
-    except ConfigError:
-        lock.release(previous.get("state", "stopped"))
-        raise
     _warn_if_disk_short(tier)
     return NodeSsd(tier, lock, previous)
 

@@ -453,7 +453,9 @@ class MooncakeClient:
         keys = [object_keys[i] for i in positions]
         suppress = contextlib.suppress(TransportError, StoreClosedError)
         found = None
-        with suppress, self._gate.native("batch_get_replica_desc") as store:
+        # Past the breaker: the failed read may just have opened it, and this one
+        # RPC is what tells a dead master from a dead SSD owner.
+        with suppress, self._gate.native("batch_get_replica_desc", past_breaker=True) as store:
             found = store.batch_get_replica_desc(keys)
         if not isinstance(found, dict):
             return []  # the master is down too: the breaker's business

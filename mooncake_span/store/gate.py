@@ -89,14 +89,14 @@ class NativeGate:
 
     # ---- guarded native access ---------------------------------------------
 
-    def _enter(self, op: str) -> Any:
+    def _enter(self, op: str, past_breaker: bool = False) -> Any:
         """Count a call in flight and hand out the native store, or raise why not."""
         with self._cond:
             if self._closed:
                 raise StoreClosedError(f"{op} called after close()")
             if self.store is None:
                 raise StoreClosedError(f"{op} called before connect()")
-            if self._breaker.is_open:
+            if self._breaker.is_open and not past_breaker:
                 self.count("BREAKER_REJECTED")
                 raise TransportError(f"{op} refused: circuit breaker open (cluster unreachable)")
             self._inflight += 1
@@ -109,9 +109,11 @@ class NativeGate:
                 self._cond.notify_all()
 
     @contextmanager
-    def native(self, op: str) -> Iterator[Any]:
-        """The native store for one call whose answer is not a list of codes."""
-        store = self._enter(op)
+    def native(self, op: str, past_breaker: bool = False) -> Iterator[Any]:
+        """The native store for one call whose answer is not a list of codes;
+        ``past_breaker``: even while the breaker is open (one call that tells
+        whether the master answers, as the recovery probe's)."""
+        store = self._enter(op, past_breaker)
         try:
             yield store
         finally:

@@ -30,10 +30,12 @@ every test on the fake checks that only registered memory is sent.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import re
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_span.errors import ErrorCode
@@ -65,12 +67,14 @@ class _FakeMemoryDescriptor:
 class FakeReplica:
     segment: str
     size: int
+    # Only on its owner's SSD (a LOCAL_DISK replica, which names no segment).
+    on_disk: bool = False
 
     def is_memory_replica(self) -> bool:
-        return True
+        return not self.on_disk
 
     def is_local_disk_replica(self) -> bool:
-        return False
+        return self.on_disk
 
     def get_memory_descriptor(self) -> _FakeMemoryDescriptor:
         return _FakeMemoryDescriptor(_FakeBufferDescriptor(self.segment, self.size))
@@ -88,6 +92,13 @@ class FakeCluster:
         self._faults: dict[str, list[int]] = {}
         self.calls: list[tuple[str, int]] = []
         self.unregistered_buffers = 0
+        # The SSD tier, as measured on the real one (store/disk_reads.py): objects
+        # whose DRAM copy is gone and that only their owner's disk holds. A read of
+        # one whose owner is dead fails at the RPC layer; one owner's share of a
+        # get larger than its read buffer overflows.
+        self.on_disk: set[str] = set()
+        self.disk_read_buffer_bytes = 1 << 40
+        self.disk_reads = 0
 
     def inject(self, op: str, code: int, times: int = 1) -> None:
         """The next ``times`` calls of ``op`` answer ``code`` for every key."""
@@ -112,8 +123,32 @@ class FakeCluster:
             for key in [k for k, s in self.placement.items() if s in self.dead]:
                 self.objects.pop(key, None)
                 self.placement.pop(key, None)
+                self.on_disk.discard(key)
             self.segments = [s for s in self.segments if s not in self.dead]
             self.dead.clear()
+
+    def evict_to_disk(self, keys: Iterable[str]) -> None:
+        """These objects' DRAM copies are evicted; their owner's SSD still holds them."""
+        with self.lock:
+            self.on_disk.update(k for k in keys if k in self.objects)
+
+    def _disk_codes(self, keys: Sequence[str]) -> dict[str, int]:
+        """The codes an SSD tier answers for the disk-only objects of one get."""
+        share: collections.Counter[str] = collections.Counter()
+        for key in keys:
+            if key in self.on_disk and key in self.objects:
+                share[self.placement.get(key, "")] += len(self.objects[key])
+        codes = {}
+        for key in keys:
+            owner = self.placement.get(key, "")
+            if key not in self.on_disk or key not in self.objects:
+                continue
+            if owner in self.dead:
+                codes[key] = int(ErrorCode.RPC_FAIL)
+            elif share[owner] > self.disk_read_buffer_bytes:
+                codes[key] = int(ErrorCode.BUFFER_OVERFLOW)
+        self.disk_reads += len({self.placement.get(k, "") for k in keys if k in self.on_disk})
+        return codes
 
     def add_segment(self, segment: str) -> None:
         self.segments.append(segment)
@@ -131,6 +166,7 @@ class FakeCluster:
         """Forget one object, as eviction would."""
         with self.lock:
             self.placement.pop(key, None)
+            self.on_disk.discard(key)
             return self.objects.pop(key, None) is not None
 
 
@@ -178,7 +214,7 @@ class FakeStore:
         c = self._cluster
         with c.lock:
             return {
-                k: [FakeReplica(c.placement.get(k, ""), len(c.objects[k]))]
+                k: [FakeReplica(c.placement.get(k, ""), len(c.objects[k]), k in c.on_disk)]
                 for k in keys
                 if k in c.objects
             }
@@ -258,10 +294,14 @@ class FakeStore:
         out: list[int] = []
         c = self._cluster
         with c.lock:
+            disk_codes = c._disk_codes(keys)
             for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes, strict=False):
                 value = c.objects.get(key)
                 if value is None:
                     out.append(int(ErrorCode.OBJECT_NOT_FOUND))
+                    continue
+                if key in disk_codes:
+                    out.append(disk_codes[key])
                     continue
                 if c.placement.get(key) in c.dead:
                     out.append(int(ErrorCode.TRANSFER_FAIL))
@@ -305,8 +345,7 @@ class FakeStore:
         return len(doomed)
 
     def get_offload_rpc_read_count(self) -> int:
-        # The fake has no SSD tier: nothing is ever read from an owner's disk.
-        return 0
+        return self._cluster.disk_reads
 
     def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
         self._check()

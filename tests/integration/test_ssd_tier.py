@@ -19,6 +19,9 @@ of 256 KiB) from real sglang host pools and compare every restored byte.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -269,3 +272,21 @@ def test_disk_cap_reached_clean_misses_nothing_corrupt(tmp_path):
         assert usage <= cap_bytes + KEY_BYTES, usage
     finally:
         cluster.stop()
+
+
+def test_doctor_passes_an_ssd_tier_on_an_offload_master(ssd_cluster, tmp_path):
+    argv = [
+        sys.executable,
+        "-m",
+        "mooncake_span.ops.cli",
+        "doctor",
+        f"--master={ssd_cluster.master_address}",
+        f"--metadata={ssd_cluster.metadata_server}",
+        f"--admin-url={ssd_cluster.metrics_url}",
+        f"--ssd-dir={tmp_path}",
+        "--json",
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    checks = {c["name"]: c["status"] for c in json.loads(result.stdout)["checks"]}
+    assert checks["ssd tier"] == "PASS" and checks["ssd master"] == "PASS", result.stdout
+    assert checks["round trip"] == "PASS", result.stdout
