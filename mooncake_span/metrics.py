@@ -111,6 +111,13 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Times a storage node (segment, a failure domain) was marked bad after a failed transfer",
         ("node",),
     ),
+    "ssd_reads_total": (
+        "counter",
+        "Reads Mooncake served from a storage node's SSD tier (its count: one per owner asked "
+        "in a get call); refused reads are in failed_objects_total (SSD_OWNER_DOWN, "
+        "BUFFER_OVERFLOW), refused puts there too (NO_AVAILABLE_HANDLE)",
+        (),
+    ),
 }
 
 
@@ -211,6 +218,10 @@ class SpanMetrics:
         if count > 0:
             self._child("node_failures_total", node).inc(count)
 
+    def add_ssd_reads(self, count: int) -> None:
+        if count > 0:
+            self._collectors["ssd_reads_total"].inc(count)
+
 
 _lock = threading.Lock()
 _by_registry: dict[int, SpanMetrics] = {}
@@ -270,6 +281,7 @@ class ClientStatsSync:
         self._state: str | None = None  # None: the gauge was never set
         self._seen_bad: frozenset[str] = frozenset()
         self._seen_corrupt: dict[str, int] = {}
+        self._seen_ssd_reads = 0
 
     def sync(self, stats: Mapping[str, Any]) -> None:
         codes = stats.get("error_counts", {})
@@ -277,13 +289,15 @@ class ClientStatsSync:
         state = str(stats.get("breaker_state", "closed"))
         bad = frozenset(stats.get("bad_segments", ()))
         corrupt = stats.get("integrity_failures", {})
+        ssd_reads = int(stats.get("ssd_read_rpcs", 0))
         with self._lock:
-            if (codes, opens, state, bad, corrupt) == (
+            if (codes, opens, state, bad, corrupt, ssd_reads) == (
                 self._seen_codes,
                 self._seen_opens,
                 self._state,
                 self._seen_bad,
                 self._seen_corrupt,
+                self._seen_ssd_reads,
             ):
                 return  # the common case: nothing failed since the last call
             deltas = _advance(self._seen_codes, codes)
@@ -291,12 +305,15 @@ class ClientStatsSync:
             newly_bad = bad - self._seen_bad
             opened = max(0, opens - self._seen_opens)
             self._seen_opens = max(opens, self._seen_opens)
+            from_ssd = max(0, ssd_reads - self._seen_ssd_reads)
+            self._seen_ssd_reads = max(ssd_reads, self._seen_ssd_reads)
             self._state, self._seen_bad = state, bad
         for code, delta in deltas.items():
             self._metrics.add_failed_objects(code, delta)
         for code, delta in corrupted.items():
             self._metrics.add_integrity_failures(code, delta)
         self._metrics.add_breaker_opens(opened)
+        self._metrics.add_ssd_reads(from_ssd)
         self._metrics.set_breaker_state(state)
         # A storage node (segment) the client marked bad after a failed transfer.
         for segment in newly_bad:
