@@ -612,6 +612,13 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "after one warm-up round",
     )
     bench.add_argument(
+        "--ssd",
+        action="store_true",
+        help="only the SSD-tier section: reads from a storage node's SSD vs its DRAM (paired), "
+        "and restore after a whole-cluster restart, vs a DRAM-only cluster "
+        "(mooncake_span.bench.ssd)",
+    )
+    bench.add_argument(
         "--placement",
         action="store_true",
         help="only the placement section: restorable prompt tokens after one of 2 or 4 storage "
@@ -654,6 +661,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
             args.json,
             args.plot,
         )
+    if args.ssd:
+        from mooncake_span.bench.ssd import run_ssd_command
+
+        return run_ssd_command(args.quick, args.json)
     if args.placement:
         from mooncake_span.bench.placement import run_placement_command
 

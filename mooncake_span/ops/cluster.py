@@ -493,15 +493,23 @@ class LocalCluster:
             ssd=ssd,
         )
 
+    def node_ready_fields(self, i: int) -> dict[str, str]:
+        """The ``key=value`` fields of storage node i's READY line (``segment``,
+        ``segment_bytes``, with an SSD tier ``ssd_dir`` and ``ssd_cap_bytes``)."""
+        node = self._nodes[self._node_index(i)]
+        ready = [ln for ln in node.output_text().splitlines() if ln.startswith(L.READY_PREFIX)]
+        if not ready:
+            return {}
+        return dict(f.split("=", 1) for f in ready[-1].split()[1:] if "=" in f)
+
     def ssd_tiers(self) -> list[dict[str, str]]:
-        """Per storage node, ``ssd_dir`` and ``ssd_cap_bytes`` from its READY line
-        ([] without an SSD tier)."""
-        tiers = []
-        for node in self._nodes if self.spec.ssd_dir is not None else ():
-            ready = [ln for ln in node.output_text().splitlines() if ln.startswith(L.READY_PREFIX)]
-            fields = dict(f.split("=", 1) for f in ready[-1].split()[1:] if "=" in f)
-            tiers.append({k: fields.get(k, "?") for k in ("ssd_dir", "ssd_cap_bytes")})
-        return tiers
+        """Per storage node, ``ssd_dir`` and ``ssd_cap_bytes`` ([] without an SSD tier)."""
+        if self.spec.ssd_dir is None:
+            return []
+        return [
+            {k: self.node_ready_fields(i).get(k, "?") for k in ("ssd_dir", "ssd_cap_bytes")}
+            for i in range(len(self._nodes))
+        ]
 
     def node_ssd_dir(self, i: int) -> Path | None:
         """Storage node i's own SSD directory, None without an SSD tier."""
