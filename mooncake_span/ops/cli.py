@@ -589,8 +589,8 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--serve-workloads",
         default=None,
         metavar="LIST",
-        help="--serve: comma list of repeated, multiturn, pd and fresh (default all four; "
-        "multiturn, pd and fresh use the first of --serve-models)",
+        help="--serve: comma list of repeated, multiturn, pd, fresh and ssd (default the first "
+        "four; multiturn, pd, fresh and ssd use the first of --serve-models)",
     )
     bench.add_argument(
         "--serve-models",
