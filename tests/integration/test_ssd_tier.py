@@ -10,8 +10,9 @@ of 256 KiB) from real sglang host pools and compare every restored byte.
 3. a storage node SIGKILLed and restarted: while it is down every call is
    bounded by the transfer timeout and Mooncake's ~4.3 s owner RPC is paid
    once, not per key; hit queries stop offering its keys; the other node's keys
-   still restore; after the restart (which waits for the master to drop the
-   dead node) every key is found again, and the same after a graceful restart;
+   still restore, and new backups land on it; after the restart (which waits
+   for the master to drop the dead node) every key is found again, and the same
+   after a graceful restart;
 4. a disk cap smaller than the working set (a cluster of its own): evicted keys
    are clean misses, nothing restores wrong bytes, the directory stays near the cap.
 (2, the whole-cluster restart with real servers, is tests/servers/test_ssd_restart.py.)
@@ -241,6 +242,13 @@ def test_storage_node_sigkill_bounded_misses_then_found_again(working_set, ssd_c
     assert time.monotonic() - started < 1.0
     assert present < len(working_set.names), "hit queries still offer the dead node's keys"
     survivors = sum(hits)
+    fresh = Keys(ssd_cluster, "while-down", 2 * BATCH_KEYS)
+    try:  # new backups while the node is down: no call past the transfer timeout
+        fresh.write_all()
+        hits, exact, times = fresh.read_all()
+        assert all(hits) and all(exact) and max(times) <= TRANSFER_TIMEOUT_S
+    finally:
+        fresh.store.close()
 
     ssd_cluster.restart_storage_node(0)  # waits until the master dropped the dead node
     assert time.monotonic() - killed_at >= CLIENT_TTL_S
