@@ -232,6 +232,7 @@ def test_storage_node_sigkill_bounded_misses_then_found_again(working_set, ssd_c
     killed_at = time.monotonic()
     hits, exact, times = working_set.read_all()
     working_set.assert_never_wrong(hits, exact)
+    print(f"reads while a node is down: {sum(hits)}/{len(hits)} hits, get seconds {times}")
     assert max(times) <= TRANSFER_TIMEOUT_S + 1.0, times
     # Mooncake's owner RPC retries (~4.3 s) are paid once, then the owner is skipped.
     assert sum(t > 2.0 for t in times) <= 1, times
