@@ -131,6 +131,7 @@ class MooncakeClient:
         )
         self._ssd_read_rpcs = 0  # Mooncake's count of reads it asked an SSD owner for
         self._ssd_lock: DirLock | None = None  # this rank's SSD directory, if it has one
+        self._admin_url: str | None = None  # the master's admin server, set by connect()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -146,6 +147,10 @@ class MooncakeClient:
         for endpoint in endpoints:
             binding.probe_endpoint(endpoint, REACHABILITY_TIMEOUT_S)
         # span_master_admin_url overrides the master host on master_metrics_port.
+        # No guessed admin URL (sglang's 9003) for placement and SSD owners: a wrong
+        # one costs a timeout per refresh.
+        admin_url = self.options.master_admin_url or s.configured_admin_url()
+        self._admin_url = admin_url
         if s.check_server:
             # sglang's check_server tries the master's default admin port (9003).
             check_url = self.options.master_admin_url or s.admin_url()
@@ -166,7 +171,6 @@ class MooncakeClient:
             self._ssd_lock.update(state="running", segment=store.get_hostname())
         self._gate.open(store)
         if self.options.placement:
-            admin_url = self.options.master_admin_url or s.configured_admin_url()
             self._directory = start_directory(admin_url, self.options, binding.list_segments)
         logger.info(
             "mooncake-span connected to master %s (metadata %s, protocol %s, device %r, "
@@ -344,17 +348,17 @@ class MooncakeClient:
         ``domains``/``steps``: the placement its put used, if the caller knows it."""
         batch = PlanBatch.of(plans)
         if self.router.direct(keys):
-            return self._get_direct(list(keys), batch, (domains, steps))
+            return self._get_direct(list(keys), batch)
         return self._get_copies(keys, batch, (domains, steps))
 
-    def _get_direct(self, keys: list[str], batch: PlanBatch, placed: Placed) -> list[bool]:
+    def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
         """One copy per unique key, in the caller's order, cut by the buffer budget."""
         codes: list[int] = []
         for call in self.router.calls(batch):
             codes += self._get_call(keys[call.start : call.stop], batch.part(call))
         ok = list(map(operator.eq, codes, batch.nbytes))
         if not all(ok):
-            self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes, placed))
+            self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
         return ok
 
     def _get_copies(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
@@ -371,11 +375,7 @@ class MooncakeClient:
                 break
             object_keys = [candidates[i][attempt] for i in pending]
             codes = self._get_codes(object_keys, batch.take(pending))
-            mine = [None if p is None else [p[i] for i in pending] for p in placed]
-            failed = self._on_failed_reads(
-                object_keys, [batch.nbytes[i] for i in pending], codes, (mine[0], mine[1])
-            )
-            bad = set(failed)
+            bad = set(self._on_failed_reads(object_keys, [batch.nbytes[i] for i in pending], codes))
             for i, object_key, code in zip(pending, object_keys, codes, strict=True):
                 ok[i] = code == batch.nbytes[i]
                 unreadable[i] = unreadable[i] or object_key in bad
@@ -428,7 +428,6 @@ class MooncakeClient:
         object_keys: Sequence[str],
         planned: Sequence[int],
         codes: Sequence[int],
-        placed: Placed = (None, None),
     ) -> list[str]:
         """Marks the domains of transfer failures and of SSD owners that are down,
         and removes corrupt objects; returns the keys to remember lost (the reads
@@ -440,16 +439,16 @@ class MooncakeClient:
         lost = [*dead, *self._integrity.record(failed)]
         rpc_failed = disk_reads.owner_failures(codes)
         if rpc_failed:
-            lost += self._on_owner_down(object_keys, rpc_failed, placed)
+            lost += self._on_owner_down(object_keys, rpc_failed)
         return lost
 
-    def _on_owner_down(
-        self, object_keys: Sequence[str], positions: list[int], placed: Placed
-    ) -> list[str]:
+    def _on_owner_down(self, object_keys: Sequence[str], positions: list[int]) -> list[str]:
         """Reads that failed at the RPC layer: if the master answers and the objects
-        had only disk replicas, their SSD owner is down (``disk_reads.py``). Its
-        segment is marked bad; without a placement to name it, the keys are returned
-        to be remembered lost."""
+        had only disk replicas, their SSD owner is down (``disk_reads.py``). The
+        master's admin server names the owner, whose segment is marked bad; until
+        the mark ends, reads ask where each key is, since a full segment's puts land
+        elsewhere and placement cannot tell an owner's keys. Without an owner to
+        name, the keys are returned to be remembered lost."""
         keys = [object_keys[i] for i in positions]
         suppress = contextlib.suppress(TransportError, StoreClosedError)
         found = None
@@ -459,18 +458,29 @@ class MooncakeClient:
             found = store.batch_get_replica_desc(keys)
         if not isinstance(found, dict):
             return []  # the master is down too: the breaker's business
-        on_disk = disk_reads.disk_only(found)
-        down = [i for i in positions if object_keys[i] in on_disk]
+        down = sorted(disk_reads.disk_only(found) & set(keys))
         if not down:
             return []
         self._gate.answered()  # a storage node is down, not the cluster
         self._gate.count(disk_reads.OWNER_DOWN_LABEL, len(down))
-        domains, steps = (None if p is None else [p[i] for i in down] for p in placed)
-        segments = self.router.placed_segments([object_keys[i] for i in down], domains, steps)
+        segments = set().union(*self._disk_owners(down).values())
         if not segments:
-            return [object_keys[i] for i in down]
-        self._mark_bad(segments, "a read from an SSD owner")
+            return down
+        fresh = self.router.mark_owners_down(segments)
+        if fresh:
+            logger.warning(
+                "mooncake-span: the SSD tier of segment(s) %s does not answer reads; "
+                "reading their keys as misses for %.0fs",
+                fresh,
+                self.options.domain_bad_ttl_s,
+            )
         return []
+
+    def _disk_owners(self, object_keys: Sequence[str]) -> dict[str, set[str]]:
+        """Per object, the segments whose SSD holds it ({} without an admin server)."""
+        if self._admin_url is None or not object_keys:
+            return {}
+        return self._binding.list_disk_owners(self._admin_url, list(object_keys)) or {}
 
     # ---- what failed transfers teach (both paths) ---------------------------------
 
@@ -508,13 +518,19 @@ class MooncakeClient:
         if not object_keys:
             return {}
         suppress = contextlib.suppress(TransportError, StoreClosedError)
+        found = None
         with suppress, self._gate.native("batch_get_replica_desc") as store:
             on_rpc()  # past the gate: the RPC goes out
             try:
-                return replica_segments(store.batch_get_replica_desc(list(object_keys)), sizes)
+                found = store.batch_get_replica_desc(list(object_keys))
             except Exception:  # observation only: unknown means "treat as lost"
                 logger.debug("batch_get_replica_desc failed", exc_info=True)
-        return {}
+                return {}
+        located = replica_segments(found, sizes)
+        on_disk = [k for k in disk_reads.disk_only(found) if k not in located]
+        for key, owners in self._disk_owners(on_disk).items():
+            located.setdefault(key, set()).update(owners)
+        return located
 
     # ---- existence ---------------------------------------------------------------
 

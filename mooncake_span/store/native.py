@@ -18,7 +18,7 @@ from mooncake_span.config import SpanOptions
 from mooncake_span.errors import ConfigError, SetupError, code_name
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.store.protocol import NativeStore
-from mooncake_span.store.segments import fetch_segments
+from mooncake_span.store.segments import fetch_disk_owners, fetch_segments
 from mooncake_span.store.ssd_tier import DirLock, open_serving_tier
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class NativeBinding:
     # Raises SetupError when (endpoint, timeout_s) does not accept a connection;
     # a fake cluster has no endpoint to dial.
     probe_endpoint: Callable[[str, float], None] = probe_tcp
+    # Per object key, the segments whose SSD holds it, given the admin URL (None: no answer).
+    list_disk_owners: Callable[[str, Sequence[str]], dict[str, set[str]] | None] = fetch_disk_owners
 
 
 @dataclass(frozen=True)

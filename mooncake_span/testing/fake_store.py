@@ -132,6 +132,12 @@ class FakeCluster:
         with self.lock:
             self.on_disk.update(k for k in keys if k in self.objects)
 
+    def disk_owners(self, keys: Sequence[str]) -> dict[str, set[str]]:
+        """What the master's admin server says (``segments.fetch_disk_owners``): per
+        disk-only object, the segment of the client whose SSD holds it."""
+        with self.lock:
+            return {k: {self.placement.get(k, "")} for k in keys if k in self.on_disk}
+
     def _disk_codes(self, keys: Sequence[str]) -> dict[str, int]:
         """The codes an SSD tier answers for the disk-only objects of one get."""
         share: collections.Counter[str] = collections.Counter()

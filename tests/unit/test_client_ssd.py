@@ -80,3 +80,81 @@ def test_an_object_larger_than_the_read_buffer_is_a_clean_miss(
     cluster.disk_read_buffer_bytes = buffer_objects
     assert not keys.get_key(client, 0)
     assert client.stats()["breaker_state"] == "closed"
+
+
+def test_the_owner_is_the_one_the_master_names_not_placements_guess(make_client, cluster):
+    """A full segment's puts land on another one: the dead owner's keys are not
+    where placement put them, and a healthy node must not be marked instead."""
+    keys = Keys()
+    writer, reader = make_client(), make_client()
+    assert all(keys.put(writer))
+    dead = SEGMENTS[0]
+    moved = [k for k in range(24) if keys.home(k) != dead][:3]
+    for k in moved:  # as Mooncake does when the preferred segment is full
+        for obj in keys.objects[3 * k : 3 * k + 3]:
+            cluster.placement[obj] = dead
+    cluster.evict_to_disk(keys.objects)
+    cluster.kill_segment(dead)
+    owned = {k for k in range(24) if cluster.placement[keys.objects[3 * k]] == dead}
+    assert not keys.get_key(reader, moved[0])  # placement says the live node: it pays once
+    assert reader.stats()["bad_segments"] == [dead]
+    cluster.calls.clear()
+    restored = [keys.get_key(reader, k) for k in range(24)]
+    assert [k for k in range(24) if not restored[k]] == sorted(owned)
+    # Only the live owner's keys were read, each once.
+    assert native_calls(cluster, "batch_get_into_multi_buffers") == 24 - len(owned)
+
+
+def test_disk_owners_come_from_the_admin_servers_client_ids():
+    import http.server
+    import json
+    import threading
+    import urllib.parse
+
+    from mooncake_span.store.segments import fetch_disk_owners
+
+    answers = {
+        "/get_segments_detail": {
+            "segments": [
+                {"segment_name": "127.0.0.1:12001", "client_id": "1-1"},
+                {"segment_name": "127.0.0.1:12002", "client_id": "2-2"},
+            ]
+        },
+    }
+    disk = {"k0": "1-1", "k1": "2-2", "k2": "9-9"}  # k2: an owner with no segment listed
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 -- http.server's name
+            url = urllib.parse.urlparse(self.path)
+            if url.path == "/batch_query_keys":
+                keys = urllib.parse.parse_qs(url.query)["keys"][0].split(",")
+                body = {
+                    "success": True,
+                    "data": {
+                        k: {"ok": True, "local_disk_values": [{"client_id": disk[k]}]}
+                        if k in disk
+                        else {"ok": True, "local_disk_values": None}
+                        for k in keys
+                    },
+                }
+            else:
+                body = answers[url.path]
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        owners = fetch_disk_owners(url, [f"k{i}" for i in range(40)])
+    finally:
+        server.shutdown()
+    assert owners == {"k0": {"127.0.0.1:12001"}, "k1": {"127.0.0.1:12002"}, "k2": {"client:9-9"}}
+    assert fetch_disk_owners("http://127.0.0.1:1", ["k0"]) is None
