@@ -13,12 +13,14 @@ the object into its registered read buffer and the reader pulls it
   about 4.3 s in Mooncake's RPC retries before ``RPC_FAIL``. The master still
   answers, which tells this apart from a dead master; ``disk_only`` says which
   of the failed objects had nothing but a disk replica. The client then marks
-  the segment placement put them on bad (the owner's DRAM segment, still
-  listed), so reads and hit queries skip that owner's keys at once instead of
-  paying 4.3 s per call, until the mark's TTL runs out.
+  the owner's segment bad (its DRAM segment, still listed), so reads and hit
+  queries skip that owner's keys at once instead of paying 4.3 s per call,
+  until the mark's TTL runs out.
 
 A replica descriptor does not name a disk replica's owner (``query_key`` and
-``batch_get_replica_desc`` leave it out in 0.3.13.post1), hence the placement.
+``batch_get_replica_desc`` leave it out in 0.3.13.post1), and placement cannot
+tell it (a put lands on another segment when the preferred one is full): the
+master's admin server can (``segments.fetch_disk_owners``).
 """
 
 from __future__ import annotations
