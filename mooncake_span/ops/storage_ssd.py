@@ -164,7 +164,7 @@ def wait_after_crash(node: NodeSsd, args: argparse.Namespace, settings: Mooncake
     a restart registered before that is ignored: wait it out (bounded)."""
     if not ssd_tier.crashed(node.previous):
         return
-    admin_url = args.admin_url or settings.admin_url()
+    admin_url = args.admin_url or settings.configured_admin_url()
     lister = (lambda: fetch_segments(admin_url)) if admin_url else None
     logger.warning(
         "the previous node on %s (pid %s, segment %s) did not stop cleanly; waiting for the "
