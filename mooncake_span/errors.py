@@ -78,6 +78,8 @@ class ErrorCode(enum.IntEnum):
     RPC_TIMEOUT = -901
     ETCD_OPERATION_ERROR = -1000
     UNAVAILABLE_IN_CURRENT_STATUS = -1010
+    # setup with enable_ssd_offload against a master without --enable_offload=true.
+    UNABLE_OFFLOAD = -1300
     # A tenant over its quota: no space for it. -1700 in types.h from 0.3.12 on, and in
     # the code-name table the 0.3.13.post1 wheel's store.so builds (-1700 ->
     # "TENANT_QUOTA_EXCEEDED", between DFS_PARTIAL_WRITE -1605 and the other TENANT_ codes).

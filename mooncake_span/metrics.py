@@ -119,6 +119,13 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Times a storage node (segment, a failure domain) was marked bad after a failed transfer",
         ("node",),
     ),
+    "ssd_reads_total": (
+        "counter",
+        "Reads Mooncake served from a storage node's SSD tier (its count: one per owner asked "
+        "in a get call); refused reads are in failed_objects_total (SSD_OWNER_DOWN, "
+        "BUFFER_OVERFLOW), refused puts there too (NO_AVAILABLE_HANDLE)",
+        (),
+    ),
 }
 
 
@@ -223,6 +230,10 @@ class SpanMetrics:
         if count > 0:
             self._child("node_failures_total", node).inc(count)
 
+    def add_ssd_reads(self, count: int) -> None:
+        if count > 0:
+            self._collectors["ssd_reads_total"].inc(count)
+
 
 _lock = threading.Lock()
 _by_registry: dict[int, SpanMetrics] = {}
@@ -283,6 +294,7 @@ class ClientStatsSync:
         self._seen_bad: frozenset[str] = frozenset()
         self._seen_corrupt: dict[str, int] = {}
         self._seen_skipped: dict[str, int] = {}
+        self._seen_ssd_reads = 0
 
     def sync(self, stats: Mapping[str, Any]) -> None:
         codes = stats.get("error_counts", {})
@@ -291,14 +303,16 @@ class ClientStatsSync:
         bad = frozenset(stats.get("bad_segments", ()))
         corrupt = stats.get("integrity_failures", {})
         skipped = stats.get("skipped_backups", {})
+        ssd_reads = int(stats.get("ssd_read_rpcs", 0))
         with self._lock:
-            if (codes, opens, state, bad, corrupt, skipped) == (
+            if (codes, opens, state, bad, corrupt, skipped, ssd_reads) == (
                 self._seen_codes,
                 self._seen_opens,
                 self._state,
                 self._seen_bad,
                 self._seen_corrupt,
                 self._seen_skipped,
+                self._seen_ssd_reads,
             ):
                 return  # the common case: nothing failed since the last call
             deltas = _advance(self._seen_codes, codes)
@@ -307,6 +321,8 @@ class ClientStatsSync:
             newly_bad = bad - self._seen_bad
             opened = max(0, opens - self._seen_opens)
             self._seen_opens = max(opens, self._seen_opens)
+            from_ssd = max(0, ssd_reads - self._seen_ssd_reads)
+            self._seen_ssd_reads = max(ssd_reads, self._seen_ssd_reads)
             self._state, self._seen_bad = state, bad
         for code, delta in deltas.items():
             self._metrics.add_failed_objects(code, delta)
@@ -315,6 +331,7 @@ class ClientStatsSync:
         for reason, delta in not_written.items():
             self._metrics.add_skipped_backup_objects(reason, delta)
         self._metrics.add_breaker_opens(opened)
+        self._metrics.add_ssd_reads(from_ssd)
         self._metrics.set_breaker_state(state)
         # A storage node (segment) the client marked bad after a failed transfer.
         for segment in newly_bad:

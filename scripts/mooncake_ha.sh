@@ -6,7 +6,7 @@ source "$(dirname "$0")/_mooncake_common.sh"
 
 usage() {
   cat <<'TXT'
-usage: scripts/mooncake_ha.sh etcd|master|storage [--help]
+usage: scripts/mooncake_ha.sh etcd|master|storage [--ssd | --ssd-dir DIR [--ssd-size SIZE]] [--help]
 
 Roles (run each on its own host, in the foreground):
   etcd     etcd (leader election, transfer metadata, layout guard)
@@ -28,7 +28,14 @@ Environment (defaults in brackets):
   MOONCAKE_ETCD_CLIENT_PORT etcd: client port [2379]
   MOONCAKE_ETCD_PEER_PORT   etcd: peer port [2380]
   MOONCAKE_ETCD_DATA_DIR    etcd: data directory [./etcd-data]
+  MOONCAKE_SSD_DIR          storage: same as --ssd-dir
+  MOONCAKE_SSD_SIZE         storage: same as --ssd-size
   PYTHON                    interpreter with mooncake_span and the Mooncake wheel
+
+SSD tier (docs/operating.md, "The SSD tier"): start the master with --ssd
+(--enable_offload=true, 500 ms lease) and each storage node with --ssd-dir DIR
+(an existing directory; the node uses DIR/<its host name>) and optionally
+--ssd-size SIZE (disk cap, default 90% of the disk).
 TXT
 }
 role=${1:-}
@@ -37,6 +44,9 @@ case "$role" in
   etcd|master|storage) ;;
   *) usage >&2; exit 2 ;;
 esac
+shift
+mc_parse_ssd_args "$@"
+mc_master_ssd_flags
 mc_require MOONCAKE_HOST
 export MC_TCP_BIND_ADDRESS=$MOONCAKE_HOST
 
@@ -57,12 +67,14 @@ case "$role" in
       --rpc_port="${MOONCAKE_RPC_PORT:-50051}" --rpc_address="$MOONCAKE_HOST" \
       --metrics_port="${MOONCAKE_METRICS_PORT:-9003}" --metrics_host="$MOONCAKE_HOST" --logtostderr \
       --enable_ha=true --ha_backend_type=etcd --ha_backend_connstring="$MOONCAKE_ETCD" \
-      "${oplog[@]}"
+      "${oplog[@]}" "${MASTER_SSD_FLAGS[@]}"
     ;;
   storage)
     mc_require MOONCAKE_ETCD
+    mc_node_ssd_flags "$(hostname)"
     exec "$(mc_python)" -m mooncake_span.storage_node \
       --master="etcd://$MOONCAKE_ETCD" --metadata="etcd://$MOONCAKE_ETCD" \
-      --segment-bytes="${MOONCAKE_SEGMENT_SIZE:-4gb}" --host="$MOONCAKE_HOST"
+      --segment-bytes="${MOONCAKE_SEGMENT_SIZE:-4gb}" --host="$MOONCAKE_HOST" \
+      "${NODE_SSD_FLAGS[@]}"
     ;;
 esac

@@ -6,7 +6,7 @@ source "$(dirname "$0")/_mooncake_common.sh"
 
 usage() {
   cat <<'TXT'
-usage: scripts/mooncake_pd_storage.sh master|storage|etcd [--help]
+usage: scripts/mooncake_pd_storage.sh master|storage|etcd [--ssd | --ssd-dir DIR [--ssd-size SIZE]] [--help]
 
 Roles (run each on its own host, in the foreground):
   master   mooncake_master with its embedded HTTP metadata server
@@ -29,7 +29,14 @@ Environment (defaults in brackets):
   MOONCAKE_ETCD_CLIENT_PORT etcd: client port [2379]
   MOONCAKE_ETCD_PEER_PORT   etcd: peer port [2380]
   MOONCAKE_ETCD_DATA_DIR    etcd: data directory [./etcd-data]
+  MOONCAKE_SSD_DIR          storage: same as --ssd-dir
+  MOONCAKE_SSD_SIZE         storage: same as --ssd-size
   PYTHON                    interpreter with mooncake_span and the Mooncake wheel
+
+SSD tier (docs/operating.md, "The SSD tier"): start the master with --ssd
+(--enable_offload=true, 500 ms lease) and each storage node with --ssd-dir DIR
+(an existing directory; the node uses DIR/<its host name>) and optionally
+--ssd-size SIZE (disk cap, default 90% of the disk).
 TXT
 }
 role=${1:-}
@@ -38,6 +45,9 @@ case "$role" in
   master|storage|etcd) ;;
   *) usage >&2; exit 2 ;;
 esac
+shift
+mc_parse_ssd_args "$@"
+mc_master_ssd_flags
 mc_require MOONCAKE_HOST
 export MC_TCP_BIND_ADDRESS=$MOONCAKE_HOST
 
@@ -48,7 +58,8 @@ case "$role" in
       --metrics_port="${MOONCAKE_METRICS_PORT:-9003}" --metrics_host="$MOONCAKE_HOST" --logtostderr \
       --enable_http_metadata_server=true \
       --http_metadata_server_port="${MOONCAKE_METADATA_PORT:-8080}" \
-      --http_metadata_server_host="$MOONCAKE_HOST"
+      --http_metadata_server_host="$MOONCAKE_HOST" \
+      "${MASTER_SSD_FLAGS[@]}"
     ;;
   etcd)
     client="http://$MOONCAKE_HOST:${MOONCAKE_ETCD_CLIENT_PORT:-2379}"
@@ -61,9 +72,11 @@ case "$role" in
   storage)
     mc_require MOONCAKE_MASTER
     master_host=${MOONCAKE_MASTER%:*}
+    mc_node_ssd_flags "$(hostname)" "http://$master_host:${MOONCAKE_METRICS_PORT:-9003}"
     exec "$(mc_python)" -m mooncake_span.storage_node \
       --master="$MOONCAKE_MASTER" \
       --metadata="${MOONCAKE_METADATA:-http://$master_host:8080/metadata}" \
-      --segment-bytes="${MOONCAKE_SEGMENT_SIZE:-4gb}" --host="$MOONCAKE_HOST"
+      --segment-bytes="${MOONCAKE_SEGMENT_SIZE:-4gb}" --host="$MOONCAKE_HOST" \
+      "${NODE_SSD_FLAGS[@]}"
     ;;
 esac

@@ -6,12 +6,16 @@ source "$(dirname "$0")/_mooncake_common.sh"
 
 usage() {
   cat <<'TXT'
-usage: scripts/mooncake_single.sh [--help]
+usage: scripts/mooncake_single.sh [--ssd-dir DIR [--ssd-size SIZE]] [--help]
 
 Starts, on this host:
   * mooncake_master with its embedded HTTP metadata server;
   * one storage node (python -m mooncake_span.storage_node) that holds the
-    cache, so it survives restarts of the sglang server.
+    cache, so it survives restarts of the sglang server. With --ssd-dir it
+    also keeps every object on DIR/node0 (DIR must exist; --ssd-size caps
+    it, default 90% of the disk), so the cache survives a restart of this
+    script too, and the master runs with --enable_offload=true and a 500 ms
+    lease (docs/operating.md, "The SSD tier").
 Logs go to $MOONCAKE_LOG_DIR; Ctrl-C (or SIGTERM) stops both. Matches
 configs/single-node.json.
 
@@ -22,11 +26,14 @@ Environment (defaults in brackets):
   MOONCAKE_METADATA_PORT  embedded HTTP metadata server [8080]
   MOONCAKE_SEGMENT_SIZE   memory the storage node contributes, e.g. 4gb [4gb]
   MOONCAKE_LOG_DIR        log directory [./mooncake-logs]
+  MOONCAKE_SSD_DIR        same as --ssd-dir
+  MOONCAKE_SSD_SIZE       same as --ssd-size
   PYTHON                  interpreter with mooncake_span and the Mooncake wheel
 TXT
 }
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { usage; exit 0; }
-[[ $# -eq 0 ]] || { usage >&2; exit 2; }
+mc_parse_ssd_args "$@"
+mc_master_ssd_flags
 
 HOST=${MOONCAKE_HOST:-127.0.0.1}
 RPC_PORT=${MOONCAKE_RPC_PORT:-50051}
@@ -54,13 +61,16 @@ trap cleanup EXIT INT TERM
   --metrics_port="$METRICS_PORT" --metrics_host="$HOST" --logtostderr \
   --enable_http_metadata_server=true \
   --http_metadata_server_port="$METADATA_PORT" --http_metadata_server_host="$HOST" \
+  "${MASTER_SSD_FLAGS[@]}" \
   >>"$LOG_DIR/master.log" 2>&1 &
 pids+=($!)
 mc_wait_http "http://$HOST:$METRICS_PORT/health" 30 '"service_ready":\s*true'
 
+mc_node_ssd_flags node0 "http://$HOST:$METRICS_PORT"
 "$(mc_python)" -m mooncake_span.storage_node \
   --master="$HOST:$RPC_PORT" --metadata="http://$HOST:$METADATA_PORT/metadata" \
   --segment-bytes="$SEGMENT" --host="$HOST" \
+  "${NODE_SSD_FLAGS[@]}" \
   >>"$LOG_DIR/storage-node.log" 2>&1 &
 pids+=($!)
 deadline=$((SECONDS + 60))
@@ -75,6 +85,7 @@ mooncake is up (logs in $LOG_DIR)
   master_server_address: $HOST:$RPC_PORT
   metadata_server:       http://$HOST:$METADATA_PORT/metadata
   storage node:          $SEGMENT on $HOST
+  SSD tier:              $(grep -o 'ssd_dir=[^ ]* ssd_cap_bytes=[0-9]*' "$LOG_DIR/storage-node.log" | tail -1 || echo none)
 sglang: --hicache-storage-backend dynamic --hicache-storage-backend-extra-config @configs/single-node.json
 Ctrl-C stops it.
 TXT

@@ -130,7 +130,10 @@ def fake_client(
         ),
         SpanOptions(**options),
         NativeBinding(
-            lambda: FakeStore(cluster), FakeReplicateConfig, lambda url: cluster.live_segments()
+            lambda: FakeStore(cluster),
+            FakeReplicateConfig,
+            lambda url: cluster.live_segments(),
+            list_disk_owners=lambda url, keys: cluster.disk_owners(keys),
         ),
         clock=clock,
     )

@@ -125,6 +125,9 @@ class NullStore:
         known = self._keys
         return [sum(s) if k in known else _NOT_FOUND for k, s in zip(keys, sizes, strict=True)]
 
+    def get_offload_rpc_read_count(self) -> int:
+        return 0
+
     @_self_timed
     def batch_get_into(self, keys: list[str], ptrs: Any, sizes: Any) -> list[int]:
         known = self._keys

@@ -3,7 +3,7 @@
 ``mooncake-span bench --serve``. Three arms side by side, all on this host's
 CPU (see ``serve_arms``): ``recompute`` (no L3 backend), ``span`` (this
 project's backend) and ``mooncake`` (sglang's built-in ``MooncakeStore``).
-Four workloads, chosen with ``--serve-workloads``:
+Five workloads, chosen with ``--serve-workloads``:
 
 - ``repeated`` (this module): a writer server answers a long prompt, and a
   reader server that never saw it answers it again;
@@ -12,7 +12,9 @@ Four workloads, chosen with ``--serve-workloads``:
 - ``pd`` (``serve_pd``): turn 2 of a conversation on a prefill process that
   never saw turn 1, with decode-side offload;
 - ``fresh`` (``serve_fresh``, L3 arms only): the first request of a server
-  that has just started, with no warm-up, under sglang's default prefetch policy.
+  that has just started, with no warm-up, under sglang's default prefetch policy;
+- ``ssd`` (``serve_ssd``, only when named): the SSD tier: TTFT from SSD vs
+  DRAM, multi-turn past the cluster's DRAM, restore after a whole-cluster restart.
 
 In ``repeated`` each L3 arm has one writer and every arm one reader, all five
 alive together (``--sleep-on-idle``). Each round takes a fresh random prompt:
@@ -49,6 +51,12 @@ from mooncake_span.bench import serve_stats as S
 from mooncake_span.bench.serve_fresh import FreshConfig, check_fresh, format_fresh, run_fresh
 from mooncake_span.bench.serve_multiturn import MultiTurnConfig, format_multiturn, run_multiturn
 from mooncake_span.bench.serve_pd import PdConfig, check_pd, format_pd, run_pd
+from mooncake_span.bench.serve_ssd import (
+    SsdServeConfig,
+    format_ssd,
+    run_ssd_workload,
+    ssd_disagreements,
+)
 from mooncake_span.lab.sglang_servers import SglangServer
 from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.testing.cpu_server.models import ensure_model
@@ -293,7 +301,9 @@ def format_serve(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-WORKLOADS = ("repeated", "multiturn", "pd", "fresh")
+# "ssd" (bench/serve_ssd.py) runs only when named.
+DEFAULT_WORKLOADS = ("repeated", "multiturn", "pd", "fresh")
+WORKLOADS = (*DEFAULT_WORKLOADS, "ssd")
 
 
 def check_workloads(workloads: Sequence[str]) -> None:
@@ -317,6 +327,8 @@ def disagreements(result: Mapping[str, Any]) -> list[str]:
         bad += check_pd(result["pd"])
     if "fresh" in result:
         bad += check_fresh(result["fresh"])
+    if "ssd" in result:
+        bad += ssd_disagreements(result["ssd"])
     return bad
 
 
@@ -327,6 +339,7 @@ def run_workloads(
     pd: PdConfig,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
     fresh: FreshConfig | None = None,
+    ssd: SsdServeConfig | None = None,
 ) -> dict[str, Any]:
     """The chosen workloads one after another, each on servers of its own."""
     check_workloads(workloads)
@@ -355,6 +368,7 @@ def run_workloads(
         "multiturn": lambda save: run_multiturn(multiturn, save),
         "pd": lambda save: run_pd(pd, save),
         "fresh": lambda save: run_fresh(fresh or FreshConfig(), save),
+        "ssd": lambda save: run_ssd_workload(ssd or SsdServeConfig(model=multiturn.model), save),
     }
     for name in workloads:
         save = progress(name)
@@ -372,6 +386,8 @@ def format_workloads(result: Mapping[str, Any]) -> str:
         parts.append(format_pd(result["pd"]))
     if "fresh" in result:
         parts.append(format_fresh(result["fresh"]))
+    if "ssd" in result:
+        parts.append(format_ssd(result["ssd"]))
     parts.append("greedy tokens: " + ("all arms agree" if result["agree"] else "DISAGREE"))
     return "\n".join(parts)
 
@@ -462,7 +478,7 @@ def run_serve_command(
 ) -> int:
     """``mooncake-span bench --serve``: run, print, write JSON/plot; 1 when any answer differed."""
     try:
-        chosen = parse_csv(workloads, WORKLOADS)
+        chosen = parse_csv(workloads, DEFAULT_WORKLOADS)
         model_names = parse_csv(models, DEFAULT_MODELS)
         repeated = ServeConfig(
             models=model_names,

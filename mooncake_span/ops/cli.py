@@ -23,12 +23,15 @@ from mooncake_span.ops.cluster_spec import (
     CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
     CLUSTER_UP_EVICTION_RATIO,
     CLUSTER_UP_LEASE_TTL_MS,
+    SSD_EVICTION_HIGH_WATERMARK_RATIO,
+    SSD_EVICTION_RATIO,
+    SSD_LEASE_TTL_MS,
 )
 from mooncake_span.ops.native_log import add_native_log_arg, native_stderr_to, resolve_native_log
 from mooncake_span.units import parse_size_bytes
 
 if TYPE_CHECKING:
-    from mooncake_span.ops.cluster import LocalCluster
+    from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +127,35 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
         help="replicate object metadata between HA masters so keys survive a failover",
     )
     up.add_argument(
+        "--ssd-dir",
+        default=None,
+        metavar="DIR",
+        help="give every storage node an SSD tier on DIR/node<i> (DIR must exist); a new "
+        "cluster on the same DIR finds the cache again (docs/operating.md, 'The SSD tier')",
+    )
+    up.add_argument(
+        "--ssd-size",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="disk cap of each node's SSD tier, oldest objects evicted first (default: 90%% of "
+        "the disk); at least --segment-size",
+    )
+    up.add_argument(
+        "--ssd-read-buffer",
+        type=_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="RAM each node stages SSD reads in (default: 256mb)",
+    )
+    up.add_argument(
         "--lease-ttl-ms",
         type=_positive_int_arg,
-        default=CLUSTER_UP_LEASE_TTL_MS,
+        default=None,
         metavar="MS",
-        help="master's default_kv_lease_ttl in milliseconds (default: %(default)s; Mooncake's "
-        "10000 keeps every looked-up object unevictable for 10 s, see docs/benchmarks.md)",
+        help=f"master's default_kv_lease_ttl in milliseconds (default: {CLUSTER_UP_LEASE_TTL_MS}, "
+        f"{SSD_LEASE_TTL_MS} with --ssd-dir; Mooncake's 10000 keeps every looked-up object "
+        "unevictable for 10 s, see docs/benchmarks.md)",
     )
     up.add_argument(
         "--client-ttl-s",
@@ -141,16 +167,19 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--eviction-high-watermark-ratio",
         type=float,
-        default=CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
+        default=None,
         metavar="RATIO",
-        help="memory usage ratio in (0, 1] that triggers eviction (default: %(default)s)",
+        help=f"memory usage ratio in (0, 1] that triggers eviction (default: "
+        f"{CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO}, {SSD_EVICTION_HIGH_WATERMARK_RATIO} with "
+        "--ssd-dir)",
     )
     up.add_argument(
         "--eviction-ratio",
         type=float,
-        default=CLUSTER_UP_EVICTION_RATIO,
+        default=None,
         metavar="RATIO",
-        help="share of objects one eviction pass frees, in (0, 1] (default: %(default)s)",
+        help=f"share of objects one eviction pass frees, in (0, 1] (default: "
+        f"{CLUSTER_UP_EVICTION_RATIO}, {SSD_EVICTION_RATIO} with --ssd-dir)",
     )
     up.add_argument(
         "--log-dir",
@@ -179,26 +208,42 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _StopRequested(signal.Signals(signum).name)
 
 
+def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    """The ``ClusterSpec`` of ``cluster up``'s flags (ValueError on a bad combination)."""
+    from mooncake_span.ops.cluster import ClusterSpec
+
+    # Master tunables not given: CLUSTER_UP_*, or ClusterSpec's SSD_* values with --ssd-dir.
+    def given_or(value: float | None, default: float) -> float | None:
+        return value if value is not None or args.ssd_dir else default
+
+    return ClusterSpec(
+        host=args.host,
+        storage_nodes=args.storage_nodes,
+        storage_node_segment_bytes=args.segment_size,
+        etcd=args.etcd,
+        standalone_metadata=args.standalone_metadata,
+        ha_masters=args.ha_masters,
+        enable_oplog=args.enable_oplog,
+        lease_ttl_ms=given_or(args.lease_ttl_ms, CLUSTER_UP_LEASE_TTL_MS),
+        client_ttl_s=args.client_ttl_s,
+        eviction_high_watermark_ratio=given_or(
+            args.eviction_high_watermark_ratio, CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO
+        ),
+        eviction_ratio=given_or(args.eviction_ratio, CLUSTER_UP_EVICTION_RATIO),
+        ssd_dir=args.ssd_dir,
+        ssd_size_bytes=args.ssd_size,
+        ssd_read_buffer_bytes=args.ssd_read_buffer,
+        log_dir=args.log_dir,
+        start_timeout_s=args.start_timeout_s,
+    )
+
+
 def cluster_up(args: argparse.Namespace) -> int:
     """``mooncake-span cluster up``: run a LocalCluster until SIGINT/SIGTERM."""
-    from mooncake_span.ops.cluster import ClusterSpec, ClusterStartError, LocalCluster
+    from mooncake_span.ops.cluster import ClusterStartError, LocalCluster
 
     try:
-        spec = ClusterSpec(
-            host=args.host,
-            storage_nodes=args.storage_nodes,
-            storage_node_segment_bytes=args.segment_size,
-            etcd=args.etcd,
-            standalone_metadata=args.standalone_metadata,
-            ha_masters=args.ha_masters,
-            enable_oplog=args.enable_oplog,
-            lease_ttl_ms=args.lease_ttl_ms,
-            client_ttl_s=args.client_ttl_s,
-            eviction_high_watermark_ratio=args.eviction_high_watermark_ratio,
-            eviction_ratio=args.eviction_ratio,
-            log_dir=args.log_dir,
-            start_timeout_s=args.start_timeout_s,
-        )
+        spec = cluster_spec_from_args(args)
     except ValueError as exc:
         print(f"mooncake-span cluster up: {exc}", file=sys.stderr)
         return 2
@@ -259,6 +304,7 @@ def _print_ready(cluster: LocalCluster) -> None:
     ]
     if cluster.etcd_endpoint is not None:
         lines.append(f"etcd_endpoint:   {cluster.etcd_endpoint}")
+    lines += _ssd_lines(cluster)
     lines += [
         f"log_dir:         {cluster.log_dir}",
         f"pids:            {json.dumps(cluster.pids())}",
@@ -277,6 +323,15 @@ def _print_ready(cluster: LocalCluster) -> None:
         "ready; press Ctrl-C to stop",
     ]
     print("\n".join(lines), flush=True)
+
+
+def _ssd_lines(cluster: LocalCluster) -> list[str]:
+    """Each node's SSD directory and disk cap, as the node itself reported them."""
+    tiers = cluster.ssd_tiers()
+    return [
+        f"ssd node{i}:       {tier['ssd_dir']} (cap {tier['ssd_cap_bytes']} bytes)"
+        for i, tier in enumerate(tiers)
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -534,8 +589,8 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--serve-workloads",
         default=None,
         metavar="LIST",
-        help="--serve: comma list of repeated, multiturn, pd and fresh (default all four; "
-        "multiturn, pd and fresh use the first of --serve-models)",
+        help="--serve: comma list of repeated, multiturn, pd, fresh and ssd (default the first "
+        "four; multiturn, pd, fresh and ssd use the first of --serve-models)",
     )
     bench.add_argument(
         "--serve-models",
@@ -555,6 +610,13 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="--serve: timed rounds per prompt length (default 8) and of pd (default 6), "
         "after one warm-up round",
+    )
+    bench.add_argument(
+        "--ssd",
+        action="store_true",
+        help="only the SSD-tier section: reads from a storage node's SSD vs its DRAM (paired), "
+        "and restore after a whole-cluster restart, vs a DRAM-only cluster "
+        "(mooncake_span.bench.ssd)",
     )
     bench.add_argument(
         "--placement",
@@ -621,6 +683,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
             args.json,
             args.plot,
         )
+    if args.ssd:
+        from mooncake_span.bench.ssd import run_ssd_command
+
+        return run_ssd_command(args.quick, args.json)
     if args.placement:
         from mooncake_span.bench.placement import run_placement_command
 

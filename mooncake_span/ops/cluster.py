@@ -7,7 +7,10 @@ on ports picked fresh at each start:
 * optionally a standalone ``mooncake_http_metadata_server``;
 * ``ha_masters`` x ``mooncake_master``;
 * ``storage_nodes`` x ``python -m mooncake_span.storage_node``: processes
-  that only contribute memory, so stored data outlives the writing client.
+  that only contribute memory, so stored data outlives the writing client;
+  with ``spec.ssd_dir`` each also keeps every object on ``ssd_dir/node<i>``,
+  so a node restarted with the same index, or a new cluster on the same
+  ``ssd_dir``, finds the keys again.
 
 Where the transfer metadata lives:
 
@@ -41,10 +44,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mooncake_span.errors import ConfigError
 from mooncake_span.mooncake_settings import validate_master_address, validate_metadata_server
 from mooncake_span.ops import launcher as L
 from mooncake_span.ops.cluster_spec import ClusterSpec, ExternalCluster, sglang_client_config
 from mooncake_span.ops.launcher import ClusterStartError, find_executable
+from mooncake_span.store.ssd_tier import DirLock, check_root
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +120,8 @@ class LocalCluster:
         Raises:
             FileNotFoundError: an executable is missing.
             ClusterStartError: a component died or missed ``spec.start_timeout_s``;
-                the message includes its log tail. Nothing is left running.
+                the message includes its log tail. Nothing is left running. Also
+                a bad ``spec.ssd_dir``, before anything starts.
             RuntimeError: the cluster is already started.
         """
         if self._started:
@@ -126,6 +132,14 @@ class LocalCluster:
         metadata_bin = (
             find_executable("mooncake_http_metadata_server") if spec.standalone_metadata else None
         )
+        if spec.ssd_dir is not None:
+            # Refused before anything starts, with the fix in the message.
+            try:
+                root = check_root(str(spec.ssd_dir), "--ssd-dir")
+                for i in range(spec.storage_nodes):
+                    DirLock(root, f"node{i}").check_free(f"{root}/node{i}")
+            except ConfigError as exc:
+                raise ClusterStartError(str(exc)) from None
         self._log_dir = self._prepare_log_dir()
         self._etcd = self._metadata = None
         self._masters, self._nodes = [], []
@@ -150,7 +164,8 @@ class LocalCluster:
                     self._stop_children()
             site = self._site()
             self._nodes = [
-                site.start(f"node{i}", self._node_argv()) for i in range(spec.storage_nodes)
+                site.start(f"node{i}", self._node_argv(f"node{i}"))
+                for i in range(spec.storage_nodes)
             ]
             for node in self._nodes:
                 L.wait_ready_line(node, deadline)
@@ -448,22 +463,59 @@ class LocalCluster:
             http_metadata_port=ports.metadata_http if spec.metadata_mode == "embedded" else None,
             ha_etcd_endpoint=self.etcd_endpoint if spec.ha else None,
             enable_oplog=spec.enable_oplog,
-            lease_ttl_ms=spec.lease_ttl_ms,
+            lease_ttl_ms=spec.master_lease_ttl_ms,
             client_ttl_s=spec.client_ttl_s,
-            eviction_high_watermark_ratio=spec.eviction_high_watermark_ratio,
-            eviction_ratio=spec.eviction_ratio,
+            eviction_high_watermark_ratio=spec.master_eviction_high_watermark_ratio,
+            eviction_ratio=spec.master_eviction_ratio,
+            enable_offload=spec.ssd_dir is not None,
             extra_args=spec.master_extra_args,
         )
 
-    def _node_argv(self) -> list[str]:
+    def _node_argv(self, name: str) -> list[str]:
         spec = self.spec
+        ssd = None
+        if spec.ssd_dir is not None:
+            ssd = L.NodeSsdArgs(
+                root=Path(spec.ssd_dir).absolute(),
+                node_name=name,
+                cap_bytes=spec.ssd_size_bytes,
+                read_buffer_bytes=spec.ssd_read_buffer_bytes,
+                # With HA masters the leader moves: the node then waits the whole TTL.
+                admin_url=None if spec.ha else self.metrics_url,
+                client_ttl_s=spec.client_ttl_s,
+            )
         return L.storage_node_argv(
             master=self.master_address,
             metadata=self.metadata_server,
             segment_bytes=spec.storage_node_segment_bytes,
             local_buffer_bytes=spec.storage_node_local_buffer_bytes,
             host=spec.host,
+            ssd=ssd,
         )
+
+    def node_ready_fields(self, i: int) -> dict[str, str]:
+        """The ``key=value`` fields of storage node i's READY line (``segment``,
+        ``segment_bytes``, with an SSD tier ``ssd_dir`` and ``ssd_cap_bytes``)."""
+        node = self._nodes[self._node_index(i)]
+        ready = [ln for ln in node.output_text().splitlines() if ln.startswith(L.READY_PREFIX)]
+        if not ready:
+            return {}
+        return dict(f.split("=", 1) for f in ready[-1].split()[1:] if "=" in f)
+
+    def ssd_tiers(self) -> list[dict[str, str]]:
+        """Per storage node, ``ssd_dir`` and ``ssd_cap_bytes`` ([] without an SSD tier)."""
+        if self.spec.ssd_dir is None:
+            return []
+        return [
+            {k: self.node_ready_fields(i).get(k, "?") for k in ("ssd_dir", "ssd_cap_bytes")}
+            for i in range(len(self._nodes))
+        ]
+
+    def node_ssd_dir(self, i: int) -> Path | None:
+        """Storage node i's own SSD directory, None without an SSD tier."""
+        if self.spec.ssd_dir is None:
+            return None
+        return Path(self.spec.ssd_dir).absolute() / f"node{self._node_index(i)}"
 
     def _stop_children(self) -> None:
         grace_s = self.spec.stop_timeout_s

@@ -15,7 +15,14 @@ from types import MappingProxyType
 from mooncake_span.mooncake_settings import validate_master_address, validate_metadata_server
 from mooncake_span.units import parse_size_bytes
 
-__all__ = ["ClusterSpec", "ExternalCluster", "sglang_client_config"]
+__all__ = [
+    "SSD_EVICTION_HIGH_WATERMARK_RATIO",
+    "SSD_EVICTION_RATIO",
+    "SSD_LEASE_TTL_MS",
+    "ClusterSpec",
+    "ExternalCluster",
+    "sglang_client_config",
+]
 
 
 # ---------------------------------------------------------------------------
@@ -31,6 +38,19 @@ __all__ = ["ClusterSpec", "ExternalCluster", "sglang_client_config"]
 # Eviction ratio 0.1 did no better than Mooncake's 0.05 (pooled over 4 runs
 # each), so the watermark and ratio stay Mooncake's, passed explicitly.
 CLUSTER_UP_LEASE_TTL_MS = 2000
+# With an SSD tier every put pins its DRAM copy until the next offload
+# heartbeat (1 s) writes it, and eviction can free only unleased copies: with
+# 10 s leases 256 puts of 1 MiB into a 64 MB segment took 34 s (320 refusals),
+# with 2 s 10.3 s, with 500 ms 4.7-6.2 s (docs/operating.md, "The SSD tier").
+SSD_LEASE_TTL_MS = 500
+# With an SSD tier an evicted DRAM copy is still on disk, so DRAM can keep more
+# headroom for write bursts: a put larger than the free DRAM is refused (-200)
+# until eviction runs, and Mooncake's 0.9 / 0.05 left ~10% free. 96 puts of
+# 1 MiB into a 16 MiB segment, retried after 1.1 s like the put cool-down:
+# 0.9 / 0.05 took 36.6 s with 182 refusals, 0.7 / 0.2 17.8 s with 52, 0.5 / 0.3
+# 10.1 s with 47 (every key byte-exact in each).
+SSD_EVICTION_HIGH_WATERMARK_RATIO = 0.7
+SSD_EVICTION_RATIO = 0.2
 CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO = 0.9
 CLUSTER_UP_EVICTION_RATIO = 0.05
 
@@ -58,6 +78,12 @@ class ClusterSpec:
     # Share of objects one eviction pass frees (Mooncake's default 0.05).
     eviction_ratio: float | None = None
     master_extra_args: tuple[str, ...] = ()
+    # SSD tier: each storage node keeps every object on ssd_dir/node<i> too
+    # (ssd_size_bytes each, None: 90% of the disk); the master runs with
+    # --enable_offload and, unless given, the SSD_* lease and eviction values.
+    ssd_dir: str | Path | None = None
+    ssd_size_bytes: int | None = None
+    ssd_read_buffer_bytes: int | None = None
     log_dir: str | Path | None = None
     # Added to the environment of every child and to client_env().
     env_overrides: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -99,6 +125,7 @@ class ClusterSpec:
             )
         if self.lease_ttl_ms is not None:
             _require_int(self.lease_ttl_ms, "lease_ttl_ms", minimum=1)
+        self._check_ssd()
         if self.client_ttl_s is not None:
             _require_int(self.client_ttl_s, "client_ttl_s", minimum=1)
         for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
@@ -127,6 +154,55 @@ class ClusterSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"ClusterSpec.{name}={value!r} must be a positive number")
+
+    def _check_ssd(self) -> None:
+        sizes = ("ssd_size_bytes", "ssd_read_buffer_bytes")
+        if self.ssd_dir is None:
+            given = [name for name in sizes if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"ClusterSpec.{given[0]} needs ssd_dir (--ssd-dir)")
+            return
+        if not self.storage_nodes:
+            raise ValueError(
+                "ClusterSpec.ssd_dir gives storage nodes an SSD tier; set storage_nodes >= 1"
+            )
+        object.__setattr__(self, "ssd_dir", Path(self.ssd_dir))
+        for name in sizes:
+            if getattr(self, name) is not None:
+                try:
+                    object.__setattr__(self, name, parse_size_bytes(getattr(self, name)))
+                except ValueError as exc:
+                    raise ValueError(f"ClusterSpec.{name}: {exc}") from None
+        if (
+            self.ssd_size_bytes is not None
+            and self.ssd_size_bytes < self.storage_node_segment_bytes
+        ):
+            raise ValueError(
+                f"ClusterSpec.ssd_size_bytes={self.ssd_size_bytes} is smaller than one object a "
+                f"node may hold (up to its {self.storage_node_segment_bytes}-byte segment); give "
+                f"--ssd-size at least the segment size (several times it, or the SSD tier holds "
+                f"less than DRAM)"
+            )
+
+    @property
+    def master_lease_ttl_ms(self) -> int | None:
+        """The master's lease: ``lease_ttl_ms``, else SSD_LEASE_TTL_MS with an SSD tier."""
+        return self._ssd_default(self.lease_ttl_ms, SSD_LEASE_TTL_MS)
+
+    @property
+    def master_eviction_high_watermark_ratio(self) -> float | None:
+        return self._ssd_default(
+            self.eviction_high_watermark_ratio, SSD_EVICTION_HIGH_WATERMARK_RATIO
+        )
+
+    @property
+    def master_eviction_ratio(self) -> float | None:
+        return self._ssd_default(self.eviction_ratio, SSD_EVICTION_RATIO)
+
+    def _ssd_default(self, given: float | None, with_ssd: float) -> float | None:
+        if given is None and self.ssd_dir is not None:
+            return with_ssd
+        return given
 
     @property
     def ha(self) -> bool:

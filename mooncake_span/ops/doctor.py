@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +42,7 @@ from mooncake_span.ops.doctor_host import (
     check_memlock,
     check_memory,
 )
+from mooncake_span.ops.doctor_ssd import check_ssd, master_check, ssd_requested
 from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
 from mooncake_span.units import parse_size_bytes
@@ -396,15 +398,19 @@ def check_store(ctx: Context) -> list[Check]:
     budget = ctx.remaining_s() - 0.5
     if budget < 3:
         return [Check("round trip", FAIL, "no time left for a round trip", "rerun")]
-    reply = probe(
-        ctx.settings,
-        timeout_s=budget,
-        native_log=ctx.native_log,
-        roundtrip_objects=_ROUNDTRIP_OBJECTS,
-        roundtrip_object_bytes=_ROUNDTRIP_OBJECT_BYTES,
-        read_keys=[key] if key else [],
-    )
-    return [_roundtrip_check(reply, ctx), _guard_check(reply, key)]
+    with tempfile.TemporaryDirectory(prefix="mooncake-span-doctor-ssd-") as scratch:
+        reply = probe(
+            ctx.settings,
+            timeout_s=budget,
+            native_log=ctx.native_log,
+            roundtrip_objects=_ROUNDTRIP_OBJECTS,
+            roundtrip_object_bytes=_ROUNDTRIP_OBJECT_BYTES,
+            read_keys=[key] if key else [],
+            # With an SSD tier asked for, the probe sets up as one: the master must accept it.
+            offload_dir=scratch if ssd_requested(ctx) else None,
+        )
+    checks = [_roundtrip_check(reply, ctx), _guard_check(reply, key)]
+    return checks + ([master_check(reply)] if ssd_requested(ctx) else [])
 
 
 CHECKS = (
@@ -417,12 +423,15 @@ CHECKS = (
     check_syn_retries,
     check_memory,
     check_checksums,
+    check_ssd,
     check_store,
 )
 
 
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
-    ctx = Context(deadline=time.monotonic() + DEADLINE_S, model=args.model, tag=args.tag)
+    ctx = Context(
+        deadline=time.monotonic() + DEADLINE_S, model=args.model, tag=args.tag, ssd_dir=args.ssd_dir
+    )
     ctx.native_log = resolve_native_log(args.native_log, "doctor")
     try:
         ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)
@@ -490,9 +499,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="check this node's Mooncake setup (PASS / WARN / FAIL with the fix)",
         description=(
             "Check config, master, metadata server, etcd, bind address, RDMA device and memlock, "
-            "tcp_syn_retries, memory, a real put/get/remove round trip and the namespace's "
-            "layout-guard record. Reads the same config sources as the backend. Exits 1 if "
-            f"any check FAILs; finishes within about {DEADLINE_S:.0f} s."
+            "tcp_syn_retries, memory, the SSD tier when one is asked for, a real put/get/remove "
+            "round trip and the namespace's layout-guard record. Reads the same config sources "
+            f"as the backend. Exits 1 if any check FAILs; finishes within about {DEADLINE_S:.0f} s."
         ),
     )
     add_connection_args(parser)
@@ -500,6 +509,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model", default=None, help="model name whose layout-guard record to read"
     )
     parser.add_argument("--tag", default=None, help="extra_backend_tag of that namespace")
+    parser.add_argument(
+        "--ssd-dir",
+        default=None,
+        metavar="DIR",
+        help="check an SSD tier on DIR (a storage node's --ssd-dir) and that the master "
+        "accepts one; a rank's enable_ssd_offload is checked without it",
+    )
     ranks = parser.add_argument_group(
         "deployment", "the sglang rank to check, as its HiCacheStorageConfig would name it"
     )

@@ -45,6 +45,7 @@ __all__ = [
     "LocalProcess",
     "LocalSite",
     "MasterArgs",
+    "NodeSsdArgs",
     "Process",
     "Site",
     "etcd_argv",
@@ -148,8 +149,10 @@ class MasterArgs:
     """The ``mooncake_master`` flags both cluster kinds use.
 
     ``http_metadata_port`` runs the embedded HTTP metadata server;
-    ``ha_etcd_endpoint`` (``HOST:PORT``) turns on etcd-backed HA. ``None`` for
-    a tunable keeps Mooncake's default.
+    ``ha_etcd_endpoint`` (``HOST:PORT``) turns on etcd-backed HA;
+    ``enable_offload`` accepts storage nodes with an SSD tier (without it
+    their setup fails with UNABLE_OFFLOAD). ``None`` for a tunable keeps
+    Mooncake's default.
     """
 
     host: str
@@ -162,6 +165,7 @@ class MasterArgs:
     client_ttl_s: int | None = None
     eviction_high_watermark_ratio: float | None = None
     eviction_ratio: float | None = None
+    enable_offload: bool = False
     extra_args: tuple[str, ...] = ()
 
     def argv(self, master_bin: str) -> list[str]:
@@ -195,6 +199,8 @@ class MasterArgs:
             argv.append(f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}")
         if self.eviction_ratio is not None:
             argv.append(f"--eviction_ratio={self.eviction_ratio}")
+        if self.enable_offload:
+            argv.append("--enable_offload=true")
         return argv + list(self.extra_args)
 
     @property
@@ -226,8 +232,38 @@ def metadata_server_argv(metadata_bin: str, *, host: str, port: int) -> list[str
     return [metadata_bin, f"--port={port}", f"--host={host}"]
 
 
+@dataclass(frozen=True)
+class NodeSsdArgs:
+    """A storage node's SSD tier: ``--ssd-dir`` and what goes with it."""
+
+    root: Path
+    node_name: str
+    cap_bytes: int | None = None
+    read_buffer_bytes: int | None = None
+    admin_url: str | None = None
+    client_ttl_s: int | None = None
+
+    def argv(self) -> list[str]:
+        argv = [f"--ssd-dir={self.root}", f"--node-name={self.node_name}"]
+        if self.cap_bytes is not None:
+            argv.append(f"--ssd-size={self.cap_bytes}")
+        if self.read_buffer_bytes is not None:
+            argv.append(f"--ssd-read-buffer={self.read_buffer_bytes}")
+        if self.admin_url is not None:
+            argv.append(f"--admin-url={self.admin_url}")
+        if self.client_ttl_s is not None:
+            argv.append(f"--client-ttl-s={self.client_ttl_s}")
+        return argv
+
+
 def storage_node_argv(
-    *, master: str, metadata: str, segment_bytes: int, local_buffer_bytes: int, host: str
+    *,
+    master: str,
+    metadata: str,
+    segment_bytes: int,
+    local_buffer_bytes: int,
+    host: str,
+    ssd: NodeSsdArgs | None = None,
 ) -> list[str]:
     """``python -m mooncake_span.storage_node`` (the public path) with this interpreter."""
     return [
@@ -239,6 +275,7 @@ def storage_node_argv(
         f"--segment-bytes={segment_bytes}",
         f"--local-buffer-bytes={local_buffer_bytes}",
         f"--host={host}",
+        *(ssd.argv() if ssd is not None else ()),
     ]
 
 

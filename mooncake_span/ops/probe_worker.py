@@ -8,7 +8,9 @@ from stdout. The child's stderr (Mooncake's native log) goes wherever the
 parent points it.
 
 Request: ``{"settings": {...setup arguments...}, "roundtrip_objects": N,
-"roundtrip_object_bytes": B, "read_keys": [...]}``. Reply: ``{"setup_s",
+"roundtrip_object_bytes": B, "read_keys": [...], "offload_dir": DIR or null}``
+(with ``offload_dir`` the client sets up with an SSD tier there, as a check
+that the master accepts one). Reply: ``{"setup_s",
 "roundtrip": {...}, "blobs": {key: text or null}}`` or ``{"error": "..."}``.
 """
 
@@ -70,6 +72,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
     s = request["settings"]
     store = MooncakeDistributedStore()
+    offload = {}
+    if request.get("offload_dir"):
+        offload = {"enable_ssd_offload": True, "ssd_offload_path": request["offload_dir"]}
     started = time.perf_counter()
     rc = store.setup(
         local_hostname=s["local_hostname"],
@@ -81,6 +86,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         master_server_addr=s["master_server_address"],
         # The round trip must run in the deployment's tenant, or it proves nothing.
         tenant_id=s.get("tenant_id", "default"),
+        **offload,
     )
     reply: dict[str, Any] = {"setup_rc": rc, "setup_s": time.perf_counter() - started}
     if rc != 0:
@@ -101,6 +107,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         # With an etcd:// (HA) master, close() -- and the native destructor,
         # which closes too -- waits 14-32 s on the leader watch. The probe holds
         # no segment, so it keeps the client alive until os._exit in main().
+        if offload:
+            store.unmount_local_disk_segment(0)
         if s["master_server_address"].startswith("etcd://"):
             _KEEP_UNTIL_EXIT.append(store)
         else:
@@ -132,6 +140,7 @@ def probe(
     roundtrip_objects: int = 0,
     roundtrip_object_bytes: int = 1 << 20,
     read_keys: list[str] | None = None,
+    offload_dir: str | None = None,
 ) -> dict[str, Any]:
     """Run the probe child for ``settings`` (a MooncakeSettings); never blocks past timeout_s."""
     import subprocess
@@ -149,8 +158,14 @@ def probe(
         "roundtrip_objects": roundtrip_objects,
         "roundtrip_object_bytes": roundtrip_object_bytes,
         "read_keys": list(read_keys or []),
+        "offload_dir": offload_dir,
     }
     env = dict(os.environ)
+    if offload_dir:
+        # The probe reads nothing from its SSD tier: a small staging buffer, not 1.25
+        # GiB; and close() joins the offload heartbeat, 10 s apart by default.
+        env.setdefault("MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES", str(16 << 20))
+        env.setdefault("MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS", "1")
     env.setdefault("MC_LOG_LEVEL", "WARNING")
     # Bounded setup: one retry instead of ~15 against a dead etcd.
     env.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")

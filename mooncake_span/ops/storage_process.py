@@ -11,7 +11,10 @@ SIGTERM or SIGINT, closes the store once and exits 0. Setup failures print an
 error to stderr and exit 1; bad arguments exit 2.
 
 Objects written by any client land in such segments, so data outlives the
-writer process (but not this process or the master).
+writer process. With ``--ssd-dir DIR`` (``ops/storage_ssd.py``) the node also
+keeps every object on ``DIR/<node name>``, and the data outlives this process
+and the master too: a stop releases the disk segment before the store closes,
+and a node restarted on the same directory registers its keys again.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from mooncake_span.mooncake_settings import (
     CONFIG_PATH_ENV,
     MooncakeSettings,
     load_mooncake_settings,
+)
+from mooncake_span.ops.storage_ssd import (
+    NodeSsd,
+    add_ssd_arguments,
+    prepare_node_ssd,
+    wait_after_crash,
 )
 from mooncake_span.store.native import setup_arguments
 from mooncake_span.units import parse_size_bytes
@@ -77,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--protocol", default=None, help="transfer protocol (default: tcp with --master)"
     )
     parser.add_argument("--device", default=None, help="RDMA device name; empty for tcp")
+    add_ssd_arguments(parser)
     return parser
 
 
@@ -139,18 +149,25 @@ def _size(text: str, flag: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        # Validation happens here: an unknown metadata scheme would make the
-        # native setup abort the whole process.
-        settings = settings_from_args(args)
-    except ConfigError as exc:
-        parser.error(str(exc))
-
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s storage_node[%(process)d] %(message)s",
     )
+    try:
+        # Validation happens here: an unknown metadata scheme would make the
+        # native setup abort the whole process.
+        settings = settings_from_args(args)
+        ssd = prepare_node_ssd(args, settings)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if ssd is not None:
+        wait_after_crash(ssd, args, settings)
+        # Mooncake reads these when setup starts the disk tier.
+        os.environ.update(ssd.tier.native_env())
+        settings = dataclasses.replace(
+            settings, enable_ssd_offload=True, ssd_offload_path=ssd.tier.directory
+        )
 
     # Block the stop signals before the native library starts its threads:
     # they inherit the mask, so a SIGTERM that arrives during setup stays
@@ -162,35 +179,70 @@ def main(argv: list[str] | None = None) -> int:
 
     store = MooncakeDistributedStore()
     started_s = time.monotonic()
-    if settings.ssd_offload_path is not None:
-        os.makedirs(settings.ssd_offload_path, exist_ok=True)
     # By name, as the backend: tenant_id and the SSD options reach a storage node too.
     rc = store.setup(**setup_arguments(settings))
     setup_s = time.monotonic() - started_s
     if rc != 0:
-        logger.error(
-            "setup failed rc=%s after %.1fs (master=%s metadata=%s segment_bytes=%d); the "
-            "native log above names the cause, e.g. a segment larger than free memory, an "
-            "unreachable master or MC_TCP_BIND_ADDRESS not set to a local address",
-            rc,
-            setup_s,
-            settings.master_server_address,
-            settings.metadata_server,
-            settings.global_segment_size_bytes,
-        )
+        _log_setup_failure(rc, setup_s, settings)
+        if ssd is not None:
+            ssd.lock.release()
         return 1
-
-    print(
-        f"READY pid={os.getpid()} segment={store.get_hostname()} "
-        f"segment_bytes={settings.global_segment_size_bytes} setup_s={setup_s:.3f}",
-        flush=True,
-    )
+    if ssd is not None:
+        ssd.lock.update(state="running", segment=store.get_hostname())
+    print(_ready_line(store, settings, setup_s, ssd), flush=True)
     received = signal.sigwait(_STOP_SIGNALS)
     logger.info("got %s, closing the store", signal.Signals(received).name)
-    # close() exactly once; any call on the store afterwards segfaults.
-    store.close()
-    logger.info("closed")
+    _stop(store, ssd)
     return 0
+
+
+def _log_setup_failure(rc: int, setup_s: float, settings: MooncakeSettings) -> None:
+    hint = (
+        "; with the SSD tier, code -1300 (UNABLE_OFFLOAD) means the master runs without "
+        "--enable_offload=true"
+        if settings.enable_ssd_offload
+        else ""
+    )
+    logger.error(
+        "setup failed rc=%s after %.1fs (master=%s metadata=%s segment_bytes=%d); the "
+        "native log above names the cause, e.g. a segment larger than free memory, an "
+        "unreachable master or MC_TCP_BIND_ADDRESS not set to a local address%s",
+        rc,
+        setup_s,
+        settings.master_server_address,
+        settings.metadata_server,
+        settings.global_segment_size_bytes,
+        hint,
+    )
+
+
+def _ready_line(
+    store: object, settings: MooncakeSettings, setup_s: float, ssd: NodeSsd | None
+) -> str:
+    line = (
+        f"READY pid={os.getpid()} segment={store.get_hostname()} "
+        f"segment_bytes={settings.global_segment_size_bytes} setup_s={setup_s:.3f}"
+    )
+    if ssd is not None:
+        line += f" ssd_dir={ssd.tier.directory} ssd_cap_bytes={ssd.tier.cap_bytes}"
+    return line
+
+
+def _stop(store: object, ssd: NodeSsd | None) -> None:
+    """Release the disk segment first: a reader then misses cleanly at once, and a
+    restart right after registers every key again (the master would ignore it
+    while this owner's disk replicas stood). ``close()`` exactly once; any call
+    on the store afterwards segfaults."""
+    state = "stopped"
+    if ssd is not None:
+        rc = store.unmount_local_disk_segment(0)
+        if rc != 0:
+            state = "unmount-failed"
+            logger.warning("unmount_local_disk_segment returned %s; the next start waits", rc)
+    store.close()
+    if ssd is not None:
+        ssd.lock.release(state)
+    logger.info("closed")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from mooncake_span.errors import (
 )
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
+from mooncake_span.store import disk_reads
 from mooncake_span.store.domains import copy_key
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.integrity import IntegrityFailures
@@ -63,6 +64,7 @@ from mooncake_span.store.native import (
     native_env_defaults,
     prepare_native_env,
     replicate_config,
+    serving_tier,
     setup_arguments,
     setup_store,
     wait_for_segments,
@@ -75,6 +77,7 @@ from mooncake_span.store.put_cooldown import (
 )
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
+from mooncake_span.store.ssd_tier import DirLock
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +134,9 @@ class MooncakeClient:
         self._integrity = IntegrityFailures(
             lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
         )
+        self._ssd_read_rpcs = 0  # Mooncake's count of reads it asked an SSD owner for
+        self._ssd_lock: DirLock | None = None  # this rank's SSD directory, if it has one
+        self._admin_url: str | None = None  # the master's admin server, set by connect()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -146,6 +152,10 @@ class MooncakeClient:
         for endpoint in endpoints:
             binding.probe_endpoint(endpoint, REACHABILITY_TIMEOUT_S)
         # span_master_admin_url overrides the master host on master_metrics_port.
+        # No guessed admin URL (sglang's 9003) for placement and SSD owners: a wrong
+        # one costs a timeout per refresh.
+        admin_url = self.options.master_admin_url or s.configured_admin_url()
+        self._admin_url = admin_url
         if s.check_server:
             # sglang's check_server tries the master's default admin port (9003).
             check_url = self.options.master_admin_url or s.admin_url()
@@ -154,10 +164,18 @@ class MooncakeClient:
             wait_for_segments(check_url, binding.list_segments)
         store = binding.store_factory()
         started = time.monotonic()
-        setup_store(store, s, **setup_arguments(s, self._shared_engine))
+        lister = (lambda: binding.list_segments(admin_url)) if admin_url else None
+        self._ssd_lock = serving_tier(s, lister)
+        try:
+            setup_store(store, s, **setup_arguments(s, self._shared_engine))
+        except BaseException:
+            if self._ssd_lock is not None:
+                self._ssd_lock.release()
+            raise
+        if self._ssd_lock is not None:
+            self._ssd_lock.update(state="running", segment=store.get_hostname())
         self._gate.open(store)
         if self.options.placement:
-            admin_url = self.options.master_admin_url or s.configured_admin_url()
             self._directory = start_directory(admin_url, self.options, binding.list_segments)
         logger.info(
             "mooncake-span connected to master %s (metadata %s, protocol %s, device %r, "
@@ -180,8 +198,16 @@ class MooncakeClient:
         if self._directory is not None:
             self._directory.stop()
         store = self._gate.shut(_CLOSE_DRAIN_TIMEOUT_S)
-        if store is not None:
-            store.close()
+        if store is None:
+            return
+        state = "stopped"
+        # The disk segment first: readers miss cleanly at once, and a restart right
+        # after registers every key again (store/ssd_tier.py).
+        if self._ssd_lock is not None and store.unmount_local_disk_segment(0) != 0:
+            state = "unmount-failed"
+        store.close()
+        if self._ssd_lock is not None:
+            self._ssd_lock.release(state)
 
     @property
     def closed(self) -> bool:
@@ -381,25 +407,86 @@ class MooncakeClient:
     def _get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
         codes = self._gate.invoke(
             "batch_get_into_multi_buffers",
-            lambda s: s.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes),
+            functools.partial(self._native_get, keys, batch),
             len(keys),
         )
+        overflow = disk_reads.overflowed(codes)
+        if overflow and len(keys) > 1:
+            # An SSD owner's read buffer took less than this call: ask again in halves.
+            for half in disk_reads.halves(overflow):
+                again = self._get_call([keys[i] for i in half], batch.take(half))
+                for i, code in zip(half, again, strict=True):
+                    codes[i] = code
         if codes != batch.nbytes:
             short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
             if short:
                 self._gate.count("SHORT_READ", short)
         return codes
 
+    def _native_get(self, keys: list[str], batch: PlanBatch, store: Any) -> list[int]:
+        codes = store.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes)
+        # Cumulative, per native client: one per SSD owner a get asked over RPC.
+        self._ssd_read_rpcs = max(self._ssd_read_rpcs, store.get_offload_rpc_read_count())
+        return codes
+
     def _on_failed_reads(
-        self, object_keys: Sequence[str], planned: Sequence[int], codes: Sequence[int]
+        self,
+        object_keys: Sequence[str],
+        planned: Sequence[int],
+        codes: Sequence[int],
     ) -> list[str]:
-        """Marks the domains of transfer failures and removes corrupt objects;
-        returns the keys of both kinds (the reads that cannot succeed again)."""
+        """Marks the domains of transfer failures and of SSD owners that are down,
+        and removes corrupt objects; returns the keys to remember lost (the reads
+        that cannot succeed again)."""
         failed = [f for f in zip(object_keys, planned, codes, strict=True) if f[1] != f[2]]
         dead = {k: n for k, n, code in failed if is_transfer_failure(code)}
         if dead:
             self._mark_failed_domains("batch_get_into_multi_buffers", dead)
-        return [*dead, *self._integrity.record(failed)]
+        lost = [*dead, *self._integrity.record(failed)]
+        rpc_failed = disk_reads.owner_failures(codes)
+        if rpc_failed:
+            lost += self._on_owner_down(object_keys, rpc_failed)
+        return lost
+
+    def _on_owner_down(self, object_keys: Sequence[str], positions: list[int]) -> list[str]:
+        """Reads that failed at the RPC layer: if the master answers and the objects
+        had only disk replicas, their SSD owner is down (``disk_reads.py``). The
+        master's admin server names the owner, whose segment is marked bad; until
+        the mark ends, reads ask where each key is, since a full segment's puts land
+        elsewhere and placement cannot tell an owner's keys. Without an owner to
+        name, the keys are returned to be remembered lost."""
+        keys = [object_keys[i] for i in positions]
+        suppress = contextlib.suppress(TransportError, StoreClosedError)
+        found = None
+        # Past the breaker: the failed read may just have opened it, and this one
+        # RPC is what tells a dead master from a dead SSD owner.
+        with suppress, self._gate.native("batch_get_replica_desc", past_breaker=True) as store:
+            found = store.batch_get_replica_desc(keys)
+        if not isinstance(found, dict):
+            return []  # the master is down too: the breaker's business
+        down = sorted(disk_reads.disk_only(found) & set(keys))
+        if not down:
+            return []
+        self._gate.answered()  # a storage node is down, not the cluster
+        self._gate.count(disk_reads.OWNER_DOWN_LABEL, len(down))
+        segments = set().union(*self._disk_owners(down).values())
+        if not segments:
+            return down
+        fresh = self.router.mark_owners_down(segments)
+        if fresh:
+            logger.warning(
+                "mooncake-span: the SSD tier of segment(s) %s does not answer reads; "
+                "reading their keys as misses for %.0fs",
+                fresh,
+                self.options.domain_bad_ttl_s,
+            )
+        return []
+
+    def _disk_owners(self, object_keys: Sequence[str]) -> dict[str, set[str]]:
+        """Per object, the segments whose SSD holds it ({} without an admin server)."""
+        if self._admin_url is None or not object_keys:
+            return {}
+        return self._binding.list_disk_owners(self._admin_url, list(object_keys)) or {}
 
     # ---- what failed transfers teach (both paths) ---------------------------------
 
@@ -437,13 +524,19 @@ class MooncakeClient:
         if not object_keys:
             return {}
         suppress = contextlib.suppress(TransportError, StoreClosedError)
+        found = None
         with suppress, self._gate.native("batch_get_replica_desc") as store:
             on_rpc()  # past the gate: the RPC goes out
             try:
-                return replica_segments(store.batch_get_replica_desc(list(object_keys)), sizes)
+                found = store.batch_get_replica_desc(list(object_keys))
             except Exception:  # observation only: unknown means "treat as lost"
                 logger.debug("batch_get_replica_desc failed", exc_info=True)
-        return {}
+                return {}
+        located = replica_segments(found, sizes)
+        on_disk = [k for k in disk_reads.disk_only(found) if k not in located]
+        for key, owners in self._disk_owners(on_disk).items():
+            located.setdefault(key, set()).update(owners)
+        return located
 
     # ---- existence ---------------------------------------------------------------
 
@@ -541,10 +634,15 @@ class MooncakeClient:
 
     # ---- statistics ----------------------------------------------------------------
 
-    def stats_revision(self) -> tuple[int, bool, int, int]:
+    def stats_revision(self) -> tuple[int, bool, int, int, int]:
         """Cheap to read; changes whenever ``stats()`` has news for the metrics
         (every failure is counted, and the breaker and segment marks follow them)."""
-        return (*self._gate.revision(), self.router.times_marked, self.pressure.skipped_total)
+        return (
+            *self._gate.revision(),
+            self.router.times_marked,
+            self.pressure.skipped_total,
+            self._ssd_read_rpcs,
+        )
 
     def stats(self) -> dict[str, Any]:
         snapshot = self._gate.breaker()
@@ -558,5 +656,6 @@ class MooncakeClient:
             "domains_marked_bad": self.router.times_marked,
             "lost_keys": self.router.lost_count,
             "skipped_backups": self.pressure.skipped(),
+            "ssd_read_rpcs": self._ssd_read_rpcs,
             **self._integrity.snapshot(),
         }

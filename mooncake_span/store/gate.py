@@ -89,14 +89,14 @@ class NativeGate:
 
     # ---- guarded native access ---------------------------------------------
 
-    def _enter(self, op: str) -> Any:
+    def _enter(self, op: str, past_breaker: bool = False) -> Any:
         """Count a call in flight and hand out the native store, or raise why not."""
         with self._cond:
             if self._closed:
                 raise StoreClosedError(f"{op} called after close()")
             if self.store is None:
                 raise StoreClosedError(f"{op} called before connect()")
-            if self._breaker.is_open:
+            if self._breaker.is_open and not past_breaker:
                 self.count("BREAKER_REJECTED")
                 raise TransportError(f"{op} refused: circuit breaker open (cluster unreachable)")
             self._inflight += 1
@@ -109,9 +109,11 @@ class NativeGate:
                 self._cond.notify_all()
 
     @contextmanager
-    def native(self, op: str) -> Iterator[Any]:
-        """The native store for one call whose answer is not a list of codes."""
-        store = self._enter(op)
+    def native(self, op: str, past_breaker: bool = False) -> Iterator[Any]:
+        """The native store for one call whose answer is not a list of codes;
+        ``past_breaker``: even while the breaker is open (one call that tells
+        whether the master answers, as the recovery probe's)."""
+        store = self._enter(op, past_breaker)
         try:
             yield store
         finally:
@@ -159,6 +161,11 @@ class NativeGate:
             self._fail(op, f"all {len(codes)} entries failed ({code_name(codes[0])})")
         else:
             self._breaker.record_success()
+
+    def answered(self) -> None:
+        """A call past the gate got the master's answer: whatever failed before it
+        was not the cluster (e.g. a read from a storage node that is down)."""
+        self._breaker.record_success()
 
     def _fail(self, op: str, why: str) -> None:
         if self._breaker.record_failure(self._clock()):

@@ -18,7 +18,8 @@ from mooncake_span.config import SpanOptions
 from mooncake_span.errors import ConfigError, SetupError, code_name
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.store.protocol import NativeStore
-from mooncake_span.store.segments import fetch_segments
+from mooncake_span.store.segments import fetch_disk_owners, fetch_segments
+from mooncake_span.store.ssd_tier import DirLock, open_serving_tier
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class NativeBinding:
     # Raises SetupError when (endpoint, timeout_s) does not accept a connection;
     # a fake cluster has no endpoint to dial.
     probe_endpoint: Callable[[str, float], None] = probe_tcp
+    # Per object key, the segments whose SSD holds it, given the admin URL (None: no answer).
+    list_disk_owners: Callable[[str, Sequence[str]], dict[str, set[str]] | None] = fetch_disk_owners
 
 
 @dataclass(frozen=True)
@@ -126,10 +129,35 @@ def wait_for_segments(
         time.sleep(min(poll_s, left_s))
 
 
+def serving_tier(
+    settings: MooncakeSettings, list_segments: Callable[[], list[str] | None] | None
+) -> DirLock | None:
+    """With ``enable_ssd_offload``: this rank's SSD tier, set up to persist every object
+    (``store/ssd_tier.py``), its directory locked; None without it. Without
+    ``ssd_offload_path`` Mooncake reads ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``
+    itself, as under sglang's ``MooncakeStore``."""
+    if not settings.enable_ssd_offload:
+        return None
+    directory = settings.ssd_offload_path or os.environ.get(
+        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ""
+    )
+    if not directory:
+        raise SetupError(
+            "enable_ssd_offload needs a directory: set ssd_offload_path (each rank then uses "
+            "its own rank_<dp>_<tp>_<pp>_<cp> sub-directory, as in sglang)"
+        )
+    try:
+        return open_serving_tier(
+            directory, settings.global_segment_size_bytes, os.environ, list_segments
+        )
+    except (ConfigError, OSError) as exc:
+        raise SetupError(f"SSD tier ({directory}): {exc}") from exc
+
+
 def setup_store(store: NativeStore, settings: MooncakeSettings, **arguments: Any) -> None:
     """Call ``setup`` by keyword; SetupError says why it failed."""
-    if settings.ssd_offload_path is not None:
-        try:
+    if settings.ssd_offload_path is not None and not settings.enable_ssd_offload:
+        try:  # sglang's MooncakeStore creates it whether offload is on or not
             os.makedirs(settings.ssd_offload_path, exist_ok=True)
         except OSError as exc:
             raise SetupError(f"cannot create ssd_offload_path: {exc}") from exc

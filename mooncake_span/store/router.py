@@ -56,6 +56,8 @@ class DomainRouter:
         # segment) so that a read can skip a dead copy; without it, Mooncake's.
         self.copies = options.replica_num if options.placement else 1
         self._health = DomainHealth(options.domain_bad_ttl_s)
+        self._bad_ttl_s = options.domain_bad_ttl_s
+        self._owners_down_until = 0.0  # see mark_owners_down
         self._lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
         self._clock = clock
         self.segments = segments
@@ -83,6 +85,14 @@ class DomainRouter:
         """Segments a transfer just failed on: their keys read as misses and writes
         avoid them for ``span_domain_bad_ttl_s``. Returns those not bad before."""
         return self._health.mark_bad(segments, self._clock())
+
+    def mark_owners_down(self, segments: Iterable[str]) -> list[str]:
+        """Segments whose SSD tier failed a read: bad as ``mark_segments_bad``, and
+        until the mark ends every read asks where its keys are (placement does not
+        say which keys an SSD owner holds). Returns those not bad before."""
+        now = self._clock()
+        self._owners_down_until = now + self._bad_ttl_s
+        return self._health.mark_bad(segments, now)
 
     def bad_segments(self) -> frozenset[str]:
         return self._health.bad(self._clock())
@@ -188,13 +198,13 @@ class DomainRouter:
         Placement is computed only while some segment is bad, and ``locate`` is
         called only if a key was placed on a bad segment, or if its placement is
         unknown: a read naming no chain (``domains``/``steps``) once puts were
-        placed by chain."""
+        placed by chain, and any key while an SSD owner is down."""
         bad = self.bad_segments()
         if not bad:
             if self.copies == 1:
                 return [[key] for key in keys]
             return [[copy_key(key, r) for r in range(self.copies)] for key in keys]
-        if domains is None and self.chained:
+        if (domains is None and self.chained) or self._clock() < self._owners_down_until:
             rows = copy_candidates(keys, None, (), self.copies)  # every copy: ask the master
         else:
             placed = self._domains(keys, domains, steps)

@@ -10,11 +10,13 @@ outage does not empty it and turn placement off.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mooncake_span.config import SpanOptions
@@ -34,6 +36,46 @@ def fetch_segments(admin_url: str) -> list[str] | None:
     except (OSError, urllib.error.URLError, ValueError):
         return None
     return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+# Keys per /batch_query_keys request: they travel in the URL.
+_QUERY_KEYS_PER_REQUEST = 32
+
+
+def _get_json(url: str) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:
+            return json.loads(response.read().decode("utf-8", "replace"))
+    except (OSError, urllib.error.URLError, ValueError):
+        return None
+
+
+def fetch_disk_owners(admin_url: str, keys: Sequence[str]) -> dict[str, set[str]] | None:
+    """Per key, the segments of the clients whose SSD holds it (its ``LOCAL_DISK``
+    replicas), from the master's admin server; None if it did not answer.
+
+    Replica descriptors leave a disk replica's owner out; the admin server names
+    its client id (``/batch_query_keys``), and ``/get_segments_detail`` the
+    segment each client mounted. An owner without a listed segment is named
+    ``client:<id>``."""
+    base = admin_url.rstrip("/")
+    detail = _get_json(base + "/get_segments_detail")
+    if not isinstance(detail, dict):
+        return None
+    segment_of = {
+        s.get("client_id"): s.get("segment_name") for s in detail.get("segments", []) or []
+    }
+    owners: dict[str, set[str]] = {}
+    for start in range(0, len(keys), _QUERY_KEYS_PER_REQUEST):
+        chunk = ",".join(keys[start : start + _QUERY_KEYS_PER_REQUEST])
+        answer = _get_json(f"{base}/batch_query_keys?keys={urllib.parse.quote(chunk)}")
+        if not isinstance(answer, dict) or not isinstance(answer.get("data"), dict):
+            return None
+        for key, item in answer["data"].items():
+            for disk in (item or {}).get("local_disk_values") or []:
+                client = disk.get("client_id")
+                owners.setdefault(key, set()).add(segment_of.get(client) or f"client:{client}")
+    return owners
 
 
 def replica_segments(

@@ -30,10 +30,12 @@ every test on the fake checks that only registered memory is sent.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import re
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_span.errors import ErrorCode
@@ -65,9 +67,14 @@ class _FakeMemoryDescriptor:
 class FakeReplica:
     segment: str
     size: int
+    # Only on its owner's SSD (a LOCAL_DISK replica, which names no segment).
+    on_disk: bool = False
 
     def is_memory_replica(self) -> bool:
-        return True
+        return not self.on_disk
+
+    def is_local_disk_replica(self) -> bool:
+        return self.on_disk
 
     def get_memory_descriptor(self) -> _FakeMemoryDescriptor:
         return _FakeMemoryDescriptor(_FakeBufferDescriptor(self.segment, self.size))
@@ -85,6 +92,13 @@ class FakeCluster:
         self._faults: dict[str, list[int]] = {}
         self.calls: list[tuple[str, int]] = []
         self.unregistered_buffers = 0
+        # The SSD tier, as measured on the real one (store/disk_reads.py): objects
+        # whose DRAM copy is gone and that only their owner's disk holds. A read of
+        # one whose owner is dead fails at the RPC layer; one owner's share of a
+        # get larger than its read buffer overflows.
+        self.on_disk: set[str] = set()
+        self.disk_read_buffer_bytes = 1 << 40
+        self.disk_reads = 0
 
     def inject(self, op: str, code: int, times: int = 1) -> None:
         """The next ``times`` calls of ``op`` answer ``code`` for every key."""
@@ -109,8 +123,38 @@ class FakeCluster:
             for key in [k for k, s in self.placement.items() if s in self.dead]:
                 self.objects.pop(key, None)
                 self.placement.pop(key, None)
+                self.on_disk.discard(key)
             self.segments = [s for s in self.segments if s not in self.dead]
             self.dead.clear()
+
+    def evict_to_disk(self, keys: Iterable[str]) -> None:
+        """These objects' DRAM copies are evicted; their owner's SSD still holds them."""
+        with self.lock:
+            self.on_disk.update(k for k in keys if k in self.objects)
+
+    def disk_owners(self, keys: Sequence[str]) -> dict[str, set[str]]:
+        """What the master's admin server says (``segments.fetch_disk_owners``): per
+        disk-only object, the segment of the client whose SSD holds it."""
+        with self.lock:
+            return {k: {self.placement.get(k, "")} for k in keys if k in self.on_disk}
+
+    def _disk_codes(self, keys: Sequence[str]) -> dict[str, int]:
+        """The codes an SSD tier answers for the disk-only objects of one get."""
+        share: collections.Counter[str] = collections.Counter()
+        for key in keys:
+            if key in self.on_disk and key in self.objects:
+                share[self.placement.get(key, "")] += len(self.objects[key])
+        codes = {}
+        for key in keys:
+            owner = self.placement.get(key, "")
+            if key not in self.on_disk or key not in self.objects:
+                continue
+            if owner in self.dead:
+                codes[key] = int(ErrorCode.RPC_FAIL)
+            elif share[owner] > self.disk_read_buffer_bytes:
+                codes[key] = int(ErrorCode.BUFFER_OVERFLOW)
+        self.disk_reads += len({self.placement.get(k, "") for k in keys if k in self.on_disk})
+        return codes
 
     def add_segment(self, segment: str) -> None:
         self.segments.append(segment)
@@ -128,6 +172,7 @@ class FakeCluster:
         """Forget one object, as eviction would."""
         with self.lock:
             self.placement.pop(key, None)
+            self.on_disk.discard(key)
             return self.objects.pop(key, None) is not None
 
 
@@ -175,7 +220,7 @@ class FakeStore:
         c = self._cluster
         with c.lock:
             return {
-                k: [FakeReplica(c.placement.get(k, ""), len(c.objects[k]))]
+                k: [FakeReplica(c.placement.get(k, ""), len(c.objects[k]), k in c.on_disk)]
                 for k in keys
                 if k in c.objects
             }
@@ -255,10 +300,14 @@ class FakeStore:
         out: list[int] = []
         c = self._cluster
         with c.lock:
+            disk_codes = c._disk_codes(keys)
             for key, ptrs, sizes in zip(keys, all_ptrs, all_sizes, strict=False):
                 value = c.objects.get(key)
                 if value is None:
                     out.append(int(ErrorCode.OBJECT_NOT_FOUND))
+                    continue
+                if key in disk_codes:
+                    out.append(disk_codes[key])
                     continue
                 if c.placement.get(key) in c.dead:
                     out.append(int(ErrorCode.TRANSFER_FAIL))
@@ -300,6 +349,13 @@ class FakeStore:
             for key in doomed:
                 del self._cluster.objects[key]
         return len(doomed)
+
+    def get_offload_rpc_read_count(self) -> int:
+        return self._cluster.disk_reads
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        self._check()
+        return 0
 
     def get_size(self, key: str) -> int:
         self._check()

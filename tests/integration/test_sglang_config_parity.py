@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from mooncake_span.mooncake_settings import CONFIG_PATH_ENV
+from mooncake_span.store.ssd_tier import HEARTBEAT_ENV, SsdTier
 
 pytestmark = pytest.mark.integration
 
@@ -238,8 +239,9 @@ def test_ssd_offload_sets_up_alike_on_an_offload_master(
 ):
     errors = _run_case(keys, ranks, source, offload_cluster, recorded_setups, monkeypatch, tmp_path)
     assert errors == (None, None)
-    # Both made the same per-rank directory under the configured path.
-    (rank_dir,) = (tmp_path / "ssd").iterdir()
+    # Both made the same per-rank directory under the configured path (beside it, our
+    # lock of that directory: store/ssd_tier.py).
+    (rank_dir,) = [p for p in (tmp_path / "ssd").iterdir() if p.is_dir()]
     assert rank_dir.name == "rank_0_{tp_rank}_0_0".format(**ranks)
 
 
@@ -263,6 +265,12 @@ def _run_case(keys, ranks, source, mooncake_cluster, recorded_setups, monkeypatc
         monkeypatch.setenv(name, value)
     for name in _ENV_NAMES:
         monkeypatch.delenv(name, raising=False)
+    for name in SsdTier("/", 1 << 30, 1 << 20).native_env():
+        # Our SSD tier exports these into the process it serves; undone after the test.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    # Both clients' close() joins the offload heartbeat: 1 s apart, not Mooncake's 10.
+    monkeypatch.setenv(HEARTBEAT_ENV, "1")
     base = _cluster_keys(mooncake_cluster)
     if keys.get("check_server") and "master_metrics_port" not in base:
         pytest.skip("the cluster publishes no admin port")

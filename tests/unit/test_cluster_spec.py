@@ -228,18 +228,34 @@ def test_storage_node_rejects_bad_settings_with_the_value(argv, environ, message
 
 
 def test_cluster_up_starts_masters_with_the_measured_eviction_flags():
-    from mooncake_span.ops.cli import build_parser
+    from mooncake_span.ops.cli import build_parser, cluster_spec_from_args
     from mooncake_span.ops.cluster_spec import (
         CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
         CLUSTER_UP_EVICTION_RATIO,
         CLUSTER_UP_LEASE_TTL_MS,
+        SSD_EVICTION_HIGH_WATERMARK_RATIO,
+        SSD_EVICTION_RATIO,
+        SSD_LEASE_TTL_MS,
     )
 
-    args = build_parser().parse_args(["cluster", "up"])
-    assert (args.lease_ttl_ms, args.eviction_high_watermark_ratio, args.eviction_ratio) == (
+    spec = cluster_spec_from_args(build_parser().parse_args(["cluster", "up"]))
+    assert (
+        spec.master_lease_ttl_ms,
+        spec.master_eviction_high_watermark_ratio,
+        spec.master_eviction_ratio,
+    ) == (
         CLUSTER_UP_LEASE_TTL_MS,
         CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
         CLUSTER_UP_EVICTION_RATIO,
     )
+    ssd = ["cluster", "up", "--ssd-dir", "/nvme/cache"]
+    spec = cluster_spec_from_args(build_parser().parse_args(ssd))
+    assert (
+        spec.master_lease_ttl_ms,
+        spec.master_eviction_high_watermark_ratio,
+        spec.master_eviction_ratio,
+    ) == (SSD_LEASE_TTL_MS, SSD_EVICTION_HIGH_WATERMARK_RATIO, SSD_EVICTION_RATIO)
+    given = build_parser().parse_args([*ssd, "--lease-ttl-ms", "700"])
+    assert cluster_spec_from_args(given).master_lease_ttl_ms == 700
     args = build_parser().parse_args(["cluster", "up", "--eviction-ratio", "0.2"])
     assert args.eviction_ratio == 0.2

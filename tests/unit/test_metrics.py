@@ -136,3 +136,14 @@ def test_segments_marked_bad_count_as_node_failures():
     sync.sync({"bad_segments": ["127.0.0.1:14001", "127.0.0.1:14002"]})
     assert _value(registry, "mooncake_span_node_failures_total", node) == 2
     assert _value(registry, "mooncake_span_node_failures_total", {"node": "127.0.0.1:14002"}) == 1
+
+
+def test_ssd_reads_follow_the_clients_cumulative_count():
+    registry = prom.CollectorRegistry()
+    sync = M.ClientStatsSync(M.get_metrics(registry))
+    sync.sync({"ssd_read_rpcs": 3})
+    sync.sync({"ssd_read_rpcs": 3})
+    sync.sync({"ssd_read_rpcs": 2})  # an older snapshot adds nothing
+    sync.sync({"ssd_read_rpcs": 5, "error_counts": {"SSD_OWNER_DOWN": 4}})
+    assert _value(registry, "mooncake_span_ssd_reads_total", {}) == 5
+    assert _value(registry, "mooncake_span_failed_objects_total", {"code": "SSD_OWNER_DOWN"}) == 4

@@ -1,0 +1,126 @@
+"""``doctor``'s SSD-tier checks: is an SSD tier asked for, and would it persist anything?
+
+Asked for means ``enable_ssd_offload`` in the rank's config (sglang's key: the
+rank's own segment is offloaded to its ``rank_*`` sub-directory) or
+``doctor --ssd-dir DIR`` (a storage node's ``--ssd-dir``). Then:
+
+* ``ssd tier``: the directory (exists or can be made, a real directory,
+  writable, not held by a running process) and, for a rank, that it owns a
+  segment to offload and that the operator's ``MOONCAKE_OFFLOAD_*`` variables
+  keep the layout that writes every object (``store/ssd_tier.layout_problems``);
+* ``ssd master``: the probe child sets up with ``enable_ssd_offload`` on a
+  scratch directory; a master without ``--enable_offload=true`` refuses it
+  (UNABLE_OFFLOAD), and every SSD setup against it would fail the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mooncake_span.errors import ConfigError, ErrorCode
+from mooncake_span.ops.doctor_host import FAIL, PASS, SKIP, Check, Context
+from mooncake_span.store import ssd_tier
+
+_NAME = "ssd tier"
+MASTER_CHECK = "ssd master"
+
+
+def ssd_requested(ctx: Context) -> bool:
+    s = ctx.settings
+    return bool(ctx.ssd_dir) or (s is not None and s.enable_ssd_offload)
+
+
+def check_ssd(ctx: Context) -> list[Check]:
+    if not ssd_requested(ctx):
+        return [Check(_NAME, SKIP, "no SSD tier asked for (enable_ssd_offload, --ssd-dir)")]
+    if ctx.ssd_dir:
+        return [_check_node_dir(ctx.ssd_dir)]
+    return _check_rank(ctx)
+
+
+def _check_node_dir(root: str) -> Check:
+    try:
+        path = ssd_tier.check_root(root)
+    except ConfigError as exc:
+        return Check(_NAME, FAIL, str(exc), "fix the directory as the message says")
+    cap = ssd_tier.default_cap_bytes(path)
+    return Check(
+        _NAME,
+        PASS,
+        f"{path}: a writable directory; a storage node with --ssd-dir {root} uses "
+        f"{path}/<node name> (default cap {cap} bytes, 90% of the disk)",
+        data={"ssd_dir": path, "default_cap_bytes": cap},
+    )
+
+
+def _check_rank(ctx: Context) -> list[Check]:
+    s = ctx.settings
+    directory = s.ssd_offload_path or os.environ.get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "")
+    if s.global_segment_size_bytes == 0:
+        return [
+            Check(
+                _NAME,
+                FAIL,
+                "enable_ssd_offload on a rank with global_segment_size 0 persists nothing: a "
+                "rank offloads only the objects its own segment holds, and the storage nodes "
+                "hold them",
+                "start the storage nodes with --ssd-dir DIR (and drop enable_ssd_offload here), "
+                "or give this rank a segment",
+            )
+        ]
+    if not directory:
+        return [
+            Check(_NAME, FAIL, "enable_ssd_offload without a directory", "set ssd_offload_path")
+        ]
+    tier = ssd_tier.SsdTier(
+        directory=os.path.abspath(directory),
+        cap_bytes=s.global_segment_size_bytes,
+        largest_object_bytes=s.global_segment_size_bytes,
+    )
+    effective = {**tier.native_env(), **os.environ}
+    problems = ssd_tier.layout_problems(effective, s.global_segment_size_bytes)
+    if problems:
+        return [
+            Check(_NAME, FAIL, f"the layout would persist nothing: {p}", p.rpartition("; ")[2])
+            for p in problems
+        ]
+    return [_check_rank_dir(directory)]
+
+
+def _check_rank_dir(directory: str) -> Check:
+    parent, name = os.path.split(os.path.abspath(directory))
+    existing = parent
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    try:
+        ssd_tier.check_root(existing, "ssd_offload_path")
+        if os.path.islink(os.path.join(parent, name)):
+            raise ConfigError(f"{directory} is a symbolic link, which Mooncake refuses")
+        if os.path.isdir(parent):
+            ssd_tier.DirLock(parent, name).check_free(directory)
+    except ConfigError as exc:
+        return Check(_NAME, FAIL, str(exc), "fix ssd_offload_path as the message says")
+    return Check(
+        _NAME,
+        PASS,
+        f"{directory}: writable, not in use; every object this rank's segment holds is "
+        "written there one heartbeat after its put",
+        data={"ssd_dir": directory},
+    )
+
+
+def master_check(reply: dict[str, Any]) -> Check:
+    """What the probe's offload setup says about the master's --enable_offload."""
+    if reply.get("setup_rc") == int(ErrorCode.UNABLE_OFFLOAD):
+        return Check(
+            MASTER_CHECK,
+            FAIL,
+            "the master refused an SSD-tier client (UNABLE_OFFLOAD, -1300): it runs without "
+            "--enable_offload=true, and every SSD setup fails the same way",
+            "restart mooncake_master with --enable_offload=true (mooncake-span cluster up "
+            "--ssd-dir and the scripts' --ssd do), with --default_kv_lease_ttl=500",
+        )
+    if "error" in reply:
+        return Check(MASTER_CHECK, SKIP, f"not known: the probe failed ({reply['error']})")
+    return Check(MASTER_CHECK, PASS, "the master accepts SSD-tier clients (--enable_offload)")

@@ -1,0 +1,179 @@
+"""The SSD tier of a storage node: its flags, the checks at start, the restart after a crash.
+
+``python -m mooncake_span.storage_node ... --ssd-dir DIR [--ssd-size SIZE]``
+keeps every object it holds on ``DIR/<node name>`` as well (the settings are
+``store/ssd_tier.SsdTier``'s). Everything is checked before the native client
+starts, and a bad value is refused with the fix in the message; nothing in
+``DIR`` is deleted or rewritten by a refusal. sglang's own keys mean the same
+on a storage node: ``enable_ssd_offload`` with ``ssd_offload_path`` (from
+``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or ``MOONCAKE_*``) is ``--ssd-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_span.errors import ConfigError
+from mooncake_span.mooncake_settings import MooncakeSettings
+from mooncake_span.store import ssd_tier
+from mooncake_span.store.segments import fetch_segments
+from mooncake_span.units import parse_size_bytes
+
+logger = logging.getLogger(__name__)
+
+# Mooncake's default --client_ttl: how long the master keeps a silent client's segments.
+MOONCAKE_CLIENT_TTL_S = 10
+
+
+def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ssd-dir",
+        default=None,
+        metavar="DIR",
+        help="keep every object on this SSD directory too (it must exist); the node uses "
+        "DIR/<node name>, which a restart with the same name finds again",
+    )
+    parser.add_argument(
+        "--ssd-size",
+        default=None,
+        metavar="SIZE",
+        help="disk cap of the SSD tier, oldest objects evicted first (default: 90%% of the "
+        "disk, Mooncake's default); at least the segment size",
+    )
+    parser.add_argument(
+        "--ssd-read-buffer",
+        default=None,
+        metavar="SIZE",
+        help=f"RAM staging objects read from the SSD for a reader (default: "
+        f"{ssd_tier.DEFAULT_READ_BUFFER_BYTES >> 20}mb; a larger batch is read in parts)",
+    )
+    parser.add_argument(
+        "--node-name",
+        default=None,
+        help="stable name of this node: its SSD sub-directory (default: this host's name)",
+    )
+    parser.add_argument(
+        "--admin-url",
+        default=None,
+        metavar="URL",
+        help="the master's admin server http://HOST:PORT (its --metrics_port): after a crash "
+        "the node waits there until the master has dropped its predecessor",
+    )
+    parser.add_argument(
+        "--client-ttl-s",
+        type=int,
+        default=MOONCAKE_CLIENT_TTL_S,
+        metavar="S",
+        help="the master's --client_ttl, the longest wait after a crash (default: %(default)s)",
+    )
+
+
+@dataclass
+class NodeSsd:
+    """A storage node's SSD tier, its directory locked."""
+
+    tier: ssd_tier.SsdTier
+    lock: ssd_tier.DirLock
+    previous: dict[str, Any]
+
+
+def _size(text: str, flag: str) -> int:
+    try:
+        return parse_size_bytes(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+
+
+def _root(args: argparse.Namespace, settings: MooncakeSettings) -> tuple[str, str] | None:
+    """(root, the flag or key it came from), or None without an SSD tier."""
+    if args.ssd_dir is not None:
+        return args.ssd_dir, "--ssd-dir"
+    if settings.enable_ssd_offload and settings.ssd_offload_path:
+        return settings.ssd_offload_path, f"ssd_offload_path ({settings.source})"
+    if settings.enable_ssd_offload:
+        raise ConfigError(
+            f"enable_ssd_offload is set ({settings.source}) but no directory: set "
+            "ssd_offload_path, or pass --ssd-dir"
+        )
+    for flag in ("ssd_size", "ssd_read_buffer", "node_name"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"--{flag.replace('_', '-')} needs --ssd-dir")
+    return None
+
+
+def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> NodeSsd | None:
+    """Check the SSD flags and lock the node's directory; None without ``--ssd-dir``.
+
+    Raises:
+        ConfigError: a bad value, or the directory is in use; the message says what to do.
+    """
+    found = _root(args, settings)
+    if found is None:
+        return None
+    root = ssd_tier.check_root(*found)
+    name = args.node_name or socket.gethostname()
+    cap = _size(args.ssd_size, "--ssd-size") if args.ssd_size is not None else None
+    # Every value is checked before anything is created or locked.
+    tier = ssd_tier.SsdTier(
+        directory=os.path.join(root, name),
+        cap_bytes=cap if cap is not None else ssd_tier.default_cap_bytes(root),
+        largest_object_bytes=settings.global_segment_size_bytes,
+        read_buffer_bytes=(
+            _size(args.ssd_read_buffer, "--ssd-read-buffer")
+            if args.ssd_read_buffer is not None
+            else ssd_tier.DEFAULT_READ_BUFFER_BYTES
+        ),
+    )
+    directory = ssd_tier.process_dir(root, name, found[1])
+    lock = ssd_tier.DirLock(root, name)
+    previous = lock.acquire(f"{directory} (node {name!r})")
+    _warn_if_disk_short(tier)
+    return NodeSsd(tier, lock, previous)
+
+
+def _usage_bytes(directory: str) -> int:
+    total = 0
+    for parent, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(parent, name))
+            except OSError:
+                pass
+    return total
+
+
+def _warn_if_disk_short(tier: ssd_tier.SsdTier) -> None:
+    room = ssd_tier.free_bytes(tier.directory) + _usage_bytes(tier.directory)
+    if tier.cap_bytes > room:
+        logger.warning(
+            "the SSD cap (%d bytes) exceeds what the disk has room for (%d bytes free plus "
+            "what %s holds): Mooncake then evicts when the disk is full",
+            tier.cap_bytes,
+            room,
+            tier.directory,
+        )
+
+
+def wait_after_crash(node: NodeSsd, args: argparse.Namespace, settings: MooncakeSettings) -> None:
+    """A predecessor that crashed stays registered at the master for its client_ttl, and
+    a restart registered before that is ignored: wait it out (bounded)."""
+    if not ssd_tier.crashed(node.previous):
+        return
+    admin_url = args.admin_url or settings.configured_admin_url()
+    lister = (lambda: fetch_segments(admin_url)) if admin_url else None
+    logger.warning(
+        "the previous node on %s (pid %s, segment %s) did not stop cleanly; waiting for the "
+        "master (%s) to drop it, at most %d s",
+        node.tier.directory,
+        node.previous.get("pid"),
+        node.previous.get("segment"),
+        admin_url or "no admin URL",
+        args.client_ttl_s + ssd_tier.EXPIRY_MARGIN_S,
+    )
+    waited_s = ssd_tier.wait_for_owner_expiry(node.previous, args.client_ttl_s, lister)
+    logger.info("waited %.1f s for the master to drop the crashed node", waited_s)

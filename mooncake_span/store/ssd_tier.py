@@ -1,0 +1,361 @@
+"""Mooncake's SSD tier (0.3.13.post1) set up so that every object reaches disk and is found again.
+
+A process that owns a DRAM segment and sets up with ``enable_ssd_offload``
+writes each object it holds to its own offload directory (one heartbeat after
+the put), and registers what that directory holds with the master when it
+starts, so a restarted process finds its keys again. With Mooncake's defaults
+nothing reaches disk (docs/operating.md, "The SSD tier"); ``SsdTier`` is the
+set of native settings that works, exported before ``setup``:
+
+* the bucket layout with one key per bucket (a partial bucket is reported
+  failed and never written, Mooncake #3006) and a bucket size limit of the
+  largest object the process can hold (larger objects are skipped silently);
+* a disk cap with FIFO eviction (the file-per-key layout ignores its cap);
+* a 1 s offload heartbeat (each copy stays pinned in DRAM until written, and
+  eviction waits for it);
+* the read buffer that stages objects read from disk for a remote reader.
+
+Each process needs a directory of its own: a storage node gets
+``<root>/<node name>``, a serving rank sglang's ``<root>/rank_<dp>_<tp>_<pp>_<cp>``.
+``DirLock`` holds an exclusive ``flock`` on ``<root>/.<name>.lock`` (beside the
+directory: Mooncake scans the directory itself) while the process runs, and
+records in it whether the last owner stopped cleanly; a crashed owner's disk
+replicas stay registered at the master until its ``client_ttl`` runs out, and
+a restart registered before then is ignored (Mooncake #3052), so
+``wait_for_owner_expiry`` waits for the master to drop the old owner first.
+
+Nothing here deletes or rewrites what is in an offload directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_span.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Mooncake's defaults where ours differ: heartbeat 10 s, read buffer 1.25 GiB.
+HEARTBEAT_S = 1
+DEFAULT_READ_BUFFER_BYTES = 256 << 20
+# Mooncake's own default cap of the bucket layout: 90% of the disk.
+DEFAULT_CAP_SHARE = 0.9
+# A restart waits this much past the master's client_ttl for the old owner to expire.
+EXPIRY_MARGIN_S = 2.0
+_EXPIRY_POLL_S = 0.5
+
+LAYOUT_ENV = "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR"
+BUCKET_LAYOUT = "bucket_storage_backend"
+KEYS_PER_BUCKET_ENV = "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT"
+BUCKET_BYTES_ENV = "MOONCAKE_OFFLOAD_BUCKET_SIZE_LIMIT_BYTES"
+CAP_ENV = "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"
+EVICTION_ENV = "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY"
+HEARTBEAT_ENV = "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS"
+READ_BUFFER_ENV = "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES"
+# Mooncake's bucket defaults, for reading what an operator's environment leaves unset.
+_MOONCAKE_KEYS_PER_BUCKET = 500
+
+
+@dataclass(frozen=True)
+class SsdTier:
+    """One process's SSD tier: its own directory and the native settings that persist it."""
+
+    directory: str
+    cap_bytes: int
+    # Bucket size limit: objects larger than this are never written.
+    largest_object_bytes: int
+    read_buffer_bytes: int = DEFAULT_READ_BUFFER_BYTES
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.directory):
+            raise ConfigError(f"the SSD directory must be absolute, got {self.directory!r}")
+        if self.largest_object_bytes <= 0:
+            raise ConfigError(
+                f"the largest object must be > 0 bytes, got {self.largest_object_bytes}"
+            )
+        check_cap(self.cap_bytes, self.largest_object_bytes)
+        if self.read_buffer_bytes < 1 << 20:
+            raise ConfigError(
+                f"the SSD read buffer must be at least 1mb, got {self.read_buffer_bytes} bytes; "
+                "an object read from disk is staged in it whole"
+            )
+
+    def native_env(self) -> dict[str, str]:
+        """The ``MOONCAKE_OFFLOAD_*`` variables Mooncake reads at ``setup``."""
+        return {
+            LAYOUT_ENV: BUCKET_LAYOUT,
+            KEYS_PER_BUCKET_ENV: "1",
+            BUCKET_BYTES_ENV: str(self.largest_object_bytes),
+            CAP_ENV: str(self.cap_bytes),
+            EVICTION_ENV: "fifo",
+            HEARTBEAT_ENV: str(HEARTBEAT_S),
+            READ_BUFFER_ENV: str(self.read_buffer_bytes),
+        }
+
+
+def check_cap(cap_bytes: int, largest_object_bytes: int) -> None:
+    """A cap must hold the largest object the process may write; ConfigError names the fix."""
+    if cap_bytes < largest_object_bytes:
+        raise ConfigError(
+            f"the SSD cap ({cap_bytes} bytes) is smaller than one object this process may hold "
+            f"(up to {largest_object_bytes} bytes, its DRAM segment): such an object could never "
+            f"be written; give --ssd-size at least {largest_object_bytes} bytes (several times "
+            "the segment, or the tier holds less than DRAM)"
+        )
+
+
+def default_cap_bytes(directory: str) -> int:
+    """Mooncake's own default for the bucket layout: 90% of the disk holding ``directory``."""
+    stats = os.statvfs(directory)
+    return int(stats.f_blocks * stats.f_frsize * DEFAULT_CAP_SHARE)
+
+
+def free_bytes(directory: str) -> int:
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def check_root(path: str, flag: str = "--ssd-dir") -> str:
+    """The absolute path of an existing, writable, real directory; ConfigError otherwise.
+
+    The root is never created: a mistyped path must not put the cache on the
+    wrong disk."""
+    root = os.path.abspath(path)
+    if os.path.islink(root):
+        raise ConfigError(
+            f"{flag} {path!r} is a symbolic link, which Mooncake refuses; pass the directory it "
+            f"points to ({os.path.realpath(root)!r})"
+        )
+    if not os.path.exists(root):
+        raise ConfigError(
+            f"{flag} {path!r} does not exist; create it on the SSD first (mkdir -p {root}); it "
+            "is never created for you, so a typo cannot put the cache on the wrong disk"
+        )
+    if not os.path.isdir(root):
+        raise ConfigError(f"{flag} {path!r} is not a directory; pass a directory on the SSD")
+    _check_writable(root, flag, path)
+    return root
+
+
+def _check_writable(directory: str, flag: str, shown: str) -> None:
+    # A probe file rather than os.access: root passes access() on read-only mounts.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mooncake-span-probe-", dir=directory)
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {shown!r} is not writable by this process ({exc.strerror}); fix its owner "
+            f"or mode (e.g. chown $(id -u) {directory}), or pick a writable directory"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def process_dir(root: str, name: str, flag: str = "--ssd-dir") -> str:
+    """``root/name``, created if missing; refused when it is a symlink or not a directory."""
+    if not name or name in (".", "..") or "/" in name or name.startswith("."):
+        raise ConfigError(
+            f"{name!r} cannot name a sub-directory of {flag}: use letters, digits, '-' or '_'"
+        )
+    directory = os.path.join(root, name)
+    if os.path.islink(directory):
+        raise ConfigError(
+            f"{directory!r} is a symbolic link, which Mooncake refuses; replace it with the "
+            "directory it points to"
+        )
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ConfigError(f"{directory!r} exists and is not a directory; move it away")
+    try:
+        os.makedirs(directory, mode=0o750, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create {directory!r}: {exc.strerror}") from None
+    _check_writable(directory, flag, directory)
+    return directory
+
+
+def layout_problems(environ: Mapping[str, str], largest_object_bytes: int | None) -> list[str]:
+    """What in these ``MOONCAKE_OFFLOAD_*`` settings keeps objects off the disk, or the cap
+    unenforced, each with its fix (an empty list: every object is persisted)."""
+    layout = environ.get(LAYOUT_ENV, BUCKET_LAYOUT)
+    if layout == "file_per_key_storage_backend":
+        return [
+            f"{LAYOUT_ENV}={layout} does not enforce its disk cap (Mooncake 0.3.13.post1 wrote "
+            f"393 MB under a 128 MB cap); unset it: the bucket layout with one key per bucket "
+            "enforces the cap"
+        ]
+    if layout != BUCKET_LAYOUT:
+        return [f"{LAYOUT_ENV}={layout} is not a layout mooncake-span has measured; unset it"]
+    problems = []
+    keys = _int(environ.get(KEYS_PER_BUCKET_ENV), _MOONCAKE_KEYS_PER_BUCKET)
+    if keys != 1:
+        problems.append(
+            f"{KEYS_PER_BUCKET_ENV}={keys}: a bucket that is not full at a heartbeat is reported "
+            "failed and never written (Mooncake #3006; with the defaults nothing reached disk); "
+            f"set {KEYS_PER_BUCKET_ENV}=1"
+        )
+    bucket_bytes = _int(environ.get(BUCKET_BYTES_ENV), 256 << 20)
+    if largest_object_bytes and bucket_bytes < largest_object_bytes:
+        problems.append(
+            f"{BUCKET_BYTES_ENV}={bucket_bytes} is below the largest object this process may "
+            f"hold ({largest_object_bytes} bytes), and larger objects are never written; set it "
+            f"to at least {largest_object_bytes}"
+        )
+    return problems
+
+
+def _int(text: str | None, default: int) -> int:
+    try:
+        return int(text) if text else default
+    except ValueError:
+        return default
+
+
+class DirLock:
+    """An exclusive ``flock`` on ``<root>/.<name>.lock``, held while a process uses ``root/name``.
+
+    The file holds a small JSON record: who holds the directory, its segment
+    name once set up, and whether it stopped cleanly. Acquiring it returns the
+    previous record, which tells a restart whether its predecessor crashed."""
+
+    def __init__(self, root: str, name: str) -> None:
+        self.path = os.path.join(root, f".{name}.lock")
+        self._fd: int | None = None
+        self._record: dict[str, Any] = {}
+
+    def acquire(self, what: str) -> dict[str, Any]:
+        """Lock; the previous owner's record ({} if none). ConfigError when another
+        running process holds it."""
+        fd = self._lock(what)
+        self._fd = fd
+        previous = _read_record(fd)
+        self.update(pid=os.getpid(), state="starting", segment=None, started=time.time())
+        return previous
+
+    def check_free(self, what: str) -> None:
+        """ConfigError if a running process holds the lock; changes nothing."""
+        fd = self._lock(what)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+    def _lock(self, what: str) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_record(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"{what} is in use by another running process (pid {holder.get('pid', '?')}, "
+                f"segment {holder.get('segment') or '?'}); give this one another directory or "
+                f"--node-name, or stop that process first"
+            ) from None
+        return fd
+
+    def update(self, **fields: Any) -> None:
+        """Rewrite the record with these fields changed (only while locked)."""
+        if self._fd is None:
+            return
+        self._record.update(fields)
+        data = json.dumps(self._record, sort_keys=True).encode()
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, data)
+        os.fsync(self._fd)
+
+    def release(self, state: str = "stopped") -> None:
+        if self._fd is None:
+            return
+        self.update(state=state)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _read_record(fd: int) -> dict[str, Any]:
+    os.lseek(fd, 0, os.SEEK_SET)
+    try:
+        record = json.loads(os.read(fd, 1 << 16) or b"{}")
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def crashed(previous: Mapping[str, Any]) -> bool:
+    """Whether the previous owner of a directory stopped without releasing its disk
+    segment (a crash, or an unmount the master did not confirm)."""
+    return bool(previous) and previous.get("state") != "stopped"
+
+
+def wait_for_owner_expiry(
+    previous: Mapping[str, Any],
+    client_ttl_s: float,
+    list_segments: Callable[[], list[str] | None] | None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> float:
+    """After a crash, wait until the master no longer lists the dead owner's segment
+    (at most ``client_ttl_s`` plus a margin); without a segment list, wait the whole
+    bound. Returns the seconds waited."""
+    started = clock()
+    bound_s = client_ttl_s + EXPIRY_MARGIN_S
+    segment = previous.get("segment")
+    if list_segments is None or not segment:
+        sleep(bound_s)
+        return clock() - started
+    while clock() - started < bound_s:
+        listed = list_segments()
+        if listed is not None and segment not in listed:
+            return clock() - started
+        sleep(_EXPIRY_POLL_S)
+    return clock() - started
+
+
+def open_serving_tier(
+    directory: str,
+    largest_object_bytes: int,
+    environ: MutableMapping[str, str],
+    list_segments: Callable[[], list[str] | None] | None,
+    client_ttl_s: float = 10.0,
+) -> DirLock:
+    """A serving rank's own tier (sglang's ``enable_ssd_offload``): the same checks,
+    lock, wait after a crash and settings as a storage node's. Settings the
+    operator exported win over ours, unless they would keep objects off the
+    disk. Returns the held lock.
+
+    Raises:
+        ConfigError: a bad directory, one in use, or settings that persist nothing.
+    """
+    parent, name = os.path.split(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)  # as sglang's MooncakeStore does
+    check_root(parent, "ssd_offload_path")
+    process_dir(parent, name, "ssd_offload_path")
+    largest = largest_object_bytes or 256 << 20  # a pure reader offloads nothing of its own
+    tier = SsdTier(
+        directory=os.path.join(parent, name),
+        cap_bytes=_int(environ.get(CAP_ENV), 0) or default_cap_bytes(parent),
+        largest_object_bytes=largest,
+    )
+    for env_name, value in tier.native_env().items():
+        environ.setdefault(env_name, value)
+    problems = layout_problems(environ, largest)
+    if problems:
+        raise ConfigError("enable_ssd_offload would persist nothing: " + "; ".join(problems))
+    lock = DirLock(parent, name)
+    previous = lock.acquire(tier.directory)
+    if crashed(previous):
+        logger.warning(
+            "mooncake-span: the previous owner of %s (pid %s) did not stop cleanly; waiting for "
+            "the master to drop it (at most %.0f s)",
+            tier.directory,
+            previous.get("pid"),
+            client_ttl_s + EXPIRY_MARGIN_S,
+        )
+        wait_for_owner_expiry(previous, client_ttl_s, list_segments)
+    return lock

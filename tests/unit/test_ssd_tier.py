@@ -1,0 +1,277 @@
+"""The SSD tier's settings and checks at start, without a cluster.
+
+Every bad input is refused with the fix in the message, before the native
+client starts, and nothing already in the directory is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mooncake_span.errors import ConfigError
+from mooncake_span.mooncake_settings import MooncakeSettings
+from mooncake_span.ops import doctor_ssd
+from mooncake_span.ops.doctor_host import FAIL, PASS, SKIP, Context
+from mooncake_span.store import ssd_tier
+from tests.span_helpers import FakeClock
+
+MIB = 1 << 20
+# Not writable even for root: os.access says yes, creating a file says no.
+READ_ONLY_DIR = "/sys/kernel"
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+# ---- the native settings ------------------------------------------------------------
+
+
+def test_the_tier_persists_every_object_up_to_the_segment_under_a_fifo_cap(tmp_path):
+    tier = ssd_tier.SsdTier(str(tmp_path), cap_bytes=64 * MIB, largest_object_bytes=16 * MIB)
+    env = tier.native_env()
+    assert env == {
+        ssd_tier.LAYOUT_ENV: "bucket_storage_backend",
+        ssd_tier.KEYS_PER_BUCKET_ENV: "1",
+        ssd_tier.BUCKET_BYTES_ENV: str(16 * MIB),
+        ssd_tier.CAP_ENV: str(64 * MIB),
+        ssd_tier.EVICTION_ENV: "fifo",
+        ssd_tier.HEARTBEAT_ENV: "1",
+        ssd_tier.READ_BUFFER_ENV: str(ssd_tier.DEFAULT_READ_BUFFER_BYTES),
+    }
+    assert ssd_tier.layout_problems(env, 16 * MIB) == []
+
+
+@pytest.mark.parametrize(
+    ("env", "fix"),
+    [
+        ({}, "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT=1"),  # Mooncake's defaults: nothing reaches disk
+        ({"MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "4"}, "MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT=1"),
+        (
+            {"MOONCAKE_OFFLOAD_BUCKET_KEYS_LIMIT": "1", ssd_tier.BUCKET_BYTES_ENV: str(MIB)},
+            f"at least {16 * MIB}",
+        ),
+        ({ssd_tier.LAYOUT_ENV: "file_per_key_storage_backend"}, "does not enforce its disk cap"),
+        ({ssd_tier.LAYOUT_ENV: "nvme_kv_storage_backend"}, "unset it"),
+    ],
+)
+def test_layouts_that_keep_objects_off_the_disk_are_named(env, fix):
+    problems = ssd_tier.layout_problems(env, 16 * MIB)
+    assert problems and fix in " ".join(problems)
+
+
+def test_a_cap_below_one_object_is_refused():
+    with pytest.raises(ConfigError, match="at least 16777216 bytes"):
+        ssd_tier.check_cap(MIB, 16 * MIB)
+    ssd_tier.check_cap(16 * MIB, 16 * MIB)
+
+
+# ---- the directory -------------------------------------------------------------------
+
+
+def test_bad_directories_are_refused_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist; create it .*mkdir -p"):
+        ssd_tier.check_root(str(tmp_path / "missing"))
+    assert not (tmp_path / "missing").exists()  # never created for the operator
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(ConfigError, match="symbolic link.*pass the directory it points to"):
+        ssd_tier.check_root(str(tmp_path / "link"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        ssd_tier.check_root(str(tmp_path / "file"))
+    if os.path.isdir(READ_ONLY_DIR):
+        with pytest.raises(ConfigError, match="not writable.*chown"):
+            ssd_tier.check_root(READ_ONLY_DIR)
+    assert ssd_tier.check_root(str(tmp_path / "real")) == str(tmp_path / "real")
+    assert os.listdir(tmp_path / "real") == []  # the write probe leaves nothing behind
+
+
+def test_a_node_directory_that_is_a_symlink_is_refused(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "node0").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        ssd_tier.process_dir(str(tmp_path), "node0")
+    with pytest.raises(ConfigError, match="cannot name a sub-directory"):
+        ssd_tier.process_dir(str(tmp_path), "../up")
+    assert ssd_tier.process_dir(str(tmp_path), "node1") == str(tmp_path / "node1")
+
+
+def test_a_directory_in_use_is_refused_and_a_crash_is_remembered(tmp_path):
+    first = ssd_tier.DirLock(str(tmp_path), "node0")
+    assert first.acquire("node0") == {}
+    first.update(state="running", segment="127.0.0.1:12345")
+    with pytest.raises(
+        ConfigError, match=r"in use by another running process \(pid \d+, segment 127.0.0.1:12345\)"
+    ):
+        ssd_tier.DirLock(str(tmp_path), "node0").acquire("node0")
+    with pytest.raises(ConfigError, match="--node-name"):
+        ssd_tier.DirLock(str(tmp_path), "node0").check_free("node0")
+    ssd_tier.DirLock(str(tmp_path), "node1").check_free("node1")  # another name: free
+    # A crash: the lock goes with the process, the record stays "running".
+    os.close(first._fd)
+    first._fd = None
+    again = ssd_tier.DirLock(str(tmp_path), "node0")
+    previous = again.acquire("node0")
+    assert previous["segment"] == "127.0.0.1:12345" and ssd_tier.crashed(previous)
+    again.release()
+    assert not ssd_tier.crashed(ssd_tier.DirLock(str(tmp_path), "node0").acquire("node0"))
+
+
+def test_a_restart_after_a_crash_waits_until_the_master_drops_the_old_owner():
+    clock = FakeClock()
+    listed = iter([["a:1", "old:1"], ["a:1", "old:1"], None, ["a:1"]])
+    waited = ssd_tier.wait_for_owner_expiry(
+        {"segment": "old:1"}, 10, lambda: next(listed), sleep=clock.advance, clock=clock
+    )
+    assert waited == pytest.approx(1.5)
+    # A new master never knew the old owner: no wait.
+    assert (
+        ssd_tier.wait_for_owner_expiry(
+            {"segment": "old:1"}, 10, lambda: ["a:1"], sleep=clock.advance, clock=clock
+        )
+        == 0
+    )
+    # Without the segment list, the whole client TTL (plus the margin).
+    waited = ssd_tier.wait_for_owner_expiry(
+        {"segment": "old:1"}, 10, None, sleep=clock.advance, clock=clock
+    )
+    assert waited == pytest.approx(10 + ssd_tier.EXPIRY_MARGIN_S)
+    # Bounded even if the master keeps listing it.
+    waited = ssd_tier.wait_for_owner_expiry(
+        {"segment": "old:1"}, 3, lambda: ["old:1"], sleep=clock.advance, clock=clock
+    )
+    assert waited < 3 + ssd_tier.EXPIRY_MARGIN_S + 1
+
+
+# ---- a serving rank with sglang's enable_ssd_offload ---------------------------------
+
+
+def test_a_serving_rank_gets_the_same_settings_but_the_operators_win(tmp_path):
+    env = {ssd_tier.READ_BUFFER_ENV: str(64 * MIB), ssd_tier.CAP_ENV: str(256 * MIB)}
+    lock = ssd_tier.open_serving_tier(str(tmp_path / "ssd" / "rank_0_0_0_0"), 16 * MIB, env, None)
+    try:
+        assert env[ssd_tier.KEYS_PER_BUCKET_ENV] == "1"
+        assert env[ssd_tier.READ_BUFFER_ENV] == str(64 * MIB)
+        assert env[ssd_tier.CAP_ENV] == str(256 * MIB)
+        assert (tmp_path / "ssd" / "rank_0_0_0_0").is_dir()
+        with pytest.raises(ConfigError, match="in use"):
+            ssd_tier.open_serving_tier(str(tmp_path / "ssd" / "rank_0_0_0_0"), 16 * MIB, {}, None)
+    finally:
+        lock.release()
+    with pytest.raises(ConfigError, match="persist nothing.*KEYS_LIMIT=1"):
+        ssd_tier.open_serving_tier(
+            str(tmp_path / "ssd" / "rank_0_1_0_0"),
+            16 * MIB,
+            {ssd_tier.KEYS_PER_BUCKET_ENV: "500"},
+            None,
+        )
+
+
+# ---- the storage node's flags --------------------------------------------------------
+
+
+def _node(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "mooncake_span.storage_node", "--master=127.0.0.1:1"]
+    return subprocess.run(
+        [*argv, "--segment-bytes=16mb", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "args", "message"),
+    [
+        (lambda d: d / "missing", [], "does not exist; create it"),
+        (lambda d: d / "link", [], "symbolic link"),
+        (lambda d: Path(READ_ONLY_DIR), [], "not writable"),
+        (lambda d: d / "ssd", ["--ssd-size=1mb"], "smaller than one object"),
+        (lambda d: d / "ssd", ["--node-name=../x"], "cannot name a sub-directory"),
+        (lambda d: d / "ssd", ["--ssd-read-buffer=4kb"], "at least 1mb"),
+    ],
+)
+def test_storage_node_refuses_bad_ssd_input_before_starting(tmp_path, make, args, message):
+    (tmp_path / "ssd" / "node0").mkdir(parents=True)
+    (tmp_path / "ssd" / "node0" / "bucket-1.bin").write_bytes(b"cached")
+    (tmp_path / "link").symlink_to(tmp_path / "ssd")
+    before = _tree(tmp_path / "ssd")
+    result = _node(f"--ssd-dir={make(tmp_path)}", "--node-name=node0", *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert _tree(tmp_path / "ssd") == before  # nothing on disk deleted or rewritten
+
+
+def test_storage_node_refuses_a_directory_another_node_runs_on(tmp_path):
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / "bucket-1.bin").write_bytes(b"cached")
+    holder = ssd_tier.DirLock(str(tmp_path), "node0")
+    holder.acquire("node0")
+    try:
+        result = _node(f"--ssd-dir={tmp_path}", "--node-name=node0")
+    finally:
+        holder.release()
+    assert result.returncode == 2
+    assert "in use by another running process" in result.stderr
+    assert (tmp_path / "node0" / "bucket-1.bin").read_bytes() == b"cached"
+
+
+def test_ssd_flags_need_the_directory():
+    result = _node("--ssd-size=1gb")
+    assert result.returncode == 2 and "--ssd-size needs --ssd-dir" in result.stderr
+
+
+# ---- doctor ------------------------------------------------------------------------------
+
+
+def _ctx(ssd_dir: str | None = None, **settings) -> Context:
+    base = dict(
+        master_server_address="127.0.0.1:50051",
+        metadata_server="http://127.0.0.1:8080/metadata",
+        local_hostname="127.0.0.1",
+        protocol="tcp",
+        global_segment_size_bytes=0,
+    )
+    return Context(settings=MooncakeSettings(**{**base, **settings}), ssd_dir=ssd_dir)
+
+
+def test_doctor_skips_without_an_ssd_tier():
+    assert [c.status for c in doctor_ssd.check_ssd(_ctx())] == [SKIP]
+
+
+def test_doctor_fails_offload_on_a_rank_without_a_segment(tmp_path):
+    (check,) = doctor_ssd.check_ssd(
+        _ctx(enable_ssd_offload=True, ssd_offload_path=str(tmp_path / "rank_0_0_0_0"))
+    )
+    assert check.status == FAIL and "persists nothing" in check.detail
+    assert "--ssd-dir" in check.fix
+
+
+def test_doctor_fails_a_layout_that_persists_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(ssd_tier.KEYS_PER_BUCKET_ENV, "500")
+    ctx = _ctx(
+        enable_ssd_offload=True,
+        ssd_offload_path=str(tmp_path / "rank_0_0_0_0"),
+        global_segment_size_bytes=64 * MIB,
+    )
+    (check,) = doctor_ssd.check_ssd(ctx)
+    assert check.status == FAIL and "persist nothing" in check.detail
+    assert check.fix == f"set {ssd_tier.KEYS_PER_BUCKET_ENV}=1"
+    monkeypatch.delenv(ssd_tier.KEYS_PER_BUCKET_ENV)
+    assert [c.status for c in doctor_ssd.check_ssd(ctx)] == [PASS]
+
+
+def test_doctor_checks_a_storage_nodes_directory(tmp_path):
+    assert [c.status for c in doctor_ssd.check_ssd(_ctx(str(tmp_path)))] == [PASS]
+    (check,) = doctor_ssd.check_ssd(_ctx(str(tmp_path / "missing")))
+    assert check.status == FAIL and "mkdir -p" in check.detail
+
+
+def test_doctor_names_the_master_flag_when_the_master_refuses_offload():
+    check = doctor_ssd.master_check({"setup_rc": -1300, "error": "setup returned -1300"})
+    assert check.status == FAIL and "--enable_offload=true" in check.fix
+    assert doctor_ssd.master_check({"setup_rc": 0}).status == PASS
+    assert doctor_ssd.master_check({"error": "no answer"}).status == SKIP
