@@ -325,8 +325,12 @@ class MooncakeClient:
                 segment,
             )
             codes += self._put_call(keys[call.start : call.stop], batch.part(call), config)
-        if segment and codes and all(is_transfer_failure(c) for c in codes):
-            self._mark_bad([segment], "batch_put_from_multi_buffers")
+        # Mooncake moves a put off a full preferred segment, onto any listed one, a
+        # dead one included: while a segment is known bad, a put's transfer failure
+        # does not convict the segment it preferred (reads locate their culprit).
+        if segment and codes and all(map(is_transfer_failure, codes)):
+            if not self.router.bad_segments():
+                self._mark_bad([segment], "batch_put_from_multi_buffers")
         return codes
 
     def _put_call(self, keys: list[str], batch: PlanBatch, config: Any) -> list[int]:

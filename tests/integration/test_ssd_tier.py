@@ -100,6 +100,8 @@ class Keys:
             **cluster.client_config(),
             "storage_page_size": PAGE * PAGES_PER_KEY,
             "span_domain_bad_ttl_s": DOMAIN_BAD_TTL_S,
+            # A key a failed read marked lost is a miss for this long, restart or not.
+            "span_lost_key_ttl_s": DOMAIN_BAD_TTL_S,
             "span_transfer_timeout_s": TRANSFER_TIMEOUT_S,
         }
         self.store = self._backend(config, namespace)
