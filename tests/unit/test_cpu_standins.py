@@ -91,7 +91,7 @@ from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods
 
 from mooncake_span.testing import pools  # noqa: E402
 from mooncake_span.testing.cpu_server import SITE_DIR as PACKAGE_SITE_DIR  # noqa: E402
-from mooncake_span.testing.cpu_server import standins  # noqa: E402
+from mooncake_span.testing.cpu_server import glm5_standins, standins  # noqa: E402
 from mooncake_span.testing.sglang_cpu import _host_budget  # noqa: E402
 
 DIRECT_LAYOUTS = ("layer_first", "page_first_direct")
@@ -420,7 +420,7 @@ def test_copy_all_layer_kv_cache_through_sglang_move(monkeypatch):
 # the sgl_kernel module
 
 
-def test_sgl_kernel_module_serves_two_ops_and_names_the_rest():
+def test_sgl_kernel_module_serves_its_ops_and_names_the_rest():
     module = standins.make_sgl_kernel_module()
     assert module.__name__ == "sgl_kernel"
     assert module.assign_req_to_token_pool_cpu is standins.assign_req_to_token_pool_cpu
@@ -429,10 +429,16 @@ def test_sgl_kernel_module_serves_two_ops_and_names_the_rest():
     assert op.__name__ == "fused_add_rmsnorm"
     with pytest.raises(NotImplementedError, match=r"sgl_kernel\.fused_add_rmsnorm has no CPU"):
         op(torch.zeros(1), weight=None)
-    for dunder in ("__path__", "__file__", "__wrapped__", "__all__"):
+    for dunder in ("__file__", "__wrapped__", "__all__"):
         with pytest.raises(AttributeError):
             getattr(module, dunder)
-    assert not hasattr(module, "__path__")
+    # a package (KDA's backend imports sgl_kernel.mamba), with no files behind it
+    assert module.__path__ == []
+    mamba = standins.make_sgl_kernel_module("sgl_kernel.mamba")
+    assert mamba.causal_conv1d_update_cpu is glm5_standins.causal_conv1d_update
+    assert not hasattr(mamba, "__path__")
+    with pytest.raises(NotImplementedError, match=r"sgl_kernel\.causal_conv1d_fn_cpu has no CPU"):
+        mamba.causal_conv1d_fn_cpu()
 
 
 def test_sgl_kernel_imports_through_the_finder(monkeypatch):
@@ -445,13 +451,16 @@ def test_sgl_kernel_imports_through_the_finder(monkeypatch):
     try:
         import sgl_kernel
         from sgl_kernel import some_other_op
+        from sgl_kernel.mamba import causal_conv1d_update_cpu
 
         assert sgl_kernel.assign_req_to_token_pool_cpu is standins.assign_req_to_token_pool_cpu
         assert sgl_kernel.__spec__.loader is finder
+        assert causal_conv1d_update_cpu is glm5_standins.causal_conv1d_update
         with pytest.raises(NotImplementedError, match=r"sgl_kernel\.some_other_op"):
             some_other_op()
     finally:
         sys.modules.pop("sgl_kernel", None)
+        sys.modules.pop("sgl_kernel.mamba", None)
 
 
 # ---------------------------------------------------------------------------
