@@ -296,7 +296,10 @@ def _register_serve_demo(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     demo.add_argument(
-        "--model", choices=("llama", "deepseek_v2"), default="llama", help="MHA or MLA model"
+        "--model",
+        choices=("llama", "deepseek_v2", "glm5_next"),
+        default="llama",
+        help="MHA, MLA, or GLM-5.3-Flash (MLA KV + DSA indexer + KDA state, 256-token pages)",
     )
     demo.add_argument(
         "--layout",

@@ -476,3 +476,70 @@ def test_tracked_rows_copy_every_layer_and_skip_freed_slots():
         single, state, torch.tensor([0]), torch.tensor([True]), torch.tensor([2]), batch_size=1
     )
     assert torch.equal(single[2], single[0]) and torch.equal(state[2], state[0])
+
+
+# ---------------------------------------------------------------------------
+# the indexer's selection and the sparse attention it drives
+
+
+def _reference_selection(indexer, x, q_resid, keys):
+    """transformers' indexer, its pooled keys replaced by ``keys`` (what the pool holds,
+    un-rotated): the tokens each query attends to, and every pool's score."""
+    pools = keys.shape[0]
+    indices = (torch.arange(pools)[:, None] * 4 + torch.arange(4))[None]
+    valid = torch.ones(1, pools, dtype=torch.bool)
+    indexer.get_pooled_states = lambda packed_states: (keys[None], indices, valid)
+    tokens = x.shape[1]
+    with torch.no_grad():
+        selected = indexer(x, q_resid, torch.ones(1, tokens, dtype=torch.bool), None)[0]
+        q = indexer.wq_b(q_resid).view(1, tokens, -1, 128)
+        scores = torch.relu(torch.matmul(q, keys.T[None, None]) * indexer.softmax_scale)
+        weights = indexer.weights_proj(x) * indexer.n_heads**-0.5
+        pool_scores = torch.matmul(weights[..., None, :], scores)[0, :, 0]
+    return selected, pool_scores
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_selection_matches_the_reference_indexer_on_the_pools_keys(case):
+    """Against the pool's own (fp8) keys, the stand-in picks pools whose scores are the
+    reference's picks (ties may pick either of equal scores) and the same tail tokens."""
+    gen = _rng(case)
+    indexer = _indexer(gen)
+    tokens = int(torch.randint(70, 400, (1,), generator=gen))
+    x, q_resid = torch.randn(1, tokens, 32, generator=gen), torch.randn(1, tokens, 16, generator=gen)
+    with torch.no_grad():
+        keys, scores = _ours_keys_scores(indexer, x[0])
+        ape = indexer.index_kpool_compress_ape.detach()
+    buf, tail_k, tail_score = _pool_buffers(2)
+    token_locs = torch.arange(256, 256 + tokens) if tokens <= 256 else torch.arange(512)
+    dsa.write_request(buf, tail_k, tail_score, 0, 0, keys, scores, token_locs, ape)
+    rotated = dsa.pooled_keys(buf, token_locs, tokens // 4, 4)
+    expect, pool_scores = _reference_selection(indexer, x, q_resid, dsa.unrotate(rotated))
+    with torch.no_grad():
+        q = indexer.wq_b(q_resid[0]).view(tokens, 2, 128) @ dsa.hadamard_matrix()
+        w = indexer.weights_proj(x[0]) * 2**-0.5 * indexer.softmax_scale
+    ours = dsa.select_tokens(q, w, rotated, torch.arange(tokens), 64, 4)
+    assert ours.shape == expect.shape == (tokens, 64 + 3)
+    for t in range(tokens):
+        mine, theirs = ours[t][ours[t] >= 0], expect[t][expect[t] >= 0]
+        mine_pools = sorted({int(p) // 4 for p in mine if p < (t + 1) // 4 * 4})
+        their_pools = sorted({int(p) // 4 for p in theirs if p < (t + 1) // 4 * 4})
+        torch.testing.assert_close(
+            pool_scores[t, mine_pools].sort().values, pool_scores[t, their_pools].sort().values,
+            atol=1e-5, rtol=1e-5,
+        )
+        assert sorted(int(p) for p in mine if p >= (t + 1) // 4 * 4) == sorted(
+            int(p) for p in theirs if p >= (t + 1) // 4 * 4
+        )
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_sparse_mask_matches_the_reference_mask(case):
+    gen = _rng(case)
+    tokens = int(torch.randint(10, 200, (1,), generator=gen))
+    selected = torch.randint(-1, tokens, (tokens, 19), generator=gen).to(torch.int32)
+    config = Glm5NextTextConfig(q_lora_rank=16, qk_rope_head_dim=0)
+    attention = ref.Glm5NextTextAttention(config, layer_idx=0)
+    attention.config._attn_implementation = "sdpa"
+    expect = attention.build_attention_mask_from_topk(selected[None], torch.zeros(1), tokens)
+    assert torch.equal(dsa.attention_mask(selected, tokens), expect[0, 0])

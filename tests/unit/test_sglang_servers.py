@@ -18,6 +18,7 @@ from mooncake_span.lab.sglang_servers import (
     server_argv,
     server_env,
 )
+from mooncake_span.lab.oracle import PoolReads
 from mooncake_span.ops.serve_demo import ServeDemoConfig, ServeDemoReport
 from mooncake_span.testing.cpu_server import SITE_DIR
 from mooncake_span.testing.cpu_server.models import TinyModelSpec, prompt_text
@@ -149,9 +150,21 @@ def test_serve_demo_config_and_verdict():
     with pytest.raises(ValueError, match="architecture"):
         ServeDemoConfig(architecture="mamba")
 
-    def done(ids, storage):
-        return Completion(ids, 640, storage, storage, 0.1, {})
+    with pytest.raises(ValueError, match="at least 1280"):
+        ServeDemoConfig(architecture="glm5_next", prompt_tokens=1024)
+    glm = ServeDemoConfig(architecture="glm5_next")
+    assert (glm.page_tokens, glm.pools) == (256, ("kv", "indexer", "mamba"))
 
-    assert ServeDemoReport(done((1, 2), 0), done((1, 2), 576), 1.0).ok
-    assert not ServeDemoReport(done((1, 2), 0), done((1, 3), 576), 1.0).ok
-    assert not ServeDemoReport(done((1, 2), 0), done((1, 2), 0), 1.0).ok
+    def done(ids, storage, shift=0.0):
+        top = tuple(((t, -1.0 + shift), (t + 1, -2.0)) for t in ids)
+        return Completion(ids, 640, storage, storage, 0.1, {}, top)
+
+    read = {"kv": PoolReads(9, 100), "indexer": PoolReads(9, 50), "mamba": PoolReads(1, 9)}
+    assert ServeDemoReport(done((1, 2), 0), done((1, 2), 576), 1.0, read).ok
+    assert not ServeDemoReport(done((1, 2), 0), done((1, 3), 576), 1.0, read).ok
+    assert not ServeDemoReport(done((1, 2), 0), done((1, 2), 0), 1.0, read).ok
+    # the same tokens from a context whose logprobs moved: the oracle says no
+    assert not ServeDemoReport(done((1, 2), 0), done((1, 2), 576, 0.01), 1.0, read).ok
+    # one pool never read
+    unread = {**read, "mamba": PoolReads(0, 0)}
+    assert not ServeDemoReport(done((1, 2), 0), done((1, 2), 576), 1.0, unread).ok

@@ -168,3 +168,65 @@ def _token(
     if pos >= first_pos:
         return new[pos - first_pos].float()
     return ring[req, pos % size].float()
+
+
+# ---------------------------------------------------------------------------
+# selection: which tokens a query attends to
+
+
+def pooled_keys(
+    buf: torch.Tensor, token_locs: torch.Tensor, n_pools: int, kpool: int
+) -> torch.Tensor:
+    """A request's first ``n_pools`` pooled keys as the pool holds them (rotated,
+    dequantised), [n_pools, D]; ``token_locs`` is its req_to_token row."""
+    if n_pools == 0:
+        return torch.zeros(0, INDEX_HEAD_DIM)
+    rows = rows_per_page(buf)
+    starts = torch.arange(n_pools) * kpool
+    locs = (token_locs[starts].long() // (rows * kpool)) * rows + (starts % (rows * kpool)) // kpool
+    return dequantise(*read_rows(buf, locs))
+
+
+def select_tokens(
+    queries: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    topk: int,
+    kpool: int,
+) -> torch.Tensor:
+    """The token positions each query attends to, [T, topk + kpool - 1], -1 padded.
+
+    ``queries`` [T, heads, D] (rotated like the keys), ``weights`` [T, heads]
+    (the per-head gate, softmax scale included), ``keys`` [P, D] the request's
+    complete pools, ``positions`` [T]. A pool is a candidate when its last
+    token is at or before the query; the ``topk // kpool`` best by
+    ``sum_h weights_h * relu(q_h . k)`` are taken whole, and the query's own
+    pool, while incomplete, is added token by token.
+    """
+    n_pools = keys.shape[0]
+    scores = torch.relu(torch.einsum("thd,pd->thp", queries.float(), keys.float()))
+    scores = torch.einsum("th,thp->tp", weights.float(), scores)
+    pool_end = torch.arange(n_pools) * kpool + kpool - 1
+    visible = pool_end[None, :] <= positions[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    take = min(topk // kpool, n_pools)
+    out = torch.full((queries.shape[0], topk + kpool - 1), -1, dtype=torch.int32)
+    if take:
+        best = scores.topk(take, dim=-1).indices
+        chosen = visible.gather(1, best)
+        tokens = (best[..., None] * kpool + torch.arange(kpool)).flatten(1)
+        tokens = tokens.masked_fill(~chosen.repeat_interleave(kpool, dim=1), -1)
+        out[:, : tokens.shape[1]] = tokens.to(torch.int32)
+    tail_count = (positions + 1) % kpool
+    tail = (positions + 1 - tail_count)[:, None] + torch.arange(kpool - 1)
+    tail = tail.masked_fill(torch.arange(kpool - 1)[None, :] >= tail_count[:, None], -1)
+    out[:, topk:] = tail.to(torch.int32)
+    return out
+
+
+def attention_mask(selected: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """[T, kv_len] bool: True where a query attends (its selected positions)."""
+    mask = torch.zeros(selected.shape[0], kv_len + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(selected < 0, kv_len, selected.long()), True)
+    return mask[:, :kv_len]

@@ -267,8 +267,10 @@ def indexer_forward_native(
     return_indices: bool = True,
     use_cuda_graph: bool = True,
 ) -> Any:
-    """Writes this step's index keys to the pool and selects nothing (``None``): the
-    CPU attention is dense. Keys and gate scores are rounded to bf16, the dtype
+    """Writes this step's index keys to the pool, then selects each query's tokens
+    from the pool (``dsa_index_cpu.select_tokens``): positions in its request,
+    ``[tokens, index_topk + kpool - 1]``, -1 padded, which the sparse attention
+    stand-in below reads. Keys and gate scores are rounded to bf16, the dtype
     sglang's kernels take them in (and keep waiting tokens in)."""
     import torch
     import torch.nn.functional as F
@@ -277,7 +279,7 @@ def indexer_forward_native(
         get_token_to_kv_pool,
     )
 
-    del q_lora, return_indices, use_cuda_graph
+    del use_cuda_graph
     mode = forward_batch.forward_mode
     if mode.is_idle() or not (mode.is_decode() or mode.is_extend()) or x.shape[0] == 0:
         return None
@@ -287,7 +289,8 @@ def indexer_forward_native(
     buf = pool.get_index_k_with_scale_buffer(layer_id)
     tail_k, tail_score = pool.get_compress_tail_buffers(layer_id)
     req_to_token = get_req_to_token_pool().req_to_token
-    for row, first_pos, part in _step_requests(forward_batch, positions):
+    requests = list(_step_requests(forward_batch, positions))
+    for row, first_pos, part in requests:
         dsa_index_cpu.write_request(
             buf,
             tail_k,
@@ -300,11 +303,103 @@ def indexer_forward_native(
             self.index_kpool_compress_ape,
             self.scale_fmt is not None,
         )
-    return None
+    if not return_indices:
+        return None
+    queries = self.wq_b(q_lora)[0].float().view(x.shape[0], self.n_heads, self.head_dim)
+    queries = queries @ dsa_index_cpu.hadamard_matrix(self.head_dim)
+    weights = self.weights_proj(x.float())[0] * self.n_heads**-0.5 * self.softmax_scale
+    selected = []
+    for row, first_pos, part in requests:
+        n_pools = (first_pos + part.stop - part.start) // self.index_kpool
+        pooled = dsa_index_cpu.pooled_keys(buf, req_to_token[row], n_pools, self.index_kpool)
+        selected.append(
+            dsa_index_cpu.select_tokens(
+                queries[part],
+                weights[part],
+                pooled,
+                positions[part].long().cpu(),
+                self.index_topk,
+                self.index_kpool,
+            )
+        )
+    return torch.cat(selected).to(x.device)
 
 
 def patch_indexer_kpool(module: ModuleType) -> None:
     module.IndexerKPool.forward_native = indexer_forward_native
+
+
+# ---------------------------------------------------------------------------
+# DSA attention on torch_native: each query attends to its selected tokens
+
+
+def _sparse_attention(
+    backend: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    layer: Any,
+    forward_batch: Any,
+    save_kv_cache: bool,
+    topk_indices: Any,
+    kv_write_loc: Any,
+) -> Any:
+    """torch_native's attention with each query restricted to the tokens the indexer
+    selected for it (``dsa_index_cpu.attention_mask``), instead of every earlier token."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    pool = backend.token_to_kv_pool
+    if save_kv_cache and k is not None and v is not None:
+        pool.set_kv_buffer(
+            layer, kv_write_loc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v
+        )
+    heads = layer.tp_q_head_num
+    query = q.reshape(-1, heads, layer.qk_head_dim)
+    out = query.new_empty(query.shape[0], heads, layer.v_head_dim)
+    k_cache, v_cache = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    counts = (
+        [1] * forward_batch.batch_size
+        if forward_batch.forward_mode.is_decode_or_idle()
+        else [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    )
+    start = 0
+    for i, count in enumerate(counts):
+        seq_len = int(forward_batch.seq_lens_cpu[i])
+        tokens = req_to_token[forward_batch.req_pool_indices[i], :seq_len]
+        mask = dsa_index_cpu.attention_mask(topk_indices[start : start + count].cpu(), seq_len)
+        keys, values = k_cache[tokens].to(query.dtype), v_cache[tokens].to(query.dtype)
+        out[start : start + count] = scaled_dot_product_attention(
+            query[start : start + count].movedim(0, 1)[None],
+            keys.movedim(0, 1)[None],
+            values.movedim(0, 1)[None],
+            attn_mask=mask[None, None].to(query.device),
+            scale=layer.scaling,
+            enable_gqa=heads != layer.tp_k_head_num,
+        )[0].movedim(0, 1)
+        start += count
+    return out.reshape(-1, heads * layer.v_head_dim)
+
+
+def patch_torch_native_sparse(module: ModuleType) -> None:
+    cls = module.TorchNativeAttnBackend
+    dense_extend, dense_decode = cls.forward_extend, cls.forward_decode
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, topk_indices=None):
+        if topk_indices is None:
+            return dense_extend(self, q, k, v, layer, forward_batch, save_kv_cache)
+        return _sparse_attention(
+            self, q, k, v, layer, forward_batch, save_kv_cache, topk_indices, module.KVWriteLoc
+        )
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, topk_indices=None):
+        if topk_indices is None:
+            return dense_decode(self, q, k, v, layer, forward_batch, save_kv_cache)
+        return _sparse_attention(
+            self, q, k, v, layer, forward_batch, save_kv_cache, topk_indices, module.KVWriteLoc
+        )
+
+    cls.forward_extend, cls.forward_decode = forward_extend, forward_decode
 
 
 # Looked up on torch.ops.sgl_kernel when sglang imports its linear-attention
@@ -336,5 +431,6 @@ PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "sglang.kernels.ops.attention.fla.fused_norm_gate": patch_fused_rms_norm_gated,
     "sglang.kernels.ops.activation.silu_and_mul_clamp": patch_silu_and_mul_clamp,
     "sglang.srt.layers.attention.dsa.dsa_indexer_kpool": patch_indexer_kpool,
+    "sglang.srt.layers.attention.torch_native_backend": patch_torch_native_sparse,
     "sglang.srt.layers.attention.linear.kernels.kda_triton": patch_kda_triton_kernel,
 }

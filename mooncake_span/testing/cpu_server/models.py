@@ -327,6 +327,16 @@ class ServingProfile:
     page_size_tokens: int
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    max_total_tokens: int = 4096
+
+    def server_fields(self, extra_args: tuple[str, ...] = (), env: Any = ()) -> dict[str, Any]:
+        """``ServerOptions`` fields for this model, with a caller's own flags and env added."""
+        return {
+            "page_size_tokens": self.page_size_tokens,
+            "max_total_tokens": self.max_total_tokens,
+            "extra_args": (*self.extra_args, *extra_args),
+            "env": {**dict(self.env), **dict(env)},
+        }
 
 
 # Requests a GLM server keeps Mamba/KDA state for: sglang caps running requests
@@ -339,10 +349,22 @@ def serving_profile(spec: TinyModelSpec) -> ServingProfile:
         return ServingProfile(page_size_tokens=64)
     return ServingProfile(
         page_size_tokens=GLM_PAGE_TOKENS,
-        extra_args=("--max-mamba-cache-size", str(GLM_MAMBA_CACHE_SLOTS)),
+        extra_args=(
+            "--max-mamba-cache-size",
+            str(GLM_MAMBA_CACHE_SLOTS),
+            # A prefill keeps the KDA state only at the end of each chunk (the
+            # last page boundary it reaches): one page per chunk leaves a state
+            # at every page, so any page-aligned prefix is restorable, as
+            # GLM-5.3-Flash's radix cache needs (a prompt prefilled in one
+            # chunk keeps a state only past its last page, which no later
+            # request can restore: sglang always computes the last page).
+            "--chunked-prefill-size",
+            str(GLM_PAGE_TOKENS),
+        ),
         # The KDA conv window in the model's dtype (sglang keeps it in bf16 by
         # default, and the fp32 tiny model's activations would not fit it).
         env=(("SGLANG_MAMBA_CONV_DTYPE", "float32"),),
+        max_total_tokens=8192,
     )
 
 
