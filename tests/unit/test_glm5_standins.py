@@ -506,7 +506,10 @@ def test_selection_matches_the_reference_indexer_on_the_pools_keys(case):
     gen = _rng(case)
     indexer = _indexer(gen)
     tokens = int(torch.randint(70, 400, (1,), generator=gen))
-    x, q_resid = torch.randn(1, tokens, 32, generator=gen), torch.randn(1, tokens, 16, generator=gen)
+    x, q_resid = (
+        torch.randn(1, tokens, 32, generator=gen),
+        torch.randn(1, tokens, 16, generator=gen),
+    )
     with torch.no_grad():
         keys, scores = _ours_keys_scores(indexer, x[0])
         ape = indexer.index_kpool_compress_ape.detach()
@@ -525,8 +528,10 @@ def test_selection_matches_the_reference_indexer_on_the_pools_keys(case):
         mine_pools = sorted({int(p) // 4 for p in mine if p < (t + 1) // 4 * 4})
         their_pools = sorted({int(p) // 4 for p in theirs if p < (t + 1) // 4 * 4})
         torch.testing.assert_close(
-            pool_scores[t, mine_pools].sort().values, pool_scores[t, their_pools].sort().values,
-            atol=1e-5, rtol=1e-5,
+            pool_scores[t, mine_pools].sort().values,
+            pool_scores[t, their_pools].sort().values,
+            atol=1e-5,
+            rtol=1e-5,
         )
         assert sorted(int(p) for p in mine if p >= (t + 1) // 4 * 4) == sorted(
             int(p) for p in theirs if p >= (t + 1) // 4 * 4

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mooncake_span.lab.oracle import PoolReads
 from mooncake_span.lab.sglang_servers import (
     DYNAMIC_BACKEND_KEYS,
     PLUGIN_OPT_IN_ENV,
@@ -18,7 +19,6 @@ from mooncake_span.lab.sglang_servers import (
     server_argv,
     server_env,
 )
-from mooncake_span.lab.oracle import PoolReads
 from mooncake_span.ops.serve_demo import ServeDemoConfig, ServeDemoReport
 from mooncake_span.testing.cpu_server import SITE_DIR
 from mooncake_span.testing.cpu_server.models import TinyModelSpec, prompt_text
