@@ -138,36 +138,27 @@ def write_request(
     kpool, ring = ape.shape[0], tail_k.shape[1]
     rows = rows_per_page(buf, keys.shape[1])
     page_tokens = rows * kpool
-    end_pos = first_pos + keys.shape[0]
-    starts = range(first_pos - first_pos % kpool, end_pos - kpool + 1, kpool)
-    slot_k, slot_score, locs = [], [], []
-    for start in starts:
-        positions = range(start, start + kpool)
-        slot_k.append(
-            torch.stack([_token(keys, tail_k, req, p, first_pos, ring) for p in positions])
+    n = keys.shape[0]
+    pool_start = first_pos - first_pos % kpool
+    # The unfinished pool's earlier tokens wait in the ring (at most kpool - 1 of them).
+    waiting = torch.arange(pool_start, first_pos) % ring
+    all_k = torch.cat([tail_k[req, waiting].float(), keys.float()])
+    all_score = torch.cat([tail_score[req, waiting].float(), scores.float()])
+    n_pools = all_k.shape[0] // kpool
+    if n_pools:
+        take = n_pools * kpool
+        pooled = compress_pools(
+            all_k[:take].view(n_pools, kpool, -1), all_score[:take].view(n_pools, kpool, -1), ape
         )
-        slot_score.append(
-            torch.stack([_token(scores, tail_score, req, p, first_pos, ring) for p in positions])
-        )
-        page = int(token_locs[start]) // page_tokens
-        locs.append(page * rows + (start % page_tokens) // kpool)
-    if locs:
-        pooled = compress_pools(torch.stack(slot_k), torch.stack(slot_score), ape)
-        quantised, scale = rotate_and_quantise(pooled, round_scale)
-        write_rows(buf, torch.tensor(locs, dtype=torch.int64), quantised, scale)
-    for offset in range(max(0, keys.shape[0] - ring), keys.shape[0]):
-        tail_k[req, (first_pos + offset) % ring] = keys[offset].to(tail_k.dtype)
-        tail_score[req, (first_pos + offset) % ring] = scores[offset].to(tail_score.dtype)
-    return len(locs)
-
-
-def _token(
-    new: torch.Tensor, ring: torch.Tensor, req: int, pos: int, first_pos: int, size: int
-) -> torch.Tensor:
-    """Position ``pos``'s row: from this step's tokens, or from the ring if it came earlier."""
-    if pos >= first_pos:
-        return new[pos - first_pos].float()
-    return ring[req, pos % size].float()
+        starts = pool_start + torch.arange(n_pools) * kpool
+        pages = token_locs[starts].long() // page_tokens
+        locs = pages * rows + (starts % page_tokens) // kpool
+        write_rows(buf, locs, *rotate_and_quantise(pooled, round_scale))
+    kept = torch.arange(max(0, n - ring), n)
+    slots = (first_pos + kept) % ring
+    tail_k[req, slots] = keys[kept].to(tail_k.dtype)
+    tail_score[req, slots] = scores[kept].to(tail_score.dtype)
+    return n_pools
 
 
 # ---------------------------------------------------------------------------
