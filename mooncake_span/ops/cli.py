@@ -544,7 +544,8 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--serve-models",
         default=None,
         metavar="LIST",
-        help="--serve: comma list of llama (MHA) and deepseek_v2 (MLA) (default llama)",
+        help="--serve: comma list of llama (MHA), deepseek_v2 (MLA) and glm5_next "
+        "(GLM-5.3-Flash: MLA + DSA indexer + KDA state) (default llama)",
     )
     bench.add_argument(
         "--serve-lengths",
