@@ -43,6 +43,19 @@ import sglang.srt.mem_cache.pool_host.mha as mha
 import sglang.srt.mem_cache.pool_host.mla as mla
 import sglang.srt.models.deepseek_common.attention_backend_handler as h
 import sglang.srt.disaggregation.mooncake.conn as conn
+import os
+from mooncake_span.testing.cpu_server import glm5_standins as g
+import sglang.srt.arg_groups.model_hook
+import sglang.srt.arg_groups.mamba_hook as mamba_hook
+import sglang.srt.mem_cache.pool_host.mamba as pool_mamba
+import sglang.srt.mem_cache.pool_host.dsa as pool_dsa
+import sglang.srt.layers.attention.dsa.dsa_indexer_kpool as kpool
+import sglang.srt.layers.attention.torch_native_backend as tn
+import sglang.srt.layers.attention.linear.kda_backend as kda_backend
+import sglang.srt.layers.attention.linear.kernels.kda_triton as kda_triton
+import sglang.kernels.ops.attention.fla.fused_norm_gate as norm_gate
+import sglang.kernels.ops.activation.silu_and_mul_clamp as clamp
+import sglang.kernels.ops.mamba.mamba_state_scatter_triton as track
 names = %r
 handler = h.AttentionBackendRegistry.get_handler("torch_native")
 print("RESULT " + json.dumps({
@@ -57,6 +70,23 @@ print("RESULT " + json.dumps({
     "sender": conn.MooncakeKVSender.supports_host_tensor_indices,
     # 1e-39 is denormal in fp32: read as zero once denormals are flushed.
     "denormals_flushed": (torch.tensor([1e-39]) * 1.0).item() == 0.0,
+    "glm": [
+        torch.cuda.get_device_capability() == (0, 0),
+        mamba_hook._platform_supports_mamba_cache_extra_buffer(),
+        pool_mamba.MambaPoolHost.__init__.__wrapped__.__qualname__,
+        pool_dsa.DSAIndexerPoolHost.__init__.__wrapped__.__qualname__,
+        [getattr(m, n) is getattr(standins, n) for m in (pool_mamba, pool_dsa) for n in names],
+        kpool.IndexerKPool.forward_native is g.indexer_forward_native,
+        tn.TorchNativeAttnBackend.forward_extend.__module__,
+        kda_backend.causal_conv1d_fn is g.kda_cpu.causal_conv1d_fn,
+        kda_triton.TritonKDAKernel.extend.__module__,
+        norm_gate.FusedRMSNormGated.forward.__module__,
+        clamp.silu_and_mul_clamp is g.silu_and_mul_clamp,
+        track.track_mamba_states_all_layers is g.track_mamba_states_all_layers,
+        [callable(getattr(torch.ops.sgl_kernel, n)) for n in g.GDN_TORCH_OPS],
+        os.environ["SGLANG_OPT_USE_TILELANG_MHC_PRE"],
+        torch.zeros(1).pin_memory().is_pinned(),
+    ],
 }))
 """
 
@@ -641,4 +671,21 @@ def test_install_end_to_end_in_a_fresh_process():
         "handler": ["handle_attention_torch_native", "MLA"],
         "sender": False,
         "denormals_flushed": True,
+        "glm": [
+            True,
+            True,
+            "MambaPoolHost.__init__",
+            "DSAIndexerPoolHost.__init__",
+            [True] * 6,
+            True,
+            "mooncake_span.testing.cpu_server.glm5_standins",
+            True,
+            "mooncake_span.testing.cpu_server.glm5_standins",
+            "mooncake_span.testing.cpu_server.glm5_standins",
+            True,
+            True,
+            [True, True],
+            "0",
+            False,
+        ],
     }
