@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 TORCH_PATH_ENV = {
     "SGLANG_OPT_USE_TILELANG_MHC_PRE": "0",
     "SGLANG_OPT_USE_TILELANG_MHC_POST": "0",
+    # A PD prefill server sends a chunked request's cached prefix early, fenced
+    # by a torch.cuda.Event; without it the prefix goes with the last chunk.
+    "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX": "0",
 }
 
 
