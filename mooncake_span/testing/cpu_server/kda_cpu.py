@@ -22,16 +22,16 @@ with ``q_t`` and ``k_t`` L2-normalised. sglang's state pool stores each head's
 state transposed (V x K); the functions here take and return pool tensors in
 that layout.
 
-The chunked form (what a prefill runs) solves the same recurrence a chunk of
-``CHUNK_TOKENS`` at a time. Within a chunk, with ``G_t`` the running sum of
-``g`` and ``S0`` the state at the chunk start, the updates ``u`` satisfy the
+The chunked form (what a prefill runs) solves the same recurrence a block
+of tokens at a time. Within a block, with ``G_t`` the running sum of ``g`` and
+``S0`` the state at the block start, the updates ``u`` satisfy the
 lower-triangular system::
 
     u_t + beta_t * sum_{s<t} <k_t, exp(G_t - G_s) * k_s> u_s
         = beta_t * (v_t - <exp(G_t) * k_t, S0>)
 
 after which ``o_t = <exp(G_t) * q_t, S0> + sum_{s<=t} <q_t, exp(G_t - G_s) * k_s> u_s``
-and the chunk's final state is ``exp(G_C) * S0 + sum_s (exp(G_C - G_s) * k_s) u_s^T``.
+and the block's final state is ``exp(G_C) * S0 + sum_s (exp(G_C - G_s) * k_s) u_s^T``.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ import torch.nn.functional as F
 # sglang's chunked KDA kernel works in 64-token chunks; the per-chunk states it
 # reports (the radix cache's state snapshots) sit at these boundaries.
 CHUNK_TOKENS = 64
+# What this module solves at once; it divides CHUNK_TOKENS (see chunked_kda).
+BLOCK_TOKENS = 16
 L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
@@ -240,13 +242,19 @@ def chunked_kda(
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk_tokens: int = CHUNK_TOKENS,
+    block_tokens: int = BLOCK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """The recurrence a chunk at a time. Returns the outputs, the final state and the
-    state at the start of every chunk (what sglang's kernel reports as ``h``)."""
+    """The recurrence a block at a time. Returns the outputs, the final state and the
+    state at the start of every ``chunk_tokens`` chunk (what sglang's kernel reports as
+    ``h``). Any block size gives the same result; a block's cost grows with its square,
+    so blocks smaller than sglang's chunks are faster here."""
+    if chunk_tokens % block_tokens:
+        raise ValueError(f"block_tokens {block_tokens} must divide chunk_tokens {chunk_tokens}")
     outs, starts = [], []
-    for first in range(0, q.shape[0], chunk_tokens):
-        part = slice(first, first + chunk_tokens)
-        starts.append(state)
+    for first in range(0, q.shape[0], block_tokens):
+        if first % chunk_tokens == 0:
+            starts.append(state)
+        part = slice(first, first + block_tokens)
         out, state = _chunk(q[part], k[part], v[part], g[part], beta[part], state)
         outs.append(out)
     out = torch.cat(outs) if outs else v.new_zeros(v.shape)
