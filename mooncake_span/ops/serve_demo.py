@@ -198,7 +198,8 @@ def _print_report(report: ServeDemoReport, config: ServeDemoConfig) -> None:
         flush=True,
     )
     read = ", ".join(
-        f"{pool} {r.keys:.0f} keys ({r.bytes:,.0f} B)" for pool, r in report.reads.items()
+        f"{pool} {r.keys:.0f} key{'' if r.keys == 1 else 's'} ({r.bytes:,.0f} B)"
+        for pool, r in report.reads.items()
     )
     print(f"read from L3 per pool: {read}", flush=True)
     print(f"identical greedy output: {'yes' if report.identical else 'NO'}", flush=True)
