@@ -108,11 +108,9 @@ def pool_reads(server) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def glm(tmp_path_factory, recompute_server):
-    from mooncake_span.testing.cpu_server.models import ensure_model
-
+def glm(tmp_path_factory, tiny_model, recompute_server):
     root = tmp_path_factory.mktemp("glm5")
-    model = ensure_model(default_spec(ARCH), root / "models")
+    model = tiny_model(ARCH)
     launched = Launched(root / "logs")
     fault_file = root / "restore-fault.json"
     restore_faults.write_fault(fault_file, None)
