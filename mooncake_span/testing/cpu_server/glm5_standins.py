@@ -2,7 +2,23 @@
 
 Installed beside :mod:`~mooncake_span.testing.cpu_server.standins` (whose
 ``PATCHES`` take these in), in every server process, and only where CUDA is
-absent.
+absent. Two kinds:
+
+- platform gaps, where sglang assumes CUDA on a path a CPU server takes: the
+  DSA start-up's device capability, the Mamba radix cache's platform gate,
+  pinned memory of the Mamba and indexer host pools and of the decode track
+  mask, those pools' direct host/device copies, a stream ``synchronize``,
+  the KDA backend's ``sgl_kernel.mamba`` import and two GDN ``torch.ops``
+  names, a triton copy of tracked states; and sglang's own switches to its
+  torch paths (mHC, PD's early prefix send);
+- compute sglang has only in triton or CUDA, written here from the math:
+  the KDA kernels and norms (:mod:`~mooncake_span.testing.cpu_server.kda_cpu`),
+  the clamped SwiGLU, the compressed indexer's pool writes and top-k selection
+  (:mod:`~mooncake_span.testing.cpu_server.dsa_index_cpu`) and the sparse
+  attention on ``torch_native`` that the selection drives.
+
+``tests/unit/test_glm5_standins.py`` checks the compute against transformers'
+``glm5_next`` reference; ``docs/real-servers.md`` lists each gap.
 """
 
 from __future__ import annotations
