@@ -178,8 +178,9 @@ class MooncakeSettings:
     ssd_offload_path: str | None = None
     # Wait (bounded) before setup until the master lists a segment.
     check_server: bool = False
-    # The master's admin HTTP port (its --metrics_port): segment listing.
-    master_metrics_port: int = DEFAULT_MASTER_METRICS_PORT
+    # The master's admin HTTP port (its --metrics_port): segment listing. None:
+    # not configured (sglang's check_server and the tools then try 9003).
+    master_metrics_port: int | None = None
     source: str = "explicit"
 
     def __post_init__(self) -> None:
@@ -204,7 +205,7 @@ class MooncakeSettings:
             raise ConfigError(f"tenant_id must be a non-blank name, got {self.tenant_id!r}")
         if self.ssd_offload_path is not None and not self.ssd_offload_path:
             raise ConfigError("ssd_offload_path must be a directory path, got ''")
-        if not 0 < self.master_metrics_port < 65536:
+        if self.master_metrics_port is not None and not 0 < self.master_metrics_port < 65536:
             raise ConfigError(
                 f"master_metrics_port must be in 1..65535, got {self.master_metrics_port}"
             )
@@ -222,11 +223,16 @@ class MooncakeSettings:
         return endpoints
 
     def admin_url(self) -> str | None:
-        """The master's admin server on master_metrics_port; None for etcd-discovered masters."""
+        """The master's admin server on master_metrics_port, 9003 when none is configured
+        (as sglang's check_server looks for it); None for etcd-discovered masters."""
         if self.master_server_address.startswith("etcd://"):
             return None
         host = self.master_server_address.rpartition(":")[0]
-        return f"http://{host}:{self.master_metrics_port}"
+        return f"http://{host}:{self.master_metrics_port or DEFAULT_MASTER_METRICS_PORT}"
+
+    def configured_admin_url(self) -> str | None:
+        """``admin_url`` only when master_metrics_port was configured: never a guess."""
+        return None if self.master_metrics_port is None else self.admin_url()
 
 
 def _size(value: Any, key: str) -> int:
@@ -369,10 +375,10 @@ def _settings_from_mapping(
         enable_ssd_offload=ssd,
         ssd_offload_path=ssd_path,
         check_server=parse_sglang_flag(values.get("check_server", False), "check_server", source),
-        master_metrics_port=_port(
-            values.get("master_metrics_port", DEFAULT_MASTER_METRICS_PORT),
-            "master_metrics_port",
-            source,
+        master_metrics_port=(
+            None
+            if values.get("master_metrics_port") is None
+            else _port(values["master_metrics_port"], "master_metrics_port", source)
         ),
         source=source,
     )

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from mooncake_span.lab.sglang_servers import EXTENSIONS_ENV, extensions_dir
 from mooncake_span.ops.cluster import ClusterSpec, ExternalCluster, LocalCluster, find_executable
 
 _MASTER_ENV = "MOONCAKE_SPAN_TEST_MASTER"
@@ -55,6 +56,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # The transfer engine otherwise advertises the first non-loopback
     # interface, which loopback-only clusters cannot reach.
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    # sglang's JIT extensions (the page hash a backend loads at registration)
+    # in this venv's own folder, as the servers the tests start use it: the
+    # shared default is rebuilt whenever another venv loads it.
+    os.environ.setdefault(EXTENSIONS_ENV, extensions_dir())
     # Parse the external-cluster options once, so a bad value stops the run
     # with a usage error instead of erroring every integration test.
     config.stash[_EXTERNAL_KEY] = _external_cluster(config)

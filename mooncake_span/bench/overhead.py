@@ -276,6 +276,8 @@ class _Rig:
             "span_layout_guard": "off",
             "storage_page_size": HOST_PAGE_TOKENS * spec.pages_per_key,
             "span_group_ids": spec.group_ids,
+            # The fake master's segment list (store_for) is read from here.
+            "span_master_admin_url": "http://127.0.0.1:9003",
         }
 
     def store_for(self, spec: ContenderSpec) -> Any:

@@ -3,14 +3,16 @@
 ``mooncake-span bench --serve``. Three arms side by side, all on this host's
 CPU (see ``serve_arms``): ``recompute`` (no L3 backend), ``span`` (this
 project's backend) and ``mooncake`` (sglang's built-in ``MooncakeStore``).
-Three workloads, chosen with ``--serve-workloads``:
+Four workloads, chosen with ``--serve-workloads``:
 
 - ``repeated`` (this module): a writer server answers a long prompt, and a
   reader server that never saw it answers it again;
 - ``multiturn`` (``serve_multiturn``): concurrent conversations whose history
   outgrows host memory;
 - ``pd`` (``serve_pd``): turn 2 of a conversation on a prefill process that
-  never saw turn 1, with decode-side offload.
+  never saw turn 1, with decode-side offload;
+- ``fresh`` (``serve_fresh``, L3 arms only): the first request of a server
+  that has just started, with no warm-up, under sglang's default prefetch policy.
 
 In ``repeated`` each L3 arm has one writer and every arm one reader, all five
 alive together (``--sleep-on-idle``). Each round takes a fresh random prompt:
@@ -44,6 +46,7 @@ from typing import Any
 
 from mooncake_span.bench import serve_arms as A
 from mooncake_span.bench import serve_stats as S
+from mooncake_span.bench.serve_fresh import FreshConfig, check_fresh, format_fresh, run_fresh
 from mooncake_span.bench.serve_multiturn import MultiTurnConfig, format_multiturn, run_multiturn
 from mooncake_span.bench.serve_pd import PdConfig, check_pd, format_pd, run_pd
 from mooncake_span.lab.sglang_servers import SglangServer
@@ -292,7 +295,7 @@ def format_serve(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-WORKLOADS = ("repeated", "multiturn", "pd")
+WORKLOADS = ("repeated", "multiturn", "pd", "fresh")
 
 
 def check_workloads(workloads: Sequence[str]) -> None:
@@ -314,6 +317,8 @@ def disagreements(result: Mapping[str, Any]) -> list[str]:
         bad += [f"multiturn {where}" for where in result["multiturn"]["disagreeing"]]
     if "pd" in result:
         bad += check_pd(result["pd"])
+    if "fresh" in result:
+        bad += check_fresh(result["fresh"])
     return bad
 
 
@@ -323,6 +328,7 @@ def run_workloads(
     multiturn: MultiTurnConfig,
     pd: PdConfig,
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
+    fresh: FreshConfig | None = None,
 ) -> dict[str, Any]:
     """The chosen workloads one after another, each on servers of its own."""
     check_workloads(workloads)
@@ -350,6 +356,7 @@ def run_workloads(
         "repeated": lambda save: run_serve(repeated, save),
         "multiturn": lambda save: run_multiturn(multiturn, save),
         "pd": lambda save: run_pd(pd, save),
+        "fresh": lambda save: run_fresh(fresh or FreshConfig(), save),
     }
     for name in workloads:
         save = progress(name)
@@ -365,6 +372,8 @@ def format_workloads(result: Mapping[str, Any]) -> str:
         parts.append(format_multiturn(result["multiturn"]))
     if "pd" in result:
         parts.append(format_pd(result["pd"]))
+    if "fresh" in result:
+        parts.append(format_fresh(result["fresh"]))
     parts.append("greedy tokens: " + ("all arms agree" if result["agree"] else "DISAGREE"))
     return "\n".join(parts)
 
@@ -465,6 +474,7 @@ def run_serve_command(
         # The conversation workloads run on the first model named.
         multiturn = MultiTurnConfig(model=model_names[0])
         pd = PdConfig(model=model_names[0], rounds=rounds or PdConfig.rounds)
+        fresh = FreshConfig(model=model_names[0], rounds=rounds or FreshConfig.rounds)
         check_workloads(chosen)
     except ValueError as exc:
         print(f"mooncake-span bench --serve: {exc}")
@@ -475,6 +485,7 @@ def run_serve_command(
         multiturn,
         pd,
         (lambda partial: write_json(partial, json_path)) if json_path else None,
+        fresh,
     )
     print(format_workloads(result), flush=True)
     if json_path:

@@ -249,7 +249,11 @@ def _wait_or_relaunch(server: SglangServer, log_dir: Path, stack: ExitStack) -> 
 
 
 def start_servers(servers: dict[Any, SglangServer], log_dir: Path, stack: ExitStack) -> dict:
-    """Start every server at once (each takes ~30 s here) and wait for all of them."""
+    """Start every server at once (each takes ~30 s here), wait for all of them, and warm
+    each up (``SglangServer.warm_up``), so no measured request pays a lazy load."""
     for server in servers.values():
         server.process.start()
-    return {key: _wait_or_relaunch(server, log_dir, stack) for key, server in servers.items()}
+    ready = {key: _wait_or_relaunch(server, log_dir, stack) for key, server in servers.items()}
+    for server in ready.values():
+        server.warm_up()
+    return ready

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_span.ops import launcher as L
+from mooncake_span.ops.master_http import parse_prometheus
 from mooncake_span.testing.cpu_server import SITE_DIR
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,15 @@ DYNAMIC_BACKEND_KEYS = {
 }
 PD_TRANSFER_BACKEND = "mooncake"
 WARM_UP_TOKEN = 1
+# sglang asks L3 only for a remainder of at least this many tokens (its
+# prefetch_threshold default); a warm-up shorter than that never hashes a page
+# for a hit query.
+PREFETCH_THRESHOLD_TOKENS = 256
+# Where sglang's JIT extensions are built for servers of this interpreter
+# (unless the caller sets it): torch's shared default is rebuilt whenever a
+# venv with another sglang path loads it, and a server that meets a rebuild
+# inside a request drops that request's prefetch.
+EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
 # Set in the environment of a server whose `mooncake` name this project serves.
 PLUGIN_OPT_IN_ENV = "MOONCAKE_SPAN_SERVE_MOONCAKE"
 
@@ -184,10 +194,16 @@ def server_env(extra: Mapping[str, str] = (), base: Mapping[str, str] | None = N
             # One core's worth of threads per process keeps several servers from
             # thrashing a small box.
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            EXTENSIONS_ENV: env.get(EXTENSIONS_ENV) or extensions_dir(),
         }
     )
     env.update(extra)
     return env
+
+
+def extensions_dir(prefix: str = sys.prefix) -> str:
+    """The JIT extension folder of the servers this interpreter starts: inside its venv."""
+    return str(Path(prefix) / "torch-extensions")
 
 
 @dataclass(frozen=True)
@@ -395,19 +411,32 @@ class SglangServer(_Served):
         return parse_completion(answer, time.perf_counter() - started)
 
     def warm_up(self) -> None:
-        """Answer one page-long prompt, then drop the caches it filled.
+        """Answer one prompt long enough to be prefetched, then drop the caches it filled.
 
-        A fresh server JIT-loads sglang's page-hash extension (a file lock and a
-        ninja check) at its first full page. Left to the first real request,
-        that load sits inside the prefetch a hit query starts, and under the
-        default ``timeout`` policy (1 s plus 0.25 s per 1,024 tokens) a loaded box
-        drops the prefetch. The prompt is one token repeated, a page nobody else
-        sends; its one key in L3 is the same for every server.
+        sglang loads some of what a restore needs at its first use, its page-hash
+        extension above all (6 s with the extension built, more to build it).
+        Left to the first measured request, that load sits inside the prefetch a
+        hit query starts, and the default ``timeout`` policy (1 s plus 0.25 s per
+        1,024 tokens) drops the prefetch. This backend loads the hash while the
+        server starts; sglang's ``MooncakeStore`` does not, so every server is
+        warmed the same way: a prompt whose remainder reaches a hit query, and
+        whose pages are then backed up. It is one token repeated, pages nobody
+        else sends; its keys in L3 are the same for every server.
         """
         if self.options.disaggregation_mode is not None:
             return  # served only through a router, with its peer
-        self.generate([WARM_UP_TOKEN] * (self.options.page_size_tokens + 1), 1)
+        page = self.options.page_size_tokens
+        self.generate([WARM_UP_TOKEN] * (max(PREFETCH_THRESHOLD_TOKENS, page) + page + 1), 1)
         self.flush_cache()
+
+    def metrics(self) -> dict[str, float]:
+        """The server's ``/metrics`` (with ``--enable-metrics``), summed per family and labels
+        that matter here: ``name`` or ``name{label="value"}`` for each label of a sample."""
+        url = f"{self.url}/metrics"
+        answer = self.place.call(lambda: L.http_get(url, timeout_s=10.0))
+        if answer is None or answer[0] != 200:
+            raise ServerError(f"{self.name}: GET /metrics answered {answer}")
+        return sum_samples(parse_prometheus(answer[1]))
 
     def flush_cache(self, timeout_s: float = 30.0) -> None:
         """Drop the device and host caches, so the next request can only hit L3.
@@ -428,6 +457,15 @@ class SglangServer(_Served):
             if time.monotonic() > deadline:
                 raise ServerError(f"{self.name}: /flush_cache answered {answer}")
             time.sleep(0.2)
+
+
+def sum_samples(samples: Sequence[tuple[str, Mapping[str, str], float]]) -> dict[str, float]:
+    """Samples summed by family name, and by family name with each single label."""
+    sums: dict[str, float] = {}
+    for name, labels, value in samples:
+        for key in (name, *(f'{name}{{{k}="{v}"}}' for k, v in labels.items())):
+            sums[key] = sums.get(key, 0.0) + value
+    return sums
 
 
 def start_together(servers: Sequence[_Served]) -> None:

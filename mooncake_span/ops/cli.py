@@ -537,8 +537,8 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--serve-workloads",
         default=None,
         metavar="LIST",
-        help="--serve: comma list of repeated, multiturn and pd (default all three; "
-        "multiturn and pd use the first of --serve-models)",
+        help="--serve: comma list of repeated, multiturn, pd and fresh (default all four; "
+        "multiturn, pd and fresh use the first of --serve-models)",
     )
     bench.add_argument(
         "--serve-models",

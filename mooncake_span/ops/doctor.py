@@ -443,7 +443,8 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
             f"{s.protocol}, local_hostname {s.local_hostname}, tenant {s.tenant_id}, segment "
             f"{s.global_segment_size_bytes} bytes per rank (tp_rank {ctx.ranks.tp_rank} of "
             f"tp {ctx.ranks.tp_size} x pp {ctx.ranks.pp_size}), admin {ctx.admin_url} "
-            f"(master_metrics_port {s.master_metrics_port}) (from {s.source})",
+            f"(master_metrics_port {s.master_metrics_port or 'not set, 9003 tried'}) "
+            f"(from {s.source})",
             data={"settings": asdict(s)},
         )
     ]

@@ -3,16 +3,18 @@
 An embedded cluster (master with its HTTP metadata server, one storage node)
 on free loopback ports, a tiny random-weight model made locally, and two
 ``sglang.launch_server`` processes with ``--hicache-storage-backend dynamic``
-loading ``MooncakeSpanStore``. Server A answers a prompt and backs its pages
-up to L3 (write-through); server B, a separate process with empty caches,
-answers the same prompt. The demo prints how many of B's prompt tokens came
-from storage, what B's backend read per host pool, whether both answers are
-the same greedy tokens with the same top logprobs (the content oracle of
-:mod:`mooncake_span.lab.oracle`; A computed its answer, so it is the recompute
-reference), and the timings. ``--model glm5_next`` serves GLM-5.3-Flash's
-shape: 256-token pages and three pools (MLA KV, the DSA indexer, KDA state).
-On a host without CUDA the servers run with the CPU stand-ins of
-:mod:`mooncake_span.testing.cpu_server`.
+loading ``MooncakeSpanStore``, configured as we recommend (prefix keys passed,
+sglang's default ``timeout`` prefetch policy). Server A answers a prompt and
+backs its pages up to L3 (write-through); server B, a separate process with
+empty caches, answers the same prompt. The demo prints how many of B's prompt
+tokens came from storage, what B's backend read per host pool, whether both
+answers are the same greedy tokens with the same top logprobs (the content
+oracle of :mod:`mooncake_span.lab.oracle`; A computed its answer, so it is the
+recompute reference), and the timings; when B restored less than every page
+it could, it says why from the master's key count and B's metrics, and what
+to do. ``--model glm5_next`` serves GLM-5.3-Flash's shape: 256-token pages and
+three pools (MLA KV, the DSA indexer, KDA state). On a host without CUDA the
+servers run with the CPU stand-ins of :mod:`mooncake_span.testing.cpu_server`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import random
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,11 +39,14 @@ from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
 from mooncake_span.ops.launcher import http_get
 from mooncake_span.testing.cpu_server.models import (
+    ServingProfile,
     default_spec,
     ensure_model,
     prompt_text,
     serving_profile,
 )
+
+PASS_PREFIX_KEYS = "hicache_storage_pass_prefix_keys"
 
 BACKUP_TIMEOUT_S = 60.0
 SHOWN_WORDS = 8
@@ -70,12 +76,78 @@ class ServeDemoConfig:
             raise ValueError(f"answer_tokens must be positive, got {self.answer_tokens}")
 
     @property
+    def profile(self) -> ServingProfile:
+        return serving_profile(default_spec(self.architecture))
+
+    @property
     def page_tokens(self) -> int:
-        return serving_profile(default_spec(self.architecture)).page_size_tokens
+        return self.profile.page_size_tokens
 
     @property
     def pools(self) -> tuple[str, ...]:
         return POOLS.get(self.architecture, ("kv",))
+
+
+# This backend's and sglang's counters that say where a restore stopped.
+HIT_QUERIES = "mooncake_span_hit_queries_total"
+HIT_KEYS = 'mooncake_span_hit_query_keys_total{result="hit"}'
+UNFULFILLED = "sglang:storage_prefetch_unfulfilled_tokens_total"
+
+
+@dataclass(frozen=True)
+class RestoreEvidence:
+    """What B's restore can be explained by: A's backup in the master, and B's counters
+    (this backend's hit queries, sglang's unfulfilled prefetch tokens) over B's request."""
+
+    page_tokens: int
+    restorable_tokens: int
+    storage_tokens: int
+    backed_up_keys: int
+    expected_keys: int
+    metrics_delta: Mapping[str, float]
+
+    def delta(self, name: str) -> float:
+        return self.metrics_delta.get(name, 0.0)
+
+
+def explain_restore(evidence: RestoreEvidence) -> list[str]:
+    """Why B restored less than it could, and what to do about it (empty: it restored all)."""
+    e = evidence
+    if e.storage_tokens >= e.restorable_tokens:
+        return []
+    reasons = []
+    if e.backed_up_keys < e.expected_keys:
+        reasons.append(
+            f"nothing or too little stored: A's backup put {e.backed_up_keys} of "
+            f"{e.expected_keys} pages in L3 within {BACKUP_TIMEOUT_S:.0f}s; see A's log for "
+            "backup errors, and `mooncake-span inspect` for what the cluster holds"
+        )
+    if e.delta(HIT_QUERIES) == 0:
+        reasons.append(
+            "B never asked L3: sglang asks only for a remainder of at least 256 tokens that "
+            "is not already in B's device or host cache"
+        )
+    elif e.delta(HIT_KEYS) * e.page_tokens < e.restorable_tokens:
+        reasons.append(
+            f"B's hit query found {e.delta(HIT_KEYS):.0f} of "
+            f"{e.restorable_tokens // e.page_tokens} pages in L3: the rest were not stored "
+            "(or were evicted) under the keys B computed"
+        )
+    for key, tokens in sorted(e.metrics_delta.items()):
+        if not key.startswith(UNFULFILLED + "{reason="):
+            continue
+        reason = key[len(UNFULFILLED) + len('{reason="') : -2]
+        advice = (
+            "the prefetch took longer than the 'timeout' policy allows (1 s + 0.25 s per "
+            "1,024 tokens); on a loaded box rerun, or serve with "
+            "--hicache-storage-prefetch-policy wait_complete"
+            if reason == "deadline"
+            else "see B's log"
+        )
+        reasons.append(f"sglang dropped {tokens:.0f} prefetched tokens (reason {reason}): {advice}")
+    if not reasons:
+        reasons.append("no counter explains it; B's log says what its prefetch did")
+    return reasons
 
 
 @dataclass(frozen=True)
@@ -83,12 +155,17 @@ class ServeDemoReport:
     first: Completion
     second: Completion
     startup_s: float
+    evidence: RestoreEvidence
     # What B's backend read from L3 for its request, per host pool.
     reads: dict[str, oracle.PoolReads] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
         return self.first.output_ids == self.second.output_ids
+
+    @property
+    def restored_all(self) -> bool:
+        return self.second.storage_tokens == self.evidence.restorable_tokens
 
     @property
     def verdict(self) -> oracle.Verdict:
@@ -102,20 +179,21 @@ class ServeDemoReport:
     @property
     def ok(self) -> bool:
         every_pool = all(r.keys > 0 for r in self.reads.values())
-        return self.verdict.agrees and self.second.storage_tokens > 0 and every_pool
+        return self.restored_all and self.verdict.agrees and every_pool
 
 
 def _stored_pages(cluster: LocalCluster) -> int:
+    """Storage keys (pages) in the master; a GLM page is several objects."""
     namespaces, _guards, _total = inspect_cmd.scan_keys(cluster.metrics_url, 0)
     return sum(len(ns.page_keys) for ns in namespaces.values())
 
 
-def _wait_for_backup(cluster: LocalCluster, min_pages: int) -> None:
+def _wait_for_backup(cluster: LocalCluster, min_pages: int) -> int:
+    """The master's page count once it reaches ``min_pages``, or when the wait ends."""
     deadline = time.monotonic() + BACKUP_TIMEOUT_S
-    while _stored_pages(cluster) < min_pages:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"server A's pages were not in L3 after {BACKUP_TIMEOUT_S:.0f}s")
+    while (count := _stored_pages(cluster)) < min_pages and time.monotonic() < deadline:
         time.sleep(0.5)
+    return count
 
 
 def _reads(server: SglangServer, pools: tuple[str, ...]) -> dict[str, oracle.PoolReads]:
@@ -128,6 +206,24 @@ def _words(token_ids: tuple[int, ...]) -> str:
     return shown + (" ..." if len(token_ids) > SHOWN_WORDS else "")
 
 
+def demo_server_options(
+    model_path: Path,
+    layout: str,
+    cluster: LocalCluster,
+    profile: ServingProfile | None = None,
+) -> ServerOptions:
+    """What we recommend (sglang's default prefetch policy, prefix keys passed to the
+    backend), plus ``--enable-metrics`` so the demo can say where a restore stopped and
+    what B read; ``profile``: the model's page and flags (default: a 64-token page)."""
+    profile = profile or serving_profile(default_spec("llama"))
+    return ServerOptions(
+        model_path=model_path,
+        layout=layout,
+        storage_config={**cluster.client_config(0), PASS_PREFIX_KEYS: True},
+        **profile.server_fields(("--enable-metrics",), cluster.client_env()),
+    )
+
+
 def run_serve_demo(config: ServeDemoConfig, log_dir: Path | None = None) -> ServeDemoReport:
     spec = default_spec(config.architecture)
     model_path = ensure_model(spec, config.model_cache_dir)
@@ -137,14 +233,7 @@ def run_serve_demo(config: ServeDemoConfig, log_dir: Path | None = None) -> Serv
     print(f"model: tiny {config.architecture} made locally at {model_path}", flush=True)
     with LocalCluster(ClusterSpec(storage_nodes=1, log_dir=log_dir / "cluster")) as cluster:
         print(f"cluster: master {cluster.master_address}, one storage node", flush=True)
-        # /metrics: what B's backend read per pool.
-        fields = serving_profile(spec).server_fields(("--enable-metrics",), cluster.client_env())
-        options = ServerOptions(
-            model_path=model_path,
-            layout=config.layout,
-            storage_config=cluster.client_config(0),
-            **fields,
-        )
+        options = demo_server_options(model_path, config.layout, cluster, config.profile)
         servers = [SglangServer(name, options, log_dir) for name in ("A", "B")]
         started = time.monotonic()
         try:
@@ -155,7 +244,7 @@ def run_serve_demo(config: ServeDemoConfig, log_dir: Path | None = None) -> Serv
         finally:
             for server in servers:
                 server.stop()
-    _print_report(report, config)
+    _print_report(report, config, log_dir)
     return report
 
 
@@ -166,37 +255,44 @@ def _ask_both(
     config: ServeDemoConfig,
     startup_s: float,
 ) -> ServeDemoReport:
-    base_pages = settled_count(lambda: _stored_pages(cluster))
-    answer_tokens = config.answer_tokens
+    base_keys = settled_count(lambda: _stored_pages(cluster))
+    answer_tokens, page = config.answer_tokens, config.page_tokens
     first = servers[0].generate(input_ids, answer_tokens, top_logprobs=TOP_LOGPROBS)
     print(
         f"A: {first.prompt_tokens}-token prompt answered in {first.e2e_s:.2f}s "
         f"({first.storage_tokens} tokens from L3): {_words(first.output_ids)}",
         flush=True,
     )
-    # A backs up every full page of prompt + answer (the last answer token has no KV yet).
-    _wait_for_backup(
-        cluster, base_pages + (len(input_ids) + answer_tokens - 1) // config.page_tokens
-    )
-    before = _reads(servers[1], config.pools)
+    expected_keys = len(input_ids) // page - 1
+    backed_up = _wait_for_backup(cluster, base_keys + expected_keys) - base_keys
+    before, reads_before = servers[1].metrics(), _reads(servers[1], config.pools)
     second = servers[1].generate(input_ids, answer_tokens, top_logprobs=TOP_LOGPROBS)
-    reads = oracle.reads_between(before, _reads(servers[1], config.pools))
+    after, reads_after = servers[1].metrics(), _reads(servers[1], config.pools)
     print(
         f"B: same prompt answered in {second.e2e_s:.2f}s "
         f"({second.storage_tokens} tokens from L3): {_words(second.output_ids)}",
         flush=True,
     )
-    return ServeDemoReport(first=first, second=second, startup_s=startup_s, reads=reads)
+    evidence = RestoreEvidence(
+        page_tokens=page,
+        restorable_tokens=(len(input_ids) - 1) // page * page,
+        storage_tokens=second.storage_tokens,
+        backed_up_keys=backed_up,
+        expected_keys=expected_keys,
+        metrics_delta={k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k)},
+    )
+    reads = oracle.reads_between(reads_before, reads_after)
+    return ServeDemoReport(first, second, startup_s, evidence, reads)
 
 
-def _print_report(report: ServeDemoReport, config: ServeDemoConfig) -> None:
-    page = config.page_tokens
-    restorable = (config.prompt_tokens - 1) // page * page
+def _print_report(report: ServeDemoReport, config: ServeDemoConfig, log_dir: Path) -> None:
     print(
         f"restored from L3: {report.second.storage_tokens} of {config.prompt_tokens} prompt "
-        f"tokens (at most {restorable}: the last page is always computed)",
+        f"tokens (at most {report.evidence.restorable_tokens}: the last page is always computed)",
         flush=True,
     )
+    for reason in explain_restore(report.evidence):
+        print(f"  why not all: {reason} (logs: {log_dir})", flush=True)
     read = ", ".join(
         f"{pool} {r.keys:.0f} key{'' if r.keys == 1 else 's'} ({r.bytes:,.0f} B)"
         for pool, r in report.reads.items()
@@ -204,10 +300,9 @@ def _print_report(report: ServeDemoReport, config: ServeDemoConfig) -> None:
     print(f"read from L3 per pool: {read}", flush=True)
     print(f"identical greedy output: {'yes' if report.identical else 'NO'}", flush=True)
     verdict = report.verdict
-    agreement = "yes" if verdict.agrees else "NO"
     print(
-        f"oracle agrees with A's computed answer: {agreement} ({verdict.describe()}, "
-        f"tolerance {verdict.tolerance:g})",
+        f"oracle agrees with A's computed answer: {'yes' if verdict.agrees else 'NO'} "
+        f"({verdict.describe()}, tolerance {verdict.tolerance:g})",
         flush=True,
     )
     print(

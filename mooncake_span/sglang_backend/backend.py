@@ -58,6 +58,7 @@ from mooncake_span.sglang_backend.guard import (
 from mooncake_span.sglang_backend.hit_query import HitProber
 from mooncake_span.sglang_backend.l3_layout import describe_layout
 from mooncake_span.sglang_backend.observability import CallObserver
+from mooncake_span.sglang_backend.page_hash import preload_page_hash
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
 from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice, chain_of
 from mooncake_span.sglang_backend.reads import ReadPath
@@ -155,6 +156,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         self.registration.register_anchor(mem_pool_host)
+        preload_page_hash(self.geometry.storage_page_tokens)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)

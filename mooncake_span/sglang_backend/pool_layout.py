@@ -72,6 +72,11 @@ def _is_dsv4_pool(pool: Any) -> bool:
     return _is_instance(pool, "sglang.srt.mem_cache.memory_pool_host", "DeepSeekV4PagedHostPool")
 
 
+def _is_logical_anchor(pool: Any) -> bool:
+    """DeepSeek-V4's anchor: page slots and no KV bytes (its sidecars hold them)."""
+    return _is_instance(pool, "sglang.srt.mem_cache.memory_pool_host", "LogicalHostPool")
+
+
 def component_specs(name: str, pool: Any, *, is_mla: bool) -> tuple[ComponentSpec, ...]:
     if name == KV_POOL:
         return (ComponentSpec("k", R),) if is_mla else (ComponentSpec("kv", S, parts=2),)
@@ -116,11 +121,7 @@ def fit_page_layout(
 
     ``parts``: per stored component, how many of sglang's pointer groups it packs."""
     num_components = sum(parts)
-    num_pages = int(getattr(pool, "size", 0)) // page_tokens
-    if num_pages < 1:
-        raise RegistrationError(
-            f"pool {name!r} has no host pages (size {getattr(pool, 'size', None)})"
-        )
+    num_pages = _host_pages(name, pool, page_tokens)
     try:
         base, sizes = _page_meta(pool, 0, page_tokens)
         samples = sorted({1, num_pages // 2, num_pages - 1} - {0})
@@ -128,7 +129,9 @@ def fit_page_layout(
     except (NotImplementedError, ValueError, AssertionError, AttributeError) as exc:
         raise RegistrationError(
             f"pool {name!r} ({type(pool).__name__}, layout {getattr(pool, 'layout', '?')}) "
-            f"offers no zero-copy page pointers: {exc}"
+            f"offers no zero-copy page pointers (get_page_buffer_meta failed: {exc}); a pool "
+            "without them needs get_dummy_flat_data_page, get_data_page and "
+            "set_from_flat_data_page to be copied through staging"
         ) from exc
     if not base:
         raise RegistrationError(f"pool {name!r}: get_page_buffer_meta returned no buffers")
@@ -168,7 +171,18 @@ def fit_page_layout(
     )
 
 
-def _flat_page_layout(pool: Any, page_tokens: int) -> PageLayout:
+def _host_pages(name: str, pool: Any, page_tokens: int) -> int:
+    num_pages = int(getattr(pool, "size", 0) or 0) // page_tokens
+    if num_pages < 1:
+        raise RegistrationError(
+            f"pool {name!r} ({type(pool).__name__}) has no host pages: size "
+            f"{getattr(pool, 'size', None)!r} tokens with {page_tokens}-token pages"
+        )
+    return num_pages
+
+
+def _flat_page_layout(name: str, pool: Any, page_tokens: int) -> PageLayout:
+    num_pages = _host_pages(name, pool, page_tokens)
     dummy = pool.get_dummy_flat_data_page()
     flat_bytes = dummy.numel() * dummy.element_size()
     return PageLayout(
@@ -176,7 +190,7 @@ def _flat_page_layout(pool: Any, page_tokens: int) -> PageLayout:
         page_stride_bytes=(flat_bytes,),
         slot_bytes=(flat_bytes,),
         components=((0,),),
-        num_pages=int(getattr(pool, "size", 0)) // page_tokens,
+        num_pages=num_pages,
     )
 
 
@@ -198,15 +212,15 @@ def _registration_buffers(pool: Any) -> tuple[tuple[int, int], ...]:
 def describe_pool(name: str, pool: Any, *, is_mla: bool) -> PoolShape:
     page_tokens = int(getattr(pool, "page_size", 0) or 1)
     specs = component_specs(name, pool, is_mla=is_mla)
-    if name == KV_POOL and getattr(pool, "kv_buffer", None) is None:
-        # DeepSeek-V4's logical anchor: indices only, the sidecars hold the bytes.
+    if name == KV_POOL and _is_logical_anchor(pool):
         return PoolShape(page_tokens, specs, None, ())
     try:
         layout = fit_page_layout(name, pool, page_tokens, tuple(s.parts for s in specs))
     except RegistrationError:
-        if [s.parts for s in specs] != [1] or not hasattr(pool, "get_dummy_flat_data_page"):
+        if [s.parts for s in specs] != [1] or not _stages_pages(pool):
             raise
-        return PoolShape(page_tokens, specs, _flat_page_layout(pool, page_tokens), (), staged=True)
+        layout = _flat_page_layout(name, pool, page_tokens)
+        return PoolShape(page_tokens, specs, layout, (), staged=True)
     kept = [i for i, slots in enumerate(layout.components) if slots]
     if len(kept) != len(specs):
         layout = PageLayout(
@@ -219,4 +233,31 @@ def describe_pool(name: str, pool: Any, *, is_mla: bool) -> PoolShape:
         specs = tuple(specs[i] for i in kept)
     if not specs:
         raise RegistrationError(f"pool {name!r} has only 0-byte components")
-    return PoolShape(page_tokens, specs, layout, _registration_buffers(pool))
+    buffers = _registration_buffers(pool)
+    _check_registered(name, layout, buffers)
+    return PoolShape(page_tokens, specs, layout, buffers)
+
+
+def _stages_pages(pool: Any) -> bool:
+    return all(
+        callable(getattr(pool, method, None))
+        for method in ("get_dummy_flat_data_page", "get_data_page", "set_from_flat_data_page")
+    )
+
+
+def _check_registered(name: str, layout: PageLayout, buffers: tuple[tuple[int, int], ...]) -> None:
+    """Every page slot the zero-copy calls will name lies inside a buffer registered with
+    Mooncake (RDMA's rule; TCP would not notice)."""
+    last = layout.num_pages - 1
+    for slot, (base, stride, size) in enumerate(
+        zip(layout.base_ptrs, layout.page_stride_bytes, layout.slot_bytes, strict=True)
+    ):
+        if size == 0:
+            continue
+        lo, hi = min(base, base + last * stride), max(base, base + last * stride) + size
+        if not any(start <= lo and hi <= start + length for start, length in buffers):
+            raise RegistrationError(
+                f"pool {name!r}: page slot {slot} ({lo:#x}..{hi:#x}) lies outside the buffers "
+                "it offers for registration (get_hybrid_pool_buffer, or kv_buffer); Mooncake "
+                "can only move registered memory"
+            )

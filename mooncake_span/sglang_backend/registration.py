@@ -294,14 +294,18 @@ class Registration:
         """A KV batch whose objects come from one flat span tensor per key (generic path)."""
         self.require_ready()
         kv = self.pools[KV_POOL]
+        if kv.is_logical:
+            raise InvalidRequestError(
+                "the generic path (batch_get / batch_set on flat pages) moves KV bytes, and "
+                "pool 'kv' is a logical anchor that holds none: serve with interface_v1"
+            )
         page_keys = check_page_keys(keys)
         if len(tensors) != len(page_keys):
             raise InvalidRequestError(f"{len(page_keys)} keys but {len(tensors)} tensors")
         pages = np.zeros((len(page_keys), self.geometry.pages_per_span), dtype=np.int64)
         batch = kv.batch(self.key_schema, page_keys, pages)
-        if not kv.is_logical:
-            size = self.span_bytes
-            batch.flat_bases = [_flat_base(i, t, size) for i, t in enumerate(tensors)]
+        size = self.span_bytes
+        batch.flat_bases = [_flat_base(i, t, size) for i, t in enumerate(tensors)]
         return batch
 
 

@@ -141,16 +141,18 @@ class MooncakeClient:
         for endpoint in endpoints:
             binding.probe_endpoint(endpoint, REACHABILITY_TIMEOUT_S)
         # span_master_admin_url overrides the master host on master_metrics_port.
-        admin_url = self.options.master_admin_url or s.admin_url()
         if s.check_server:
-            if admin_url is None:
+            # sglang's check_server tries the master's default admin port (9003).
+            check_url = self.options.master_admin_url or s.admin_url()
+            if check_url is None:
                 raise SetupError("check_server with an etcd master needs span_master_admin_url")
-            wait_for_segments(admin_url, binding.list_segments)
+            wait_for_segments(check_url, binding.list_segments)
         store = binding.store_factory()
         started = time.monotonic()
         setup_store(store, s, **setup_arguments(s, self._shared_engine))
         self._gate.open(store)
         if self.options.placement:
+            admin_url = self.options.master_admin_url or s.configured_admin_url()
             self._directory = start_directory(admin_url, self.options, binding.list_segments)
         logger.info(
             "mooncake-span connected to master %s (metadata %s, protocol %s, device %r, "

@@ -9,6 +9,7 @@ outage does not empty it and turn placement off.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import urllib.error
@@ -114,6 +115,17 @@ class SegmentDirectory:
             self.refresh()
 
 
+@functools.cache
+def _warn_no_admin_url() -> None:
+    # Once per process: every rank's store would say the same.
+    logger.warning(
+        "mooncake-span: no master admin URL is configured (span_master_admin_url, or "
+        "master_metrics_port with a master address), so the backend cannot list the storage "
+        "nodes: Mooncake alone places objects, a conversation's keys spread over every node, "
+        "and losing one node can cut every conversation's cached prefix there"
+    )
+
+
 def start_directory(
     admin_url: str | None,
     options: SpanOptions,
@@ -121,10 +133,7 @@ def start_directory(
 ) -> SegmentDirectory | None:
     """A running directory for the master's admin server, or None when no URL is known."""
     if admin_url is None:
-        logger.warning(
-            "mooncake-span: placement needs span_master_admin_url with an etcd master; "
-            "objects are placed by Mooncake alone"
-        )
+        _warn_no_admin_url()
         return None
     directory = SegmentDirectory(
         lambda: list_segments(admin_url), options.segment_refresh_s, admin_url

@@ -94,6 +94,11 @@ class Launched:
         start_together(servers)
         self.pids.update(s.pid for s in servers if s.pid is not None)
 
+    def start_cold(self, server: SglangServer) -> None:
+        """Start without the warm-up: its next request is the first after a start."""
+        server.start()
+        self.pids.add(server.pid)
+
     def stop_all(self) -> None:
         for served in self.processes:
             served.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.bench import serve
+from mooncake_span.bench import serve_fresh as FR
 from mooncake_span.bench import serve_multiturn as MT
 from mooncake_span.bench import serve_pd as PD
 from mooncake_span.bench import serve_stats as S
@@ -176,3 +177,40 @@ def test_pd_device_pool_admits_turn_two_on_decode() -> None:
     needed = config.turn2_tokens + config.answer_tokens + PD.DECODE_RESERVED_TOKENS
     assert config.max_total_tokens >= needed
     assert config.max_total_tokens % config.page_size_tokens == 0
+
+
+def _first(storage_tokens, ttft_s, agrees=True):
+    return {"storage_tokens": storage_tokens, "ttft_s": ttft_s, "startup_s": 30.0, "agrees": agrees}
+
+
+def test_fresh_workload_counts_first_requests_that_restored_everything() -> None:
+    config = FR.FreshConfig()
+    assert config.prefetch_policy == "timeout"  # what an operator gets by default
+    assert config.restorable_tokens == 2048 - 64
+    with pytest.raises(ValueError, match="at least 5 pages"):
+        FR.FreshConfig(prompt_tokens=256)
+    with pytest.raises(ValueError, match="rounds"):
+        FR.FreshConfig(rounds=0)
+    built = {S.SPAN: _first(1984, 0.4), S.MOONCAKE: _first(1984, 0.5)}
+    rounds = [
+        {"round": 0, "reads": {"built": built, "empty": {S.SPAN: _first(1984, 0.4)}}},
+        {
+            "round": 1,
+            "reads": {
+                "built": built,
+                "empty": {S.MOONCAKE: _first(0, 1.9), S.SPAN: _first(1984, 0.3, False)},
+            },
+        },
+    ]
+    summary = FR.summarize_fresh(rounds, 1984)
+    assert summary["built"][S.MOONCAKE]["restored_all"] == 2
+    empty = summary["empty"]
+    assert empty[S.SPAN]["restored_all"] == 2 and empty[S.MOONCAKE]["restored_all"] == 0
+    assert empty[S.MOONCAKE]["storage_tokens"] == [0]
+    assert empty[S.SPAN]["ttft_s"] == {"p50": pytest.approx(0.35), "max": 0.4}
+    assert empty[S.SPAN]["disagreeing"] == 1
+    result = {"config": config.described(), "rounds": rounds, "summary": summary}
+    assert FR.check_fresh(result) == [f"fresh round 1 empty {S.SPAN}"]
+    text = FR.format_fresh(result)
+    assert "empty mooncake   restored all in 0 of 1 first requests, storage tokens [0]" in text
+    assert "fresh" in serve.WORKLOADS and serve.disagreements({"fresh": result})

@@ -18,8 +18,18 @@ from mooncake_span.lab.sglang_servers import (
     router_argv,
     server_argv,
     server_env,
+    sum_samples,
 )
-from mooncake_span.ops.serve_demo import ServeDemoConfig, ServeDemoReport
+from mooncake_span.ops.master_http import parse_prometheus
+from mooncake_span.ops.serve_demo import (
+    HIT_KEYS,
+    HIT_QUERIES,
+    UNFULFILLED,
+    RestoreEvidence,
+    ServeDemoConfig,
+    ServeDemoReport,
+    explain_restore,
+)
 from mooncake_span.testing.cpu_server import SITE_DIR
 from mooncake_span.testing.cpu_server.models import TinyModelSpec, prompt_text
 
@@ -144,6 +154,17 @@ def test_tiny_models_and_prompt_text():
     assert TinyModelSpec(architecture="deepseek_v2").is_mla
 
 
+def _evidence(storage, delta=None, backed_up=9, expected=9):
+    return RestoreEvidence(
+        page_tokens=64,
+        restorable_tokens=576,
+        storage_tokens=storage,
+        backed_up_keys=backed_up,
+        expected_keys=expected,
+        metrics_delta=delta or {},
+    )
+
+
 def test_serve_demo_config_and_verdict():
     with pytest.raises(ValueError, match="prompt_tokens"):
         ServeDemoConfig(prompt_tokens=128)
@@ -160,11 +181,43 @@ def test_serve_demo_config_and_verdict():
         return Completion(ids, 640, storage, storage, 0.1, {}, top)
 
     read = {"kv": PoolReads(9, 100), "indexer": PoolReads(9, 50), "mamba": PoolReads(1, 9)}
-    assert ServeDemoReport(done((1, 2), 0), done((1, 2), 576), 1.0, read).ok
-    assert not ServeDemoReport(done((1, 2), 0), done((1, 3), 576), 1.0, read).ok
-    assert not ServeDemoReport(done((1, 2), 0), done((1, 2), 0), 1.0, read).ok
+
+    def report(first, second, reads=read):
+        return ServeDemoReport(first, second, 1.0, _evidence(second.storage_tokens), reads)
+
+    assert report(done((1, 2), 0), done((1, 2), 576)).ok
+    assert not report(done((1, 2), 0), done((1, 3), 576)).ok
+    assert not report(done((1, 2), 0), done((1, 2), 0)).ok
+    # Restoring some pages is not enough: every restorable page must come back.
+    assert not report(done((1, 2), 0), done((1, 2), 512)).ok
     # the same tokens from a context whose logprobs moved: the oracle says no
-    assert not ServeDemoReport(done((1, 2), 0), done((1, 2), 576, 0.01), 1.0, read).ok
+    assert not report(done((1, 2), 0), done((1, 2), 576, 0.01)).ok
     # one pool never read
-    unread = {**read, "mamba": PoolReads(0, 0)}
-    assert not ServeDemoReport(done((1, 2), 0), done((1, 2), 576), 1.0, unread).ok
+    assert not report(done((1, 2), 0), done((1, 2), 576), {**read, "mamba": PoolReads(0, 0)}).ok
+
+
+def test_serve_demo_says_why_a_restore_fell_short():
+    assert explain_restore(_evidence(576)) == []
+    queried = {HIT_QUERIES: 1.0, HIT_KEYS: 9.0}
+    (dropped,) = explain_restore(
+        _evidence(0, {**queried, f'{UNFULFILLED}{{reason="deadline"}}': 576})
+    )
+    assert "dropped 576 prefetched tokens (reason deadline)" in dropped
+    assert "wait_complete" in dropped
+    (never,) = explain_restore(_evidence(0, {}))
+    assert "never asked L3" in never
+    (found,) = explain_restore(_evidence(320, {HIT_QUERIES: 1.0, HIT_KEYS: 5.0}))
+    assert "found 5 of 9 pages" in found
+    stored, asked = explain_restore(_evidence(0, {HIT_QUERIES: 1.0}, backed_up=0))
+    assert "0 of 9 pages in L3" in stored and "found 0 of 9 pages" in asked
+    (unknown,) = explain_restore(_evidence(512, queried))
+    assert "no counter explains it" in unknown
+
+
+def test_server_metrics_are_summed_per_family_and_label():
+    samples = parse_prometheus(
+        'x_total{model="m",reason="deadline"} 3\nx_total{model="m",reason="dropped"} 2\ny 1\n'
+    )
+    sums = sum_samples(samples)
+    assert sums["x_total"] == 5 and sums["y"] == 1
+    assert sums['x_total{reason="deadline"}'] == 3 and sums['x_total{model="m"}'] == 5
