@@ -89,17 +89,19 @@ class ServeConfig(A.ServeSetup):
         if self.rounds < 1 or self.warmup_rounds < 0:
             raise ValueError("rounds must be >= 1 and warmup_rounds >= 0")
         for length in self.lengths_tokens:
-            if length < 4 * self.page_size_tokens or length % self.page_size_tokens:
-                raise ValueError(
-                    f"prompt length {length} must be a multiple of the page "
-                    f"({self.page_size_tokens} tokens) and at least 4 pages"
-                )
+            for model in self.models:
+                page = self.page_tokens(model)
+                if length < 4 * page or length % page:
+                    raise ValueError(
+                        f"prompt length {length} must be a multiple of {model}'s page "
+                        f"({page} tokens) and at least 4 pages"
+                    )
 
-    @property
-    def max_total_tokens(self) -> int:
+    def max_total_tokens(self, architecture: str) -> int:
         """Device KV pool of every server: the longest prompt, its answer and two pages."""
-        pages = -(-(max(self.lengths_tokens) + self.answer_tokens) // self.page_size_tokens)
-        return (pages + 2) * self.page_size_tokens
+        page = self.page_tokens(architecture)
+        pages = -(-(max(self.lengths_tokens) + self.answer_tokens) // page)
+        return (pages + 2) * page
 
 
 def parse_csv(text: str | None, default: Sequence[Any], kind: type = str) -> tuple:
@@ -130,7 +132,7 @@ def started_arms(config: ServeConfig, architecture: str, log_dir: Path) -> Itera
                 arm,
                 model_path,
                 clusters.get(arm),
-                **config.server_fields(config.max_total_tokens),
+                **config.model_fields(architecture, config.max_total_tokens(architecture)),
             )
             roles = ("reader", "writer") if arm in S.L3_ARMS else ("reader",)
             for role in roles:
@@ -142,9 +144,9 @@ def started_arms(config: ServeConfig, architecture: str, log_dir: Path) -> Itera
         yield Arms(readers, writers, clusters)
 
 
-def _write(arms: Arms, prompt: list[int], config: ServeConfig) -> dict[str, Any]:
+def _write(arms: Arms, prompt: list[int], config: ServeConfig, page: int) -> dict[str, Any]:
     """Both writers answer the prompt; wait for each one's backup to reach its master."""
-    min_new_keys = len(prompt) // config.page_size_tokens - 1
+    min_new_keys = len(prompt) // page - 1
     records = {}
     for arm, writer in arms.writers.items():
         before = A.stored_keys(arms.clusters[arm])
@@ -175,7 +177,7 @@ def run_round(
 ) -> dict[str, Any]:
     """One round: a fresh prompt, the writers, then every reader in this round's order."""
     prompt = A.round_prompt(config.seed, architecture, length_tokens, index)
-    writers = _write(arms, prompt, config)
+    writers = _write(arms, prompt, config, config.page_tokens(architecture))
     for reader in arms.readers.values():
         reader.flush_cache()
     order = S.round_order(S.ARMS, index)

@@ -33,7 +33,7 @@ from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
 from mooncake_span.ops.launcher import http_get
 from mooncake_span.ops.master_http import iter_lines
-from mooncake_span.testing.cpu_server.models import TinyModelSpec
+from mooncake_span.testing.cpu_server.models import TinyModelSpec, serving_profile
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +83,41 @@ class ServeSetup:
             "hicache_ratio": self.hicache_ratio,
         }
 
+    def page_tokens(self, architecture: str) -> int:
+        """The page a model's servers use: ``page_size_tokens``, unless the model's
+        serving profile needs its own (GLM-5.3-Flash: 256, what sglang forces)."""
+        if architecture == "glm5_next":
+            return serving_profile(self.model_spec(architecture)).page_size_tokens
+        return self.page_size_tokens
+
+    def model_fields(self, architecture: str, max_total_tokens: int) -> dict[str, Any]:
+        """:meth:`server_fields` for one model: its page (the device pool rounded up to
+        whole pages) and the flags and environment its serving profile adds."""
+        page = self.page_tokens(architecture)
+        fields = self.server_fields(-(-max_total_tokens // page) * page)
+        if architecture != "glm5_next":
+            return fields
+        profile = serving_profile(self.model_spec(architecture))
+        return {
+            **fields,
+            "page_size_tokens": page,
+            "extra_args": profile.extra_args,
+            "env": dict(profile.env),
+        }
+
     def described(self) -> dict[str, Any]:
         """The configuration as JSON can hold it."""
         return {**asdict(self), "work_dir": str(self.work_dir)}
 
 
 def kv_bytes_per_token(spec: TinyModelSpec) -> int:
-    """fp32 KV bytes one token occupies (MHA: K and V; MLA: latent plus rope part)."""
+    """KV bytes one token occupies: fp32 for MHA (K and V) and MLA (latent plus rope part);
+    GLM-5.3-Flash's DSA layers keep a bf16 latent and a quarter of a 132-byte index row
+    (its KDA layers' state is per request, not per token)."""
     head_dim = spec.hidden_size // spec.num_heads
+    if spec.architecture == "glm5_next":
+        dsa_layers = spec.layer_types.count("indexed_attention")
+        return dsa_layers * (2 * head_dim * 2 + (128 + 4) // 4)
     if spec.is_mla:
         # models.py: kv_lora_rank = 2 * head_dim, qk_rope_head_dim = head_dim.
         return spec.num_layers * 3 * head_dim * 4
@@ -164,9 +191,11 @@ def arm_options(
     ``fields`` are the remaining :class:`ServerOptions`; every server serves
     ``/metrics`` for the TTFT breakdown.
     """
-    fields = {"extra_args": ("--enable-metrics",), **fields}
+    extra_args = ("--enable-metrics", *fields.pop("extra_args", ()))
+    env = dict(fields.pop("env", {}))
+    fields = {"extra_args": extra_args, **fields}
     if arm == S.RECOMPUTE:
-        return ServerOptions(model_path=model_path, storage_backend=None, **fields)
+        return ServerOptions(model_path=model_path, storage_backend=None, env=env, **fields)
     storage = cluster.client_config(0)
     if arm == S.MOONCAKE:
         storage = {k: v for k, v in storage.items() if not k.startswith("span_")}
@@ -175,7 +204,7 @@ def arm_options(
         model_path=model_path,
         storage_backend=backend,
         storage_config=storage,
-        env=cluster.client_env(),
+        env={**cluster.client_env(), **env},
         **fields,
     )
 

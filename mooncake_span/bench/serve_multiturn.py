@@ -221,7 +221,7 @@ def run_multiturn(
                 arm,
                 model_path,
                 clusters.get(arm),
-                **config.server_fields(config.device_tokens),
+                **config.model_fields(config.model, config.device_tokens),
             )
             servers[arm] = SglangServer(f"multiturn-{config.model}-{arm}", options, log_dir)
             stack.callback(servers[arm].stop)

@@ -101,7 +101,7 @@ class PdArm:
 def _arm_servers(
     config: PdConfig, arm: str, model_path: Path, cluster: Any, log_dir: Path
 ) -> tuple[dict[str, SglangServer], dict[str, int]]:
-    fields = config.server_fields(config.max_total_tokens)
+    fields = config.model_fields(config.model, config.max_total_tokens)
     servers, bootstrap = {}, {}
     for name in ("prefill1", "prefill2"):
         bootstrap[name] = L.pick_free_ports(HOST, 1)[0]

@@ -216,6 +216,9 @@ class Completion:
     storage_tokens: int
     e2e_s: float
     meta_info: Mapping[str, Any]
+    # Per answer token, its top candidates as (token id, logprob), best first;
+    # empty unless the request asked for them (``top_logprobs``).
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 def _post_json(url: str, body: Mapping[str, Any], timeout_s: float) -> Any:
@@ -230,16 +233,31 @@ def _post_json(url: str, body: Mapping[str, Any], timeout_s: float) -> Any:
         raise ServerError(f"POST {url} answered {exc.code}: {detail}") from exc
 
 
-def generate_body(input_ids: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
-    return {
+def generate_body(
+    input_ids: Sequence[int], max_new_tokens: int, top_logprobs: int = 0
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
         "input_ids": list(input_ids),
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
     }
+    if top_logprobs:
+        # Only the answer's logprobs: starting at the last prompt token keeps the
+        # prompt's own (which a restored prefix never computes) out of it.
+        body.update(
+            return_logprob=True,
+            top_logprobs_num=top_logprobs,
+            logprob_start_len=max(len(body["input_ids"]) - 1, 0),
+        )
+    return body
 
 
 def parse_completion(answer: Mapping[str, Any], e2e_s: float) -> Completion:
     meta = answer.get("meta_info", {})
     details = meta.get("cached_tokens_details") or {}
+    top = tuple(
+        tuple((int(entry[1]), float(entry[0])) for entry in per_token)
+        for per_token in meta.get("output_top_logprobs") or ()
+    )
     return Completion(
         output_ids=tuple(answer["output_ids"]),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
@@ -247,6 +265,7 @@ def parse_completion(answer: Mapping[str, Any], e2e_s: float) -> Completion:
         storage_tokens=int(details.get("storage", 0) or 0),
         e2e_s=e2e_s,
         meta_info=meta,
+        top_logprobs=top,
     )
 
 
@@ -383,8 +402,10 @@ class SglangServer(_Served):
         max_new_tokens: int = 8,
         timeout_s: float = REQUEST_TIMEOUT_S,
         url: str | None = None,
+        top_logprobs: int = 0,
     ) -> Completion:
-        target, body = f"{url or self.url}/generate", generate_body(input_ids, max_new_tokens)
+        target = f"{url or self.url}/generate"
+        body = generate_body(input_ids, max_new_tokens, top_logprobs)
         started = time.perf_counter()
         answer = self.place.call(lambda: _post_json(target, body, timeout_s))
         return parse_completion(answer, time.perf_counter() - started)
@@ -522,7 +543,11 @@ class Router(_Served):
         return answer is not None
 
     def generate_until_served(
-        self, input_ids: Sequence[int], max_new_tokens: int, timeout_s: float = 90.0
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        timeout_s: float = 90.0,
+        top_logprobs: int = 0,
     ) -> Completion:
         """The first generation through the router; it answers 503 until workers register."""
         deadline = time.monotonic() + timeout_s
@@ -531,7 +556,7 @@ class Router(_Served):
             try:
                 answer = _post_json(
                     f"{self.url}/generate",
-                    generate_body(input_ids, max_new_tokens),
+                    generate_body(input_ids, max_new_tokens, top_logprobs),
                     REQUEST_TIMEOUT_S,
                 )
                 return parse_completion(answer, time.perf_counter() - started)

@@ -351,7 +351,10 @@ def _register_serve_demo(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     demo.add_argument(
-        "--model", choices=("llama", "deepseek_v2"), default="llama", help="MHA or MLA model"
+        "--model",
+        choices=("llama", "deepseek_v2", "glm5_next"),
+        default="llama",
+        help="MHA, MLA, or GLM-5.3-Flash (MLA KV + DSA indexer + KDA state, 256-token pages)",
     )
     demo.add_argument(
         "--layout",
@@ -596,7 +599,8 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--serve-models",
         default=None,
         metavar="LIST",
-        help="--serve: comma list of llama (MHA) and deepseek_v2 (MLA) (default llama)",
+        help="--serve: comma list of llama (MHA), deepseek_v2 (MLA) and glm5_next "
+        "(GLM-5.3-Flash: MLA + DSA indexer + KDA state) (default llama)",
     )
     bench.add_argument(
         "--serve-lengths",

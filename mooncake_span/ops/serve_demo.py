@@ -7,11 +7,14 @@ loading ``MooncakeSpanStore``, configured as we recommend (prefix keys passed,
 sglang's default ``timeout`` prefetch policy). Server A answers a prompt and
 backs its pages up to L3 (write-through); server B, a separate process with
 empty caches, answers the same prompt. The demo prints how many of B's prompt
-tokens came from storage, whether both answers are the same greedy tokens, and
-the timings; when B restored less than every page it could, it says why from
-the master's key count and B's metrics, and what to do. On a host without
-CUDA the servers run with the CPU stand-ins of
-:mod:`mooncake_span.testing.cpu_server`.
+tokens came from storage, what B's backend read per host pool, whether both
+answers are the same greedy tokens with the same top logprobs (the content
+oracle of :mod:`mooncake_span.lab.oracle`; A computed its answer, so it is the
+recompute reference), and the timings; when B restored less than every page
+it could, it says why from the master's key count and B's metrics, and what
+to do. ``--model glm5_next`` serves GLM-5.3-Flash's shape: 256-token pages and
+three pools (MLA KV, the DSA indexer, KDA state). On a host without CUDA the
+servers run with the CPU stand-ins of :mod:`mooncake_span.testing.cpu_server`.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import random
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from mooncake_span.lab import oracle
 from mooncake_span.lab.sglang_servers import (
     Completion,
     ServerOptions,
@@ -30,16 +34,25 @@ from mooncake_span.lab.sglang_servers import (
     settled_count,
     start_together,
 )
+from mooncake_span.ops import inspect_cmd
 from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
-from mooncake_span.ops.master_http import iter_lines
-from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model, prompt_text
+from mooncake_span.ops.launcher import http_get
+from mooncake_span.testing.cpu_server.models import (
+    ServingProfile,
+    default_spec,
+    ensure_model,
+    prompt_text,
+    serving_profile,
+)
 
 PASS_PREFIX_KEYS = "hicache_storage_pass_prefix_keys"
 
-PAGE_TOKENS = 64
 BACKUP_TIMEOUT_S = 60.0
 SHOWN_WORDS = 8
+TOP_LOGPROBS = 5
+# The host pools a server of each model registers with the backend.
+POOLS = {"glm5_next": ("kv", "indexer", "mamba")}
 
 
 @dataclass(frozen=True)
@@ -52,15 +65,27 @@ class ServeDemoConfig:
     model_cache_dir: Path = Path.home() / ".cache" / "mooncake-span" / "tiny-models"
 
     def __post_init__(self) -> None:
-        TinyModelSpec(architecture=self.architecture)  # validates the name
-        if self.prompt_tokens < 5 * PAGE_TOKENS:
+        page = self.page_tokens  # validates the name
+        if self.prompt_tokens < 5 * page:
             raise ValueError(
-                f"prompt_tokens must be at least {5 * PAGE_TOKENS}: sglang restores whole "
-                f"{PAGE_TOKENS}-token pages, never the last one, and does not prefetch a "
+                f"prompt_tokens must be at least {5 * page}: sglang restores whole "
+                f"{page}-token pages, never the last one, and does not prefetch a "
                 f"remainder under its 256-token threshold (got {self.prompt_tokens})"
             )
         if self.answer_tokens <= 0:
             raise ValueError(f"answer_tokens must be positive, got {self.answer_tokens}")
+
+    @property
+    def profile(self) -> ServingProfile:
+        return serving_profile(default_spec(self.architecture))
+
+    @property
+    def page_tokens(self) -> int:
+        return self.profile.page_size_tokens
+
+    @property
+    def pools(self) -> tuple[str, ...]:
+        return POOLS.get(self.architecture, ("kv",))
 
 
 # This backend's and sglang's counters that say where a restore stopped.
@@ -131,6 +156,8 @@ class ServeDemoReport:
     second: Completion
     startup_s: float
     evidence: RestoreEvidence
+    # What B's backend read from L3 for its request, per host pool.
+    reads: dict[str, oracle.PoolReads] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -141,20 +168,37 @@ class ServeDemoReport:
         return self.second.storage_tokens == self.evidence.restorable_tokens
 
     @property
+    def verdict(self) -> oracle.Verdict:
+        return oracle.compare(
+            self.second.output_ids,
+            self.second.top_logprobs,
+            self.first.output_ids,
+            self.first.top_logprobs,
+        )
+
+    @property
     def ok(self) -> bool:
-        return self.identical and self.restored_all
+        every_pool = all(r.keys > 0 for r in self.reads.values())
+        return self.restored_all and self.verdict.agrees and every_pool
 
 
-def _stored_keys(cluster: LocalCluster) -> int:
-    return sum(1 for _ in iter_lines(f"{cluster.metrics_url}/get_all_keys", timeout_s=5.0))
+def _stored_pages(cluster: LocalCluster) -> int:
+    """Storage keys (pages) in the master; a GLM page is several objects."""
+    namespaces, _guards, _total = inspect_cmd.scan_keys(cluster.metrics_url, 0)
+    return sum(len(ns.page_keys) for ns in namespaces.values())
 
 
-def _wait_for_backup(cluster: LocalCluster, min_keys: int) -> int:
-    """The master's key count once it reaches ``min_keys``, or when the wait ends."""
+def _wait_for_backup(cluster: LocalCluster, min_pages: int) -> int:
+    """The master's page count once it reaches ``min_pages``, or when the wait ends."""
     deadline = time.monotonic() + BACKUP_TIMEOUT_S
-    while (count := _stored_keys(cluster)) < min_keys and time.monotonic() < deadline:
+    while (count := _stored_pages(cluster)) < min_pages and time.monotonic() < deadline:
         time.sleep(0.5)
     return count
+
+
+def _reads(server: SglangServer, pools: tuple[str, ...]) -> dict[str, oracle.PoolReads]:
+    answer = http_get(f"{server.url}/metrics", timeout_s=10.0)
+    return oracle.pool_reads(answer[1] if answer and answer[0] == 200 else "", pools)
 
 
 def _words(token_ids: tuple[int, ...]) -> str:
@@ -163,22 +207,25 @@ def _words(token_ids: tuple[int, ...]) -> str:
 
 
 def demo_server_options(
-    model_path: Path, layout: str, cluster: LocalCluster, page_tokens: int = PAGE_TOKENS
+    model_path: Path,
+    layout: str,
+    cluster: LocalCluster,
+    profile: ServingProfile | None = None,
 ) -> ServerOptions:
     """What we recommend (sglang's default prefetch policy, prefix keys passed to the
-    backend), plus ``--enable-metrics`` so the demo can say where a restore stopped."""
+    backend), plus ``--enable-metrics`` so the demo can say where a restore stopped and
+    what B read; ``profile``: the model's page and flags (default: a 64-token page)."""
+    profile = profile or serving_profile(default_spec("llama"))
     return ServerOptions(
         model_path=model_path,
         layout=layout,
-        page_size_tokens=page_tokens,
         storage_config={**cluster.client_config(0), PASS_PREFIX_KEYS: True},
-        env=cluster.client_env(),
-        extra_args=("--enable-metrics",),
+        **profile.server_fields(("--enable-metrics",), cluster.client_env()),
     )
 
 
 def run_serve_demo(config: ServeDemoConfig, log_dir: Path | None = None) -> ServeDemoReport:
-    spec = TinyModelSpec(architecture=config.architecture)
+    spec = default_spec(config.architecture)
     model_path = ensure_model(spec, config.model_cache_dir)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="mooncake-span-demo-"))
     rng = random.Random(config.seed)
@@ -186,14 +233,14 @@ def run_serve_demo(config: ServeDemoConfig, log_dir: Path | None = None) -> Serv
     print(f"model: tiny {config.architecture} made locally at {model_path}", flush=True)
     with LocalCluster(ClusterSpec(storage_nodes=1, log_dir=log_dir / "cluster")) as cluster:
         print(f"cluster: master {cluster.master_address}, one storage node", flush=True)
-        options = demo_server_options(model_path, config.layout, cluster)
+        options = demo_server_options(model_path, config.layout, cluster, config.profile)
         servers = [SglangServer(name, options, log_dir) for name in ("A", "B")]
         started = time.monotonic()
         try:
             start_together(servers)
             startup_s = time.monotonic() - started
             print(f"servers A and B up in {startup_s:.0f}s (logs: {log_dir})", flush=True)
-            report = _ask_both(cluster, servers, input_ids, config.answer_tokens, startup_s)
+            report = _ask_both(cluster, servers, input_ids, config, startup_s)
         finally:
             for server in servers:
                 server.stop()
@@ -205,35 +252,37 @@ def _ask_both(
     cluster: LocalCluster,
     servers: list[SglangServer],
     input_ids: list[int],
-    answer_tokens: int,
+    config: ServeDemoConfig,
     startup_s: float,
 ) -> ServeDemoReport:
-    base_keys = settled_count(lambda: _stored_keys(cluster))
-    first = servers[0].generate(input_ids, answer_tokens)
+    base_keys = settled_count(lambda: _stored_pages(cluster))
+    answer_tokens, page = config.answer_tokens, config.page_tokens
+    first = servers[0].generate(input_ids, answer_tokens, top_logprobs=TOP_LOGPROBS)
     print(
         f"A: {first.prompt_tokens}-token prompt answered in {first.e2e_s:.2f}s "
         f"({first.storage_tokens} tokens from L3): {_words(first.output_ids)}",
         flush=True,
     )
-    expected_keys = len(input_ids) // PAGE_TOKENS - 1
+    expected_keys = len(input_ids) // page - 1
     backed_up = _wait_for_backup(cluster, base_keys + expected_keys) - base_keys
-    before = servers[1].metrics()
-    second = servers[1].generate(input_ids, answer_tokens)
-    after = servers[1].metrics()
+    before, reads_before = servers[1].metrics(), _reads(servers[1], config.pools)
+    second = servers[1].generate(input_ids, answer_tokens, top_logprobs=TOP_LOGPROBS)
+    after, reads_after = servers[1].metrics(), _reads(servers[1], config.pools)
     print(
         f"B: same prompt answered in {second.e2e_s:.2f}s "
         f"({second.storage_tokens} tokens from L3): {_words(second.output_ids)}",
         flush=True,
     )
     evidence = RestoreEvidence(
-        page_tokens=PAGE_TOKENS,
-        restorable_tokens=(len(input_ids) - 1) // PAGE_TOKENS * PAGE_TOKENS,
+        page_tokens=page,
+        restorable_tokens=(len(input_ids) - 1) // page * page,
         storage_tokens=second.storage_tokens,
         backed_up_keys=backed_up,
         expected_keys=expected_keys,
         metrics_delta={k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k)},
     )
-    return ServeDemoReport(first=first, second=second, startup_s=startup_s, evidence=evidence)
+    reads = oracle.reads_between(reads_before, reads_after)
+    return ServeDemoReport(first, second, startup_s, evidence, reads)
 
 
 def _print_report(report: ServeDemoReport, config: ServeDemoConfig, log_dir: Path) -> None:
@@ -244,7 +293,18 @@ def _print_report(report: ServeDemoReport, config: ServeDemoConfig, log_dir: Pat
     )
     for reason in explain_restore(report.evidence):
         print(f"  why not all: {reason} (logs: {log_dir})", flush=True)
+    read = ", ".join(
+        f"{pool} {r.keys:.0f} key{'' if r.keys == 1 else 's'} ({r.bytes:,.0f} B)"
+        for pool, r in report.reads.items()
+    )
+    print(f"read from L3 per pool: {read}", flush=True)
     print(f"identical greedy output: {'yes' if report.identical else 'NO'}", flush=True)
+    verdict = report.verdict
+    print(
+        f"oracle agrees with A's computed answer: {'yes' if verdict.agrees else 'NO'} "
+        f"({verdict.describe()}, tolerance {verdict.tolerance:g})",
+        flush=True,
+    )
     print(
         f"time: A {report.first.e2e_s:.2f}s (computed), B {report.second.e2e_s:.2f}s "
         "(restored); one run on a shared box, not a benchmark (mooncake-span bench --serve)",

@@ -28,7 +28,7 @@ from mooncake_span.lab.sglang_servers import (
 from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
 from mooncake_span.ops.master_http import iter_lines
-from mooncake_span.testing.cpu_server.models import TinyModelSpec, ensure_model
+from mooncake_span.testing.cpu_server.models import default_spec, ensure_model, serving_profile
 from tests.conftest import require_mooncake
 
 PAGE_TOKENS = 64
@@ -61,7 +61,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
     cache = tmp_path_factory.mktemp("tiny-models")
 
     def make(architecture: str) -> Path:
-        return ensure_model(TinyModelSpec(architecture=architecture), cache)
+        return ensure_model(default_spec(architecture), cache)
 
     return make
 
@@ -123,9 +123,11 @@ class Recompute:
     def __init__(self, server: SglangServer) -> None:
         self.server = server
 
-    def __call__(self, input_ids: Sequence[int], max_new_tokens: int = ANSWER_TOKENS) -> Completion:
+    def __call__(
+        self, input_ids: Sequence[int], max_new_tokens: int = ANSWER_TOKENS, top_logprobs: int = 0
+    ) -> Completion:
         self.server.flush_cache()
-        answer = self.server.generate(input_ids, max_new_tokens)
+        answer = self.server.generate(input_ids, max_new_tokens, top_logprobs=top_logprobs)
         assert answer.cached_tokens == 0, answer.meta_info
         return answer
 
@@ -140,7 +142,12 @@ def recompute_server(
 
     def get(architecture: str) -> Recompute:
         if architecture not in servers:
-            options = ServerOptions(model_path=tiny_model(architecture), storage_backend=None)
+            profile = serving_profile(default_spec(architecture))
+            options = ServerOptions(
+                model_path=tiny_model(architecture),
+                storage_backend=None,
+                **profile.server_fields(),
+            )
             server = SglangServer(f"recompute-{architecture}", options, log_dir)
             servers[architecture] = server
             server.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -155,12 +156,33 @@ def test_prompts_are_fresh_per_round_and_reproducible():
 
 def test_config_sizes_the_pools_and_checks_lengths():
     config = serve.ServeConfig(lengths_tokens=(2048, 4096), answer_tokens=8)
-    assert config.max_total_tokens == 4096 + 3 * 64
+    assert config.max_total_tokens("llama") == 4096 + 3 * 64
     assert serve_arms.kv_bytes_per_token(config.model_spec("llama")) == 32 * 1024
     mla = TinyModelSpec(architecture="deepseek_v2", hidden_size=512, num_layers=8, num_heads=8)
     assert serve_arms.kv_bytes_per_token(mla) == 8 * 192 * 4
-    with pytest.raises(ValueError, match="multiple of the page"):
+    with pytest.raises(ValueError, match="multiple of llama's page"):
         serve.ServeConfig(lengths_tokens=(1000,))
+
+
+def test_glm_servers_get_their_page_flags_and_env():
+    config = serve.ServeConfig(models=("llama", "glm5_next"), lengths_tokens=(2048,))
+    assert config.page_tokens("glm5_next") == 256 and config.page_tokens("llama") == 64
+    assert config.max_total_tokens("glm5_next") == 2048 + 3 * 256
+    fields = config.model_fields("glm5_next", 2100)
+    assert (fields["page_size_tokens"], fields["max_total_tokens"]) == (256, 2304)
+    assert "--chunked-prefill-size" in fields["extra_args"]
+    assert fields["env"] == {"SGLANG_MAMBA_CONV_DTYPE": "float32"}
+    options = serve_arms.arm_options(serve.S.RECOMPUTE, Path("/m"), None, **fields)
+    assert (
+        options.extra_args[0] == "--enable-metrics"
+        and "--max-mamba-cache-size" in options.extra_args
+    )
+    assert options.env == fields["env"]
+    assert config.model_fields("llama", 2100)["max_total_tokens"] == 2112
+    glm = config.model_spec("glm5_next")
+    assert serve_arms.kv_bytes_per_token(glm) == 4 * (2 * 64 * 2 + 33)
+    with pytest.raises(ValueError, match="multiple of glm5_next's page"):
+        serve.ServeConfig(models=("glm5_next",), lengths_tokens=(2112,))
     with pytest.raises(ValueError):
         serve.ServeConfig(rounds=0)
     assert serve.parse_csv(None, (1, 2)) == (1, 2)

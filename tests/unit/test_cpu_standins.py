@@ -43,6 +43,19 @@ import sglang.srt.mem_cache.pool_host.mha as mha
 import sglang.srt.mem_cache.pool_host.mla as mla
 import sglang.srt.models.deepseek_common.attention_backend_handler as h
 import sglang.srt.disaggregation.mooncake.conn as conn
+import os
+from mooncake_span.testing.cpu_server import glm5_standins as g
+import sglang.srt.arg_groups.model_hook
+import sglang.srt.arg_groups.mamba_hook as mamba_hook
+import sglang.srt.mem_cache.pool_host.mamba as pool_mamba
+import sglang.srt.mem_cache.pool_host.dsa as pool_dsa
+import sglang.srt.layers.attention.dsa.dsa_indexer_kpool as kpool
+import sglang.srt.layers.attention.torch_native_backend as tn
+import sglang.srt.layers.attention.linear.kda_backend as kda_backend
+import sglang.srt.layers.attention.linear.kernels.kda_triton as kda_triton
+import sglang.kernels.ops.attention.fla.fused_norm_gate as norm_gate
+import sglang.kernels.ops.activation.silu_and_mul_clamp as clamp
+import sglang.kernels.ops.mamba.mamba_state_scatter_triton as track
 names = %r
 handler = h.AttentionBackendRegistry.get_handler("torch_native")
 print("RESULT " + json.dumps({
@@ -57,6 +70,23 @@ print("RESULT " + json.dumps({
     "sender": conn.MooncakeKVSender.supports_host_tensor_indices,
     # 1e-39 is denormal in fp32: read as zero once denormals are flushed.
     "denormals_flushed": (torch.tensor([1e-39]) * 1.0).item() == 0.0,
+    "glm": [
+        torch.cuda.get_device_capability() == (0, 0),
+        mamba_hook._platform_supports_mamba_cache_extra_buffer(),
+        pool_mamba.MambaPoolHost.__init__.__wrapped__.__qualname__,
+        pool_dsa.DSAIndexerPoolHost.__init__.__wrapped__.__qualname__,
+        [getattr(m, n) is getattr(standins, n) for m in (pool_mamba, pool_dsa) for n in names],
+        kpool.IndexerKPool.forward_native is g.indexer_forward_native,
+        tn.TorchNativeAttnBackend.forward_extend.__module__,
+        kda_backend.causal_conv1d_fn is g.kda_cpu.causal_conv1d_fn,
+        kda_triton.TritonKDAKernel.extend.__module__,
+        norm_gate.FusedRMSNormGated.forward.__module__,
+        clamp.silu_and_mul_clamp is g.silu_and_mul_clamp,
+        track.track_mamba_states_all_layers is g.track_mamba_states_all_layers,
+        [callable(getattr(torch.ops.sgl_kernel, n)) for n in g.GDN_TORCH_OPS],
+        os.environ["SGLANG_OPT_USE_TILELANG_MHC_PRE"],
+        torch.zeros(1).pin_memory().is_pinned(),
+    ],
 }))
 """
 
@@ -91,7 +121,7 @@ from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods
 
 from mooncake_span.testing import pools  # noqa: E402
 from mooncake_span.testing.cpu_server import SITE_DIR as PACKAGE_SITE_DIR  # noqa: E402
-from mooncake_span.testing.cpu_server import standins  # noqa: E402
+from mooncake_span.testing.cpu_server import glm5_standins, standins  # noqa: E402
 from mooncake_span.testing.sglang_cpu import _host_budget  # noqa: E402
 
 DIRECT_LAYOUTS = ("layer_first", "page_first_direct")
@@ -420,7 +450,7 @@ def test_copy_all_layer_kv_cache_through_sglang_move(monkeypatch):
 # the sgl_kernel module
 
 
-def test_sgl_kernel_module_serves_two_ops_and_names_the_rest():
+def test_sgl_kernel_module_serves_its_ops_and_names_the_rest():
     module = standins.make_sgl_kernel_module()
     assert module.__name__ == "sgl_kernel"
     assert module.assign_req_to_token_pool_cpu is standins.assign_req_to_token_pool_cpu
@@ -429,10 +459,16 @@ def test_sgl_kernel_module_serves_two_ops_and_names_the_rest():
     assert op.__name__ == "fused_add_rmsnorm"
     with pytest.raises(NotImplementedError, match=r"sgl_kernel\.fused_add_rmsnorm has no CPU"):
         op(torch.zeros(1), weight=None)
-    for dunder in ("__path__", "__file__", "__wrapped__", "__all__"):
+    for dunder in ("__file__", "__wrapped__", "__all__"):
         with pytest.raises(AttributeError):
             getattr(module, dunder)
-    assert not hasattr(module, "__path__")
+    # a package (KDA's backend imports sgl_kernel.mamba), with no files behind it
+    assert module.__path__ == []
+    mamba = standins.make_sgl_kernel_module("sgl_kernel.mamba")
+    assert mamba.causal_conv1d_update_cpu is glm5_standins.causal_conv1d_update
+    assert not hasattr(mamba, "__path__")
+    with pytest.raises(NotImplementedError, match=r"sgl_kernel\.causal_conv1d_fn_cpu has no CPU"):
+        mamba.causal_conv1d_fn_cpu()
 
 
 def test_sgl_kernel_imports_through_the_finder(monkeypatch):
@@ -445,13 +481,16 @@ def test_sgl_kernel_imports_through_the_finder(monkeypatch):
     try:
         import sgl_kernel
         from sgl_kernel import some_other_op
+        from sgl_kernel.mamba import causal_conv1d_update_cpu
 
         assert sgl_kernel.assign_req_to_token_pool_cpu is standins.assign_req_to_token_pool_cpu
         assert sgl_kernel.__spec__.loader is finder
+        assert causal_conv1d_update_cpu is glm5_standins.causal_conv1d_update
         with pytest.raises(NotImplementedError, match=r"sgl_kernel\.some_other_op"):
             some_other_op()
     finally:
         sys.modules.pop("sgl_kernel", None)
+        sys.modules.pop("sgl_kernel.mamba", None)
 
 
 # ---------------------------------------------------------------------------
@@ -632,4 +671,21 @@ def test_install_end_to_end_in_a_fresh_process():
         "handler": ["handle_attention_torch_native", "MLA"],
         "sender": False,
         "denormals_flushed": True,
+        "glm": [
+            True,
+            True,
+            "MambaPoolHost.__init__",
+            "DSAIndexerPoolHost.__init__",
+            [True] * 6,
+            True,
+            "mooncake_span.testing.cpu_server.glm5_standins",
+            True,
+            "mooncake_span.testing.cpu_server.glm5_standins",
+            "mooncake_span.testing.cpu_server.glm5_standins",
+            True,
+            True,
+            [True, True],
+            "0",
+            False,
+        ],
     }

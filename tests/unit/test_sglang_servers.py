@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mooncake_span.lab.oracle import PoolReads
 from mooncake_span.lab.sglang_servers import (
     DYNAMIC_BACKEND_KEYS,
     PLUGIN_OPT_IN_ENV,
@@ -170,17 +171,29 @@ def test_serve_demo_config_and_verdict():
     with pytest.raises(ValueError, match="architecture"):
         ServeDemoConfig(architecture="mamba")
 
-    def done(ids, storage):
-        return Completion(ids, 640, storage, storage, 0.1, {})
+    with pytest.raises(ValueError, match="at least 1280"):
+        ServeDemoConfig(architecture="glm5_next", prompt_tokens=1024)
+    glm = ServeDemoConfig(architecture="glm5_next")
+    assert (glm.page_tokens, glm.pools) == (256, ("kv", "indexer", "mamba"))
 
-    def report(first, second):
-        return ServeDemoReport(first, second, 1.0, _evidence(second.storage_tokens))
+    def done(ids, storage, shift=0.0):
+        top = tuple(((t, -1.0 + shift), (t + 1, -2.0)) for t in ids)
+        return Completion(ids, 640, storage, storage, 0.1, {}, top)
+
+    read = {"kv": PoolReads(9, 100), "indexer": PoolReads(9, 50), "mamba": PoolReads(1, 9)}
+
+    def report(first, second, reads=read):
+        return ServeDemoReport(first, second, 1.0, _evidence(second.storage_tokens), reads)
 
     assert report(done((1, 2), 0), done((1, 2), 576)).ok
     assert not report(done((1, 2), 0), done((1, 3), 576)).ok
     assert not report(done((1, 2), 0), done((1, 2), 0)).ok
     # Restoring some pages is not enough: every restorable page must come back.
     assert not report(done((1, 2), 0), done((1, 2), 512)).ok
+    # the same tokens from a context whose logprobs moved: the oracle says no
+    assert not report(done((1, 2), 0), done((1, 2), 576, 0.01)).ok
+    # one pool never read
+    assert not report(done((1, 2), 0), done((1, 2), 576), {**read, "mamba": PoolReads(0, 0)}).ok
 
 
 def test_serve_demo_says_why_a_restore_fell_short():

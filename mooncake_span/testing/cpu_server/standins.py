@@ -53,6 +53,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from mooncake_span.testing.cpu_server import glm5_standins
+
 logger = logging.getLogger(__name__)
 
 # The stand-ins patch internals of this release; another one may have moved them.
@@ -137,24 +139,37 @@ def _missing_op(name: str) -> Callable[..., Any]:
     def missing(*args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
             f"sgl_kernel.{name} has no CPU stand-in (mooncake_span.testing.cpu_server); "
-            "only assign_req_to_token_pool_cpu and copy_all_layer_kv_cache_cpu run on "
-            "a CPU without AMX"
+            "a CPU without AMX runs only the ops the stand-ins serve"
         )
 
     missing.__name__ = name
     return missing
 
 
-def make_sgl_kernel_module() -> ModuleType:
-    """A module named ``sgl_kernel`` with the two ops; any other op imports but raises."""
-    module = ModuleType("sgl_kernel")
-    module.assign_req_to_token_pool_cpu = assign_req_to_token_pool_cpu
-    module.copy_all_layer_kv_cache_cpu = copy_all_layer_kv_cache_cpu
+def _sgl_kernel_ops() -> dict[str, dict[str, Callable[..., Any]]]:
+    """The ops each served module answers; every other name imports but raises."""
+    return {
+        "sgl_kernel": {
+            "assign_req_to_token_pool_cpu": assign_req_to_token_pool_cpu,
+            "copy_all_layer_kv_cache_cpu": copy_all_layer_kv_cache_cpu,
+        },
+        # KDA's decode conv (kda_backend imports it at import time on CPU).
+        "sgl_kernel.mamba": {"causal_conv1d_update_cpu": glm5_standins.causal_conv1d_update},
+    }
 
-    def __getattr__(name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _missing_op(name)
+
+def make_sgl_kernel_module(name: str = "sgl_kernel") -> ModuleType:
+    """A module named ``name`` with its ops; any other op imports but raises."""
+    module = ModuleType(name)
+    for op_name, op in _sgl_kernel_ops()[name].items():
+        setattr(module, op_name, op)
+    if name == "sgl_kernel":
+        module.__path__ = []  # a package, so ``sgl_kernel.mamba`` imports
+
+    def __getattr__(attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _missing_op(attr)
 
     module.__getattr__ = __getattr__
     return module
@@ -164,15 +179,15 @@ class _SglKernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves ``sgl_kernel`` only when no real one is installed (it sits last on the path)."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "sgl_kernel":
+        if name not in _sgl_kernel_ops():
             return None
-        return importlib.machinery.ModuleSpec(name, self)
+        return importlib.machinery.ModuleSpec(name, self, is_package=name == "sgl_kernel")
 
     def create_module(self, spec: Any) -> ModuleType:
-        return make_sgl_kernel_module()
+        return make_sgl_kernel_module(spec.name)
 
     def exec_module(self, module: ModuleType) -> None:
-        logger.debug("sgl_kernel served by the CPU stand-in")
+        logger.debug("%s served by the CPU stand-in", module.__name__)
 
 
 # ---------------------------------------------------------------------------
@@ -303,6 +318,7 @@ def flush_denormals(torch: Any) -> None:
 
 
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    **glm5_standins.PATCHES,
     "sglang.srt.mem_cache.pool_host.base": patch_host_pool_base,
     "sglang.srt.mem_cache.pool_host.mha": patch_direct_copies,
     "sglang.srt.mem_cache.pool_host.mla": patch_direct_copies,
@@ -365,8 +381,10 @@ def install() -> bool:
     early = sorted(name for name in PATCHES if name in sys.modules)
     if early:
         raise RuntimeError(f"install() must run before sglang imports {', '.join(early)}")
+    glm5_standins.choose_torch_paths()
     sys.meta_path.insert(0, _PatchAfterImport(PATCHES))
     if importlib.util.find_spec("sgl_kernel") is None:
         sys.meta_path.append(_SglKernelFinder())
+        glm5_standins.answer_torch_ops(_missing_op)
     flush_denormals(torch)
     return True

@@ -1,0 +1,123 @@
+"""The content oracle: is a restored answer the answer a server that recomputes gives?
+
+Equal greedy tokens alone are weak evidence: a tiny random model often picks
+the same token from a slightly wrong context. So the oracle also compares, for
+each of the first answer tokens, the top candidates' logprobs: the same
+candidates, each within ``tolerance`` of the recompute server's. A restore
+that returned other bytes than were stored shifts them far past it (the
+serving tests' negative controls show by how much); one that returned the
+stored bytes reproduces recompute's to float rounding (measured: exactly).
+Pure: it reads two answers, it starts nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# fp32 servers compute a restored request's new tokens with the same chunk
+# shapes as a recompute; 1e-4 leaves room for summation-order noise, which is
+# orders of magnitude below what a wrong page moves.
+LOGPROB_TOLERANCE = 1e-4
+COMPARED_TOKENS = 4
+
+TopLogprobs = Sequence[Sequence[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    tokens_equal: bool
+    # Largest |logprob difference| over the compared tokens' top candidates;
+    # inf when a token's candidates differ, nan when there was nothing to compare.
+    max_logprob_delta: float
+    compared_tokens: int
+    tolerance: float
+
+    @property
+    def agrees(self) -> bool:
+        return self.tokens_equal and self.max_logprob_delta <= self.tolerance
+
+    def describe(self) -> str:
+        delta = (
+            f"{self.max_logprob_delta:.2e}"
+            if math.isfinite(self.max_logprob_delta)
+            else ("candidates differ" if math.isinf(self.max_logprob_delta) else "none compared")
+        )
+        tokens = "tokens equal" if self.tokens_equal else "tokens differ"
+        return f"{tokens}, max top-logprob delta over {self.compared_tokens} tokens: {delta}"
+
+
+def logprob_delta(restored: TopLogprobs, reference: TopLogprobs, tokens: int) -> tuple[float, int]:
+    """(largest |difference|, tokens compared) over the first ``tokens`` answer tokens."""
+    worst, compared = float("nan"), 0
+    for mine, theirs in list(zip(restored, reference, strict=False))[:tokens]:
+        mine_map, their_map = dict(mine), dict(theirs)
+        if not mine_map or set(mine_map) != set(their_map):
+            return float("inf"), compared + 1
+        delta = max(abs(mine_map[t] - their_map[t]) for t in mine_map)
+        worst = delta if math.isnan(worst) else max(worst, delta)
+        compared += 1
+    return worst, compared
+
+
+def compare(
+    restored_ids: Sequence[int],
+    restored_top: TopLogprobs,
+    reference_ids: Sequence[int],
+    reference_top: TopLogprobs,
+    tokens: int = COMPARED_TOKENS,
+    tolerance: float = LOGPROB_TOLERANCE,
+) -> Verdict:
+    delta, compared = logprob_delta(restored_top, reference_top, tokens)
+    if not math.isinf(delta) and compared < min(tokens, len(reference_top)):
+        delta = float("nan")  # an answer without logprobs agrees with nothing
+    return Verdict(
+        tokens_equal=tuple(restored_ids) == tuple(reference_ids),
+        max_logprob_delta=delta,
+        compared_tokens=compared,
+        tolerance=tolerance,
+    )
+
+
+# ---------------------------------------------------------------------------
+# what a server's backend read, per host pool (its Prometheus families)
+
+_SAMPLE = re.compile(r"^(mooncake_span_[a-z_]+)(\{[^}]*\})?\s+(\S+)$")
+_KEYS = 'mooncake_span_keys_total{{operation="get",pool="{pool}",result="ok"}}'
+_BYTES = 'mooncake_span_bytes_total{{operation="get",pool="{pool}"}}'
+
+
+@dataclass(frozen=True)
+class PoolReads:
+    keys: float
+    bytes: float
+
+
+def pool_reads(metrics_text: str, pools: Sequence[str]) -> dict[str, PoolReads]:
+    """Keys and bytes this backend has read per pool, from a server's ``/metrics`` text
+    (counters since the server started; subtract an earlier scrape for one request)."""
+    samples = {}
+    for line in metrics_text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match is not None:
+            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return {
+        pool: PoolReads(
+            keys=samples.get(_KEYS.format(pool=pool), 0.0),
+            bytes=samples.get(_BYTES.format(pool=pool), 0.0),
+        )
+        for pool in pools
+    }
+
+
+def reads_between(
+    before: dict[str, PoolReads], after: dict[str, PoolReads]
+) -> dict[str, PoolReads]:
+    return {
+        pool: PoolReads(
+            after[pool].keys - before[pool].keys, after[pool].bytes - before[pool].bytes
+        )
+        for pool in after
+    }

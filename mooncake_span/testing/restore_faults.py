@@ -1,0 +1,148 @@
+"""A deliberately wrong restore, for the negative controls of the serving oracles.
+
+:class:`FaultyRestoreStore` is :class:`~mooncake_span.sglang_backend.MooncakeSpanStore`
+with one addition: before answering a ``batch_get_v2``, it reads a fault from
+the JSON file named by :data:`FAULT_FILE_ENV` (re-read at every call, so a
+test can change it between requests) and applies it to the restore it just
+made. A server loads it with ``--hicache-storage-backend dynamic`` and
+``module_path`` :data:`MODULE_PATH`. Test support only: no runtime path
+imports this module.
+
+Faults (``{"kind": ..., "pool": ...}``; an empty file or ``{}`` is none):
+
+- ``swap``: the pages of two keys of ``pool`` (``first``, ``second``: their
+  positions in the call's keys) trade places after a good read, as if each
+  had been read from the other's key; the call still answers success;
+- ``zero``: ``pool`` is not read at all, its host pages are left as a fresh
+  pool holds them (zeros), and the call answers success: a silently dropped
+  restore;
+- ``miss``: ``pool`` is not read and the call says so (every key False).
+
+Each call that applied a fault appends a line to ``<fault file>.log``, so a
+test can tell a fault that fired from one that never met a matching call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from mooncake_span.sglang_backend.backend import MooncakeSpanStore
+
+logger = logging.getLogger(__name__)
+
+FAULT_FILE_ENV = "MOONCAKE_SPAN_TEST_RESTORE_FAULTS"
+MODULE_PATH = "mooncake_span.testing.restore_faults"
+CLASS_NAME = "FaultyRestoreStore"
+KINDS = ("swap", "zero", "miss")
+
+
+def read_fault(path: str | None) -> dict[str, Any]:
+    """The fault the file names now, ``{}`` for none; a malformed one raises ValueError."""
+    if not path or not Path(path).exists():
+        return {}
+    text = Path(path).read_text().strip()
+    fault = json.loads(text) if text else {}
+    if fault and (fault.get("kind") not in KINDS or not fault.get("pool")):
+        raise ValueError(f"{path}: a fault needs kind in {KINDS} and a pool, got {fault}")
+    return fault
+
+
+def write_fault(path: Path, fault: dict[str, Any] | None) -> None:
+    path.write_text(json.dumps(fault or {}))
+
+
+def applied(path: Path) -> list[dict[str, Any]]:
+    """The faults applied so far, one entry per call."""
+    log = Path(f"{path}.log")
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line]
+
+
+def _pool_name(transfer: Any) -> str:
+    return str(getattr(transfer.name, "value", transfer.name))
+
+
+def _key_index(host_indices: Any, keys: int, position: int) -> int:
+    """The host index of key ``position``'s first slot."""
+    per_key = host_indices.numel() // keys
+    return int(host_indices.reshape(-1)[position * per_key])
+
+
+def _swap_pages(host_pool: Any, first: int, second: int) -> None:
+    a = host_pool.get_data_page(first, flat=True).clone()
+    b = host_pool.get_data_page(second, flat=True).clone()
+    host_pool.set_from_flat_data_page(first, b)
+    host_pool.set_from_flat_data_page(second, a)
+
+
+def _zero_pages(host_pool: Any, host_indices: Any, keys: int) -> None:
+    for position in range(keys):
+        index = _key_index(host_indices, keys, position)
+        page = host_pool.get_data_page(index, flat=True)
+        host_pool.set_from_flat_data_page(index, page.new_zeros(page.shape))
+
+
+class FaultyRestoreStore(MooncakeSpanStore):
+    """This project's backend, with the restore fault of :data:`FAULT_FILE_ENV` applied.
+
+    sglang reads the KV pool with ``batch_get_v1`` and the other pools of a
+    hybrid stack with ``batch_get_v2``; a fault applies to whichever call
+    carries its pool.
+    """
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
+        fault = read_fault(os.environ.get(FAULT_FILE_ENV))
+        if fault.get("pool") != "kv":
+            return super().batch_get_v1(keys, host_indices, extra_info)
+        if fault["kind"] == "swap":
+            results = super().batch_get_v1(keys, host_indices, extra_info)
+        else:
+            results = [False] * len(keys)
+        return self._spoil(fault, keys, host_indices, results)
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        fault = read_fault(os.environ.get(FAULT_FILE_ENV))
+        target = [t for t in transfers if fault and _pool_name(t) == fault["pool"]]
+        if not target or fault["kind"] == "swap":
+            return self._spoil_transfers(fault, target, super().batch_get_v2(transfers, extra_info))
+        rest = [t for t in transfers if t not in target]
+        results = super().batch_get_v2(rest, extra_info) if rest else {}
+        for transfer in target:
+            results[transfer.name] = [False] * len(transfer.keys)
+        return self._spoil_transfers(fault, target, results)
+
+    def _spoil_transfers(self, fault: dict, target: list[Any], results: dict) -> dict:
+        for transfer in target:
+            results[transfer.name] = self._spoil(
+                fault, transfer.keys, transfer.host_indices, results[transfer.name]
+            )
+        return results
+
+    def _spoil(
+        self, fault: dict, keys: list[str], host_indices: Any, results: list[bool]
+    ) -> list[bool]:
+        """Apply ``fault`` to a read of ``keys`` into ``host_indices`` that answered ``results``."""
+        host_pool = self.pools[fault["pool"]].host_pool
+        if fault["kind"] == "swap":
+            first, second = int(fault.get("first", 0)), int(fault.get("second", 1))
+            if max(first, second) >= len(keys) or not all(results):
+                return results
+            _swap_pages(
+                host_pool,
+                _key_index(host_indices, len(keys), first),
+                _key_index(host_indices, len(keys), second),
+            )
+        elif fault["kind"] == "zero":
+            _zero_pages(host_pool, host_indices, len(keys))
+            results = [True] * len(keys)
+        with open(f"{os.environ[FAULT_FILE_ENV]}.log", "a") as log:
+            log.write(json.dumps({**fault, "keys": len(keys)}) + "\n")
+        logger.warning("restore fault applied to %d keys: %s", len(keys), fault)
+        return results

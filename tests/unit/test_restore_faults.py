@@ -1,0 +1,81 @@
+"""The restore-fault hook (``testing/restore_faults.py``): each fault does what the
+negative controls rely on, to a real sglang host pool."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("needs sglang 0.5.23", allow_module_level=True)
+
+import torch  # noqa: E402
+
+from mooncake_span.testing import restore_faults  # noqa: E402
+
+
+class _Pool:
+    """A host pool's page API (get_data_page / set_from_flat_data_page), 4-slot pages."""
+
+    page_size = 4
+
+    def __init__(self, pages: int) -> None:
+        self.data = torch.arange(pages * 4 * 3, dtype=torch.float32).view(pages, 12)
+
+    def get_data_page(self, index, flat=True):
+        return self.data[index // self.page_size]
+
+    def set_from_flat_data_page(self, index, page):
+        self.data[index // self.page_size] = page
+
+
+class _Stored:
+    def __init__(self, pool):
+        self.host_pool = pool
+
+
+def _store(monkeypatch, tmp_path, fault, pool):
+    path = tmp_path / "fault.json"
+    restore_faults.write_fault(path, fault)
+    monkeypatch.setenv(restore_faults.FAULT_FILE_ENV, str(path))
+    store = restore_faults.FaultyRestoreStore.__new__(restore_faults.FaultyRestoreStore)
+    monkeypatch.setattr(
+        restore_faults.FaultyRestoreStore, "pools", property(lambda self: {"kv": _Stored(pool)})
+    )
+    return store, path
+
+
+def test_read_fault_refuses_what_it_cannot_apply(tmp_path):
+    path = tmp_path / "f.json"
+    assert restore_faults.read_fault(None) == {} and restore_faults.read_fault(str(path)) == {}
+    path.write_text('{"kind": "flip", "pool": "kv"}')
+    with pytest.raises(ValueError, match="kind"):
+        restore_faults.read_fault(str(path))
+
+
+def test_swap_trades_two_keys_pages_and_is_logged(monkeypatch, tmp_path):
+    pool = _Pool(4)
+    before = pool.data.clone()
+    store, path = _store(
+        monkeypatch, tmp_path, {"kind": "swap", "pool": "kv", "first": 0, "second": 2}, pool
+    )
+    host_indices = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2, 3])  # keys on pages 1, 2, 0
+    results = store._spoil(
+        restore_faults.read_fault(str(path)), ["a", "b", "c"], host_indices, [True] * 3
+    )
+    assert results == [True] * 3
+    assert torch.equal(pool.data[1], before[0]) and torch.equal(pool.data[0], before[1])
+    assert torch.equal(pool.data[2], before[2])
+    assert restore_faults.applied(path) == [
+        {"kind": "swap", "pool": "kv", "first": 0, "second": 2, "keys": 3}
+    ]
+
+
+def test_zero_answers_success_over_a_fresh_pools_bytes(monkeypatch, tmp_path):
+    pool = _Pool(3)
+    store, path = _store(monkeypatch, tmp_path, {"kind": "zero", "pool": "kv"}, pool)
+    results = store._spoil(
+        restore_faults.read_fault(str(path)), ["a"], torch.arange(8, 12), [False]
+    )
+    assert results == [True] and not pool.data[2].any() and pool.data[0].any()
