@@ -113,11 +113,16 @@ class FakeClock:
 
 
 def fake_client(
-    master: str, cluster: Any, clock: Callable[[], float] = time.monotonic, **options: Any
+    master: str,
+    cluster: Any,
+    clock: Callable[[], float] = time.monotonic,
+    segment_answers: Callable[[str, str], bool | None] | None = None,
+    **options: Any,
 ) -> Any:
     """A connected MooncakeClient on the contract-checked fake; placement reads
     the fake cluster's live segments (the admin URL is never dialled). Every
-    TTL and cool-down of the client runs on ``clock``."""
+    TTL and cool-down of the client runs on ``clock``. A segment answers a
+    liveness probe unless the fake killed it (``segment_answers`` overrides)."""
     from mooncake_span.config import SpanOptions
     from mooncake_span.mooncake_settings import MooncakeSettings
     from mooncake_span.store.client import MooncakeClient, NativeBinding
@@ -134,6 +139,7 @@ def fake_client(
             FakeReplicateConfig,
             lambda url: cluster.live_segments(),
             list_disk_owners=lambda url, keys: cluster.disk_owners(keys),
+            segment_answers=segment_answers or (lambda metadata, seg: seg not in cluster.dead),
         ),
         clock=clock,
     )

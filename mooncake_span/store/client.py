@@ -325,13 +325,18 @@ class MooncakeClient:
                 segment,
             )
             codes += self._put_call(keys[call.start : call.stop], batch.part(call), config)
-        # Mooncake moves a put off a full preferred segment, onto any listed one, a
-        # dead one included: while a segment is known bad, a put's transfer failure
-        # does not convict the segment it preferred (reads locate their culprit).
         if segment and codes and all(map(is_transfer_failure, codes)):
-            if not self.router.bad_segments():
-                self._mark_bad([segment], "batch_put_from_multi_buffers")
+            self._convict_put_target(segment)
         return codes
+
+    def _convict_put_target(self, segment: str) -> None:
+        # Mooncake moves a put off a full preferred segment onto any listed one, a
+        # dead one included, so a failed transfer does not name its segment. The
+        # preferred one is asked: one that answers is not the culprit (reads locate
+        # theirs); one that cannot be asked is convicted while no other is known bad.
+        answers = self._binding.segment_answers(self.settings.metadata_server, segment)
+        if answers is False or (answers is None and not self.router.bad_segments()):
+            self._mark_bad([segment], "batch_put_from_multi_buffers")
 
     def _put_call(self, keys: list[str], batch: PlanBatch, config: Any) -> list[int]:
         codes = self._gate.invoke(

@@ -18,7 +18,7 @@ from mooncake_span.config import SpanOptions
 from mooncake_span.errors import ConfigError, SetupError, code_name
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.store.protocol import NativeStore
-from mooncake_span.store.segments import fetch_disk_owners, fetch_segments
+from mooncake_span.store.segments import fetch_disk_owners, fetch_segments, probe_segment
 from mooncake_span.store.ssd_tier import DirLock, open_serving_tier
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class NativeBinding:
     probe_endpoint: Callable[[str, float], None] = probe_tcp
     # Per object key, the segments whose SSD holds it, given the admin URL (None: no answer).
     list_disk_owners: Callable[[str, Sequence[str]], dict[str, set[str]] | None] = fetch_disk_owners
+    # Whether a segment's transfer endpoint answers, given the metadata server (None: unknown).
+    segment_answers: Callable[[str, str], bool | None] = probe_segment
 
 
 @dataclass(frozen=True)

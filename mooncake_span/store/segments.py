@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import socket
 import threading
 import urllib.error
 import urllib.parse
@@ -76,6 +77,38 @@ def fetch_disk_owners(admin_url: str, keys: Sequence[str]) -> dict[str, set[str]
                 client = disk.get("client_id")
                 owners.setdefault(key, set()).add(segment_of.get(client) or f"client:{client}")
     return owners
+
+
+# A live transfer endpoint accepts at once; a dead one on a reachable host refuses.
+_PROBE_TIMEOUT_S = 0.3
+
+
+def probe_segment(metadata_server: str, segment: str) -> bool | None:
+    """Whether ``segment``'s transfer RPC endpoint accepts a TCP connection:
+    False when it refuses or stays silent within the bound, None when this
+    metadata service does not say where the endpoint is (etcd, redis)."""
+    endpoint = _rpc_endpoint(metadata_server, segment)
+    if endpoint is None:
+        return None
+    try:
+        socket.create_connection(endpoint, timeout=_PROBE_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
+
+
+def _rpc_endpoint(metadata_server: str, segment: str) -> tuple[str, int] | None:
+    if metadata_server == "P2PHANDSHAKE":
+        # The segment is named after its handshake (RPC) endpoint.
+        host, _, port = segment.rpartition(":")
+        return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+    if not metadata_server.startswith(("http://", "https://")):
+        return None
+    key = urllib.parse.quote("mooncake/rpc_meta/" + segment, safe="")
+    meta = _get_json(f"{metadata_server}?key={key}")
+    if not isinstance(meta, dict) or not str(meta.get("rpc_port", "")).isdigit():
+        return None
+    return str(meta.get("ip_or_host_name") or segment.rpartition(":")[0]), int(meta["rpc_port"])
 
 
 def replica_segments(

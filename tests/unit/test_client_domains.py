@@ -200,6 +200,39 @@ def test_a_bad_segment_serves_again_after_its_ttl(make_client, cluster):
     assert client.stats()["domains_marked_bad"] == 1
 
 
+def _failed_put(client: MooncakeClient, cluster: FakeCluster) -> None:
+    keys = Keys(4)
+    cluster.inject("batch_put_from_multi_buffers", int(ErrorCode.TRANSFER_FAIL), times=8)
+    assert not any(keys.put(client))
+
+
+def test_a_failed_put_convicts_its_segment_only_when_that_segment_does_not_answer(
+    make_client, cluster
+):
+    # Mooncake moves a put off a full preferred segment onto any listed one, so
+    # a failed transfer does not name its segment: a preferred one that answers
+    # a connection is not the culprit; one that refuses is.
+    _failed_put(make_client(), cluster)
+    assert make_client().stats()["bad_segments"] == []
+    client = make_client(segment_answers=lambda metadata, segment: False)
+    _failed_put(client, cluster)
+    assert client.stats()["bad_segments"] == sorted({Keys(4).home(k) for k in range(4)})
+
+
+def test_a_failed_put_no_probe_can_judge_convicts_only_while_no_segment_is_bad(
+    make_client, cluster
+):
+    # Etcd metadata does not say where a segment's endpoint is: the first failed
+    # call convicts its segment; once one is bad, another's failed put may have
+    # been moved onto it, so it convicts nothing.
+    client = make_client(segment_answers=lambda metadata, segment: None)
+    _failed_put(client, cluster)
+    homes = {Keys(4).home(k) for k in range(4)}
+    assert len(homes) == 2
+    assert len(client.stats()["bad_segments"]) == 1
+    assert set(client.stats()["bad_segments"]) < homes
+
+
 def test_transfer_failures_never_open_the_breaker_but_rpc_failures_do(make_client, cluster):
     cluster.segments.clear()  # no failure domains: the negative cache alone
     keys = Keys(1)
