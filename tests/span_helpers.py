@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import http.server
+import json
 import random
 import socket
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -92,6 +96,40 @@ def listening_port() -> Iterator[str]:
         sock.bind(("127.0.0.1", 0))
         sock.listen(4)
         yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def json_http_server(
+    answer: Callable[[str, dict[str, list[str]]], Any],
+) -> Iterator[str]:
+    """A loopback HTTP server whose GET of a path with a query is ``answer(path,
+    query)`` as JSON (None: 404), as the master's admin and metadata servers
+    answer; yields its base URL."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 -- http.server's name
+            url = urllib.parse.urlparse(self.path)
+            body = answer(url.path, urllib.parse.parse_qs(url.query))
+            if body is None:
+                self.send_response(404)
+                self.end_headers()
+                return
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def skip_probe(endpoint: str, timeout_s: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.store.disk_reads import OWNER_DOWN_LABEL
+from tests.span_helpers import json_http_server
 from tests.unit import test_client_domains as domains
 from tests.unit.test_client_domains import COMPONENTS, OBJECT_BYTES, SEGMENTS, Keys, native_calls
 
@@ -106,55 +107,32 @@ def test_the_owner_is_the_one_the_master_names_not_placements_guess(make_client,
 
 
 def test_disk_owners_come_from_the_admin_servers_client_ids():
-    import http.server
-    import json
-    import threading
-    import urllib.parse
-
     from mooncake_span.store.segments import fetch_disk_owners
 
-    answers = {
-        "/get_segments_detail": {
-            "segments": [
-                {"segment_name": "127.0.0.1:12001", "client_id": "1-1"},
-                {"segment_name": "127.0.0.1:12002", "client_id": "2-2"},
-            ]
-        },
+    detail = {
+        "segments": [
+            {"segment_name": "127.0.0.1:12001", "client_id": "1-1"},
+            {"segment_name": "127.0.0.1:12002", "client_id": "2-2"},
+        ]
     }
     disk = {"k0": "1-1", "k1": "2-2", "k2": "9-9"}  # k2: an owner with no segment listed
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 -- http.server's name
-            url = urllib.parse.urlparse(self.path)
-            if url.path == "/batch_query_keys":
-                keys = urllib.parse.parse_qs(url.query)["keys"][0].split(",")
-                body = {
-                    "success": True,
-                    "data": {
-                        k: {"ok": True, "local_disk_values": [{"client_id": disk[k]}]}
-                        if k in disk
-                        else {"ok": True, "local_disk_values": None}
-                        for k in keys
-                    },
+    def answer(path, query):
+        if path == "/get_segments_detail":
+            return detail
+        keys = query["keys"][0].split(",")
+        return {
+            "success": True,
+            "data": {
+                k: {
+                    "ok": True,
+                    "local_disk_values": [{"client_id": disk[k]}] if k in disk else None,
                 }
-            else:
-                body = answers[url.path]
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+                for k in keys
+            },
+        }
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{server.server_port}"
+    with json_http_server(answer) as url:
         owners = fetch_disk_owners(url, [f"k{i}" for i in range(40)])
-    finally:
-        server.shutdown()
     assert owners == {"k0": {"127.0.0.1:12001"}, "k1": {"127.0.0.1:12002"}, "k2": {"client:9-9"}}
     assert fetch_disk_owners("http://127.0.0.1:1", ["k0"]) is None

@@ -4,14 +4,10 @@ measured on the wheel's master; P2P handshake: the segment's own name)."""
 
 from __future__ import annotations
 
-import http.server
-import json
 import socket
-import threading
-import urllib.parse
 
 from mooncake_span.store.segments import probe_segment
-from tests.span_helpers import listening_port
+from tests.span_helpers import json_http_server, listening_port
 
 
 def _closed_port() -> int:
@@ -41,30 +37,9 @@ def test_http_metadata_names_the_rpc_endpoint():
                 "rpc_port": dead_port,
             },
         }
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 -- http.server's name
-                key = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)["key"][0]
-                if key not in entries:
-                    self.send_response(404)
-                    self.end_headers()
-                    return
-                data = json.dumps(entries[key]).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        try:
-            metadata = f"http://127.0.0.1:{server.server_port}/metadata"
+        with json_http_server(lambda path, query: entries.get(query["key"][0])) as url:
+            metadata = url + "/metadata"
             assert probe_segment(metadata, "127.0.0.1:1") is True
             assert probe_segment(metadata, "127.0.0.1:2") is False
             assert probe_segment(metadata, "127.0.0.1:3") is None  # no entry
-        finally:
-            server.shutdown()
     assert probe_segment("etcd://127.0.0.1:2379", "127.0.0.1:1") is None
