@@ -243,7 +243,7 @@ class MooncakeClient:
         batch = PlanBatch.of(plans)
         if steps is not None:
             self.router.note_chain_put()
-        if self.router.direct(keys):
+        if self.router.direct_put(keys):
             ok = self._put_direct(list(keys), batch, group_ids, hard_pin, (domains, steps))
             self.router.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
             return ok
@@ -325,18 +325,31 @@ class MooncakeClient:
                 segment,
             )
             codes += self._put_call(keys[call.start : call.stop], batch.part(call), config)
-        if segment and codes and all(map(is_transfer_failure, codes)):
-            self._convict_put_target(segment)
+        if segment and any(map(is_transfer_failure, codes)):
+            self._judge_put_target(segment, all(map(is_transfer_failure, codes)))
         return codes
 
-    def _convict_put_target(self, segment: str) -> None:
+    def _judge_put_target(self, segment: str, whole_call: bool) -> None:
         # Mooncake moves a put off a full preferred segment onto any listed one, a
         # dead one included, so a failed transfer does not name its segment. The
-        # preferred one is asked: one that answers is not the culprit (reads locate
-        # theirs); one that cannot be asked is convicted while no other is known bad.
+        # preferred one is dialled: one that refuses is marked bad. One that answers
+        # (or any, while another segment is known bad) was full: puts move to the
+        # next segment, reads of its keys go on. One that cannot be dialled (etcd
+        # metadata) is marked bad when it failed a whole call and no other is bad.
         answers = self._binding.segment_answers(self.settings.metadata_server, segment)
-        if answers is False or (answers is None and not self.router.bad_segments()):
+        others_bad = bool(self.router.bad_segments())
+        if answers is False or (answers is None and whole_call and not others_bad):
             self._mark_bad([segment], "batch_put_from_multi_buffers")
+        elif answers or others_bad:
+            fresh = self.router.mark_segments_full([segment])
+            if fresh:
+                logger.info(
+                    "mooncake-span: segment %s took only part of a put (Mooncake moved the "
+                    "rest elsewhere, where the transfer failed); new puts go to the next "
+                    "segment for %.0fs, its keys read as before",
+                    segment,
+                    self.options.domain_bad_ttl_s,
+                )
 
     def _put_call(self, keys: list[str], batch: PlanBatch, config: Any) -> list[int]:
         codes = self._gate.invoke(
@@ -662,6 +675,7 @@ class MooncakeClient:
             "breaker_times_opened": snapshot.times_opened,
             "segments": list(self.segments()),
             "bad_segments": sorted(self.router.bad_segments()),
+            "full_segments": sorted(self.router.full_segments()),
             "domains_marked_bad": self.router.times_marked,
             "lost_keys": self.router.lost_count,
             "skipped_backups": self.pressure.skipped(),

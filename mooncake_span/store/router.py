@@ -56,6 +56,9 @@ class DomainRouter:
         # segment) so that a read can skip a dead copy; without it, Mooncake's.
         self.copies = options.replica_num if options.placement else 1
         self._health = DomainHealth(options.domain_bad_ttl_s)
+        # Live segments that took only part of a put (Mooncake moved the rest):
+        # puts avoid them for a while, reads do not.
+        self._full = DomainHealth(options.domain_bad_ttl_s)
         self._bad_ttl_s = options.domain_bad_ttl_s
         self._owners_down_until = 0.0  # see mark_owners_down
         self._lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
@@ -94,8 +97,18 @@ class DomainRouter:
         self._owners_down_until = now + self._bad_ttl_s
         return self._health.mark_bad(segments, now)
 
+    def mark_segments_full(self, segments: Iterable[str]) -> list[str]:
+        """Live segments a put could not fill: Mooncake moves a put off a full
+        preferred segment onto any listed one, a dead one included, so new puts
+        go to the next segment for ``span_domain_bad_ttl_s``; their keys read as
+        before. Returns those not marked before."""
+        return self._full.mark_bad(segments, self._clock())
+
     def bad_segments(self) -> frozenset[str]:
         return self._health.bad(self._clock())
+
+    def full_segments(self) -> frozenset[str]:
+        return self._full.bad(self._clock())
 
     @property
     def times_marked(self) -> int:
@@ -131,6 +144,10 @@ class DomainRouter:
         by the buffer budget (``calls``): one copy per key, no segment marked bad,
         no key named twice."""
         return self.copies == 1 and not self._health.any_bad and len(set(keys)) == len(keys)
+
+    def direct_put(self, keys: Sequence[str]) -> bool:
+        """``direct``, and no segment is marked full (puts move off it)."""
+        return self.direct(keys) and not self._full.any_bad
 
     def calls(self, batch: PlanBatch, max_objects: int = 0) -> list[range]:
         """Consecutive objects per native call, each within the buffer budget and,
@@ -183,7 +200,7 @@ class DomainRouter:
             self._domains(keys, domains, steps) if segments else None,
             segments,
             self.copies,
-            self.bad_segments(),
+            self.bad_segments() | self.full_segments(),
             steps,
         )
 

@@ -210,13 +210,30 @@ def test_a_failed_put_convicts_its_segment_only_when_that_segment_does_not_answe
     make_client, cluster
 ):
     # Mooncake moves a put off a full preferred segment onto any listed one, so
-    # a failed transfer does not name its segment: a preferred one that answers
-    # a connection is not the culprit; one that refuses is.
-    _failed_put(make_client(), cluster)
-    assert make_client().stats()["bad_segments"] == []
-    client = make_client(segment_answers=lambda metadata, segment: False)
+    # a failed transfer does not name its segment: one that refuses a connection
+    # is the culprit; one that answers was full, and puts move off it for a while
+    # while its keys still read.
+    stored = Keys()
+    client = make_client()
+    assert all(stored.put(client))
     _failed_put(client, cluster)
-    assert client.stats()["bad_segments"] == sorted({Keys(4).home(k) for k in range(4)})
+    homes = {Keys(4).home(k) for k in range(4)}
+    assert client.stats()["bad_segments"] == []
+    assert client.stats()["full_segments"] == sorted(homes)
+    assert all(stored.get_key(client, k) for k in range(24))
+    dead = make_client(segment_answers=lambda metadata, segment: False)
+    _failed_put(dead, cluster)
+    assert dead.stats()["bad_segments"] == sorted(homes)
+
+
+def test_puts_move_off_a_full_segment_to_the_next_one(make_client, cluster):
+    client = make_client()
+    full = SEGMENTS[0]
+    client.router.mark_segments_full([full])
+    keys = Keys()
+    assert all(keys.put(client))
+    assert {cluster.placement[o] for o in keys.objects} == {SEGMENTS[1]}
+    assert all(keys.get_key(client, k) for k in range(24))
 
 
 def test_a_failed_put_no_probe_can_judge_convicts_only_while_no_segment_is_bad(
