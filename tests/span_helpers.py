@@ -154,7 +154,7 @@ def fake_client(
     master: str,
     cluster: Any,
     clock: Callable[[], float] = time.monotonic,
-    segment_answers: Callable[[str, str], bool | None] | None = None,
+    segment_answers: Callable[[str, str | None, str], bool | None] | None = None,
     **options: Any,
 ) -> Any:
     """A connected MooncakeClient on the contract-checked fake; placement reads
@@ -177,7 +177,8 @@ def fake_client(
             FakeReplicateConfig,
             lambda url: cluster.live_segments(),
             list_disk_owners=lambda url, keys: cluster.disk_owners(keys),
-            segment_answers=segment_answers or (lambda metadata, seg: seg not in cluster.dead),
+            segment_answers=segment_answers
+            or (lambda metadata, admin, seg: seg not in cluster.dead),
         ),
         clock=clock,
     )

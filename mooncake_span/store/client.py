@@ -336,7 +336,9 @@ class MooncakeClient:
         # (or any, while another segment is known bad) was full: puts move to the
         # next segment, reads of its keys go on. One that cannot be dialled (etcd
         # metadata) is marked bad when it failed a whole call and no other is bad.
-        answers = self._binding.segment_answers(self.settings.metadata_server, segment)
+        answers = self._binding.segment_answers(
+            self.settings.metadata_server, self._admin_url, segment
+        )
         others_bad = bool(self.router.bad_segments())
         if answers is False or (answers is None and whole_call and not others_bad):
             self._mark_bad([segment], "batch_put_from_multi_buffers")

@@ -65,8 +65,9 @@ class NativeBinding:
     probe_endpoint: Callable[[str, float], None] = probe_tcp
     # Per object key, the segments whose SSD holds it, given the admin URL (None: no answer).
     list_disk_owners: Callable[[str, Sequence[str]], dict[str, set[str]] | None] = fetch_disk_owners
-    # Whether a segment's transfer endpoint answers, given the metadata server (None: unknown).
-    segment_answers: Callable[[str, str], bool | None] = probe_segment
+    # Whether a segment's transfer endpoint answers, given the metadata server and
+    # the admin URL (None: unknown).
+    segment_answers: Callable[[str, str | None, str], bool | None] = probe_segment
 
 
 @dataclass(frozen=True)

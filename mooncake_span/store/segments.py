@@ -5,6 +5,10 @@ on its ``--metrics_port``), refreshed by one daemon thread every
 ``refresh_s`` and at once after a transfer failure (``wake``). Callers read the
 list without blocking; a failed fetch keeps the previous list, so a master
 outage does not empty it and turn placement off.
+
+Also the other questions the client asks the master's servers over HTTP:
+which segments' SSDs hold a key (``fetch_disk_owners``) and whether a
+segment's transfer endpoint answers (``probe_segment``).
 """
 
 from __future__ import annotations
@@ -83,11 +87,12 @@ def fetch_disk_owners(admin_url: str, keys: Sequence[str]) -> dict[str, set[str]
 _PROBE_TIMEOUT_S = 0.3
 
 
-def probe_segment(metadata_server: str, segment: str) -> bool | None:
+def probe_segment(metadata_server: str, admin_url: str | None, segment: str) -> bool | None:
     """Whether ``segment``'s transfer RPC endpoint accepts a TCP connection:
-    False when it refuses or stays silent within the bound, None when this
-    metadata service does not say where the endpoint is (etcd, redis)."""
-    endpoint = _rpc_endpoint(metadata_server, segment)
+    False when it refuses or stays silent within the bound, None when nothing
+    says where the endpoint is (etcd or redis metadata; P2P handshake without
+    the master's admin server)."""
+    endpoint = _rpc_endpoint(metadata_server, admin_url, segment)
     if endpoint is None:
         return None
     try:
@@ -97,18 +102,25 @@ def probe_segment(metadata_server: str, segment: str) -> bool | None:
     return True
 
 
-def _rpc_endpoint(metadata_server: str, segment: str) -> tuple[str, int] | None:
-    if metadata_server == "P2PHANDSHAKE":
-        # The segment is named after its handshake (RPC) endpoint.
-        host, _, port = segment.rpartition(":")
-        return (host.strip("[]"), int(port)) if host and port.isdigit() else None
-    if not metadata_server.startswith(("http://", "https://")):
-        return None
-    key = urllib.parse.quote("mooncake/rpc_meta/" + segment, safe="")
-    meta = _get_json(f"{metadata_server}?key={key}")
-    if not isinstance(meta, dict) or not str(meta.get("rpc_port", "")).isdigit():
-        return None
-    return str(meta.get("ip_or_host_name") or segment.rpartition(":")[0]), int(meta["rpc_port"])
+def _rpc_endpoint(
+    metadata_server: str, admin_url: str | None, segment: str
+) -> tuple[str, int] | None:
+    # A segment's name is not an endpoint (measured: no process listens on it).
+    if metadata_server.startswith(("http://", "https://")):
+        key = urllib.parse.quote("mooncake/rpc_meta/" + segment, safe="")
+        meta = _get_json(f"{metadata_server}?key={key}")
+        if isinstance(meta, dict) and str(meta.get("rpc_port", "")).isdigit():
+            host = str(meta.get("ip_or_host_name") or segment.rpartition(":")[0])
+            return host, int(meta["rpc_port"])
+    elif metadata_server == "P2PHANDSHAKE" and admin_url:
+        # The master's segment detail names the endpoint a handshake dials.
+        detail = _get_json(admin_url.rstrip("/") + "/get_segments_detail")
+        for entry in detail.get("segments") or [] if isinstance(detail, dict) else []:
+            if entry.get("segment_name") == segment:
+                host, _, port = str(entry.get("te_endpoint") or "").rpartition(":")
+                if host and port.isdigit():
+                    return host.strip("[]"), int(port)
+    return None
 
 
 def replica_segments(

@@ -221,7 +221,7 @@ def test_a_failed_put_convicts_its_segment_only_when_that_segment_does_not_answe
     assert client.stats()["bad_segments"] == []
     assert client.stats()["full_segments"] == sorted(homes)
     assert all(stored.get_key(client, k) for k in range(24))
-    dead = make_client(segment_answers=lambda metadata, segment: False)
+    dead = make_client(segment_answers=lambda metadata, admin, segment: False)
     _failed_put(dead, cluster)
     assert dead.stats()["bad_segments"] == sorted(homes)
 
@@ -242,7 +242,7 @@ def test_a_failed_put_no_probe_can_judge_convicts_only_while_no_segment_is_bad(
     # Etcd metadata does not say where a segment's endpoint is: the first failed
     # call convicts its segment; once one is bad, another's failed put may have
     # been moved onto it, so it convicts nothing.
-    client = make_client(segment_answers=lambda metadata, segment: None)
+    client = make_client(segment_answers=lambda metadata, admin, segment: None)
     _failed_put(client, cluster)
     homes = {Keys(4).home(k) for k in range(4)}
     assert len(homes) == 2
