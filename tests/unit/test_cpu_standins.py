@@ -37,7 +37,7 @@ _E2E = """
 import json, types
 import torch
 import sgl_kernel
-from mooncake_span.testing.cpu_server import standins
+from mooncake_span.testing.cpu_server import host_pools, standins
 import sglang.srt.mem_cache.pool_host.base as base
 import sglang.srt.mem_cache.pool_host.mha as mha
 import sglang.srt.mem_cache.pool_host.mla as mla
@@ -63,8 +63,8 @@ print("RESULT " + json.dumps({
     "sgl_kernel": [sgl_kernel.assign_req_to_token_pool_cpu is standins.assign_req_to_token_pool_cpu,
                    sgl_kernel.copy_all_layer_kv_cache_cpu is standins.copy_all_layer_kv_cache_cpu,
                    type(sgl_kernel.__spec__.loader).__name__],
-    "mha": [getattr(mha, n) is getattr(standins, n) for n in names],
-    "mla": [getattr(mla, n) is getattr(standins, n) for n in names],
+    "mha": [getattr(mha, n) is getattr(host_pools, n) for n in names],
+    "mla": [getattr(mla, n) is getattr(host_pools, n) for n in names],
     "wrapped": base.HostKVCache.__init__.__wrapped__.__qualname__,
     "handler": [handler.__name__, handler(types.SimpleNamespace(), None).name],
     "sender": conn.MooncakeKVSender.supports_host_tensor_indices,
@@ -75,7 +75,7 @@ print("RESULT " + json.dumps({
         mamba_hook._platform_supports_mamba_cache_extra_buffer(),
         pool_mamba.MambaPoolHost.__init__.__wrapped__.__qualname__,
         pool_dsa.DSAIndexerPoolHost.__init__.__wrapped__.__qualname__,
-        [getattr(m, n) is getattr(standins, n) for m in (pool_mamba, pool_dsa) for n in names],
+        [getattr(m, n) is getattr(host_pools, n) for m in (pool_mamba, pool_dsa) for n in names],
         kpool.IndexerKPool.forward_native is g.indexer_forward_native,
         tn.TorchNativeAttnBackend.forward_extend.__module__,
         kda_backend.causal_conv1d_fn is g.kda_cpu.causal_conv1d_fn,
@@ -121,7 +121,7 @@ from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods
 
 from mooncake_span.testing import pools  # noqa: E402
 from mooncake_span.testing.cpu_server import SITE_DIR as PACKAGE_SITE_DIR  # noqa: E402
-from mooncake_span.testing.cpu_server import glm5_standins, standins  # noqa: E402
+from mooncake_span.testing.cpu_server import glm5_standins, host_pools, standins  # noqa: E402
 from mooncake_span.testing.sglang_cpu import _host_budget  # noqa: E402
 
 DIRECT_LAYOUTS = ("layer_first", "page_first_direct")
@@ -212,7 +212,7 @@ def direct_copies(monkeypatch):
     for module in (pool_host_mha, pool_host_mla):
         for name in DIRECT_COPIES:
             # On a CPU host sglang imports none of them; raising=False restores that.
-            monkeypatch.setattr(module, name, getattr(standins, name), raising=False)
+            monkeypatch.setattr(module, name, getattr(host_pools, name), raising=False)
 
 
 # ---------------------------------------------------------------------------
@@ -230,10 +230,14 @@ def test_patch_direct_copies_binds_only_missing_names():
     module = ModuleType("fake_pool_host")
     own = object()
     module.transfer_kv_direct = own
-    standins.patch_direct_copies(module)
+    host_pools.patch_direct_copies(module)
     assert module.transfer_kv_direct is own
-    assert module.transfer_kv_per_layer_direct_pf_lf is standins.transfer_kv_per_layer_direct_pf_lf
-    assert module.transfer_kv_all_layer_direct_lf_pf is standins.transfer_kv_all_layer_direct_lf_pf
+    assert (
+        module.transfer_kv_per_layer_direct_pf_lf is host_pools.transfer_kv_per_layer_direct_pf_lf
+    )
+    assert (
+        module.transfer_kv_all_layer_direct_lf_pf is host_pools.transfer_kv_all_layer_direct_lf_pf
+    )
 
 
 @pytest.mark.parametrize("layout", DIRECT_LAYOUTS)
@@ -297,25 +301,25 @@ def test_direct_token_level_copies():
     """The copies map token to token (not page to page) for any index order."""
     src = [torch.arange(24, dtype=torch.float32).view(12, 2) + 100 * i for i in range(2)]
     dst = [torch.zeros(12, 2) for _ in range(2)]
-    standins.transfer_kv_direct(src, dst, torch.tensor([5, 0, 7]), torch.tensor([1, 9, 3]), 4)
+    host_pools.transfer_kv_direct(src, dst, torch.tensor([5, 0, 7]), torch.tensor([1, 9, 3]), 4)
     for s, d in zip(src, dst, strict=True):
         assert torch.equal(d[[1, 9, 3]], s[[5, 0, 7]])
         assert int(torch.count_nonzero(d.sum(dim=1))) == 3
 
     # page_first_direct host buffer (page, layer, slot, width) with page 4; 2 layers.
     host = torch.zeros(3, 2, 4, 2)
-    standins.transfer_kv_all_layer_direct_lf_pf(
+    host_pools.transfer_kv_all_layer_direct_lf_pf(
         src, [host], torch.tensor([2, 3]), torch.tensor([6, 9]), page_size=4
     )
     assert torch.equal(host[1, 0, 2], src[0][2]) and torch.equal(host[2, 1, 1], src[1][3])
     assert int(torch.count_nonzero(host.sum(dim=-1))) == 4
     out = torch.zeros(12, 2)
-    standins.transfer_kv_per_layer_direct_pf_lf(
+    host_pools.transfer_kv_per_layer_direct_pf_lf(
         [host], [out], torch.tensor([9, 6]), torch.tensor([0, 11]), layer_id=1, page_size=4
     )
     assert torch.equal(out[0], src[1][3]) and torch.equal(out[11], src[1][2])
     with pytest.raises(ValueError, match="3 device layers do not split over 2 pools"):
-        standins.transfer_kv_all_layer_direct_lf_pf(
+        host_pools.transfer_kv_all_layer_direct_lf_pf(
             src + src[:1], [host, host], torch.tensor([0]), torch.tensor([0]), 4
         )
 
@@ -520,7 +524,7 @@ def test_host_pools_are_never_pinned(monkeypatch, direct_copies):
     # The real class in a stand-in module: module globals the patch sets stay off sglang's.
     module = ModuleType(pool_host_base.__name__)
     module.HostKVCache = HostKVCache
-    standins.patch_host_pool_base(module)
+    host_pools.patch_host_pool_base(module)
     assert HostKVCache.__init__ is not original
     assert HostKVCache.__init__.__wrapped__ is original
 

@@ -30,6 +30,7 @@ from types import ModuleType
 from typing import Any
 
 from mooncake_span.testing.cpu_server import dsa_index_cpu, kda_cpu
+from mooncake_span.testing.cpu_server.host_pools import patch_direct_copies, unpinned_init
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +98,8 @@ def patch_state_host_pool(class_name: str) -> Callable[[ModuleType], None]:
     """
 
     def patch(module: ModuleType) -> None:
-        from mooncake_span.testing.cpu_server.standins import _unpinned_init, patch_direct_copies
-
         cls = getattr(module, class_name)
-        cls.__init__ = _unpinned_init(cls.__init__)
+        cls.__init__ = unpinned_init(cls.__init__)
         patch_direct_copies(module)
 
     return patch
