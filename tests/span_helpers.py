@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -184,3 +184,18 @@ def fake_client(
     )
     client.connect()
     return client
+
+
+def master_replicas(cluster: Any, keys: Sequence[str]) -> dict[str, Any]:
+    """What a real cluster's master says of ``keys`` (``batch_get_replica_desc``),
+    asked by a client of its own that mounts nothing."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    host = cluster.spec.host
+    rc = store.setup(host, cluster.metadata_server, 0, 16 << 20, "tcp", "", cluster.master_address)
+    assert rc == 0, f"a client of {cluster.master_address} did not set up: {rc}"
+    try:
+        return store.batch_get_replica_desc(list(keys))
+    finally:
+        store.close()

@@ -35,7 +35,7 @@ from mooncake_span.ops.master_http import iter_lines
 from mooncake_span.store.disk_reads import OWNER_DOWN_LABEL
 from mooncake_span.testing import pools as P
 from tests.conftest import require_mooncake
-from tests.span_helpers import make_storage_config, register_pools, slots_of
+from tests.span_helpers import make_storage_config, master_replicas, register_pools, slots_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -192,22 +192,11 @@ def working_set(ssd_cluster: LocalCluster) -> Iterator[Keys]:
 
 def _disk_only_objects(cluster: LocalCluster) -> tuple[int, int]:
     """(objects with only a disk replica, all objects), as the master describes them."""
-    from mooncake.store import MooncakeDistributedStore
-
     keys = [k for k in iter_lines(f"{cluster.metrics_url}/get_all_keys", timeout_s=5.0) if k]
-    store = MooncakeDistributedStore()
-    host = cluster.spec.host
-    assert (
-        store.setup(host, cluster.metadata_server, 0, 16 << 20, "tcp", "", cluster.master_address)
-        == 0
+    found = master_replicas(cluster, keys)
+    disk = sum(
+        1 for reps in found.values() if reps and not any(r.is_memory_replica() for r in reps)
     )
-    try:
-        found = store.batch_get_replica_desc(keys)
-        disk = sum(
-            1 for reps in found.values() if reps and not any(r.is_memory_replica() for r in reps)
-        )
-    finally:
-        store.close()
     return disk, len(keys)
 
 

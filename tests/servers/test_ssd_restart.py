@@ -28,6 +28,7 @@ from tests.servers.conftest import (
     wait_for_backup,
     wait_until,
 )
+from tests.span_helpers import master_replicas
 
 pytestmark = [
     pytest.mark.integration,
@@ -42,19 +43,8 @@ OFFLOAD_TIMEOUT_S = 20.0
 
 def _on_disk(cluster: LocalCluster) -> tuple[int, int]:
     """(objects with a replica on an owner's SSD, all objects), as the master describes them."""
-    from mooncake.store import MooncakeDistributedStore
-
     keys = stored_keys(cluster)
-    store = MooncakeDistributedStore()
-    host = cluster.spec.host
-    assert (
-        store.setup(host, cluster.metadata_server, 0, 16 << 20, "tcp", "", cluster.master_address)
-        == 0
-    )
-    try:
-        found = store.batch_get_replica_desc(keys)
-    finally:
-        store.close()
+    found = master_replicas(cluster, keys)
     disk = sum(1 for reps in found.values() if any(r.is_local_disk_replica() for r in reps))
     return disk, len(keys)
 
