@@ -189,12 +189,9 @@ def fake_client(
 def master_replicas(cluster: Any, keys: Sequence[str]) -> dict[str, Any]:
     """What a real cluster's master says of ``keys`` (``batch_get_replica_desc``),
     asked by a client of its own that mounts nothing."""
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake_span.bench.shared_native import raw_client
 
-    store = MooncakeDistributedStore()
-    host = cluster.spec.host
-    rc = store.setup(host, cluster.metadata_server, 0, 16 << 20, "tcp", "", cluster.master_address)
-    assert rc == 0, f"a client of {cluster.master_address} did not set up: {rc}"
+    store = raw_client(cluster.client_config())
     try:
         return store.batch_get_replica_desc(list(keys))
     finally:

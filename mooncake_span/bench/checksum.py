@@ -94,21 +94,12 @@ def _measure_cell(cluster: Any, cell: tuple[str, str, int], verify: bool, reps: 
 def _measure_raw(cluster: Any, topology: str, reps: int) -> dict[str, Any]:
     """One RAW_OBJECT_BYTES object per call through the native client alone."""
     import numpy as np
-    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    from mooncake.store import ReplicateConfig
 
-    c = cluster.client_config(SEGMENT_BYTES if topology == "same" else 0)
-    native = MooncakeDistributedStore()
-    rc = native.setup(
-        c["local_hostname"],
-        c["metadata_server"],
-        int(c["global_segment_size"]),
-        16 << 20,
-        "tcp",
-        "",
-        c["master_server_address"],
-    )
-    if rc != 0:
-        raise RuntimeError(f"Mooncake setup failed with {rc}")
+    from mooncake_span.bench.shared_native import raw_client
+
+    segment_bytes = SEGMENT_BYTES if topology == "same" else 0
+    native = raw_client(cluster.client_config(segment_bytes), segment_bytes)
     n = RAW_OBJECT_BYTES
     src = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8)
     dst = np.zeros(n, dtype=np.uint8)

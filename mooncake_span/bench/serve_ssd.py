@@ -243,12 +243,9 @@ def _disagreeing_reads(
 
 def _wait_on_disk(cluster: LocalCluster, objects: set[str]) -> float:
     """Until every object has a replica on the storage node's SSD (bounded)."""
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake_span.bench.shared_native import raw_client
 
-    store = MooncakeDistributedStore()
-    host = cluster.spec.host
-    if store.setup(host, cluster.metadata_server, 0, 16 << 20, "tcp", "", cluster.master_address):
-        raise RuntimeError("the inspecting client could not set up")
+    store = raw_client(cluster.client_config())
     started = time.monotonic()
     try:
         while time.monotonic() - started < OFFLOAD_TIMEOUT_S:

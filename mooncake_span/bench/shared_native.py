@@ -7,7 +7,7 @@ import collections
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -48,6 +48,29 @@ _IO_CALLS = (
     "batch_put_from",
     "batch_get_into",
 )
+
+
+def raw_client(client_config: Mapping[str, Any], segment_bytes: int = 0) -> Any:
+    """A bare ``MooncakeDistributedStore`` of the cluster an sglang-style client
+    config names (TCP, a 16 MiB local buffer), mounting ``segment_bytes``: for
+    what a benchmark measures or asks below the backend. RuntimeError if its
+    setup fails."""
+    from mooncake.store import MooncakeDistributedStore
+
+    native = MooncakeDistributedStore()
+    master = client_config["master_server_address"]
+    rc = native.setup(
+        client_config["local_hostname"],
+        client_config["metadata_server"],
+        segment_bytes,
+        16 * MiB,
+        "tcp",
+        "",
+        master,
+    )
+    if rc != 0:
+        raise RuntimeError(f"a bare Mooncake client of {master} did not set up: {rc}")
+    return native
 
 
 class TimedNativeStore(TimedProxy):

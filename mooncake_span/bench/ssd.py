@@ -123,21 +123,10 @@ class NativeView:
     them). The backend closes it."""
 
     def __init__(self, cluster: LocalCluster) -> None:
-        from mooncake.store import MooncakeDistributedStore
+        from mooncake_span.bench.shared_native import raw_client
 
         self.cluster = cluster
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup(
-            cluster.spec.host,
-            cluster.metadata_server,
-            0,
-            16 << 20,
-            "tcp",
-            "",
-            cluster.master_address,
-        )
-        if rc != 0:
-            raise RuntimeError(f"setup of the inspecting client failed: {rc}")
+        self.store = raw_client(cluster.client_config())
 
     def objects(self, names: Sequence[str]) -> list[str]:
         wanted = tuple(f"_{n}__" for n in names)
