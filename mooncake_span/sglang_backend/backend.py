@@ -9,7 +9,9 @@ How sglang 0.5.23 drives a storage backend (``HiCacheController`` /
 2. ``register_mem_pool_host(anchor)``, then for hybrid stacks
    ``register_mem_host_pool_v2(pool, name)`` per host pool (``kv`` included),
    then ``on_host_pools_registered()`` once; sidecars added later arrive
-   through ``register_mem_host_pool_v2`` only;
+   through ``register_mem_host_pool_v2`` only; the span fork's startup then
+   assigns ``storage_page_size`` on the live backend (the property below),
+   before the first data call fixes it (``storage_page.py``);
 3. worker threads: backup = ``batch_set_v2`` (sidecars) then ``batch_set_v1``
    (KV, writer ranks only); hit query = ``batch_exists_v2`` (or
    ``batch_exists``); prefetch = ``batch_get_v1`` (+ ``batch_get_v2`` for
@@ -152,6 +154,24 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
     def observer(self, observer: CallObserver) -> None:
         self.recorder.observer = observer
 
+    @property
+    def storage_page_size(self) -> int:
+        """Tokens one storage key covers (0 before registration when nothing named it)."""
+        if self.registration.geometry is not None:
+            return self.registration.geometry.storage_page_tokens
+        return self.registration.storage_page.choice.tokens or 0
+
+    @storage_page_size.setter
+    def storage_page_size(self, value: int) -> None:
+        # Span-aware builds hand the page this way (span fork: at startup, after
+        # the pools registered); refused with a clear error once data moved.
+        self.registration.assign_storage_page(value)
+
+    @property
+    def layout_guard_result(self) -> str | None:
+        """The layout guard's last outcome: "off", "published", "matched" or None."""
+        return self.registration.layout_guard_result
+
     def geometry_record(self) -> GeometryRecord:
         return self.registration.geometry_record()
 
@@ -175,7 +195,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.registration.register_pool(name, host_pool)
 
     def on_host_pools_registered(self) -> None:
-        self.layout_guard_result = self.registration.check_layout()
+        self.registration.check_layout()
 
     # ---- hits (the data calls: gets in reads.py, puts in writes.py) ------------------------
     # sglang's extra_info (HiCacheStorageExtraInfo) matters for its prefix_keys
@@ -186,7 +206,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        self.registration.require_ready()
+        self.registration.begin_io(moves_bytes=False)
         page_keys = check_page_keys(keys)
         kv = self.pools[KV_POOL]
         if kv.is_logical:
@@ -206,7 +226,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        self.registration.require_ready()
+        self.registration.begin_io(moves_bytes=False)
         page_keys = check_page_keys(keys)
         transfers = [
             (t, self.registration.registered(pool_name_str(t.name), "hit query"))

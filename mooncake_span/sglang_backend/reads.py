@@ -70,10 +70,10 @@ class ReadPath:
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        self.registration.require_ready()
         if target_locations is not None:
             targets = list(target_locations)
         else:
+            self.registration.begin_io()  # the flat value's size follows K
             span_bytes = self.registration.span_bytes
             targets = [torch.empty(span_bytes, dtype=torch.uint8) for _ in keys]
         batch = self.registration.flat_batch(keys, targets)

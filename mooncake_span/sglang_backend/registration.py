@@ -15,6 +15,7 @@ alone in ``transfer_batches``; ``flat_batch`` for the generic path's tensors).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,14 @@ from mooncake_span.sglang_backend.guard import miss_per_transfer
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
 from mooncake_span.sglang_backend.prefix_chain import chain_of, prefix_keys_of
 from mooncake_span.sglang_backend.stager import Stager
-from mooncake_span.sglang_backend.storage_page import resolve_storage_page_tokens
+from mooncake_span.sglang_backend.storage_page import (
+    PageChoice,
+    StoragePage,
+    check_assignable,
+    declared_page,
+    kv_stride,
+    warn_if_inconsistent,
+)
 from mooncake_span.sglang_backend.stored_pool import (
     PoolBatch,
     StagedPool,
@@ -38,7 +46,12 @@ from mooncake_span.sglang_backend.stored_pool import (
 from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
 from mooncake_span.span.keys import KeySchema, RankTags, check_page_keys
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_layout_guard
+from mooncake_span.store.layout_guard import (
+    GeometryRecord,
+    PoolGeometry,
+    check_layout_guard,
+    recheck_layout_guard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,24 +111,41 @@ class Registration:
         # Storage keys of a prefix chain per segment before it moves on (set
         # with the geometry: span_chain_window_tokens in whole storage keys).
         self.chain_window_keys = 1
+        # The storage page may still change until the first data call
+        # (storage_page.py); the geometry, key schema and layout guard follow it.
+        self.storage_page = StoragePage(declared_page(storage_config, options))
+        self._anchor: Any = None
+        self._guard_record: GeometryRecord | None = None  # what the guard last checked
+        self.layout_guard_result: str | None = None
+        self._io_ready = False  # the page is fixed and the geometry follows it
+        self._io_lock = threading.Lock()
+        self._io_refusal: MooncakeSpanError | None = None
 
     @property
     def is_mla(self) -> bool:
         return bool(getattr(self._config, "is_mla_model", False))
 
     def register_anchor(self, mem_pool_host: Any) -> None:
-        """The KV pool: it fixes the span geometry and the key schema."""
+        """The KV pool: it fixes the host page, the span geometry and the key schema."""
         host_page = int(getattr(mem_pool_host, "page_size", 0) or 1)
-        self.geometry = SpanGeometry.resolve(
-            host_page, resolve_storage_page_tokens(self._config, self._options, host_page)
-        )
-        dtype = str(getattr(mem_pool_host, "dtype", "none")).removeprefix("torch.")
+        warn_if_inconsistent(self._config, self._options, host_page)
+        self._anchor = mem_pool_host
+        self._use_geometry(SpanGeometry.resolve(host_page, self.storage_page.choice.tokens))
+        self.register_pool(KV_POOL, mem_pool_host)
+
+    def _use_geometry(self, geometry: SpanGeometry) -> None:
+        """Check ``geometry`` against the registered pools, then serve the
+        namespace it names (the key schema carries K)."""
+        for name, pool in self.pools.items():
+            self._check_pool(name, pool, geometry)
+        anchor = self._anchor
+        self.geometry = geometry
         self.key_schema = KeySchema(
             model=getattr(self._config, "model_name", None) or "model",
-            host_page_tokens=host_page,
-            pages_per_span=self.geometry.pages_per_span,
-            layout=str(getattr(mem_pool_host, "layout", "none")),
-            kv_dtype=dtype,
+            host_page_tokens=geometry.host_page_tokens,
+            pages_per_span=geometry.pages_per_span,
+            layout=str(getattr(anchor, "layout", "none")),
+            kv_dtype=str(getattr(anchor, "dtype", "none")).removeprefix("torch."),
             ranks=rank_tags(self._config),
             tag=self._extra_tag,
         )
@@ -123,12 +153,15 @@ class Registration:
         # per chain window when sglang passes prefix keys (prefix_chain.py).
         self._client.place_by(self.key_schema.domain_of)
         self.chain_window_keys = max(
-            1, self._options.chain_window_tokens // self.geometry.storage_page_tokens
+            1, self._options.chain_window_tokens // geometry.storage_page_tokens
         )
-        self.register_pool(KV_POOL, mem_pool_host)
-        for name, pool in list(self.pools.items()):
-            if pool.kind is PoolKind.KV_DERIVED:
-                self.geometry.check_pool_page(name, pool.page_tokens)
+
+    def _check_pool(self, name: str, pool: StoredPool, geometry: SpanGeometry) -> None:
+        if pool.kind is PoolKind.KV_DERIVED:
+            geometry.check_pool_page(name, pool.page_tokens)
+        if (pool.staged or name == KV_POOL) and not pool.is_logical:
+            pages_per_key = geometry.storage_page_tokens // pool.page_tokens
+            self._stager.check_row(name, pool.layout.flat_page_bytes * pages_per_key, pool.staged)
 
     def register_pool(self, name: str, host_pool: Any) -> None:
         """Describe ``host_pool``, check it against the geometry, register its buffers."""
@@ -136,11 +169,8 @@ class Registration:
         shape = describe_pool(name, host_pool, is_mla=self.is_mla)
         pool_class = StagedPool if shape.staged else StoredPool
         pool = pool_class(name, host_pool, kind, shape.page_tokens, shape.components, shape.layout)
-        if kind is PoolKind.KV_DERIVED and self.geometry is not None:
-            self.geometry.check_pool_page(name, pool.page_tokens)
-        if (pool.staged or name == KV_POOL) and not pool.is_logical and self.geometry:
-            pages_per_key = self.geometry.storage_page_tokens // pool.page_tokens
-            self._stager.check_row(name, pool.layout.flat_page_bytes * pages_per_key, pool.staged)
+        if self.geometry is not None:
+            self._check_pool(name, pool, self.geometry)
         for ptr, size in shape.buffers:
             self._client.register_buffer(ptr, size)
         self.pools[name] = pool
@@ -152,19 +182,95 @@ class Registration:
         the guard's outcome ("off", "published" or "matched")."""
         if self.key_schema is None:
             raise RegistrationError("on_host_pools_registered() before register_mem_pool_host()")
+        record = self.geometry_record()
         result = check_layout_guard(
-            self._options, self.key_schema, self.geometry_record(), self._client, self._stager.arena
+            self._options, self.key_schema, record, self._client, self._stager.arena
         )
+        self._guard_record, self.layout_guard_result = record, result
+        self._log_ready()
+        return result
+
+    def _log_ready(self) -> None:
         logger.info(
-            "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages, "
-            "pools %s",
+            "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages "
+            "(from %s%s), pools %s",
             self.key_schema.prefix,
             self.geometry.storage_page_tokens,
             self.geometry.pages_per_span,
             self.geometry.host_page_tokens,
+            self.storage_page.choice.source.value,
+            "" if self._io_ready else "; it may change until the first data call",
             {n: [c.name for c in pool.components] for n, pool in self.pools.items()},
         )
-        return result
+
+    # ---- the storage page: settled at the first data call -----------------------------
+
+    def assign_storage_page(self, value: Any) -> None:
+        """The build assigns ``storage_page_size`` on the live backend (the span
+        fork does at startup, after the pools registered). Control path: raises."""
+        tokens = check_assignable(value)
+        page = self.storage_page
+        with self._io_lock:
+            host_page = None if self.geometry is None else self.geometry.host_page_tokens
+            if host_page is not None and not (page.settled or page.io_started):
+                # Refuse a page the pools cannot tile before anything changes.
+                candidate = SpanGeometry.resolve(host_page, tokens or None)
+                for name, pool in self.pools.items():
+                    self._check_pool(name, pool, candidate)
+            choice = page.assign(tokens, host_page)
+            if choice is not None and host_page is not None:
+                self._change_page(choice)
+
+    def _change_page(self, choice: PageChoice) -> None:
+        before = self.geometry
+        self._use_geometry(SpanGeometry.resolve(before.host_page_tokens, choice.tokens))
+        logger.info(
+            "mooncake-span: storage page %d -> %d tokens (K %d -> %d), from %s; prefix %s",
+            before.storage_page_tokens,
+            self.geometry.storage_page_tokens,
+            before.pages_per_span,
+            self.geometry.pages_per_span,
+            choice.source.value,
+            self.key_schema.prefix,
+        )
+        if self._guard_record is not None:
+            record = self.geometry_record()
+            self.layout_guard_result = recheck_layout_guard(
+                self._options,
+                self.key_schema,
+                record,
+                self._guard_record,
+                self._client,
+                self._stager.arena,
+            )
+            self._guard_record = record
+
+    def begin_io(self, kv_slots_per_key: int | None = None, *, moves_bytes: bool = True) -> None:
+        """Every data call starts here. The first one fixes the storage page
+        (a build that named none: from ``kv_slots_per_key``, the call's KV stride);
+        a hit query that cannot tell the page answers under the current one."""
+        self.require_ready()
+        if self._io_ready:
+            return
+        with self._io_lock:
+            if self._io_refusal is not None:
+                raise self._io_refusal
+            if self._io_ready:
+                return
+            page = self.storage_page
+            if not moves_bytes and page.derives:
+                page.io_started = True
+                return
+            try:
+                choice = page.settle(kv_slots_per_key, self.geometry.host_page_tokens)
+                if choice is not None:
+                    self._change_page(choice)
+            except MooncakeSpanError as exc:
+                # Fixed for good: every later call is refused the same way.
+                self._io_refusal = exc
+                logger.error("mooncake-span: L3 refused for this server: %s", exc)
+                raise
+            self._io_ready = True
 
     def geometry_record(self) -> GeometryRecord:
         """What the layout guard publishes: the namespace's span geometry and pool shapes."""
@@ -235,7 +341,12 @@ class Registration:
         ``extra_info`` carries prefix keys, where the keys sit in their chain.
         ``kv_derived_hint``: sglang indexes this (state) pool by KV slots, so it
         is learned as KV-derived."""
-        self.require_ready()
+        self.begin_io(_stride(keys, host_indices))
+        return self._pool_batch(name, keys, host_indices, kv_derived_hint, extra_info)
+
+    def _pool_batch(
+        self, name: str, keys: Any, host_indices: Any, kv_derived_hint: bool, extra_info: Any
+    ) -> PoolBatch:
         pool = self.registered(name, "transfer")
         page_keys = check_page_keys(keys)
         if not page_keys:
@@ -250,7 +361,13 @@ class Registration:
             if kv_derived_hint and pool.kind is PoolKind.STATE and name not in learned:
                 self.learned_kv_derived = learned = learned | {name}
             kind = classify_pool(name, learned)
-            pages = pool.host_pages(kind, len(page_keys), host_indices, self.geometry)
+            try:
+                pages = pool.host_pages(kind, len(page_keys), host_indices, self.geometry)
+            except InvalidRequestError:
+                stride = _stride(page_keys, host_indices)
+                if kind is not PoolKind.STATE and stride is not None:
+                    self.storage_page.contradiction(name, stride, self.geometry.host_page_tokens)
+                raise
         batch = pool.batch(self.key_schema, page_keys, pages)
         batch.chain = chain
         if chain is not None and kind is not PoolKind.STATE and self._options.refresh_prefix:
@@ -262,7 +379,8 @@ class Registration:
         """A v2 call's transfers as batches. A transfer refused here is left out
         with its error in ``refused`` (it stays a miss; the others still move).
         ``extra_info``'s prefix keys precede each transfer's own keys (sglang
-        groups trailing transfers so)."""
+        groups trailing transfers so). The first KV-derived transfer (the
+        indexer's, before the KV call) can fix the storage page."""
         self.require_ready()
         try:
             transfers = list(transfers or [])
@@ -270,17 +388,25 @@ class Registration:
             raise InvalidRequestError(
                 f"transfers must be a list of PoolTransfer, got {type(transfers).__name__}"
             ) from exc
+        strides = (
+            _stride(getattr(t, "keys", None), getattr(t, "host_indices", None))
+            for t in transfers
+            if classify_pool(pool_name_str(getattr(t, "name", None)), self.learned_kv_derived)
+            is not PoolKind.STATE
+            or pool_name_str(getattr(t, "indices_from_pool", None)) == KV_POOL
+        )
+        self.begin_io(next((s for s in strides if s is not None), None))
         out = TransferBatches(miss_per_transfer(transfers))
         for transfer in transfers:
             name = pool_name_str(getattr(transfer, "name", None))
             hint = pool_name_str(getattr(transfer, "indices_from_pool", None)) == KV_POOL
             try:
-                batch = self.pool_batch(
+                batch = self._pool_batch(
                     name,
                     getattr(transfer, "keys", None),
                     getattr(transfer, "host_indices", None),
-                    kv_derived_hint=hint,
-                    extra_info=extra_info,
+                    hint,
+                    extra_info,
                 )
             except MooncakeSpanError as exc:
                 out.refused.append(exc)
@@ -298,6 +424,8 @@ class Registration:
         """A KV batch whose objects come from one flat span tensor per key (generic path)."""
         self.require_ready()
         kv = self.pools[KV_POOL]
+        if not kv.is_logical:
+            self.begin_io(_flat_stride(tensors, kv.layout.flat_page_bytes, kv.page_tokens))
         if kv.is_logical:
             raise InvalidRequestError(
                 "the generic path (batch_get / batch_set on flat pages) moves KV bytes, and "
@@ -341,3 +469,23 @@ def _flat_base(index: int, tensor: Any, span_bytes: int) -> int:
             f"generic value #{index} holds {nbytes} bytes; a storage page is {span_bytes} bytes"
         )
     return tensor.data_ptr()
+
+
+def _stride(keys: Any, host_indices: Any) -> int | None:
+    """Host slots per key of a transfer, None when it cannot say."""
+    if host_indices is None or not isinstance(keys, (list, tuple)):
+        return None
+    try:
+        slots = int(host_indices.numel()) if hasattr(host_indices, "numel") else len(host_indices)
+    except TypeError:
+        return None
+    return kv_stride(slots, len(keys))
+
+
+def _flat_stride(tensors: Sequence[Any], page_bytes: int, page_tokens: int) -> int | None:
+    """Tokens per key of the generic path's flat values (whole host pages each)."""
+    sizes = {t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)}
+    if len(sizes) != 1 or page_bytes < 1:
+        return None
+    (size,) = sizes
+    return size // page_bytes * page_tokens if size % page_bytes == 0 else None

@@ -1,41 +1,85 @@
-"""Where the backend learns how many tokens one storage key covers.
+"""How many tokens one storage key covers, learned however the sglang build hands it.
 
-Span-aware sglang builds put ``storage_page_size`` on ``HiCacheStorageConfig``
-and their controller hashes and slices host indices by it, so that field is
-the truth when it exists. Stock sglang 0.5.23 has no such field: its
-controller hashes one host page per key, and the extra-config
-``storage_page_size`` is the only way to run span mode (a build whose tree
-page is wider than the host page but whose config does not carry it). The
-backend cannot see the controller's page, so a mismatch there stays a
-warning: refusing would break those builds, and the stride rule still turns
-each wrong call into a logged miss, never wrong bytes.
+The builds differ (facts: docs/operating.md, "sglang builds, page sizes and K"):
+
+* span-aware builds carry ``storage_page_size`` on ``HiCacheStorageConfig``;
+  at runtime attach it holds the storage page when the backend is built;
+* the span fork's startup builds the backend with that field still at the
+  host page, registers the pools, and only then assigns
+  ``storage_backend.storage_page_size`` on the live object;
+* stock 0.5.23 has no field; an extra-config ``storage_page_size`` is the
+  operator's word for a build whose tree page is wider than its host page;
+* a build that says nothing at all hashes one host page per key (stock,
+  transfer-page hashing), and then the first transfer's host slots per key
+  are the only witness: K is derived from it, as the stride rule derives each
+  pool's stride.
+
+The storage page may change until the first data call (hit query, get or
+put) and is fixed from then on, so K never changes under stored data: a later
+assignment that differs is refused, and a transfer that disagrees with the
+settled page is a miss, logged once with both values.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import numbers
+import threading
+from dataclasses import dataclass
 from typing import Any
 
 from mooncake_span.config import SpanOptions
+from mooncake_span.errors import RegistrationError
 
 logger = logging.getLogger(__name__)
 
 STORAGE_PAGE_KEY = "storage_page_size"
 
 
-def resolve_storage_page_tokens(
-    storage_config: Any, options: SpanOptions, host_page_tokens: int
-) -> int | None:
-    """Tokens per storage key, or None for "the host page" (K=1).
+class PageSource(enum.Enum):
+    """Who named the storage page the backend runs with."""
 
-    When the config carries the field it wins, 0 included (0 = host page);
-    otherwise the extra-config option applies. Logs one warning when the
-    extra-config value cannot be what the controller uses.
-    """
-    extra_tokens = options.storage_page_size or None
+    BUILD_CONFIG = "the build's HiCacheStorageConfig.storage_page_size"
+    EXTRA_CONFIG = "extra-config storage_page_size"
+    ASSIGNED = "storage_page_size assigned on the live backend by the build"
+    TRANSFER = "the first transfer's host slots per key (the build named none)"
+    UNDECLARED = "the host page (nothing named a storage page yet)"
+
+
+@dataclass(frozen=True)
+class PageChoice:
+    """A storage page and its source; ``tokens`` None or 0 means the host page."""
+
+    tokens: int | None
+    source: PageSource
+
+    def resolved(self, host_page_tokens: int) -> int:
+        return self.tokens or host_page_tokens
+
+
+def declared_page(storage_config: Any, options: SpanOptions) -> PageChoice:
+    """What the build and the operator say at construction.
+
+    The config's field wins when present, 0 included (0 = host page); without
+    it the extra-config option applies; with neither the page is undeclared."""
     if hasattr(storage_config, STORAGE_PAGE_KEY):
-        build_tokens = int(getattr(storage_config, STORAGE_PAGE_KEY) or 0) or None
-        if extra_tokens is not None and extra_tokens != (build_tokens or host_page_tokens):
+        tokens = int(getattr(storage_config, STORAGE_PAGE_KEY) or 0) or None
+        return PageChoice(tokens, PageSource.BUILD_CONFIG)
+    if options.storage_page_size:
+        return PageChoice(options.storage_page_size, PageSource.EXTRA_CONFIG)
+    return PageChoice(None, PageSource.UNDECLARED)
+
+
+def warn_if_inconsistent(storage_config: Any, options: SpanOptions, host_page_tokens: int) -> None:
+    """One warning at registration when the extra-config value cannot be the
+    controller's page (the stride rule would then turn every call into a miss)."""
+    extra_tokens = options.storage_page_size or None
+    if extra_tokens is None:
+        return
+    if hasattr(storage_config, STORAGE_PAGE_KEY):
+        build_tokens = int(getattr(storage_config, STORAGE_PAGE_KEY) or 0) or host_page_tokens
+        if extra_tokens != build_tokens:
             logger.warning(
                 "mooncake-span: extra-config %s=%d is overridden by this sglang build's "
                 "HiCacheStorageConfig.%s=%d (the controller's storage page); drop the "
@@ -43,10 +87,10 @@ def resolve_storage_page_tokens(
                 STORAGE_PAGE_KEY,
                 extra_tokens,
                 STORAGE_PAGE_KEY,
-                build_tokens or host_page_tokens,
+                build_tokens,
             )
-        return build_tokens
-    if extra_tokens is not None and extra_tokens != host_page_tokens:
+        return
+    if extra_tokens != host_page_tokens:
         logger.warning(
             "mooncake-span: extra-config %s=%d differs from the %d-token host page, and this "
             "sglang build's HiCacheStorageConfig has no %s field. If its controller hashes "
@@ -61,4 +105,110 @@ def resolve_storage_page_tokens(
             STORAGE_PAGE_KEY,
             extra_tokens,
         )
-    return extra_tokens
+
+
+class StoragePage:
+    """The storage page of one backend: open until the first data call, then fixed.
+
+    Thread-safe: sglang's backup, prefetch and hit-query threads may make the
+    first data call together; after it, ``settled`` is a plain read."""
+
+    def __init__(self, declared: PageChoice) -> None:
+        self.choice = declared
+        self.settled = False
+        # A hit query answered under the current page (it cannot tell the page).
+        self.io_started = False
+        self._lock = threading.Lock()
+        self._reported: set[tuple[str, int]] = set()
+
+    @property
+    def derives(self) -> bool:
+        """True while only a transfer can tell the page (the build named none)."""
+        return self.choice.source is PageSource.UNDECLARED
+
+    def assign(self, tokens: int, host_page_tokens: int | None) -> PageChoice | None:
+        """The build assigns the page on the live backend. Returns the new choice
+        when it changes the page, None when it does not; raises once data moved."""
+        if tokens < 0:
+            raise RegistrationError(
+                f"{STORAGE_PAGE_KEY} must be >= 0 tokens (0 = host page), got {tokens}"
+            )
+        new = PageChoice(tokens or None, PageSource.ASSIGNED)
+        with self._lock:
+            changed = self._differs(new, host_page_tokens)
+            if self.settled or self.io_started:
+                if changed:
+                    current = self.choice.resolved(host_page_tokens or 0)
+                    message = (
+                        f"mooncake-span: refused {STORAGE_PAGE_KEY}={tokens} assigned after the "
+                        f"first data call: the storage page stays {current} tokens (from "
+                        f"{self.choice.source.value}), so K never changes under stored data; "
+                        "a build must assign it before the first hit query, backup or prefetch"
+                    )
+                    logger.error("%s", message)
+                    raise RegistrationError(message)
+                return None
+            self.choice = new
+            return new if changed else None
+
+    def _differs(self, new: PageChoice, host_page_tokens: int | None) -> bool:
+        if host_page_tokens is None:
+            return new.tokens != self.choice.tokens
+        return new.resolved(host_page_tokens) != self.choice.resolved(host_page_tokens)
+
+    def settle(self, kv_slots_per_key: int | None, host_page_tokens: int) -> PageChoice | None:
+        """Fix the page at a data call; ``kv_slots_per_key`` is the call's KV (or
+        KV-derived) stride, None when it has none. Returns the new choice when a
+        transfer named a page the build did not, else None."""
+        with self._lock:
+            if self.settled:
+                return None
+            self.settled = True
+            if not self.derives or kv_slots_per_key in (None, host_page_tokens):
+                return None
+            if kv_slots_per_key < 1 or kv_slots_per_key % host_page_tokens:
+                # Left at the host page: the stride rule refuses this transfer.
+                return None
+            self.choice = PageChoice(kv_slots_per_key, PageSource.TRANSFER)
+            logger.info(
+                "mooncake-span: storage page %d tokens (K=%d) learned from the first transfer; "
+                "the build named none",
+                kv_slots_per_key,
+                kv_slots_per_key // host_page_tokens,
+            )
+            return self.choice
+
+    def contradiction(self, pool_name: str, slots_per_key: int, host_page_tokens: int) -> None:
+        """Log once per pool and stride that a transfer disagrees with the page."""
+        key = (pool_name, slots_per_key)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        storage_tokens = self.choice.resolved(host_page_tokens)
+        logger.error(
+            "mooncake-span: pool %r sent %d host slots per key but the storage page is %d "
+            "tokens (K=%d, from %s); every such transfer is a miss. The build and the backend "
+            "disagree on the storage page: set it the way this build hands it "
+            "(docs/operating.md, 'sglang builds, page sizes and K')",
+            pool_name,
+            slots_per_key,
+            storage_tokens,
+            storage_tokens // host_page_tokens,
+            self.choice.source.value,
+        )
+
+
+def kv_stride(num_slots: int, num_keys: int) -> int | None:
+    """Host slots per key of a transfer, None when it does not divide evenly."""
+    if num_keys < 1 or num_slots < 1 or num_slots % num_keys:
+        return None
+    return num_slots // num_keys
+
+
+def check_assignable(value: Any) -> int:
+    """The whole number of tokens an assignment of ``storage_page_size`` carries."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise RegistrationError(
+            f"{STORAGE_PAGE_KEY} must be a whole number of tokens, got {value!r}"
+        )
+    return int(value)

@@ -141,16 +141,56 @@ def check_layout_guard(
     if mode == "off":
         return "off"
     key = namespace_key(schema.model, schema.tag)
+    read, create, _ = _registry(mode, options, client, arena)
+    return check_or_publish(record, key, read, create)
+
+
+def recheck_layout_guard(
+    options: SpanOptions,
+    schema: KeySchema,
+    record: GeometryRecord,
+    previous: GeometryRecord,
+    client: MooncakeClient,
+    arena: StagingArena,
+) -> str:
+    """The guard again, after the build changed the storage page before any data
+    call (the span fork assigns it after registration). The record this node
+    checked at registration, ``previous``, is withdrawn if it is still the
+    published one: this node or a peer in the same start-up published it before
+    the page was known. Any other published geometry is checked as usual."""
+    mode = options.layout_guard
+    if mode == "off":
+        return "off"
+    key = namespace_key(schema.model, schema.tag)
+    read, create, remove = _registry(mode, options, client, arena)
+    if read(key) == previous.to_json():
+        remove(key)
+        logger.info(
+            "mooncake-span layout guard: withdrew the start-up record under %s (storage page "
+            "%d tokens) for the page the build assigned (%d tokens)",
+            key,
+            previous.storage_page_tokens,
+            record.storage_page_tokens,
+        )
+    return check_or_publish(record, key, read, create)
+
+
+def _registry(
+    mode: str, options: SpanOptions, client: MooncakeClient, arena: StagingArena
+) -> tuple[Callable[[str], str | None], Callable[[str, str], bool], Callable[[str], object]]:
+    """read, create-if-absent and remove for the guard's record store."""
     if mode == "etcd":
         registry = EtcdRegistry(options.layout_guard_etcd)
-        return check_or_publish(record, key, registry.read, registry.create)
+        return registry.read, registry.create, registry.delete
 
     def read(k: str) -> str | None:
         blob = read_blob(client, arena, k)
         return None if blob is None else blob.decode()
 
-    return check_or_publish(
-        record, key, read, lambda k, v: create_blob(client, arena, k, v.encode())
+    return (
+        read,
+        lambda k, v: create_blob(client, arena, k, v.encode()),
+        lambda k: client.remove([k]),
     )
 
 
@@ -173,3 +213,6 @@ class EtcdRegistry:
 
     def create(self, key: str, value: str) -> bool:
         return bool(self._client.create(key, value))
+
+    def delete(self, key: str) -> bool:
+        return bool(self._client.delete(key))
