@@ -444,6 +444,14 @@ def _register_demo(subparsers: argparse._SubParsersAction) -> None:
         default="1gb",
         help="memory of the embedded cluster's storage node (default 1gb)",
     )
+    demo.add_argument(
+        "--order",
+        choices=("fork-startup", "runtime-attach", "derived"),
+        default="fork-startup",
+        help="how the backend is handed the 256-token storage page: the span fork's startup "
+        "(assigned on the live backend after registration; default), runtime attach (on the "
+        "config when built) or derived (named by no one: the first transfer tells it)",
+    )
     add_native_log_arg(demo)
     demo.set_defaults(func=run_demo_command)
 
@@ -469,6 +477,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
             master_server_address=args.master,
             metadata_server=args.metadata,
             storage_node_bytes=args.storage_node_size,
+            order=args.order,
         )
     except ValueError as exc:
         print(f"mooncake-span demo-span: {exc}", file=sys.stderr)

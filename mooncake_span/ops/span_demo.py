@@ -6,6 +6,13 @@ anchor, a DSA indexer sidecar with compressed keys (``index_kpool=4``) and
 Mamba recurrent state, with 64-token host pages and a 256-token radix-tree
 (storage) page, so every storage key spans K=4 host pages.
 
+The backend learns the storage page in the order a span-aware build hands it
+(``--order``): ``fork-startup`` (the default, the span fork's startup: built and
+registered at the 64-token host page, then ``storage_page_size = 256``
+assigned on the live backend), ``runtime-attach`` (the page on the config when
+the backend is built) or ``derived`` (no page named: the first transfer's
+host slots per key tell it).
+
 The demo backs up requests the way sglang's HybridCacheController does
 (``batch_set_v2`` for the sidecars, then ``batch_set_v1`` for KV, in batches of
 128 keys, one Mamba checkpoint at each request's end), wipes the host pools,
@@ -30,6 +37,13 @@ logger = logging.getLogger(__name__)
 HOST_PAGE_TOKENS = 64
 DEMO_MODEL = "demo/glm-5.3-flash-like"
 INDEX_KPOOL = 4
+# How the backend is handed the storage page, and what the demo prints for it.
+ORDERS = {
+    "fork-startup": "the span fork's startup: registered at the host page, then "
+    "storage_page_size assigned on the live backend",
+    "runtime-attach": "runtime attach: storage_page_size on the config when built",
+    "derived": "no page named: the first transfer's host slots per key",
+}
 
 
 @dataclass(frozen=True)
@@ -44,8 +58,11 @@ class DemoConfig:
     master_server_address: str | None = None
     metadata_server: str | None = None
     storage_node_bytes: int = 1 << 30
+    order: str = "fork-startup"
 
     def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {sorted(ORDERS)}, got {self.order!r}")
         for name in ("requests", "keys_per_request", "layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -118,13 +135,18 @@ def _run(
     kv, indexer, mamba = pools[sg.KV], pools[sg.INDEXER], pools[sg.MAMBA]
     storage_page = pools.storage_page_tokens
     config_of_store = storage_config(dict(client_config), DEMO_MODEL, metrics=True)
-    # The span shape is what a span-aware build hands over, on its config.
-    config_of_store.storage_page_size = storage_page
+    if config.order == "fork-startup":
+        config_of_store.storage_page_size = HOST_PAGE_TOKENS
+    elif config.order == "runtime-attach":
+        config_of_store.storage_page_size = storage_page
     store = span_backend(config_of_store, pools.pools)
     try:
+        if config.order == "fork-startup":
+            store.storage_page_size = storage_page  # init_hicache, after registration
+        say(f"order: {ORDERS[config.order]}")
         say(
-            f"pools: MLA KV ({config.layout}) + DSA indexer + Mamba; host page {HOST_PAGE_TOKENS} "
-            f"tokens, storage page {storage_page} tokens (K={store.geometry.pages_per_span})"
+            f"shape: MLA KV ({config.layout}) + DSA indexer + Mamba; host page "
+            f"{HOST_PAGE_TOKENS} tokens, tree page {storage_page} tokens, one key per tree page"
         )
         all_pages = list(range(2 * host_pages))
         rng.shuffle(all_pages)
@@ -162,6 +184,10 @@ def _run(
                 if not (all(ok) and all(all(v) for v in side.values())):
                     raise RuntimeError(f"backup of request {r} failed: kv={ok} sidecars={side}")
         backup_s = time.perf_counter() - started
+        say(
+            f"storage page {store.storage_page_size} tokens = K={store.geometry.pages_per_span} "
+            f"host pages per key (prefix {store.key_schema.prefix})"
+        )
         bytes_per_key = sum(
             len(ref["kv"][s]) + len(ref["indexer"][s]) for s in starts[:INDEX_KPOOL]
         )

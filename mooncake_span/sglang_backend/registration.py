@@ -184,9 +184,15 @@ class Registration:
             raise RegistrationError("on_host_pools_registered() before register_mem_pool_host()")
         record = self.geometry_record()
         result = check_layout_guard(
-            self._options, self.key_schema, record, self._client, self._stager.arena
+            self._options,
+            self.key_schema,
+            record,
+            self._client,
+            self._stager.arena,
+            page_open=self.storage_page.open,
         )
-        self._guard_record, self.layout_guard_result = record, result
+        self._guard_record = None if result == "deferred" else record
+        self.layout_guard_result = result
         self._log_ready()
         return result
 
@@ -244,6 +250,8 @@ class Registration:
                 self._stager.arena,
             )
             self._guard_record = record
+        elif self.layout_guard_result == "deferred":
+            self.check_layout()
 
     def begin_io(self, kv_slots_per_key: int | None = None, *, moves_bytes: bool = True) -> None:
         """Every data call starts here. The first one fixes the storage page
@@ -265,6 +273,8 @@ class Registration:
                 choice = page.settle(kv_slots_per_key, self.geometry.host_page_tokens)
                 if choice is not None:
                     self._change_page(choice)
+                elif self.layout_guard_result == "deferred":
+                    self.check_layout()  # the page is fixed now: a conflict refuses L3
             except MooncakeSpanError as exc:
                 # Fixed for good: every later call is refused the same way.
                 self._io_refusal = exc

@@ -122,6 +122,12 @@ class StoragePage:
         self._reported: set[tuple[str, int]] = set()
 
     @property
+    def open(self) -> bool:
+        """True while a build may still hand another page (an operator's
+        extra-config value is final: builds without the field cannot)."""
+        return not self.settled and self.choice.source is not PageSource.EXTRA_CONFIG
+
+    @property
     def derives(self) -> bool:
         """True while only a transfer can tell the page (the build named none)."""
         return self.choice.source is PageSource.UNDECLARED

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from mooncake_span.errors import LayoutConflictError
@@ -98,11 +98,16 @@ def check_or_publish(
     key: str,
     read: Callable[[str], str | None],
     create: Callable[[str, str], bool],
+    *,
+    page_open: bool = False,
 ) -> str:
     """Publish ``record`` under ``key`` unless another geometry is there.
 
     ``create`` must be create-if-absent (returns False when the key exists).
     Returns "published" or "matched"; raises LayoutConflictError otherwise.
+    ``page_open``: this node's storage page may still change (the build has
+    not handed it yet), so a record that differs only there is "deferred":
+    checked again once the page is fixed.
     """
     ours = record.to_json()
     if create(key, ours):
@@ -116,6 +121,19 @@ def check_or_publish(
             raise LayoutConflictError(f"layout guard: {key} exists but cannot be read back")
     theirs = GeometryRecord.from_json(published)
     diffs = record.differences(theirs)
+    if (
+        diffs
+        and page_open
+        and replace(theirs, storage_page_tokens=record.storage_page_tokens) == (record)
+    ):
+        logger.info(
+            "mooncake-span layout guard: %s holds a %d-token storage page; this node's page "
+            "(%d tokens so far) is checked again once the build hands it",
+            key,
+            theirs.storage_page_tokens,
+            record.storage_page_tokens,
+        )
+        return "deferred"
     if diffs:
         raise LayoutConflictError(
             f"layout guard: this node's span geometry conflicts with the one published for "
@@ -134,15 +152,18 @@ def check_layout_guard(
     record: GeometryRecord,
     client: MooncakeClient,
     arena: StagingArena,
+    *,
+    page_open: bool = False,
 ) -> str:
-    """Run the guard ``span_layout_guard`` selects: "off", "published" or "matched".
+    """Run the guard ``span_layout_guard`` selects: "off", "published", "matched"
+    or, with ``page_open``, "deferred" (see ``check_or_publish``).
     The ``store`` record moves through the registered staging ``arena``."""
     mode = options.layout_guard
     if mode == "off":
         return "off"
     key = namespace_key(schema.model, schema.tag)
     read, create, _ = _registry(mode, options, client, arena)
-    return check_or_publish(record, key, read, create)
+    return check_or_publish(record, key, read, create, page_open=page_open)
 
 
 def recheck_layout_guard(

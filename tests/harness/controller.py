@@ -231,6 +231,65 @@ class _SpanHybridCacheController(HybridCacheController):
         return config
 
 
+class _ForkStartupController(HybridCacheController):
+    """The span fork's startup order (``UnifiedRadixCache.init_hicache``):
+    the controller builds its startup backend and registers the host pools
+    with ``storage_page_size`` still at the host page; then, once the gate
+    (``backend_supports_page_spans``) lets the backend through, it assigns the
+    tree page on the controller and on the live backend object.
+
+    Constructed with ``page_size`` = the tree page, 0.5.23's controller hashes,
+    slices and acks at it, which is what the fork's controller does at
+    ``storage_page_size`` after that assignment."""
+
+    def __init__(self, *args: Any, host_page_size: int, storage_page_size: int, **kwargs: Any):
+        self.storage_page_size = host_page_size
+        super().__init__(*args, **kwargs)
+        name = kwargs.get("storage_backend")
+        if not fork_backend_supports_page_spans(name):
+            raise ValueError(
+                f"Compressed DSA currently supports L2 HiCache only ({name!r} does not "
+                "declare supports_page_spans through the factory registry)"
+            )
+        self.storage_page_size = storage_page_size
+        self.storage_backend.storage_page_size = storage_page_size
+
+    def _generate_storage_config(self, model_name=None, storage_backend_extra_config=None):
+        config = super()._generate_storage_config(model_name, storage_backend_extra_config)
+        config.storage_page_size = self.storage_page_size
+        return config
+
+
+class _RankedController:
+    """Mixed in before a controller class: it runs as TP rank ``tp_rank_override``
+    of ``tp_size_override`` (an MLA rank above 0 is no storage writer, so its
+    backups skip KV: ``backup_skip``)."""
+
+    tp_rank_override = 0
+    tp_size_override = 1
+
+    def _generate_storage_config(self, model_name=None, storage_backend_extra_config=None):
+        config = super()._generate_storage_config(model_name, storage_backend_extra_config)
+        config.tp_rank, config.tp_size = self.tp_rank_override, self.tp_size_override
+        return config
+
+
+def fork_backend_supports_page_spans(name: str | None) -> bool:
+    """The span fork's gate, ``StorageBackendFactory.backend_supports_page_spans``:
+    the name's registry entry, loaded, declares ``supports_page_spans``; an
+    unregistered name (``dynamic`` is never registered) or a failed import is False."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    entry = StorageBackendFactory._registry.get(name or "")
+    if entry is None:
+        return False
+    try:
+        backend_class = entry["loader"]()
+    except Exception:  # noqa: BLE001 - the fork answers False on any import failure
+        return False
+    return bool(getattr(backend_class, "supports_page_spans", False))
+
+
 class ControllerHarness:
     """One live ``HybridCacheController`` plus the requests a radix cache
     would send it. Build with ``build_dsa_harness``,
@@ -246,6 +305,8 @@ class ControllerHarness:
         kv_derived_pools: frozenset[PoolName],
         backup_sidecars: SidecarPlan,
         query_sidecars: QueryPlan,
+        tree_page_tokens: int | None = None,
+        indexer_first_page_only: bool = False,
     ):
         self._stack = stack
         self.controller = controller
@@ -259,6 +320,12 @@ class ControllerHarness:
         self.kv_derived_pools = kv_derived_pools
         self._backup_sidecars = backup_sidecars
         self._query_sidecars = query_sidecars
+        # Transfer-page hashing: keys at the host page under a wider radix-tree
+        # page, so a storage hit is trimmed down to whole tree pages.
+        self.tree_page_tokens = tree_page_tokens or page_tokens
+        # The span fork's index layout: only the first host page of each
+        # storage key's group carries compressed index rows.
+        self.indexer_first_page_only = indexer_first_page_only
         self._next_token = count(_FIRST_TOKEN_ID)
         self._request_ids = count()
         self._closed = False
@@ -392,9 +459,11 @@ class ControllerHarness:
         pool = self.pool(name)
         # Different pools of one key get different bytes, so a restore into
         # the wrong pool is caught too.
-        fill_random_pages(
-            pool, page_starts(pool, slots), seed=seed * 64 + list(PoolName).index(name)
-        )
+        starts = page_starts(pool, slots)
+        fill_random_pages(pool, starts, seed=seed * 64 + list(PoolName).index(name))
+        if name == PoolName.INDEXER and self.indexer_first_page_only:
+            per_key = len(starts) // max(1, len(keys))
+            wipe_pages(pool, [p for i, p in enumerate(starts) if i % per_key])
         return {name: self._key_bytes(name, slots, keys)}
 
     def _free(self, name: PoolName, slots: torch.Tensor | None) -> None:
@@ -424,6 +493,7 @@ class ControllerHarness:
         )
         hashes, hit_tokens = self.controller._storage_hit_query(operation)
         hit_tokens = self.controller._sync_prefetch_hit_query(operation, hit_tokens)
+        hit_tokens -= hit_tokens % self.tree_page_tokens
         # What prefetch_thread_func does with the synced count.
         operation.hash_value = hashes[: hit_tokens // self.page_tokens]
         operation.storage_hit_count = hit_tokens
@@ -626,6 +696,7 @@ def _controller(
     extra_config: Mapping[str, Any],
     model_name: str,
     transfer_layer_id_max: int,
+    storage_backend: str | None = "dynamic",
     **kwargs: Any,
 ) -> HybridCacheController:
     return controller_cls(
@@ -636,7 +707,7 @@ def _controller(
         load_cache_event=threading.Event(),
         write_policy="write_through",
         io_backend="direct",
-        storage_backend="dynamic",
+        storage_backend=storage_backend,
         model_name=model_name,
         storage_backend_extra_config=dict(extra_config),
         transfer_layer_id_max=transfer_layer_id_max,
@@ -686,10 +757,19 @@ def build_dsa_harness(
         )
 
 
+SPAN_ORDERS = ("construction", "fork_startup", "runtime_attach")
+
+
 def build_compressed_dsa_harness(
     extra_config: Mapping[str, Any],
     *,
     span: bool = True,
+    order: str = "construction",
+    transfer_page_hashing: bool = False,
+    storage_backend: str = "dynamic",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    indexer_first_page_only: bool = False,
     layout: str = "page_first",
     layers: int = 2,
     index_kpool: int = 4,
@@ -705,16 +785,35 @@ def build_compressed_dsa_harness(
 
     With ``span`` (the default) one storage key covers the ``64 * index_kpool``
     token tree page, i.e. ``index_kpool`` host pages of KV and INDEXER and one
-    Mamba checkpoint slot, and the backend sees
-    ``storage_config.storage_page_size``; this needs ``interface_v1`` in
-    ``extra_config`` (see ``_SpanHybridCacheController``). Without ``span`` it
-    is plain 0.5.23: one key per 64-token host page.
+    Mamba checkpoint slot; this needs ``interface_v1`` in ``extra_config``
+    (see ``_SpanHybridCacheController``). ``order`` is how the backend learns
+    that page (span-aware-builds facts):
+
+    * ``construction``: on ``storage_config.storage_page_size`` when built;
+    * ``fork_startup``: the span fork's startup: built and registered at the
+      host page, then assigned on the live backend (``_ForkStartupController``);
+    * ``runtime_attach``: no startup backend; the controller's page is set,
+      then ``attach_storage_backend`` builds it with the page on its config.
+
+    Without ``span`` it is plain 0.5.23 (one key per 64-token host page, no
+    field); with ``transfer_page_hashing`` too, the fork's production patch:
+    keys hashed at the 64-token host page (the config's field says 64, K=1)
+    under a ``64 * index_kpool``-token tree, hits trimmed to whole tree pages.
+
+    ``storage_backend``: the name the controller asks the factory for (the
+    fork's gate opens only for a registered name, e.g. ``mooncake`` through
+    the plugin). ``tp_rank`` / ``tp_size``: the rank the storage config names.
     """
     if span and not extra_config.get("interface_v1"):
         raise ValueError(
             "span mode needs interface_v1: 0.5.23's generic KV path moves one page per key"
         )
-    storage_page_tokens = DSA_PAGE_TOKENS * index_kpool if span else DSA_PAGE_TOKENS
+    if order not in SPAN_ORDERS or (order != "construction" and not span):
+        raise ValueError(f"order must be one of {SPAN_ORDERS} (span mode only), got {order!r}")
+    if span and transfer_page_hashing:
+        raise ValueError("transfer-page hashing keys one host page (K=1): pass span=False")
+    tree_page_tokens = DSA_PAGE_TOKENS * index_kpool
+    storage_page_tokens = tree_page_tokens if span else DSA_PAGE_TOKENS
     with ExitStack() as stack:
         tp_group = stack.enter_context(_single_rank_process_group())
         device_pool = make_dsa_device_pool(
@@ -747,8 +846,24 @@ def build_compressed_dsa_harness(
                 transfer_layer_id_max=transfer_layer_id_max,
             )
         )
+        base, page_kwargs = HybridCacheController, {}
+        if span and order == "fork_startup":
+            base = _ForkStartupController
+            page_kwargs = {
+                "host_page_size": DSA_PAGE_TOKENS,
+                "storage_page_size": storage_page_tokens,
+            }
+        elif span or transfer_page_hashing:
+            base = _SpanHybridCacheController
+            page_kwargs = {"storage_page_size": storage_page_tokens}
+        controller_cls = type(
+            f"Rank{tp_rank}{base.__name__}",
+            (_RankedController, base),
+            {"tp_rank_override": tp_rank, "tp_size_override": tp_size},
+        )
+        attach_later = span and order == "runtime_attach"
         controller = _controller(
-            _SpanHybridCacheController if span else HybridCacheController,
+            controller_cls,
             allocator=allocator,
             group=group,
             page_tokens=storage_page_tokens,
@@ -756,8 +871,23 @@ def build_compressed_dsa_harness(
             extra_config=extra_config,
             model_name=model_name,
             transfer_layer_id_max=transfer_layer_id_max,
-            **({"storage_page_size": storage_page_tokens} if span else {}),
+            storage_backend=None if attach_later else storage_backend,
+            **page_kwargs,
         )
+        if attach_later:
+            # attach_storage_backend: the gate, then the page on the controller
+            # before the backend is built (so its config carries it).
+            if not fork_backend_supports_page_spans(storage_backend):
+                raise ValueError(
+                    f"Compressed DSA currently supports L2 HiCache only ({storage_backend!r})"
+                )
+            controller.storage_page_size = storage_page_tokens
+            controller.attach_storage_backend(
+                storage_backend=storage_backend,
+                model_name=model_name,
+                storage_backend_extra_config=dict(extra_config),
+                host_pools=group.entries,
+            )
         # write_backup_storage / prefetch_from_storage list component
         # transfers (MAMBA) before the KV-derived sidecars (INDEXER).
         return ControllerHarness(
@@ -771,6 +901,8 @@ def build_compressed_dsa_harness(
                 _indexer_backup(keys),
             ],
             query_sidecars=lambda harness, keys: [_mamba_query(), _indexer_query()],
+            tree_page_tokens=tree_page_tokens if transfer_page_hashing else None,
+            indexer_first_page_only=indexer_first_page_only,
         )
 
 

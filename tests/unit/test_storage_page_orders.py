@@ -17,7 +17,7 @@ import logging
 import pytest
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
-from mooncake_span.errors import RegistrationError
+from mooncake_span.errors import LayoutConflictError, RegistrationError
 from mooncake_span.testing import pools as P
 from mooncake_span.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, make_storage_config, register_pools, slots_of
@@ -208,11 +208,17 @@ def test_layout_guard_follows_the_assigned_page(make_backend):
     a.storage_page_size = SPAN
     assert b.layout_guard_result == "published" and a.layout_guard_result == "matched"
     assert a.geometry_record().storage_page_tokens == SPAN
-    # A later node at the old page conflicts with the published span record.
-    from mooncake_span.errors import LayoutConflictError
-
+    # A node that then runs another page is refused when its page is fixed
+    # (its first data call: every call a miss), ...
+    other = make_backend(_config(field=SPAN * 2), _pools(), cluster=cluster)
+    assert other.layout_guard_result == "deferred"
+    assert other.batch_exists(["x"]) == 0
     with pytest.raises(LayoutConflictError, match="storage_page_tokens"):
-        make_backend(_config(field=SPAN * 2), _pools(), cluster=cluster)
+        other.registration.begin_io()
+    # ... and a node whose pool shapes differ, at start-up.
+    three_layers = dict(P.build_compressed_hybrid_dsa(host_pages=16, layers=3).pools)
+    with pytest.raises(LayoutConflictError, match="indexer|kv"):
+        make_backend(_config(field=PAGE), three_layers, cluster=cluster)
 
 
 def test_assignment_before_registration_is_used_at_registration(make_backend):
@@ -223,3 +229,16 @@ def test_assignment_before_registration_is_used_at_registration(make_backend):
     register_pools(store, pools)
     assert store.geometry.pages_per_span == K
     assert _round_trip(store, pools, [3, 2, 1, 0], ["z"]) == [True]
+
+
+def test_a_restarted_fork_node_finds_the_span_record(make_backend):
+    """A fork node starting after the span record exists registers at the host
+    page first: the guard waits for the assignment instead of refusing it."""
+    cluster = FakeCluster()
+    first, pools = _fork_startup(make_backend, cluster=cluster)
+    assert _round_trip(first, pools, [0, 1, 2, 3], ["kept"]) == [True]
+    again = make_backend(_config(field=PAGE), _pools(), cluster=cluster)
+    assert again.layout_guard_result == "deferred"
+    again.storage_page_size = SPAN
+    assert again.layout_guard_result == "matched"
+    assert again.batch_exists(["kept"]) == 1
