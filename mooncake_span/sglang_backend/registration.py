@@ -179,7 +179,8 @@ class Registration:
 
     def check_layout(self) -> str:
         """Publish this namespace's geometry record or check it against the published one:
-        the guard's outcome ("off", "published" or "matched")."""
+        the guard's outcome ("off", "published", "matched", or "deferred" while the
+        build may still hand another storage page)."""
         if self.key_schema is None:
             raise RegistrationError("on_host_pools_registered() before register_mem_pool_host()")
         record = self.geometry_record()
