@@ -143,9 +143,9 @@ class LocalCluster:
             # Refused before anything starts, with the fix in the message.
             try:
                 root = check_root(str(spec.ssd_dir), "--ssd-dir")
+                self._check_disk_room(root)
                 for i in range(spec.storage_nodes):
                     DirLock(root, f"node{i}").check_free(f"{root}/node{i}")
-                self._check_disk_room(root)
             except ConfigError as exc:
                 raise ClusterStartError(str(exc)) from None
         self._log_dir = self._prepare_log_dir()
