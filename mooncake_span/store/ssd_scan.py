@@ -160,8 +160,11 @@ def check_directory(directory: str, mode: str = "full") -> ScanReport:
     report = ScanReport()
     if mode == "off":
         return report
-    if mode == "full":
-        seal.require_xxhash()
+    if mode == "full" and seal.xxhash is None:
+        raise ConfigError(
+            "the full SSD check reads object seals and needs the xxhash package: pip install "
+            "xxhash, or check sizes only (--ssd-check size, MOONCAKE_SPAN_SSD_CHECK=size)"
+        )
     started = time.monotonic()
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".meta"):
