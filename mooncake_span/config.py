@@ -200,6 +200,11 @@ class SpanOptions:
     # process's first setup): full-object gets of objects put with it verify
     # their bytes, and a mismatch reads as a miss. Costs a CPU pass per byte.
     verify_checksums: bool = False
+    # A checksum stored with each object's bytes (store/seal.py): written at put,
+    # checked on every read whatever the tier, also after a restart, which
+    # Mooncake's CRC is not. Changes the object format: every node of a
+    # namespace must agree (the layout guard refuses a mix).
+    object_checksums: bool = False
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -298,6 +303,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_skip_unreachable": ("skip_unreachable", parse_bool),
     "span_chain_sample_every": ("chain_sample_every", parse_int),
     "span_verify_checksums": ("verify_checksums", parse_bool),
+    "span_object_checksums": ("object_checksums", parse_bool),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
 

@@ -80,10 +80,18 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE_IN_CURRENT_STATUS = -1010
     # setup with enable_ssd_offload against a master without --enable_offload=true.
     UNABLE_OFFLOAD = -1300
+    # An SSD owner's object file (mooncake-store types.h, FILE_*).
+    FILE_NOT_FOUND = -1100
+    FILE_OPEN_FAIL = -1101
+    FILE_READ_FAIL = -1102
+    FILE_WRITE_FAIL = -1103
     # A tenant over its quota: no space for it. -1700 in types.h from 0.3.12 on, and in
     # the code-name table the 0.3.13.post1 wheel's store.so builds (-1700 ->
     # "TENANT_QUOTA_EXCEEDED", between DFS_PARTIAL_WRITE -1605 and the other TENANT_ codes).
     TENANT_QUOTA_EXCEEDED = -1700
+    # mooncake-span's own, never Mooncake's: a complete read whose bytes failed
+    # their seal (store/seal.py, span_object_checksums).
+    SEAL_MISMATCH = -30801
 
 
 # Every classification of a native return code lives below, once; the client
@@ -102,11 +110,21 @@ TRANSPORT_CODES = frozenset(
     }
 )
 
-# Codes that mean "the stored bytes are not the bytes written for this key"
-# (Mooncake's CRC-64 of the object, recorded at put, did not match at get). Not
-# a cluster failure: the key reads as a miss and its object must not be
-# offered again (store/integrity.py).
-INTEGRITY_CODES = frozenset({ErrorCode.CHECKSUM_MISMATCH})
+# Codes that mean "this object is broken": its stored bytes are not the bytes
+# written for the key (Mooncake's CRC-64, recorded at put, or the object's own
+# seal did not match at get), or its SSD file is gone or cut short (a torn
+# write after a power loss reads FILE_READ_FAIL on every try). Not a cluster
+# failure: the key reads as a miss and its object must not be offered again
+# (store/integrity.py). FILE_OPEN_FAIL is left out: running out of file
+# descriptors says nothing about the object.
+INTEGRITY_CODES = frozenset(
+    {
+        ErrorCode.CHECKSUM_MISMATCH,
+        ErrorCode.SEAL_MISMATCH,
+        ErrorCode.FILE_NOT_FOUND,
+        ErrorCode.FILE_READ_FAIL,
+    }
+)
 
 # Mooncake's answers to a put that mean "no space for this object now"
 # (store/put_cooldown.py pauses puts on them).

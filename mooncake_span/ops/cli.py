@@ -585,6 +585,13 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "on, one process and TCP (mooncake_span.bench.checksum)",
     )
     bench.add_argument(
+        "--seal",
+        action="store_true",
+        help="only the object-seal section: checksum candidates' GB/s, and put and get GB/s "
+        "with span_object_checksums off and on, K=1 and K=4, one process and TCP "
+        "(mooncake_span.bench.seal)",
+    )
+    bench.add_argument(
         "--leases",
         action="store_true",
         help="only the hit-query lease section: objects probed and leased per query and "
@@ -681,6 +688,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
         from mooncake_span.bench.checksum import run_checksum_command
 
         return run_checksum_command(args.quick, args.reps, args.json)
+    if args.seal:
+        from mooncake_span.bench.seal import run_seal_command
+
+        return run_seal_command(args.quick, args.reps, args.json)
     if args.leases:
         from mooncake_span.bench.leases import run_leases_command
 

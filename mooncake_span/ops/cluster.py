@@ -49,7 +49,14 @@ from mooncake_span.mooncake_settings import validate_master_address, validate_me
 from mooncake_span.ops import launcher as L
 from mooncake_span.ops.cluster_spec import ClusterSpec, ExternalCluster, sglang_client_config
 from mooncake_span.ops.launcher import ClusterStartError, find_executable
-from mooncake_span.store.ssd_tier import DirLock, check_root
+from mooncake_span.store.ssd_tier import (
+    DirLock,
+    check_room,
+    check_root,
+    default_cap_bytes,
+    held_bytes,
+    usable_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +143,7 @@ class LocalCluster:
             # Refused before anything starts, with the fix in the message.
             try:
                 root = check_root(str(spec.ssd_dir), "--ssd-dir")
+                self._check_disk_room(root)
                 for i in range(spec.storage_nodes):
                     DirLock(root, f"node{i}").check_free(f"{root}/node{i}")
             except ConfigError as exc:
@@ -180,6 +188,22 @@ class LocalCluster:
             self._log_dir,
         )
         return self
+
+    def _check_disk_room(self, root: str) -> None:
+        """The nodes share the disk of ``root``: refused when it cannot hold one object
+        (ConfigError naming the usable capacity), a warning when their caps exceed it."""
+        spec = self.spec
+        held = sum(held_bytes(f"{root}/node{i}") for i in range(spec.storage_nodes))
+        cap = spec.ssd_size_bytes if spec.ssd_size_bytes is not None else default_cap_bytes(root)
+        short = check_room(
+            usable_bytes(root, held),
+            cap * spec.storage_nodes,
+            spec.storage_node_segment_bytes,
+            f"--ssd-dir {root}",
+            f"--ssd-size x {spec.storage_nodes} node(s)",
+        )
+        if short:
+            logger.warning("%s", short)
 
     def stop(self) -> None:
         """Stop every process (SIGTERM, then SIGKILL after ``spec.stop_timeout_s``). Idempotent."""
@@ -248,13 +272,18 @@ class LocalCluster:
         """Client settings; the keys match SGLang's Mooncake ``extra_config`` keys."""
         # With HA masters the leader moves; the default admin URL rule applies then.
         admin_url = None if self.spec.ha_masters > 1 else self.metrics_url
-        return sglang_client_config(
+        config = sglang_client_config(
             self.master_address,
             self.metadata_server,
             self.spec.host,
             global_segment_size_bytes,
             admin_url,
         )
+        if self.spec.ssd_dir is not None:
+            # Objects on disk outlive the master's CRCs: each carries its own
+            # (store/seal.py; the SSD default, docs/reliability.md).
+            config["span_object_checksums"] = True
+        return config
 
     def client_env(self) -> dict[str, str]:
         """Environment variables a client process needs to talk to this cluster."""

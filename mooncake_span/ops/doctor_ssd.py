@@ -45,12 +45,26 @@ def _check_node_dir(root: str) -> Check:
     except ConfigError as exc:
         return Check(_NAME, FAIL, str(exc), "fix the directory as the message says")
     cap = ssd_tier.default_cap_bytes(path)
+    usable = ssd_tier.usable_bytes(path, ssd_tier.held_bytes(path))
+    data = {"ssd_dir": path, "default_cap_bytes": cap, "usable_bytes": usable}
+    if usable == 0:
+        return Check(
+            _NAME,
+            FAIL,
+            f"{path}: no usable capacity: its free space (plus what it holds) is within "
+            f"Mooncake's {ssd_tier.DISK_RESERVE_BYTES >> 20} MiB reserve, so the tier would "
+            "keep nothing",
+            "free space on that disk or pick a larger one",
+            data=data,
+        )
     return Check(
         _NAME,
         PASS,
         f"{path}: a writable directory; a storage node with --ssd-dir {root} uses "
-        f"{path}/<node name> (default cap {cap} bytes, 90% of the disk)",
-        data={"ssd_dir": path, "default_cap_bytes": cap},
+        f"{path}/<node name>; {usable} bytes usable (free space plus what it holds, less "
+        f"Mooncake's {ssd_tier.DISK_RESERVE_BYTES >> 20} MiB reserve; a --ssd-size above "
+        f"that holds no more), default cap {cap} bytes (90% of the disk)",
+        data=data,
     )
 
 

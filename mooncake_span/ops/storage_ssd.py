@@ -20,7 +20,7 @@ from typing import Any
 
 from mooncake_span.errors import ConfigError
 from mooncake_span.mooncake_settings import MooncakeSettings
-from mooncake_span.store import ssd_tier
+from mooncake_span.store import ssd_scan, ssd_tier
 from mooncake_span.store.segments import fetch_segments
 from mooncake_span.units import parse_size_bytes
 
@@ -51,6 +51,14 @@ def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help=f"RAM staging objects read from the SSD for a reader (default: "
         f"{ssd_tier.DEFAULT_READ_BUFFER_BYTES >> 20}mb; a larger batch is read in parts)",
+    )
+    parser.add_argument(
+        "--ssd-check",
+        default="full",
+        choices=ssd_scan.CHECK_MODES,
+        help="before registering the directory, delete objects that could only read as "
+        "misses: torn files (size) and, with full, sealed objects whose checksum fails "
+        "(reads the whole directory; default: %(default)s)",
     )
     parser.add_argument(
         "--node-name",
@@ -129,34 +137,15 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
             else ssd_tier.DEFAULT_READ_BUFFER_BYTES
         ),
     )
+    usable = ssd_tier.usable_bytes(root, ssd_tier.held_bytes(tier.directory))
+    short = ssd_tier.check_room(usable, tier.cap_bytes, tier.largest_object_bytes, root)
     directory = ssd_tier.process_dir(root, name, found[1])
     lock = ssd_tier.DirLock(root, name)
     previous = lock.acquire(f"{directory} (node {name!r})")
-    _warn_if_disk_short(tier)
+    if short:
+        logger.warning("%s", short)
+    ssd_scan.check_directory(directory, args.ssd_check)
     return NodeSsd(tier, lock, previous)
-
-
-def _usage_bytes(directory: str) -> int:
-    total = 0
-    for parent, _, files in os.walk(directory):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(parent, name))
-            except OSError:
-                pass
-    return total
-
-
-def _warn_if_disk_short(tier: ssd_tier.SsdTier) -> None:
-    room = ssd_tier.free_bytes(tier.directory) + _usage_bytes(tier.directory)
-    if tier.cap_bytes > room:
-        logger.warning(
-            "the SSD cap (%d bytes) exceeds what the disk has room for (%d bytes free plus "
-            "what %s holds): Mooncake then evicts when the disk is full",
-            tier.cap_bytes,
-            room,
-            tier.directory,
-        )
 
 
 def wait_after_crash(node: NodeSsd, args: argparse.Namespace, settings: MooncakeSettings) -> None:

@@ -45,7 +45,8 @@ class ChainRecords:
         try:
             with self._arena.lease(len(data), len(data)) as lease:
                 ctypes.memmove(lease.ptr, data, len(data))
-                self._client.put([key], [ObjectPlan([lease.ptr], [len(data)])])
+                # Unsealed: inspect reads a record as text.
+                self._client.put([key], [ObjectPlan([lease.ptr], [len(data)])], sealed=False)
         except MooncakeSpanError as exc:
             # A refusal is counted by the client; the backup's own answer stands.
             logger.debug("mooncake-span: chain record %s not written: %s", key, exc)

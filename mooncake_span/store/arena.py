@@ -112,7 +112,9 @@ def create_blob(client: MooncakeClient, arena: StagingArena, key: str, data: byt
         return False
     with arena.lease(len(data), len(data)) as lease:
         ctypes.memmove(lease.ptr, data, len(data))
-        return client.put([key], [ObjectPlan([lease.ptr], [len(data)])], hard_pin=True)[0]
+        plan = ObjectPlan([lease.ptr], [len(data)])
+        # Unsealed: a blob is read by its size, by any node whatever its options.
+        return client.put([key], [plan], hard_pin=True, sealed=False)[0]
 
 
 def read_blob(client: MooncakeClient, arena: StagingArena, key: str) -> bytes | None:
@@ -121,6 +123,6 @@ def read_blob(client: MooncakeClient, arena: StagingArena, key: str) -> bytes | 
     if size <= 0:
         return None
     with arena.lease(size, size) as lease:
-        if not client.get([key], [ObjectPlan([lease.ptr], [size])])[0]:
+        if not client.get([key], [ObjectPlan([lease.ptr], [size])], sealed=False)[0]:
             return None
         return ctypes.string_at(lease.ptr, size)

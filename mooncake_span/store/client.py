@@ -16,7 +16,10 @@ conventions into plain Python ones, once:
   a call of a healthy cluster goes out as the caller built it, in one native
   call, and otherwise calls carry at most ``max_buffers_per_call`` buffers and
   a get never names one key twice (Mooncake would leave a buffer unwritten);
-* refused puts in a row pause puts (``put_cooldown.py``): skipped ones read False.
+* refused puts in a row pause puts (``put_cooldown.py``): skipped ones read False;
+* with ``span_object_checksums`` every object carries its seal (``seal.py``):
+  ``put`` and ``get`` wrap the call in the trailers' arena, and each native
+  get checks what it read, a mismatch reading as a broken object.
 
 Every TTL and cool-down runs on the one ``clock`` the client is given.
 
@@ -76,6 +79,7 @@ from mooncake_span.store.put_cooldown import (
     PutPressure,
 )
 from mooncake_span.store.router import DomainRouter
+from mooncake_span.store.seal import TrailerArena
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
 from mooncake_span.store.ssd_tier import DirLock
 
@@ -137,6 +141,7 @@ class MooncakeClient:
         self._ssd_read_rpcs = 0  # Mooncake's count of reads it asked an SSD owner for
         self._ssd_lock: DirLock | None = None  # this rank's SSD directory, if it has one
         self._admin_url: str | None = None  # the master's admin server, set by connect()
+        self._seal: TrailerArena | None = None  # span_object_checksums, set by connect()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -175,6 +180,8 @@ class MooncakeClient:
         if self._ssd_lock is not None:
             self._ssd_lock.update(state="running", segment=store.get_hostname())
         self._gate.open(store)
+        if self.options.object_checksums:
+            self._seal = TrailerArena(self.register_buffer, float(self.options.transfer_timeout_s))
         if self.options.placement:
             self._directory = start_directory(admin_url, self.options, binding.list_segments)
         logger.info(
@@ -232,6 +239,7 @@ class MooncakeClient:
         hard_pin: bool = False,
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
+        sealed: bool = True,
     ) -> list[bool]:
         """Write objects that do not exist yet. Mooncake keeps the old value of an
         existing key and reports success, so callers check existence first.
@@ -239,15 +247,29 @@ class MooncakeClient:
         chain step (``steps``: prefix-chain placement) land on the same segment.
         ``group_ids``, when given, are sent (the caller decides whether they are
         wanted). ``hard_pin`` exempts the objects from eviction (small metadata
-        only). True only if every copy was written."""
+        only). ``sealed=False``: no seal even with ``span_object_checksums`` (small
+        records other tools read as they are). True only if every copy was written."""
         batch = PlanBatch.of(plans)
-        if steps is not None:
+        if sealed and self._seal is not None:
+            with self._seal.writing(keys, batch) as sealed_batch:
+                return self._put(keys, sealed_batch, group_ids, hard_pin, (domains, steps))
+        return self._put(keys, batch, group_ids, hard_pin, (domains, steps))
+
+    def _put(
+        self,
+        keys: Sequence[str],
+        batch: PlanBatch,
+        group_ids: Sequence[str] | None,
+        hard_pin: bool,
+        placed: Placed,
+    ) -> list[bool]:
+        if placed[1] is not None:  # chain steps
             self.router.note_chain_put()
         if self.router.direct_put(keys):
-            ok = self._put_direct(list(keys), batch, group_ids, hard_pin, (domains, steps))
+            ok = self._put_direct(list(keys), batch, group_ids, hard_pin, placed)
             self.router.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
             return ok
-        return self._put_copies(keys, batch, group_ids, hard_pin, (domains, steps))
+        return self._put_copies(keys, batch, group_ids, hard_pin, placed)
 
     def _put_direct(
         self,
@@ -369,17 +391,26 @@ class MooncakeClient:
         plans: Sequence[ObjectPlan] | PlanBatch,
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
+        sealed: bool = True,
     ) -> list[bool]:
-        """Read objects into the planned buffers; True only for a complete read.
+        """Read objects into the planned buffers; True only for a complete read
+        (with ``span_object_checksums``, of bytes that match their seal, unless
+        ``sealed=False``: objects put with it off).
 
         Copies in a bad failure domain are skipped without a transfer; a copy
         that fails is retried on the next one (at most ``span_replica_num``
         attempts per key). A key that cannot be read is remembered as lost.
         ``domains``/``steps``: the placement its put used, if the caller knows it."""
         batch = PlanBatch.of(plans)
+        if sealed and self._seal is not None:
+            with self._seal.reading(keys, batch) as sealed_batch:
+                return self._get(keys, sealed_batch, (domains, steps))
+        return self._get(keys, batch, (domains, steps))
+
+    def _get(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
         if self.router.direct(keys):
             return self._get_direct(list(keys), batch)
-        return self._get_copies(keys, batch, (domains, steps))
+        return self._get_copies(keys, batch, placed)
 
     def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
         """One copy per unique key, in the caller's order, cut by the buffer budget."""
@@ -449,6 +480,8 @@ class MooncakeClient:
 
     def _native_get(self, keys: list[str], batch: PlanBatch, store: Any) -> list[int]:
         codes = store.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes)
+        if self._seal is not None:
+            codes = self._seal.verify(batch, codes)
         # Cumulative, per native client: one per SSD owner a get asked over RPC.
         self._ssd_read_rpcs = max(self._ssd_read_rpcs, store.get_offload_rpc_read_count())
         return codes

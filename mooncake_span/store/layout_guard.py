@@ -12,6 +12,13 @@ published one refuses to start, printing both sides.
 Backends: ``store`` keeps the record as a small Mooncake object (hard-pinned
 where the wheel supports it); ``etcd`` keeps it in etcd through its gRPC
 gateway (``etcd3gw``), atomically created so two racing nodes cannot both win.
+
+The record also names the object format (``object_format``: ``plain``, or
+sealed objects with a checksum trailer, ``store/seal.py``), so nodes that
+would write objects of another length and meaning under the same keys
+refuse to start. A record published before the field existed reads as
+``plain``. (A node older than the field does not compare it: against one,
+a sealed object read unsealed and the reverse fail on their size, as misses.)
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from mooncake_span.errors import LayoutConflictError
 from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, sanitize_token
 from mooncake_span.store.arena import StagingArena, create_blob, read_blob
+from mooncake_span.store.seal import PLAIN_FORMAT, object_format
 
 if TYPE_CHECKING:
     from mooncake_span.config import SpanOptions
@@ -50,6 +58,7 @@ class GeometryRecord:
     kv_dtype: str
     pools: dict[str, PoolGeometry] = field(default_factory=dict)
     version: int = RECORD_VERSION
+    object_format: str = PLAIN_FORMAT
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
@@ -70,12 +79,19 @@ class GeometryRecord:
             kv_dtype=str(raw["kv_dtype"]),
             pools=pools,
             version=int(raw.get("version", RECORD_VERSION)),
+            object_format=str(raw.get("object_format", PLAIN_FORMAT)),
         )
 
     def differences(self, other: GeometryRecord) -> list[str]:
         """Human-readable 'field: ours vs theirs' lines (empty when compatible)."""
         lines = []
-        for name in ("host_page_tokens", "storage_page_tokens", "layout", "kv_dtype"):
+        for name in (
+            "host_page_tokens",
+            "storage_page_tokens",
+            "layout",
+            "kv_dtype",
+            "object_format",
+        ):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 lines.append(f"{name}: this node {mine!r} vs published {theirs!r}")
@@ -140,7 +156,8 @@ def check_or_publish(
             f"namespace {key}:\n  "
             + "\n  ".join(diffs)
             + "\nUse another model name or extra_backend_tag for this deployment, or make the "
-            "nodes agree (same host page, storage_page_size, layout, dtype and model shape)."
+            "nodes agree (same host page, storage_page_size, layout, dtype, model shape and "
+            "span_object_checksums)."
         )
     logger.info("mooncake-span layout guard: geometry matches the published record %s", key)
     return "matched"
@@ -157,10 +174,12 @@ def check_layout_guard(
 ) -> str:
     """Run the guard ``span_layout_guard`` selects: "off", "published", "matched"
     or, with ``page_open``, "deferred" (see ``check_or_publish``).
-    The ``store`` record moves through the registered staging ``arena``."""
+    The ``store`` record moves through the registered staging ``arena``. The
+    record's ``object_format`` is this node's (``span_object_checksums``)."""
     mode = options.layout_guard
     if mode == "off":
         return "off"
+    record = replace(record, object_format=object_format(options.object_checksums))
     key = namespace_key(schema.model, schema.tag)
     read, create, _ = _registry(mode, options, client, arena)
     return check_or_publish(record, key, read, create, page_open=page_open)
@@ -182,9 +201,11 @@ def recheck_layout_guard(
     mode = options.layout_guard
     if mode == "off":
         return "off"
+    fmt = object_format(options.object_checksums)
+    record = replace(record, object_format=fmt)
     key = namespace_key(schema.model, schema.tag)
     read, create, remove = _registry(mode, options, client, arena)
-    if read(key) == previous.to_json():
+    if read(key) == replace(previous, object_format=fmt).to_json():
         remove(key)
         logger.info(
             "mooncake-span layout guard: withdrew the start-up record under %s (storage page "

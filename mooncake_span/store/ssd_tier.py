@@ -48,6 +48,9 @@ HEARTBEAT_S = 1
 DEFAULT_READ_BUFFER_BYTES = 256 << 20
 # Mooncake's own default cap of the bucket layout: 90% of the disk.
 DEFAULT_CAP_SHARE = 0.9
+# Mooncake keeps this much of the disk free, evicting its own objects first: a
+# directory's usable capacity is its free space (plus what it holds) less this.
+DISK_RESERVE_BYTES = 256 << 20
 # A restart waits this much past the master's client_ttl for the old owner to expire.
 EXPIRY_MARGIN_S = 2.0
 _EXPIRY_POLL_S = 0.5
@@ -60,6 +63,9 @@ CAP_ENV = "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"
 EVICTION_ENV = "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY"
 HEARTBEAT_ENV = "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS"
 READ_BUFFER_ENV = "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES"
+# A serving rank's check of its directory before setup (store/ssd_scan.py):
+# full, size or off; a storage node's is --ssd-check.
+CHECK_ENV = "MOONCAKE_SPAN_SSD_CHECK"
 # Mooncake's bucket defaults, for reading what an operator's environment leaves unset.
 _MOONCAKE_KEYS_PER_BUCKET = 500
 
@@ -121,6 +127,45 @@ def default_cap_bytes(directory: str) -> int:
 def free_bytes(directory: str) -> int:
     stats = os.statvfs(directory)
     return stats.f_bavail * stats.f_frsize
+
+
+def held_bytes(directory: str) -> int:
+    """Bytes of the files under ``directory`` (0 if it does not exist)."""
+    total = 0
+    for parent, _, files in os.walk(directory):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(parent, name))
+            except OSError:
+                pass
+    return total
+
+
+def usable_bytes(directory: str, held: int = 0) -> int:
+    """What Mooncake can keep in ``directory``: free space plus ``held`` (what the
+    tier already holds there) less Mooncake's reserve; 0 when nothing."""
+    return max(0, free_bytes(directory) + held - DISK_RESERVE_BYTES)
+
+
+def check_room(
+    usable: int, cap_bytes: int, largest_object_bytes: int, shown: str, flag: str = "--ssd-size"
+) -> str | None:
+    """ConfigError when ``usable`` bytes cannot hold one object of the process; the
+    warning to give when the cap exceeds them (None when it does not)."""
+    if usable < largest_object_bytes:
+        raise ConfigError(
+            f"{shown} has {usable} bytes usable (free space less Mooncake's "
+            f"{DISK_RESERVE_BYTES >> 20} MiB reserve), less than one object this process may "
+            f"hold ({largest_object_bytes} bytes): the SSD tier would keep nothing; free space "
+            "or pick a larger disk"
+        )
+    if cap_bytes > usable:
+        return (
+            f"the SSD cap {flag} ({cap_bytes} bytes) exceeds what {shown} can hold: "
+            f"{usable} bytes usable (free space plus what it holds, less Mooncake's "
+            f"{DISK_RESERVE_BYTES >> 20} MiB reserve); the tier holds at most that"
+        )
+    return None
 
 
 def check_root(path: str, flag: str = "--ssd-dir") -> str:
@@ -349,6 +394,14 @@ def open_serving_tier(
         raise ConfigError("enable_ssd_offload would persist nothing: " + "; ".join(problems))
     lock = DirLock(parent, name)
     previous = lock.acquire(tier.directory)
+    # Imported here: the scan reads seals (xxhash), which only this path needs.
+    from mooncake_span.store.ssd_scan import check_directory
+
+    try:
+        check_directory(tier.directory, environ.get(CHECK_ENV) or "full")
+    except BaseException:
+        lock.release()
+        raise
     if crashed(previous):
         logger.warning(
             "mooncake-span: the previous owner of %s (pid %s) did not stop cleanly; waiting for "

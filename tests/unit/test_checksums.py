@@ -104,9 +104,15 @@ def test_one_process_cannot_mix_settings_on_the_real_client():
     native.prepare_native_env(_settings(), on, shares_process_env=False)
 
 
-def test_only_checksum_mismatch_is_an_integrity_code():
-    assert is_integrity_failure(MISMATCH)
-    assert not any(is_integrity_failure(int(c)) for c in ErrorCode if c != MISMATCH)
+def test_broken_object_codes_are_integrity_codes_and_nothing_else():
+    broken = {
+        ErrorCode.CHECKSUM_MISMATCH,
+        ErrorCode.SEAL_MISMATCH,
+        ErrorCode.FILE_NOT_FOUND,
+        ErrorCode.FILE_READ_FAIL,
+    }
+    assert MISMATCH in broken
+    assert {c for c in ErrorCode if is_integrity_failure(int(c))} == broken
 
 
 # ---- the client's get path on the fake ------------------------------------------

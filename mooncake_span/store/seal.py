@@ -1,0 +1,175 @@
+"""Object seals: a checksum stored with each object's bytes (``span_object_checksums``).
+
+Mooncake's own CRC-64 (``span_verify_checksums``) lives only in the master's
+memory: an object registered again from an SSD directory after a restart
+carries none, and is returned unverified (docs/reliability.md). A seal is
+part of the object instead, so it survives whatever the object survives and
+any reader, in any process, after any restart, can check it.
+
+Format (``SEAL_FORMAT``): the object is its payload followed by a 16-byte
+trailer, ``TRAILER_MAGIC`` (8 bytes) then the payload's XXH3-64 (8 bytes,
+little-endian) seeded with the XXH3-64 of the logical key. The seed binds the
+bytes to their key: an object read under another key fails its check too.
+XXH3-64 was picked by measurement (docs/benchmarks.md, "object checksums"):
+about twice CRC32C's rate on the same machine, both from maintained packages.
+
+Every pointer of a zero-copy call lies in registered memory, the trailers'
+too: a put's trailers and a get's receiving slots are leased from a small
+arena of their own, registered once (``TrailerArena``). A get's slot is
+zeroed before the read (Mooncake can report success for a buffer it never
+wrote) and holds, past the 16 bytes Mooncake writes, the key seed the check
+needs, so ``verify`` needs nothing but the rows it is given.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from mooncake_span.errors import ErrorCode, InvalidRequestError
+from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.arena import StagingArena
+
+try:
+    import xxhash
+except ImportError:  # reported when the option is used (require_xxhash)
+    xxhash = None
+
+SEAL_FORMAT = "xxh3-64-trailer-v1"
+# The layout guard's name for objects without a trailer.
+PLAIN_FORMAT = "plain"
+TRAILER_MAGIC = b"msSEAL01"
+TRAILER_BYTES = 16
+# Per object in the arena: the trailer (or receiving slot), then the key seed.
+_SLOT_BYTES = 32
+_SEED = struct.Struct("<Q")
+_TRAILER = struct.Struct("<8sQ")
+# A put's slot (the trailer, padding) and a get's (zeroed trailer, the seed, padding).
+_PUT_SLOT = struct.Struct("<8sQ16x")
+_GET_SLOT = struct.Struct("<16xQ8x")
+# 8 MiB: 262,144 objects in one call; sglang's calls carry a few thousand.
+DEFAULT_ARENA_BYTES = 8 << 20
+# What a get whose bytes failed their seal reads as (store/integrity.py removes it).
+MISMATCH = int(ErrorCode.SEAL_MISMATCH)
+
+
+def require_xxhash() -> None:
+    if xxhash is None:
+        raise InvalidRequestError(
+            "span_object_checksums needs the xxhash package: pip install xxhash "
+            "(or mooncake-span[cpu] / [cuda], which include it)"
+        )
+
+
+def object_format(enabled: bool) -> str:
+    """What the layout guard publishes for a namespace's objects."""
+    return SEAL_FORMAT if enabled else PLAIN_FORMAT
+
+
+def key_seed(key: str) -> int:
+    return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
+
+
+def payload_digest(seed: int, ptrs: Sequence[int], sizes: Sequence[int]) -> int:
+    """XXH3-64 of the bytes at ``ptrs``/``sizes`` in order, read in place."""
+    if len(ptrs) == 1:
+        return xxhash.xxh3_64_intdigest((ctypes.c_char * sizes[0]).from_address(ptrs[0]), seed)
+    state = xxhash.xxh3_64(seed=seed)
+    for ptr, size in zip(ptrs, sizes, strict=True):
+        state.update((ctypes.c_char * size).from_address(ptr))
+    return state.intdigest()
+
+
+def _slots(batch: PlanBatch, keys: Sequence[str], put: bool) -> bytes:
+    """The arena bytes of one call's slots, built in one pass (writing each object's
+    slot into the arena on its own cost more than hashing its 64 KiB)."""
+    seeds = map(key_seed, keys)
+    if put:
+        digests = map(payload_digest, seeds, batch.ptrs, batch.sizes)
+        return b"".join(_PUT_SLOT.pack(TRAILER_MAGIC, d) for d in digests)
+    return b"".join(map(_GET_SLOT.pack, seeds))
+
+
+def trailer_bytes(key: str, payload: bytes) -> bytes:
+    """The trailer of ``payload`` stored under ``key`` (for tools and tests)."""
+    digest = xxhash.xxh3_64_intdigest(payload, key_seed(key))
+    return _TRAILER.pack(TRAILER_MAGIC, digest)
+
+
+def check_stored(key: str, stored: bytes) -> bool | None:
+    """Whether a stored object's bytes (payload + trailer) match their seal; None
+    when they carry none (an unsealed object, or one whose magic was hit)."""
+    if len(stored) < TRAILER_BYTES or stored[-TRAILER_BYTES:-8] != TRAILER_MAGIC:
+        return None
+    return stored[-TRAILER_BYTES:] == trailer_bytes(key, stored[:-TRAILER_BYTES])
+
+
+def _with_trailers(batch: PlanBatch, base_ptr: int) -> PlanBatch:
+    ptrs = [[*row, base_ptr + i * _SLOT_BYTES] for i, row in enumerate(batch.ptrs)]
+    # Rows that share one size list (plan_batch's) share the extended one too.
+    extended: dict[int, list[int]] = {}
+    sizes = [
+        extended.get(id(row)) or extended.setdefault(id(row), [*row, TRAILER_BYTES])
+        for row in batch.sizes
+    ]
+    return PlanBatch(ptrs, sizes, [n + TRAILER_BYTES for n in batch.nbytes])
+
+
+class TrailerArena:
+    """Registered slots for the trailers of the calls in flight, and the seal itself."""
+
+    def __init__(
+        self,
+        register: Callable[[int, int], None],
+        timeout_s: float,
+        size_bytes: int = DEFAULT_ARENA_BYTES,
+    ) -> None:
+        require_xxhash()
+        self._arena = StagingArena(size_bytes, register, timeout_s)
+        self._base = self._arena.base_ptr
+        self._end = self._base + size_bytes
+
+    @contextmanager
+    def writing(self, keys: Sequence[str], batch: PlanBatch) -> Iterator[PlanBatch]:
+        """``batch`` with each object's trailer appended, for one put."""
+        need = len(batch) * _SLOT_BYTES
+        if not need:
+            yield batch
+            return
+        with self._arena.lease(need, need) as lease:
+            ctypes.memmove(lease.ptr, _slots(batch, keys, put=True), need)
+            yield _with_trailers(batch, lease.ptr)
+
+    @contextmanager
+    def reading(self, keys: Sequence[str], batch: PlanBatch) -> Iterator[PlanBatch]:
+        """``batch`` with a receiving slot per object, for one get; ``verify`` checks it."""
+        need = len(batch) * _SLOT_BYTES
+        if not need:
+            yield batch
+            return
+        with self._arena.lease(need, need) as lease:
+            ctypes.memmove(lease.ptr, _slots(batch, keys, put=False), need)
+            yield _with_trailers(batch, lease.ptr)
+
+    def verify(self, batch: PlanBatch, codes: list[int]) -> list[int]:
+        """``codes`` of one native get of ``batch``, with every complete read whose
+        bytes fail their seal turned into ``MISMATCH``. Rows without a slot of this
+        arena (an unsealed call) are left as they are."""
+        out = codes
+        memory = self._arena.memory
+        for i, (ptrs, sizes, nbytes) in enumerate(
+            zip(batch.ptrs, batch.sizes, batch.nbytes, strict=True)
+        ):
+            slot = ptrs[-1]
+            if codes[i] != nbytes or not self._base <= slot < self._end:
+                continue
+            at = slot - self._base
+            magic, stored = _TRAILER.unpack_from(memory, at)
+            (seed,) = _SEED.unpack_from(memory, at + TRAILER_BYTES)
+            if magic != TRAILER_MAGIC or stored != payload_digest(seed, ptrs[:-1], sizes[:-1]):
+                if out is codes:
+                    out = list(codes)
+                out[i] = MISMATCH
+        return out

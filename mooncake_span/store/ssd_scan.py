@@ -1,0 +1,228 @@
+"""The check of an SSD directory before Mooncake registers what it holds.
+
+A process with an SSD tier registers every object its directory holds when it
+sets up (``store/ssd_tier.py``), verified by nothing: Mooncake keeps no
+checksum on disk, and a file cut short by a power loss is offered again and
+fails every read (FILE_READ_FAIL). A key the readers found broken and removed
+from the master comes back too, since ``remove`` leaves the file (measured,
+0.3.13.post1: a removed key's bucket stays, and the next start registers it).
+
+So the storage node (and a serving rank's own tier) checks the directory
+first and deletes the objects that could only ever be misses or wrong bytes:
+
+* ``size``: a bucket whose file is not as long as its ``.meta`` says (torn);
+* ``full`` (the default) also reads every object: one that carries a seal
+  (``store/seal.py``) and does not match it is deleted. Objects without a
+  seal (``span_object_checksums`` off, small records) cannot be checked and
+  are kept. This reads the whole directory once per start.
+
+Mooncake's layout, as the 0.3.13.post1 wheel writes it (one key per bucket,
+``SsdTier``): ``<id>.bucket`` holds, per object, its key (``tenant`` NUL
+``key``) then its bytes; ``<id>.meta`` is a protobuf message: field 1 the
+bucket's data bytes, then per object field 2 its key and field 3 a message
+(1: offset, 2: key bytes, 3: data bytes). A ``.meta`` this module cannot read
+is left to Mooncake, which drops unparsable and orphan pairs itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from mooncake_span.errors import ConfigError
+from mooncake_span.store import seal
+from mooncake_span.store.domains import COPY_SEPARATOR
+
+logger = logging.getLogger(__name__)
+
+CHECK_MODES = ("full", "size", "off")
+
+
+@dataclass
+class ScanReport:
+    buckets: int = 0
+    checked_objects: int = 0  # sealed objects whose bytes were read and matched
+    unsealed_objects: int = 0
+    torn: list[str] = field(default_factory=list)  # object keys
+    corrupt: list[str] = field(default_factory=list)
+    unreadable_meta: int = 0
+    seconds: float = 0.0
+
+    @property
+    def removed(self) -> int:
+        return len(self.torn) + len(self.corrupt)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: bytes  # as stored: tenant NUL key
+    offset: int
+    key_bytes: int
+    data_bytes: int
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, at
+        shift += 7
+
+
+def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
+    """(field number, value) of a protobuf message: varints and length-delimited only."""
+    at = 0
+    while at < len(data):
+        tag, at = _varint(data, at)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            value, at = _varint(data, at)
+            yield number, value
+        elif wire == 2:
+            length, at = _varint(data, at)
+            if at + length > len(data):
+                raise ValueError("truncated field")
+            yield number, data[at : at + length]
+            at += length
+        else:
+            raise ValueError(f"wire type {wire}")
+
+
+def parse_meta(data: bytes) -> tuple[int, list[_Entry]]:
+    """(the bucket's data bytes, its objects) from a ``.meta`` file; ValueError if unreadable."""
+    total = None
+    keys: list[bytes] = []
+    shapes: list[dict[int, int]] = []
+    for number, value in _fields(data):
+        if number == 1 and isinstance(value, int):
+            total = value
+        elif number == 2 and isinstance(value, bytes):
+            keys.append(value)
+        elif number == 3 and isinstance(value, bytes):
+            shapes.append({n: v for n, v in _fields(value) if isinstance(v, int)})
+    if total is None or not keys or len(keys) != len(shapes):
+        raise ValueError("not a bucket meta")
+    entries = [
+        _Entry(key, shape.get(1, 0), shape.get(2, 0), shape.get(3, 0))
+        for key, shape in zip(keys, shapes, strict=True)
+    ]
+    return total, entries
+
+
+def _object_key(stored_key: bytes) -> str:
+    return stored_key.split(b"\0", 1)[-1].decode("utf-8", "surrogateescape")
+
+
+def _sealed_ok(key: str, stored: memoryview) -> bool | None:
+    """A copy's seal is its logical key's (store/domains.copy_key)."""
+    verdict = seal.check_stored(key, stored)
+    if verdict is False and COPY_SEPARATOR in key:
+        head, _, copy = key.rpartition(COPY_SEPARATOR)
+        if copy.isdigit():
+            verdict = seal.check_stored(head, stored)
+    return verdict
+
+
+def _check_bucket(path: str, entries: list[_Entry], report: ScanReport) -> list[str]:
+    """Object keys of ``path`` whose bytes fail their seal."""
+    bad = []
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        try:
+            for entry in entries:
+                start = entry.offset + entry.key_bytes
+                verdict = _sealed_ok(_object_key(entry.key), view[start : start + entry.data_bytes])
+                if verdict is None:
+                    report.unsealed_objects += 1
+                elif verdict:
+                    report.checked_objects += 1
+                else:
+                    bad.append(_object_key(entry.key))
+        finally:
+            view.release()
+    return bad
+
+
+def check_directory(directory: str, mode: str = "full") -> ScanReport:
+    """Delete the torn (and, with ``full``, corrupt) objects of an SSD directory
+    before Mooncake scans it; returns what was found."""
+    if mode not in CHECK_MODES:
+        raise ConfigError(f"the SSD check must be one of {CHECK_MODES}, got {mode!r}")
+    report = ScanReport()
+    if mode == "off":
+        return report
+    if mode == "full" and seal.xxhash is None:
+        raise ConfigError(
+            "the full SSD check reads object seals and needs the xxhash package: pip install "
+            "xxhash, or check sizes only (--ssd-check size, MOONCAKE_SPAN_SSD_CHECK=size)"
+        )
+    started = time.monotonic()
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".meta"):
+            continue
+        meta_path = os.path.join(directory, name)
+        bucket_path = meta_path[: -len(".meta")] + ".bucket"
+        try:
+            with open(meta_path, "rb") as file:
+                total, entries = parse_meta(file.read())
+            size = os.path.getsize(bucket_path)
+        except (OSError, ValueError):
+            report.unreadable_meta += 1
+            continue
+        report.buckets += 1
+        ends = max(e.offset + e.key_bytes + e.data_bytes for e in entries)
+        if size < total or size < ends:
+            report.torn += [_object_key(e.key) for e in entries]
+            _delete(bucket_path, meta_path)
+            continue
+        if mode == "full":
+            bad = _check_bucket(bucket_path, entries, report)
+            if bad:
+                # One key per bucket (SsdTier): the whole pair goes.
+                report.corrupt += bad
+                _delete(bucket_path, meta_path)
+    report.seconds = time.monotonic() - started
+    _log(directory, mode, report)
+    return report
+
+
+def _delete(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _log(directory: str, mode: str, report: ScanReport) -> None:
+    if report.removed:
+        logger.warning(
+            "SSD check (%s) of %s: deleted %d torn and %d corrupt object(s) before "
+            "registering it (e.g. %s); they would only ever read as misses",
+            mode,
+            directory,
+            len(report.torn),
+            len(report.corrupt),
+            (report.torn + report.corrupt)[:3],
+        )
+    logger.info(
+        "SSD check (%s) of %s: %d buckets, %d sealed objects verified, %d without a seal, "
+        "%d removed, %d metas left to Mooncake, %.2fs",
+        mode,
+        directory,
+        report.buckets,
+        report.checked_objects,
+        report.unsealed_objects,
+        report.removed,
+        report.unreadable_meta,
+        report.seconds,
+    )

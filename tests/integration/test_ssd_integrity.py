@@ -1,0 +1,276 @@
+"""Integrity across restarts on the SSD tier: real master, a real storage node with
+``--ssd-dir``, the backend with real sglang host pools (K=4 MLA, 1 MiB keys).
+
+Objects are changed on disk as rot or a power loss would leave them: bytes
+flipped inside a ``.bucket`` file, or the file cut short. Every restored byte
+is compared with what was written for its key.
+
+1. rot after a graceful restart: with ``span_object_checksums`` (what
+   ``cluster up --ssd-dir`` hands its clients) the rotted keys miss, 0 wrong
+   bytes, the others restore; and the negative control: with it off the same
+   rot IS restored as a hit with wrong bytes (Mooncake's own CRC is gone after
+   a restart), so the test can fail;
+2. a corrupt key caught before a restart stays gone after it (the node's check
+   deletes its file before registering the directory);
+3. torn files: one failed read (FILE_READ_FAIL), then no hit query offers the
+   key, and after a restart neither;
+4. a directory too small for one object is refused, naming the usable capacity.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
+from mooncake_span.ops.launcher import ClusterStartError
+from mooncake_span.testing import pools as P
+from tests.conftest import require_mooncake
+from tests.span_helpers import make_storage_config, register_pools, slots_of
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+
+PAGE = 64
+PAGES_PER_KEY = 4
+MLA = {"layers": 8, "kv_lora_rank": 240, "rope_dim": 16}  # 256 KiB pages, 1 MiB keys
+SEGMENT_BYTES = 16 << 20
+KEYS = 8
+OFFLOAD_WAIT_S = 3.0  # the 1 s heartbeat writes every object
+
+
+@pytest.fixture(autouse=True)
+def _needs_mooncake() -> None:
+    require_mooncake()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    (tmp_path / "ssd").mkdir()
+    spec = ClusterSpec(
+        storage_nodes=1,
+        storage_node_segment_bytes=SEGMENT_BYTES,
+        ssd_dir=tmp_path / "ssd",
+        ssd_size_bytes="256mb",
+        log_dir=tmp_path / "logs",
+    )
+    with LocalCluster(spec) as started:
+        yield started
+
+
+class Keys:
+    """``KEYS`` span keys of random bytes, written through one backend."""
+
+    def __init__(self, cluster: LocalCluster, namespace: str, **options: Any) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.options = options
+        self.kv = P.build_mla_host("page_first", host_pages=KEYS * PAGES_PER_KEY, **MLA)
+        self.names = [f"{namespace}-{i}" for i in range(KEYS)]
+        starts = [p * PAGE for p in range(KEYS * PAGES_PER_KEY)]
+        P.fill_random_pages(self.kv, starts, seed=43)
+        self.expected = [P.page_bytes(self.kv, s) for s in starts]
+        self.store = self.backend()
+
+    def backend(self) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        from mooncake_span.sglang_backend import MooncakeSpanStore
+
+        config = {
+            **self.cluster.client_config(),
+            "storage_page_size": PAGE * PAGES_PER_KEY,
+            "span_lost_key_ttl_s": 1.0,
+            **self.options,
+        }
+        store = MooncakeSpanStore(make_storage_config(config, model_name=self.namespace), {})
+        register_pools(store, {PoolName.KV: self.kv})
+        return store
+
+    def fresh(self) -> None:
+        """A new backend (as after a serving process restart): nothing remembered."""
+        self.store.close()
+        self.store = self.backend()
+
+    def slots(self, rows: list[int]) -> Any:
+        return slots_of([r * PAGES_PER_KEY + p for r in rows for p in range(PAGES_PER_KEY)], PAGE)
+
+    def write_all(self) -> None:
+        """Every key, again while Mooncake refuses some (each copy stays pinned in
+        DRAM until the offload heartbeat has written it)."""
+        pending = list(range(KEYS))
+        deadline = time.monotonic() + 60.0
+        while pending:
+            assert time.monotonic() < deadline, f"{len(pending)} keys never stored"
+            batch, pending = pending[:2], pending[2:]
+            ok = self.store.batch_set_v1([self.names[r] for r in batch], self.slots(batch))
+            failed = [r for r, good in zip(batch, ok, strict=True) if not good]
+            if failed:
+                pending += failed
+                time.sleep(0.5)
+        time.sleep(OFFLOAD_WAIT_S)
+
+    def read_each(self) -> tuple[list[bool], list[bool]]:
+        """(hit, exact) per key, one key per get; the host pages are wiped first."""
+        hits, exact = [], []
+        for r in range(KEYS):
+            starts = [(r * PAGES_PER_KEY + p) * PAGE for p in range(PAGES_PER_KEY)]
+            P.wipe_pages(self.kv, starts)
+            hits += self.store.batch_get_v1([self.names[r]], self.slots([r]))
+            exact.append(
+                all(
+                    P.page_bytes(self.kv, s) == self.expected[r * PAGES_PER_KEY + p]
+                    for p, s in enumerate(starts)
+                )
+            )
+        return hits, exact
+
+    def offered(self) -> list[bool]:
+        """Per key, whether a hit query offers it (one key per query: no prefix clamp)."""
+        return [self.store.batch_exists([name]) == 1 for name in self.names]
+
+    def bucket(self, row: int) -> Path:
+        """The ``.bucket`` file holding key ``row``'s object."""
+        marker = f"_{self.names[row]}_".encode()
+        directory = self.cluster.node_ssd_dir(0)
+        found = [p for p in directory.glob("*.bucket") if marker in p.read_bytes()[:512]]
+        assert len(found) == 1, (self.names[row], found)
+        return found[0]
+
+
+def _wrong(keys: Keys, hits: list[bool], exact: list[bool]) -> list[str]:
+    return [keys.names[i] for i in range(KEYS) if hits[i] and not exact[i]]
+
+
+def _rot(path: Path) -> None:
+    """Flip 4 bytes in the middle of the object (past the key at the file's start)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for at in range(middle, middle + 4):
+        data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _tear(path: Path) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(os.path.getsize(path) // 3)
+
+
+ROTTED = [1, 4, 6]
+
+
+def test_rot_after_a_graceful_restart_misses_with_the_check_and_is_returned_without(cluster):
+    sealed = Keys(cluster, "sealed")
+    plain = Keys(cluster, "plain", span_object_checksums=False)
+    try:
+        sealed.write_all()
+        plain.write_all()
+        cluster.restart_storage_node(0)  # graceful: every object comes back from disk only
+        for keys in (sealed, plain):
+            for row in ROTTED:
+                _rot(keys.bucket(row))
+        sealed.fresh()
+        plain.fresh()
+        hits, exact = sealed.read_each()
+        assert _wrong(sealed, hits, exact) == []
+        assert [i for i in range(KEYS) if not hits[i]] == ROTTED
+        assert sealed.store.client.stats()["integrity_failures"] == {"SEAL_MISMATCH": len(ROTTED)}
+        assert [i for i, o in enumerate(sealed.offered()) if not o] == ROTTED  # removed
+        # Negative control: the same rot without the check is restored as a hit.
+        hits, exact = plain.read_each()
+        assert all(hits)
+        assert [plain.names.index(n) for n in _wrong(plain, hits, exact)] == ROTTED
+    finally:
+        sealed.store.close()
+        plain.store.close()
+
+
+def test_a_corrupt_key_caught_before_a_restart_stays_gone_after_it(cluster):
+    keys = Keys(cluster, "caught")
+    try:
+        keys.write_all()
+        cluster.restart_storage_node(0)
+        for row in ROTTED:
+            _rot(keys.bucket(row))
+        keys.fresh()
+        hits, exact = keys.read_each()
+        assert _wrong(keys, hits, exact) == [] and sum(hits) == KEYS - len(ROTTED)
+        keys.store.close()
+        cluster.restart_storage_node(0)
+        keys.store = keys.backend()
+        assert [i for i, o in enumerate(keys.offered()) if not o] == ROTTED
+        hits, exact = keys.read_each()
+        assert _wrong(keys, hits, exact) == [] and sum(hits) == KEYS - len(ROTTED)
+        assert keys.store.client.stats()["integrity_failures"] == {}  # not even read again
+        assert "corrupt object(s)" in _node_log(cluster)
+    finally:
+        keys.store.close()
+
+
+def test_torn_files_are_not_offered_after_one_failed_read_nor_after_a_restart(cluster):
+    keys = Keys(cluster, "torn")
+    try:
+        keys.write_all()
+        cluster.restart_storage_node(0)
+        torn = [0, 5]
+        for row in torn:
+            _tear(keys.bucket(row))
+        keys.fresh()
+        assert all(keys.offered())  # Mooncake registered them whole
+        hits, exact = keys.read_each()
+        assert _wrong(keys, hits, exact) == []
+        assert [i for i in range(KEYS) if not hits[i]] == torn
+        failures = keys.store.client.stats()["integrity_failures"]
+        assert failures == {"FILE_READ_FAIL": len(torn)}, failures
+        keys.fresh()  # another reader, nothing remembered: the master no longer has them
+        assert [i for i, o in enumerate(keys.offered()) if not o] == torn
+        keys.store.close()
+        cluster.restart_storage_node(0)
+        keys.store = keys.backend()
+        assert [i for i, o in enumerate(keys.offered()) if not o] == torn
+        assert "torn" in _node_log(cluster)
+    finally:
+        keys.store.close()
+
+
+def _node_log(cluster: LocalCluster) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in cluster.log_dir.glob("node0*"))
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB filesystem (tmpfs; needs root)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a 64 MiB tmpfs: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_64mib_directory_with_a_1gb_cap_is_refused_naming_the_usable_capacity(
+    small_disk, tmp_path
+):
+    spec = ClusterSpec(
+        storage_nodes=1,
+        storage_node_segment_bytes=SEGMENT_BYTES,
+        ssd_dir=small_disk,
+        ssd_size_bytes="1gb",
+        log_dir=tmp_path / "logs",
+    )
+    with pytest.raises(ClusterStartError, match=r"has 0 bytes usable.*256 MiB reserve"):
+        LocalCluster(spec).start()
+    assert list(small_disk.iterdir()) == []  # nothing created
