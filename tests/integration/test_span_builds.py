@@ -280,3 +280,17 @@ def test_demo_span_refuses_an_unknown_order():
 
     with pytest.raises(ValueError, match="order must be one of"):
         DemoConfig(order="late")
+
+
+def test_fork_startup_with_object_seals(plugin_registry, mooncake_cluster, key_namespace):
+    """The fork's startup order with every object sealed (the SSD default):
+    the late page and the seal trailer compose, byte-exact."""
+    config = {**_config(mooncake_cluster), "span_object_checksums": True}
+    with build_compressed_dsa_harness(
+        config, model_name=key_namespace, order="fork_startup", storage_backend="mooncake"
+    ) as harness:
+        assert harness.backend.geometry.pages_per_span == 4
+        first, second, query = _chain_round_trip(harness, seed=61)
+        restored = harness.prefetch(query)
+        assert restored.completed_tokens == 3 * TREE_PAGE
+        assert harness.mismatches(restored, first, second) == []

@@ -195,14 +195,16 @@ def test_k1_and_k4_data_of_one_model_never_mix(make_backend):
     assert k4.batch_get_v1(["same-key"], slots_of([0, 1, 2, 3], PAGE)) == [False]
 
 
-def test_layout_guard_follows_the_assigned_page(make_backend):
+@pytest.mark.parametrize("seals", [False, True], ids=["plain", "sealed"])
+def test_layout_guard_follows_the_assigned_page(make_backend, seals):
     """Two fork nodes of one namespace start together: each publishes or
     matches the host-page record at registration, then the assignment
     replaces it; whichever assigns first, both end on the 256-token record,
     and a node that really runs another geometry is still refused."""
     cluster = FakeCluster()
-    a = make_backend(_config(field=PAGE), _pools(), cluster=cluster)
-    b = make_backend(_config(field=PAGE), _pools(), cluster=cluster)
+    sealed = {"span_object_checksums": seals}
+    a = make_backend(_config(field=PAGE, **sealed), _pools(), cluster=cluster)
+    b = make_backend(_config(field=PAGE, **sealed), _pools(), cluster=cluster)
     assert (a.layout_guard_result, b.layout_guard_result) == ("published", "matched")
     b.storage_page_size = SPAN
     a.storage_page_size = SPAN
@@ -210,7 +212,7 @@ def test_layout_guard_follows_the_assigned_page(make_backend):
     assert a.geometry_record().storage_page_tokens == SPAN
     # A node that then runs another page is refused when its page is fixed
     # (its first data call: every call a miss), ...
-    other = make_backend(_config(field=SPAN * 2), _pools(), cluster=cluster)
+    other = make_backend(_config(field=SPAN * 2, **sealed), _pools(), cluster=cluster)
     assert other.layout_guard_result == "deferred"
     assert other.batch_exists(["x"]) == 0
     with pytest.raises(LayoutConflictError, match="storage_page_tokens"):
@@ -218,7 +220,7 @@ def test_layout_guard_follows_the_assigned_page(make_backend):
     # ... and a node whose pool shapes differ, at start-up.
     three_layers = dict(P.build_compressed_hybrid_dsa(host_pages=16, layers=3).pools)
     with pytest.raises(LayoutConflictError, match="indexer|kv"):
-        make_backend(_config(field=PAGE), three_layers, cluster=cluster)
+        make_backend(_config(field=PAGE, **sealed), three_layers, cluster=cluster)
 
 
 def test_assignment_before_registration_is_used_at_registration(make_backend):
