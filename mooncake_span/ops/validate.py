@@ -468,6 +468,22 @@ def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> d
     }
 
 
+# Labels that tell storage counters apart; the rest (ranks, model) only repeat totals.
+_TELLING_LABELS = ("reason", "cache_source")
+
+
+def headline_deltas(deltas: Mapping[str, float]) -> dict[str, float]:
+    """Family totals, their split by reason or cache source, and this backend's reads per
+    pool: the deltas worth a line each."""
+    return {
+        name: value
+        for name, value in deltas.items()
+        if "{" not in name
+        or name[name.index("{") + 1 :].startswith(_TELLING_LABELS)
+        or (name.startswith("mooncake_span_") and '{operation="get",pool=' in name)
+    }
+
+
 def dropped_prefetches(deltas: Mapping[str, float]) -> dict[str, float]:
     """Prefetched tokens sglang dropped, by reason, from counter deltas."""
     prefix = UNFULFILLED_COUNTER + '{reason="'
@@ -584,7 +600,7 @@ def report_json(report: Report) -> dict[str, Any]:
         "failing_depths": report.failing_depths,
         "reasons": report.reasons(),
         "summary": report.summary_line(),
-        "l3_counter_deltas": dict(report.l3_deltas),
+        "l3_counter_deltas": headline_deltas(report.l3_deltas),
         "results": [
             {
                 "depth": r.probe.depth,

@@ -139,15 +139,18 @@ class SglangHttp:
         return answer
 
     def metrics(self) -> dict[str, float] | None:
-        """Samples summed per family and per family with each label; None when the
-        server exports no metrics (served without --enable-metrics)."""
+        """Samples summed per family, per family with each label, and per full label
+        set; None when the server exports no metrics (served without --enable-metrics)."""
         try:
             _status, raw = self._request("/metrics", None, INFO_TIMEOUT_S)
         except ServerRefused:
             return None
         sums: dict[str, float] = {}
         for name, labels, value in parse_prometheus(raw.decode(errors="replace")):
-            for key in (name, *(f'{name}{{{k}="{v}"}}' for k, v in labels.items())):
+            full = ",".join(f'{k}="{v}"' for k, v in labels.items())
+            keys = {name, f"{name}{{{full}}}" if labels else name}
+            keys.update(f'{name}{{{k}="{v}"}}' for k, v in labels.items())
+            for key in keys:
                 sums[key] = sums.get(key, 0.0) + value
         return sums
 

@@ -310,3 +310,20 @@ def test_against_takes_one_server(capsys, tmp_path):
         ["validate", "--server", "a:1", "--server", "b:2", "--against", str(tmp_path / "f")]
     )
     assert code == 1 and "give one --server" in capsys.readouterr().err
+
+
+def test_headline_deltas_drop_per_rank_repeats():
+    deltas = {
+        "sglang:cached_tokens_total": 4096.0,
+        'sglang:cached_tokens_total{cache_source="storage"}': 4096.0,
+        'sglang:cached_tokens_total{model_name="m"}': 4096.0,
+        'sglang:storage_prefetch_unfulfilled_tokens_total{reason="deadline"}': 64.0,
+        'mooncake_span_keys_total{operation="get",pool="kv",result="ok"}': 31.0,
+        'mooncake_span_keys_total{pool="kv"}': 31.0,
+    }
+    assert set(V.headline_deltas(deltas)) == {
+        "sglang:cached_tokens_total",
+        'sglang:cached_tokens_total{cache_source="storage"}',
+        'sglang:storage_prefetch_unfulfilled_tokens_total{reason="deadline"}',
+        'mooncake_span_keys_total{operation="get",pool="kv",result="ok"}',
+    }
