@@ -530,14 +530,17 @@ class Report:
         reasons = list(self.setup_problems)
         if not self.results:
             return reasons or ["no probe was answered"]
-        if all(r.l3.storage_tokens == 0 for r in self.results):
+        nothing_stored = all(r.l3.storage_tokens == 0 for r in self.results)
+        if nothing_stored:
             reasons.append("no storage hits: the L3 pass took nothing from storage")
         dropped = dropped_prefetches(self.l3_deltas)
         if dropped and any(not r.restored_all for r in self.results):
             said = ", ".join(f"{tokens:.0f} tokens ({why})" for why, tokens in dropped.items())
             reasons.append(f"prefetch dropped: sglang discarded {said}")
-        reasons += [p for r in self.results if (p := r.problem()) is not None]
-        return reasons
+        problems = [p for r in self.results if (p := r.problem()) is not None]
+        if nothing_stored:
+            problems = [p for p in problems if not p.startswith("no storage hits at")]
+        return reasons + problems
 
     def summary_line(self) -> str:
         line = (

@@ -249,8 +249,10 @@ def test_report_line_names_failing_depths_and_reasons():
 
 
 def test_no_storage_hits_and_dropped_prefetch_are_reasons():
-    none = V.Report((judged(storage=0, cached=0),))
-    assert none.reasons()[0].startswith("no storage hits")
+    none = V.Report((judged(storage=0, cached=0), judged(storage=0, cached=0)))
+    assert none.reasons() == ["no storage hits: the L3 pass took nothing from storage"]
+    some = V.Report((judged(), judged(storage=0, cached=0)))
+    assert some.reasons() == ["no storage hits at depth 40%"]
     deltas = {
         'sglang:storage_prefetch_unfulfilled_tokens_total{reason="deadline"}': 1984.0,
         "sglang:storage_prefetch_unfulfilled_tokens_total": 1984.0,
