@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mooncake_span.lab import oracle
 from mooncake_span.ops import validate as V
 from mooncake_span.ops.validate_http import ServerRefused, ServerUnreachable, SglangHttp
 
@@ -260,7 +261,7 @@ def _l3_pass(
     tolerance = options.tolerance
     if tolerance is None:
         tolerance = (
-            V.oracle.LOGPROB_TOLERANCE
+            oracle.LOGPROB_TOLERANCE
             if server.facts.full_precision
             else V.HALF_PRECISION_LOGPROB_TOLERANCE
         )
@@ -450,7 +451,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="X",
-        help=f"largest |logprob difference| that agrees (default {V.oracle.LOGPROB_TOLERANCE:g} "
+        help=f"largest |logprob difference| that agrees (default {oracle.LOGPROB_TOLERANCE:g} "
         f"for float32 servers, {V.HALF_PRECISION_LOGPROB_TOLERANCE:g} otherwise)",
     )
     parser.add_argument(
