@@ -18,7 +18,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING
 
-from mooncake_span.ops import doctor, inspect_cmd
+from mooncake_span.ops import doctor, inspect_cmd, validate_cmd
 from mooncake_span.ops.cluster_spec import (
     CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
     CLUSTER_UP_EVICTION_RATIO,
@@ -792,6 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
     _register_bench(subparsers)
     doctor.register(subparsers)
     inspect_cmd.register(subparsers)
+    validate_cmd.register(subparsers)
     from mooncake_span.lab import soak  # no sglang until the command runs
 
     soak.register_parser(subparsers, _size_arg)

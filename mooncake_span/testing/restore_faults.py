@@ -18,6 +18,10 @@ Faults (``{"kind": ..., "pool": ...}``; an empty file or ``{}`` is none):
   restore;
 - ``miss``: ``pool`` is not read and the call says so (every key False).
 
+A fault with ``"call": n`` applies only to the n-th call (from 0) that reads
+its pool after the file was written, so a test can spoil one request of
+several (one call per request of up to 128 pages); without it, every call.
+
 Each call that applied a fault appends a line to ``<fault file>.log``, so a
 test can tell a fault that fired from one that never met a matching call.
 """
@@ -99,7 +103,7 @@ class FaultyRestoreStore(MooncakeSpanStore):
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
         fault = read_fault(os.environ.get(FAULT_FILE_ENV))
-        if fault.get("pool") != "kv":
+        if fault.get("pool") != "kv" or not self._due(fault):
             return super().batch_get_v1(keys, host_indices, extra_info)
         if fault["kind"] == "swap":
             results = super().batch_get_v1(keys, host_indices, extra_info)
@@ -110,6 +114,8 @@ class FaultyRestoreStore(MooncakeSpanStore):
     def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
         fault = read_fault(os.environ.get(FAULT_FILE_ENV))
         target = [t for t in transfers if fault and _pool_name(t) == fault["pool"]]
+        if target and not self._due(fault):
+            target = []
         if not target or fault["kind"] == "swap":
             return self._spoil_transfers(fault, target, super().batch_get_v2(transfers, extra_info))
         rest = [t for t in transfers if t not in target]
@@ -117,6 +123,19 @@ class FaultyRestoreStore(MooncakeSpanStore):
         for transfer in target:
             results[transfer.name] = [False] * len(transfer.keys)
         return self._spoil_transfers(fault, target, results)
+
+    def _due(self, fault: dict) -> bool:
+        """Whether this call of the fault's pool is the one its ``call`` names (a fault
+        without one: every call). Calls are counted per writing of the fault file."""
+        if "call" not in fault:
+            return True
+        stat = os.stat(os.environ[FAULT_FILE_ENV])
+        written = (json.dumps(fault, sort_keys=True), stat.st_mtime_ns, stat.st_ino)
+        # Set here, not in __init__: the tests build the store without one.
+        counts = self.__dict__.setdefault("_fault_calls", {})
+        seen = counts.get(written, 0)
+        counts[written] = seen + 1
+        return seen == int(fault["call"])
 
     def _spoil_transfers(self, fault: dict, target: list[Any], results: dict) -> dict:
         for transfer in target:

@@ -4,6 +4,7 @@ negative controls rely on, to a real sglang host pool."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -79,3 +80,17 @@ def test_zero_answers_success_over_a_fresh_pools_bytes(monkeypatch, tmp_path):
         restore_faults.read_fault(str(path)), ["a"], torch.arange(8, 12), [False]
     )
     assert results == [True] and not pool.data[2].any() and pool.data[0].any()
+
+
+def test_a_numbered_fault_applies_to_that_call_only(monkeypatch, tmp_path):
+    fault = {"kind": "zero", "pool": "kv", "call": 1}
+    store, path = _store(monkeypatch, tmp_path, fault, _Pool(2))
+    assert [store._due(restore_faults.read_fault(str(path))) for _ in range(3)] == [
+        False,
+        True,
+        False,
+    ]
+    restore_faults.write_fault(path, fault)  # written again (later): counted afresh
+    os.utime(path, ns=(1, path.stat().st_mtime_ns + 10**9))
+    assert [store._due(fault) for _ in range(2)] == [False, True]
+    assert store._due({"kind": "zero", "pool": "kv"})

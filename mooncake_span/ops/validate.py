@@ -1,0 +1,664 @@
+"""``mooncake-span validate``'s pure half: probes, what a server reports, the verdict.
+
+A probe is a long context of high-entropy filler words with a short code
+placed at a given depth, and a question that asks only for the code. The
+cold pass answers every probe from scratch; the L3 pass answers them again
+after the probes left device and host memory, so that everything sglang can
+restore comes from storage. A probe passes when the L3 pass took every
+restorable token from storage and its answer is the cold pass's: the same
+greedy tokens, the top-k logprobs of the first answer tokens within a
+tolerance (:mod:`mooncake_span.lab.oracle`), and the code back wherever the
+cold pass found it. A wrong restore raises no error, it gives a fluent wrong
+answer, hence the content check.
+
+Worked example: a 2,048-token probe on 64-token pages can take at most
+``(2048 - 1) // 64 * 64 = 1984`` tokens from storage (sglang computes the
+last page itself), so ``restored 1984 of 1984`` is a full restore.
+
+No I/O here: :mod:`mooncake_span.ops.validate_http` talks to the servers and
+:mod:`mooncake_span.ops.validate_cmd` runs the passes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_span.lab import oracle
+
+DEFAULT_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+# The default probe length: at most this, and at most half the smallest
+# memory pool a server reports, so a probe and its answer always fit.
+DEFAULT_MAX_CONTEXT_TOKENS = 8192
+# sglang does not prefetch a remainder shorter than its prefetch threshold
+# (256 tokens by default) and always computes the last page.
+PREFETCH_THRESHOLD_TOKENS = 256
+MIN_PROBE_PAGES = 3
+CODE_WORDS = 3
+ANSWER_TOKENS = 16
+TOP_LOGPROBS = 5
+# fp32 servers restore to float rounding (oracle.LOGPROB_TOLERANCE). Half
+# precision recomputes the last page with other batch shapes than the cold
+# pass did; this bound is a choice, not measured here: --logprob-tolerance.
+HALF_PRECISION_LOGPROB_TOLERANCE = 0.1
+FULL_PRECISION_DTYPES = ("float32", "fp32")
+# Word pool: tokens of the server's own vocabulary that read as plain words.
+MIN_POOL_WORDS = 64
+MAX_WORD_CHARS = 12
+# Churn eviction sends unique prompts worth this many times the device and
+# host pools together.
+CHURN_FACTOR = 1.5
+# sglang's and this backend's counters worth a delta, by name prefix.
+COUNTER_PREFIXES = (
+    "sglang:storage_",
+    "sglang:prefetched_tokens",
+    "sglang:backuped_tokens",
+    "sglang:cached_tokens_total",
+    "sglang:hicache_backup_dropped",
+    "mooncake_span_keys_total",
+    "mooncake_span_bytes_total",
+)
+BACKUP_COUNTER = "sglang:backuped_tokens_total"
+UNFULFILLED_COUNTER = "sglang:storage_prefetch_unfulfilled_tokens_total"
+SAVE_FORMAT = "mooncake-span-validate/1"
+
+
+# ---------------------------------------------------------------------------
+# what a server reports
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What ``/server_info``, ``/model_info`` and ``/metrics`` say about one server."""
+
+    url: str
+    model: str
+    page_tokens: int
+    context_tokens: int
+    device_pool_tokens: int
+    # None when the server says nothing about its host pool.
+    host_pool_tokens: int | None
+    max_input_tokens: int
+    storage_backend: str | None
+    prefetch_policy: str | None
+    dtype: str
+
+    @property
+    def full_precision(self) -> bool:
+        return self.dtype in FULL_PRECISION_DTYPES
+
+
+def _int(value: Any, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def server_facts(
+    url: str,
+    server_info: Mapping[str, Any],
+    model_info: Mapping[str, Any],
+    counters: Mapping[str, float],
+) -> ServerFacts:
+    """Read one server's facts; a field a server does not report gets a stated fallback."""
+    device = _int(server_info.get("max_total_num_tokens")) or _int(
+        server_info.get("max_total_tokens")
+    )
+    if device <= 0:
+        raise ValueError(f"{url}: /server_info reports no KV pool size (max_total_num_tokens)")
+    page = _int(server_info.get("page_size"), 1) or 1
+    context = _int(server_info.get("context_length")) or _int(model_info.get("context_length"))
+    host = _int(counters.get("sglang:hicache_host_total_tokens"))
+    if not host and server_info.get("enable_hierarchical_cache"):
+        ratio = float(server_info.get("hicache_ratio") or 0.0)
+        host = int(device * ratio) if ratio > 0 else 0
+    backend = server_info.get("hicache_storage_backend") or None
+    return ServerFacts(
+        url=url,
+        model=str(model_info.get("served_model_name") or model_info.get("model_path") or ""),
+        page_tokens=page,
+        context_tokens=context or device,
+        device_pool_tokens=device,
+        host_pool_tokens=host or None,
+        max_input_tokens=_int(server_info.get("max_req_input_len")) or context or device,
+        storage_backend=str(backend) if backend else None,
+        prefetch_policy=server_info.get("hicache_storage_prefetch_policy") if backend else None,
+        dtype=str(server_info.get("dtype") or "auto"),
+    )
+
+
+def min_context_tokens(page_tokens: int) -> int:
+    """The shortest probe whose restore sglang attempts, with room for the question."""
+    return max(PREFETCH_THRESHOLD_TOKENS + 2 * page_tokens, MIN_PROBE_PAGES * page_tokens)
+
+
+def choose_context_tokens(
+    servers: Sequence[ServerFacts], override: int | None, answer_tokens: int
+) -> tuple[int, str]:
+    """(probe length in tokens, why that length), for every server of the run."""
+    page = max(s.page_tokens for s in servers)
+    floor = min_context_tokens(page)
+    ceiling = min(min(s.max_input_tokens, s.context_tokens - answer_tokens) for s in servers)
+    if override is not None:
+        if override < floor:
+            raise ValueError(
+                f"--context-tokens {override} is too short: sglang restores whole "
+                f"{page}-token pages, never the last one, and prefetches nothing under "
+                f"{PREFETCH_THRESHOLD_TOKENS} tokens; use at least {floor}"
+            )
+        if override > ceiling:
+            raise ValueError(
+                f"--context-tokens {override} does not fit: the servers accept prompts of "
+                f"at most {ceiling} tokens with a {answer_tokens}-token answer"
+            )
+        return override, "--context-tokens"
+    pools = [s.device_pool_tokens for s in servers]
+    pools += [s.host_pool_tokens for s in servers if s.host_pool_tokens]
+    half_pool = min(pools) // 2
+    tokens = min(DEFAULT_MAX_CONTEXT_TOKENS, half_pool, ceiling)
+    if tokens == DEFAULT_MAX_CONTEXT_TOKENS:
+        why = f"the default cap ({DEFAULT_MAX_CONTEXT_TOKENS}); --context-tokens for longer"
+    elif tokens == half_pool:
+        why = f"half the smallest memory pool the servers report ({min(pools)} tokens)"
+    else:
+        why = f"the longest prompt the servers accept with the answer ({ceiling} tokens)"
+    if tokens < floor:
+        raise ValueError(
+            f"the servers leave room for {tokens}-token probes ({why}); a probe needs at "
+            f"least {floor} tokens to be restorable from L3"
+        )
+    return tokens, why
+
+
+def restorable_tokens(prompt_tokens: int, page_tokens: int) -> int:
+    """Prompt tokens sglang can take from storage: whole pages, never the last token's."""
+    return (prompt_tokens - 1) // page_tokens * page_tokens
+
+
+def churn_plan(servers: Iterable[ServerFacts], prompt_tokens: int) -> tuple[int, str]:
+    """(unique churn prompts to send, why), to push probes out of device and host memory."""
+    worst = max(servers, key=lambda s: s.device_pool_tokens + (s.host_pool_tokens or 0))
+    host = worst.host_pool_tokens or 0
+    total = math.ceil(CHURN_FACTOR * (worst.device_pool_tokens + host))
+    prompts = math.ceil(total / prompt_tokens)
+    host_said = f"host pool {host}" if worst.host_pool_tokens else "no host pool reported"
+    why = (
+        f"{prompts} unique {prompt_tokens}-token prompts: {CHURN_FACTOR}x device pool "
+        f"{worst.device_pool_tokens} + {host_said} tokens"
+    )
+    return prompts, why
+
+
+# ---------------------------------------------------------------------------
+# probes
+
+
+def word_pool(token_texts: Iterable[str]) -> list[str]:
+    """Distinct plain words (ASCII letters and digits) among a vocabulary's token texts."""
+    seen: dict[str, None] = {}
+    for text in token_texts:
+        word = text.strip()
+        if 2 <= len(word) <= MAX_WORD_CHARS and word.isascii() and word.isalnum():
+            seen.setdefault(word, None)
+    return list(seen)
+
+
+@dataclass(frozen=True)
+class ProbeText:
+    depth: float
+    code: str
+    # The user message: filler before the code, the code line, filler after, the question.
+    content: str
+    filler_words: int
+
+
+def make_probe(
+    depth: float, words: Sequence[str], filler_words: int, rng: random.Random
+) -> ProbeText:
+    """Filler drawn from ``words`` with the code line at ``depth`` of it, then the question."""
+    if not 0.0 < depth < 1.0:
+        raise ValueError(f"a depth is a fraction in (0, 1), got {depth}")
+    if len(words) < MIN_POOL_WORDS:
+        raise ValueError(
+            f"the tokenizer yields {len(words)} plain words; probes need {MIN_POOL_WORDS}"
+        )
+    code = " ".join(rng.choice(words) for _ in range(CODE_WORDS))
+    filler = [rng.choice(words) for _ in range(filler_words)]
+    at = round(depth * filler_words)
+    content = " ".join(
+        [
+            *filler[:at],
+            f"\nThe secret code is: {code}\n",
+            *filler[at:],
+            "\nWhat is the secret code? Answer with the code only.",
+        ]
+    )
+    return ProbeText(depth=depth, code=code, content=content, filler_words=filler_words)
+
+
+def code_found(answer_text: str, code: str) -> bool:
+    """Whether the answer spells the code's words in order (case and punctuation aside)."""
+    said = " ".join(re.findall(r"[a-z0-9]+", answer_text.lower()))
+    wanted = " ".join(re.findall(r"[a-z0-9]+", code.lower()))
+    return bool(wanted) and f" {wanted} " in f" {said} "
+
+
+def shared_prefix_tokens(prompts: Sequence[Sequence[int]]) -> int:
+    """Tokens every probe starts with (a chat template's opening): a server may hold
+    them in memory whatever the eviction did."""
+    if not prompts:
+        return 0
+    first, shared = prompts[0], len(prompts[0])
+    for other in prompts[1:]:
+        shared = min(shared, len(other))
+        for i in range(shared):
+            if first[i] != other[i]:
+                shared = i
+                break
+    return shared
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    """``10,20,50`` or ``0.1,0.2,0.5`` (percent or fractions), each in (0, 1)."""
+    values = []
+    for part in text.split(","):
+        part = part.strip().rstrip("%")
+        if not part:
+            continue
+        value = float(part)
+        value = value / 100.0 if value >= 1.0 else value
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"a depth must lie strictly between 0 and 100%, got {part}")
+        values.append(value)
+    if not values:
+        raise ValueError("no depths given")
+    if len(set(values)) != len(values):
+        raise ValueError(f"depths repeat: {text}")
+    return tuple(values)
+
+
+def depth_label(depth: float) -> str:
+    return f"{depth * 100:g}%"
+
+
+# ---------------------------------------------------------------------------
+# answers and the verdict
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One greedy answer and where the server says its prompt came from."""
+
+    output_ids: tuple[int, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    text: str
+    prompt_tokens: int
+    cached_tokens: int
+    storage_tokens: int
+    storage_backend: str | None
+
+    @property
+    def memory_tokens(self) -> int:
+        """Cached tokens that came from device or host memory, not storage."""
+        return max(self.cached_tokens - self.storage_tokens, 0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "output_ids": list(self.output_ids),
+            "top_logprobs": [[list(c) for c in token] for token in self.top_logprobs],
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "storage_tokens": self.storage_tokens,
+            "storage_backend": self.storage_backend,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Answer:
+        return cls(
+            output_ids=tuple(int(t) for t in doc["output_ids"]),
+            top_logprobs=tuple(
+                tuple((int(c[0]), float(c[1])) for c in token) for token in doc["top_logprobs"]
+            ),
+            text=str(doc.get("text", "")),
+            prompt_tokens=int(doc["prompt_tokens"]),
+            cached_tokens=int(doc.get("cached_tokens", 0)),
+            storage_tokens=int(doc.get("storage_tokens", 0)),
+            storage_backend=doc.get("storage_backend"),
+        )
+
+
+def parse_answer(doc: Mapping[str, Any]) -> Answer:
+    """An sglang ``/generate`` answer (``meta_info.cached_tokens_details`` for the source)."""
+    meta = doc.get("meta_info") or {}
+    details = meta.get("cached_tokens_details") or {}
+    top = tuple(
+        tuple((int(entry[1]), float(entry[0])) for entry in per_token)
+        for per_token in meta.get("output_top_logprobs") or ()
+    )
+    return Answer(
+        output_ids=tuple(int(t) for t in doc.get("output_ids") or ()),
+        top_logprobs=top,
+        text=str(doc.get("text") or ""),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        storage_tokens=int(details.get("storage", 0) or 0),
+        storage_backend=details.get("storage_backend"),
+    )
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A probe as sent: its depth, code and exact prompt tokens."""
+
+    depth: float
+    code: str
+    input_ids: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"depth": self.depth, "code": self.code, "input_ids": list(self.input_ids)}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Probe:
+        return cls(float(doc["depth"]), str(doc["code"]), tuple(int(t) for t in doc["input_ids"]))
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    probe: Probe
+    cold: Answer
+    l3: Answer
+    page_tokens: int
+    # Tokens every probe shares (a template's opening): memory may hold them.
+    shared_tokens: int
+    verdict: oracle.Verdict
+
+    @property
+    def restorable_tokens(self) -> int:
+        """What the L3 pass should take from storage: whole pages, less what memory
+        may legitimately hold (the shared opening)."""
+        whole = restorable_tokens(len(self.probe.input_ids), self.page_tokens)
+        return max(whole - min(self.l3.memory_tokens, self.shared_tokens), 0)
+
+    @property
+    def evicted(self) -> bool:
+        return self.l3.memory_tokens <= self.shared_tokens
+
+    @property
+    def restored_all(self) -> bool:
+        return self.evicted and self.l3.storage_tokens >= self.restorable_tokens > 0
+
+    @property
+    def cold_found_code(self) -> bool:
+        return code_found(self.cold.text, self.probe.code)
+
+    @property
+    def l3_found_code(self) -> bool:
+        return code_found(self.l3.text, self.probe.code)
+
+    @property
+    def agrees(self) -> bool:
+        code_kept = self.l3_found_code or not self.cold_found_code
+        return self.verdict.agrees and code_kept
+
+    @property
+    def ok(self) -> bool:
+        return self.restored_all and self.agrees
+
+    def problem(self) -> str | None:
+        """Why this probe failed, in one phrase (None when it passed)."""
+        label = depth_label(self.probe.depth)
+        if not self.evicted:
+            return (
+                f"not evicted at depth {label}: {self.l3.memory_tokens} tokens still came from "
+                "device/host memory"
+            )
+        if not self.agrees:
+            what = self.verdict.describe()
+            if self.cold_found_code and not self.l3_found_code:
+                what = f"code lost; {what}"
+            return f"disagreement at depth {label} ({what})"
+        if self.l3.storage_tokens == 0:
+            return f"no storage hits at depth {label}"
+        if not self.restored_all:
+            return (
+                f"partial restore at depth {label}: {self.l3.storage_tokens} of "
+                f"{self.restorable_tokens} tokens from storage"
+            )
+        return None
+
+
+def judge_probe(
+    probe: Probe,
+    cold: Answer,
+    l3: Answer,
+    page_tokens: int,
+    shared_tokens: int,
+    tolerance: float,
+) -> ProbeResult:
+    verdict = oracle.compare(
+        l3.output_ids, l3.top_logprobs, cold.output_ids, cold.top_logprobs, tolerance=tolerance
+    )
+    return ProbeResult(probe, cold, l3, page_tokens, shared_tokens, verdict)
+
+
+def cold_problem(probe: Probe, cold: Answer, shared_tokens: int) -> str | None:
+    """Why a cold answer cannot serve as the reference (None when it can): it must be
+    computed, not taken from any cache beyond the shared opening."""
+    if cold.storage_tokens or cold.cached_tokens > shared_tokens:
+        return (
+            f"the cold pass at depth {depth_label(probe.depth)} was not cold: "
+            f"{cold.cached_tokens} tokens cached ({cold.storage_tokens} from storage); "
+            "rerun (probes are new every run unless --seed repeats them)"
+        )
+    return None
+
+
+def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Changes of the storage-related counters between two scrapes."""
+    return {
+        name: after[name] - before.get(name, 0.0)
+        for name in sorted(after)
+        if name.startswith(COUNTER_PREFIXES) and after[name] != before.get(name, 0.0)
+    }
+
+
+# Labels that tell storage counters apart; the rest (ranks, model) only repeat totals.
+_TELLING_LABELS = ("reason", "cache_source")
+
+
+def headline_deltas(deltas: Mapping[str, float]) -> dict[str, float]:
+    """Family totals, their split by reason or cache source, and this backend's reads per
+    pool: the deltas worth a line each."""
+    return {
+        name: value
+        for name, value in deltas.items()
+        if "{" not in name
+        or name[name.index("{") + 1 :].startswith(_TELLING_LABELS)
+        or (name.startswith("mooncake_span_") and '{operation="get",pool=' in name)
+    }
+
+
+def dropped_prefetches(deltas: Mapping[str, float]) -> dict[str, float]:
+    """Prefetched tokens sglang dropped, by reason, from counter deltas."""
+    prefix = UNFULFILLED_COUNTER + '{reason="'
+    return {
+        name[len(prefix) : -2]: value
+        for name, value in deltas.items()
+        if name.startswith(prefix) and value > 0
+    }
+
+
+@dataclass(frozen=True)
+class Report:
+    results: tuple[ProbeResult, ...]
+    l3_deltas: Mapping[str, float] = field(default_factory=dict)
+    # Problems found before any probe could be judged (cold pass not cold, ...).
+    setup_problems: tuple[str, ...] = ()
+
+    @property
+    def probes(self) -> int:
+        return len(self.results)
+
+    @property
+    def restored_tokens(self) -> int:
+        return sum(min(r.l3.storage_tokens, r.restorable_tokens) for r in self.results)
+
+    @property
+    def restorable_tokens(self) -> int:
+        return sum(r.restorable_tokens for r in self.results)
+
+    @property
+    def agreeing(self) -> int:
+        return sum(1 for r in self.results if r.agrees)
+
+    @property
+    def failing_depths(self) -> list[float]:
+        return [r.probe.depth for r in self.results if not r.ok]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.results) and not self.setup_problems and not self.failing_depths
+
+    def reasons(self) -> list[str]:
+        """Why the run failed, most telling first (empty when it passed)."""
+        reasons = list(self.setup_problems)
+        if not self.results:
+            return reasons or ["no probe was answered"]
+        nothing_stored = all(r.l3.storage_tokens == 0 for r in self.results)
+        if nothing_stored:
+            reasons.append("no storage hits: the L3 pass took nothing from storage")
+        dropped = dropped_prefetches(self.l3_deltas)
+        if dropped and any(not r.restored_all for r in self.results):
+            said = ", ".join(f"{tokens:.0f} tokens ({why})" for why, tokens in dropped.items())
+            reasons.append(f"prefetch dropped: sglang discarded {said}")
+        problems = [p for r in self.results if (p := r.problem()) is not None]
+        if nothing_stored:
+            problems = [p for p in problems if not p.startswith("no storage hits at")]
+        return reasons + problems
+
+    def summary_line(self) -> str:
+        line = (
+            f"validate: {self.probes} probes, restored {self.restored_tokens} of "
+            f"{self.restorable_tokens} restorable tokens, agree {self.agreeing} of {self.probes}"
+        )
+        if self.failing_depths:
+            line += "; failing depths: " + ", ".join(depth_label(d) for d in self.failing_depths)
+        return line
+
+
+TABLE_HEADER = (
+    "depth",
+    "prompt",
+    "from L3",
+    "restorable",
+    "memory",
+    "greedy",
+    "max dlogprob",
+    "code cold/L3",
+    "result",
+)
+
+
+def table_rows(report: Report) -> list[tuple[str, ...]]:
+    rows = []
+    for r in report.results:
+        delta = r.verdict.max_logprob_delta
+        rows.append(
+            (
+                depth_label(r.probe.depth),
+                str(len(r.probe.input_ids)),
+                str(r.l3.storage_tokens),
+                str(r.restorable_tokens),
+                str(r.l3.memory_tokens),
+                "equal" if r.verdict.tokens_equal else "DIFFER",
+                f"{delta:.1e}" if math.isfinite(delta) else ("differ" if delta > 0 else "-"),
+                f"{'yes' if r.cold_found_code else 'no'}/{'yes' if r.l3_found_code else 'no'}",
+                "ok" if r.ok else "FAIL",
+            )
+        )
+    return rows
+
+
+def format_table(report: Report) -> str:
+    rows = [TABLE_HEADER, *table_rows(report)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
+    return "\n".join(
+        "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def report_json(report: Report) -> dict[str, Any]:
+    return {
+        "ok": report.ok,
+        "probes": report.probes,
+        "restored_tokens": report.restored_tokens,
+        "restorable_tokens": report.restorable_tokens,
+        "agreeing": report.agreeing,
+        "failing_depths": report.failing_depths,
+        "reasons": report.reasons(),
+        "summary": report.summary_line(),
+        "l3_counter_deltas": headline_deltas(report.l3_deltas),
+        "results": [
+            {
+                "depth": r.probe.depth,
+                "code": r.probe.code,
+                "prompt_tokens": len(r.probe.input_ids),
+                "storage_tokens": r.l3.storage_tokens,
+                "restorable_tokens": r.restorable_tokens,
+                "memory_tokens": r.l3.memory_tokens,
+                "storage_backend": r.l3.storage_backend,
+                "tokens_equal": r.verdict.tokens_equal,
+                "max_logprob_delta": _finite_or_none(r.verdict.max_logprob_delta),
+                "candidates_differ": math.isinf(r.verdict.max_logprob_delta),
+                "compared_tokens": r.verdict.compared_tokens,
+                "tolerance": r.verdict.tolerance,
+                "cold_found_code": r.cold_found_code,
+                "l3_found_code": r.l3_found_code,
+                "ok": r.ok,
+                "problem": r.problem(),
+            }
+            for r in report.results
+        ],
+    }
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+# ---------------------------------------------------------------------------
+# --save / --against
+
+
+def saved_run(
+    facts: ServerFacts, probes: Sequence[Probe], cold: Sequence[Answer], meta: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The document ``--save`` writes: the probes as sent and the cold pass's answers."""
+    return {
+        "format": SAVE_FORMAT,
+        "model": facts.model,
+        "page_tokens": facts.page_tokens,
+        **meta,
+        "probes": [{**p.to_json(), "cold": a.to_json()} for p, a in zip(probes, cold, strict=True)],
+    }
+
+
+def load_saved_run(doc: Mapping[str, Any]) -> tuple[list[Probe], list[Answer], dict[str, Any]]:
+    """Probes, cold answers and the rest of a ``--save`` document (ValueError if malformed)."""
+    if doc.get("format") != SAVE_FORMAT:
+        raise ValueError(f"not a validate --save file (format {doc.get('format')!r})")
+    try:
+        probes = [Probe.from_json(p) for p in doc["probes"]]
+        answers = [Answer.from_json(p["cold"]) for p in doc["probes"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed validate --save file: {exc!r}") from exc
+    if not probes:
+        raise ValueError("the validate --save file holds no probes")
+    rest = {k: v for k, v in doc.items() if k != "probes"}
+    return probes, answers, rest

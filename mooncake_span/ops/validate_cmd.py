@@ -1,0 +1,530 @@
+"""``mooncake-span validate``: does a running deployment's L3 restore correctly, at every depth?
+
+Against servers that are already running (this backend, sglang's
+``MooncakeStore``, any sglang with a HiCache L3), installing nothing on them:
+
+1. read what each server reports (page size, context length, pool sizes,
+   storage backend) and choose the probe length (or ``--context-tokens``);
+2. make the probes (:mod:`mooncake_span.ops.validate`) as text through the
+   server's tokenizer and chat template;
+3. warm each server up with one unique prompt: sglang loads its page-hash
+   code at a server's first L3 lookup, and under the default ``timeout``
+   prefetch policy that lookup's prefetch is dropped;
+4. cold pass on the first server, then wait, bounded, until its
+   ``sglang:backuped_tokens_total`` has grown by the probes' pages and
+   stopped moving;
+5. evict the probes from device and host memory (``/flush_cache``, or
+   ``--evict churn``: unique prompts sized from the pools the server
+   reports), unless the L3 pass runs on a second server that never saw them;
+6. L3 pass, per probe: tokens from storage, greedy tokens, top-k logprobs
+   and the code against the cold pass; counter deltas from ``/metrics``.
+
+``--save FILE`` keeps the probes and the cold answers; ``--against FILE``
+runs steps 3, 5 and 6 only, after a restart. Progress goes to stderr; the
+table and the verdict to stdout (``--json``: one JSON document). Exit 0 only
+when every probe was served from L3 and agreed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mooncake_span.lab import oracle
+from mooncake_span.ops import validate as V
+from mooncake_span.ops.validate_http import ServerRefused, ServerUnreachable, SglangHttp
+
+# Token ids whose text is read for the filler vocabulary; smaller spans are
+# tried when a tokenizer refuses ids past its vocabulary.
+VOCAB_SCANS = (32768, 4096, 512)
+RATIO_SAMPLE_WORDS = 512
+LENGTH_SLACK = 0.03
+BACKUP_SETTLE_S = 2.0
+BACKUP_POLL_S = 0.5
+# Without a backup counter there is nothing to watch: a fixed grace, said as such.
+UNMEASURED_BACKUP_WAIT_S = 5.0
+FLUSH_TIMEOUT_S = 60.0
+
+
+class ValidateError(RuntimeError):
+    """The run could not be set up (bad input, servers that do not match)."""
+
+
+def _progress(message: str) -> None:
+    print(f"validate: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Server:
+    http: SglangHttp
+    facts: V.ServerFacts
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def answer(self, input_ids: Sequence[int], answer_tokens: int, top: int) -> V.Answer:
+        return V.parse_answer(self.http.generate(input_ids, answer_tokens, top))
+
+    def counters(self) -> dict[str, float]:
+        return self.http.metrics() or {}
+
+
+def connect(url: str) -> Server:
+    http = SglangHttp(url)
+    info, model = http.server_info(), http.model_info()
+    counters = http.metrics() or {}
+    try:
+        facts = V.server_facts(http.url, info, model, counters)
+    except ValueError as exc:
+        raise ValidateError(str(exc)) from None
+    return Server(http, facts)
+
+
+# ---------------------------------------------------------------------------
+# probes through the server's tokenizer
+
+
+def vocabulary(server: Server) -> dict[str, int]:
+    """Plain words of the server's vocabulary, each with a token id that spells it."""
+    for span in VOCAB_SCANS:
+        try:
+            texts = server.http.token_texts(range(span))
+        except ServerRefused:
+            continue
+        words = V.word_pool(texts)
+        if len(words) >= V.MIN_POOL_WORDS:
+            ids = {}
+            for token_id, text in enumerate(texts):
+                ids.setdefault(text.strip(), token_id)
+            return {word: ids[word] for word in words}
+    raise ValidateError(
+        f"{server.url}: the tokenizer yields fewer than {V.MIN_POOL_WORDS} plain words "
+        "(a server started with --skip-tokenizer-init cannot be validated)"
+    )
+
+
+def _tokenizer(server: Server) -> tuple[Callable[[str], list[int]], str]:
+    """The server's chat template when it has one, else its plain tokenizer."""
+    try:
+        server.http.tokenize_chat("hello")
+        return server.http.tokenize_chat, "the server's chat template"
+    except ServerRefused:
+        return server.http.tokenize_text, "plain text (the server has no chat template)"
+
+
+def build_probes(
+    server: Server,
+    words: Sequence[str],
+    depths: Sequence[float],
+    context_tokens: int,
+    rng: random.Random,
+) -> tuple[list[V.Probe], str]:
+    tokenize, how = _tokenizer(server)
+    sample = " ".join(rng.choice(words) for _ in range(RATIO_SAMPLE_WORDS))
+    tokens_per_word = len(server.http.tokenize_text(sample)) / RATIO_SAMPLE_WORDS
+    probes = []
+    for depth in depths:
+        filler = max(int(context_tokens / tokens_per_word), 1)
+        for _attempt in range(4):
+            text = V.make_probe(depth, words, filler, random.Random(rng.random()))
+            ids = tokenize(text.content)
+            if (
+                abs(len(ids) - context_tokens) <= LENGTH_SLACK * context_tokens
+                and len(ids) <= server.facts.max_input_tokens - 1
+            ):
+                break
+            filler = max(int(filler * context_tokens / len(ids)), 1)
+        probes.append(V.Probe(depth, text.code, tuple(ids)))
+    return probes, how
+
+
+def warm_up(server: Server, vocab: dict[str, int], rng: random.Random) -> None:
+    """One unique prompt long enough for an L3 lookup (see the module docstring)."""
+    ids = list(vocab.values())
+    length = V.min_context_tokens(server.facts.page_tokens)
+    server.http.generate([rng.choice(ids) for _ in range(length)], 1, 0)
+
+
+# ---------------------------------------------------------------------------
+# waits and eviction
+
+
+def wait_for_backups(server: Server, before: dict[str, float], tokens: int, limit_s: float) -> str:
+    """Wait until the server's backup counter grew by ``tokens`` and settled; say what
+    was waited for and how it ended."""
+    if server.facts.storage_backend is None:
+        return "no wait: the server reports no storage backend"
+    # sglang exports the backup counter only from its first backup on; its
+    # prefetch counters, from the start, say that the storage metrics are live.
+    if V.UNFULFILLED_COUNTER not in before:
+        time.sleep(UNMEASURED_BACKUP_WAIT_S)
+        return (
+            f"waited a fixed {UNMEASURED_BACKUP_WAIT_S:.0f}s: the server exports no storage "
+            "metrics (serve with --enable-metrics for a measured wait)"
+        )
+    started = time.monotonic()
+    base = before.get(V.BACKUP_COUNTER, 0.0)
+    last, since = base, started
+    while True:
+        now = server.counters().get(V.BACKUP_COUNTER, base)
+        if now != last:
+            last, since = now, time.monotonic()
+        grown = last - base
+        elapsed = time.monotonic() - started
+        if grown >= tokens and time.monotonic() - since >= BACKUP_SETTLE_S:
+            return (
+                f"{V.BACKUP_COUNTER} grew by {grown:.0f} tokens (>= {tokens}) and settled "
+                f"for {BACKUP_SETTLE_S:.0f}s, after {elapsed:.1f}s"
+            )
+        if elapsed > limit_s:
+            return (
+                f"gave up after {limit_s:.0f}s: {V.BACKUP_COUNTER} grew by {grown:.0f} of "
+                f"{tokens} tokens (backups may be incomplete)"
+            )
+        time.sleep(BACKUP_POLL_S)
+
+
+def evict(server: Server, how: str, vocab: dict[str, int], context_tokens: int) -> str:
+    if how == "flush":
+        try:
+            server.http.flush_cache(FLUSH_TIMEOUT_S)
+        except ServerRefused as exc:
+            raise ValidateError(
+                f"{server.url}: /flush_cache refused ({exc}); where flushing is not allowed, "
+                "use --evict churn"
+            ) from None
+        return "flushed the device and host caches (/flush_cache)"
+    prompts, why = V.churn_plan([server.facts], context_tokens)
+    ids = list(vocab.values())
+    rng = random.Random()
+    for i in range(prompts):
+        _progress(f"churn {i + 1}/{prompts}")
+        server.http.generate([rng.choice(ids) for _ in range(context_tokens)], 1, 0)
+    return f"churn: {why}"
+
+
+# ---------------------------------------------------------------------------
+# the run
+
+
+@dataclass(frozen=True)
+class Options:
+    urls: tuple[str, ...]
+    depths: tuple[float, ...]
+    context_tokens: int | None
+    answer_tokens: int
+    top_logprobs: int
+    tolerance: float | None
+    evict: str
+    backup_wait_s: float
+    save: Path | None
+    against: Path | None
+    seed: int | None
+
+
+@dataclass
+class Outcome:
+    report: V.Report
+    notes: dict[str, Any]
+
+
+def _check_same_model(servers: Sequence[Server]) -> None:
+    models = {s.facts.model for s in servers}
+    pages = {s.facts.page_tokens for s in servers}
+    if len(models) > 1 or len(pages) > 1:
+        raise ValidateError(
+            "the servers differ: "
+            + "; ".join(
+                f"{s.url} serves {s.facts.model} on {s.facts.page_tokens}-token pages"
+                for s in servers
+            )
+        )
+
+
+def _l3_pass(
+    server: Server,
+    probes: Sequence[V.Probe],
+    cold: Sequence[V.Answer],
+    options: Options,
+    notes: dict[str, Any],
+    setup_problems: list[str],
+) -> V.Report:
+    shared = V.shared_prefix_tokens([p.input_ids for p in probes])
+    tolerance = options.tolerance
+    if tolerance is None:
+        tolerance = (
+            oracle.LOGPROB_TOLERANCE
+            if server.facts.full_precision
+            else V.HALF_PRECISION_LOGPROB_TOLERANCE
+        )
+    notes["tolerance"] = tolerance
+    before = server.counters()
+    results = []
+    started = time.monotonic()
+    for i, (probe, reference) in enumerate(zip(probes, cold, strict=True)):
+        _progress(f"L3 pass {i + 1}/{len(probes)} (depth {V.depth_label(probe.depth)})")
+        answer = server.answer(
+            probe.input_ids, len(reference.output_ids) or 1, options.top_logprobs
+        )
+        results.append(
+            V.judge_probe(probe, reference, answer, server.facts.page_tokens, shared, tolerance)
+        )
+    notes["l3_pass_s"] = round(time.monotonic() - started, 2)
+    deltas = V.counter_deltas(before, server.counters())
+    return V.Report(tuple(results), deltas, tuple(setup_problems))
+
+
+def run(options: Options) -> Outcome:
+    servers = [connect(url) for url in options.urls]
+    _check_same_model(servers)
+    notes: dict[str, Any] = {
+        "servers": [
+            {
+                "url": s.url,
+                "model": s.facts.model,
+                "page_tokens": s.facts.page_tokens,
+                "storage_backend": s.facts.storage_backend,
+                "prefetch_policy": s.facts.prefetch_policy,
+                "device_pool_tokens": s.facts.device_pool_tokens,
+                "host_pool_tokens": s.facts.host_pool_tokens,
+            }
+            for s in servers
+        ]
+    }
+    for s in servers:
+        _progress(
+            f"{s.url}: {s.facts.model}, {s.facts.page_tokens}-token pages, storage backend "
+            f"{s.facts.storage_backend or 'none'}"
+            + (f" (prefetch policy {s.facts.prefetch_policy})" if s.facts.storage_backend else "")
+        )
+    seed = options.seed if options.seed is not None else random.SystemRandom().randrange(1 << 31)
+    rng = random.Random(seed)
+    notes["seed"] = seed
+    l3_server = servers[-1]
+    vocab = vocabulary(l3_server)
+    setup_problems: list[str] = []
+
+    if options.against is not None:
+        try:
+            probes, cold, saved = V.load_saved_run(json.loads(options.against.read_text()))
+        except ValueError as exc:
+            raise ValidateError(f"{options.against}: {exc}") from None
+        if saved.get("model") != l3_server.facts.model:
+            raise ValidateError(
+                f"{options.against} was saved against model {saved.get('model')!r}; "
+                f"{l3_server.url} serves {l3_server.facts.model!r}"
+            )
+        if saved.get("page_tokens") != l3_server.facts.page_tokens:
+            raise ValidateError(
+                f"{options.against} was saved on {saved.get('page_tokens')}-token pages; "
+                f"{l3_server.url} uses {l3_server.facts.page_tokens}"
+            )
+        notes["against"] = str(options.against)
+        _progress(f"{len(probes)} saved probes from {options.against}; L3 pass only")
+        warm_up(l3_server, vocab, rng)
+        notes["eviction"] = evict(l3_server, options.evict, vocab, len(probes[0].input_ids))
+        _progress(notes["eviction"])
+        return Outcome(_l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes)
+
+    facts = [s.facts for s in servers]
+    try:
+        context, why = V.choose_context_tokens(facts, options.context_tokens, options.answer_tokens)
+    except ValueError as exc:
+        raise ValidateError(str(exc)) from None
+    _progress(f"probes of {context} tokens: {why}")
+    probes, how = build_probes(servers[0], list(vocab), options.depths, context, rng)
+    notes.update(context_tokens=context, context_choice=why, tokenized_with=how)
+    _progress(f"{len(probes)} probes tokenized with {how}")
+    for s in servers:
+        warm_up(s, vocab, rng)
+
+    cold_server = servers[0]
+    before = cold_server.counters()
+    shared = V.shared_prefix_tokens([p.input_ids for p in probes])
+    cold = []
+    started = time.monotonic()
+    for i, probe in enumerate(probes):
+        _progress(f"cold pass {i + 1}/{len(probes)} (depth {V.depth_label(probe.depth)})")
+        answer = cold_server.answer(probe.input_ids, options.answer_tokens, options.top_logprobs)
+        cold.append(answer)
+        if (problem := V.cold_problem(probe, answer, shared)) is not None:
+            setup_problems.append(problem)
+    notes["cold_pass_s"] = round(time.monotonic() - started, 2)
+    expected = sum(
+        V.restorable_tokens(len(p.input_ids), cold_server.facts.page_tokens) for p in probes
+    )
+    notes["backup_wait"] = wait_for_backups(cold_server, before, expected, options.backup_wait_s)
+    _progress(notes["backup_wait"])
+    if options.save is not None:
+        meta = {"seed": seed, "context_tokens": context, "servers": list(options.urls)}
+        options.save.write_text(json.dumps(V.saved_run(cold_server.facts, probes, cold, meta)))
+        notes["saved"] = str(options.save)
+        _progress(f"saved the probes and cold answers to {options.save}")
+    if l3_server is cold_server:
+        notes["eviction"] = evict(l3_server, options.evict, vocab, context)
+    else:
+        notes["eviction"] = f"none: {l3_server.url} never saw the probes"
+    _progress(notes["eviction"])
+    return Outcome(_l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes)
+
+
+# ---------------------------------------------------------------------------
+# command line
+
+
+def _depths_arg(text: str) -> tuple[float, ...]:
+    try:
+        return V.parse_depths(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "validate",
+        help="check a running sglang deployment's L3 restore, by counters and content",
+        description=(
+            "Send probes (long contexts with a code at 10%%..95%% depth) to running sglang "
+            "servers with a HiCache L3: a cold pass, a bounded wait for the backups, eviction "
+            "from device and host memory, and an L3 pass (on a second server when given). Per "
+            "depth: tokens served from storage, greedy tokens and top-k logprobs against the "
+            "cold pass, the code. Exit 0 only when every probe was served from L3 and agreed. "
+            "See docs/operating.md, 'Validating a deployment'."
+        ),
+    )
+    parser.add_argument(
+        "--server",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="an sglang server, e.g. http://HOST:30000; a second one runs the L3 pass",
+    )
+    parser.add_argument(
+        "--depths",
+        type=_depths_arg,
+        default=V.DEFAULT_DEPTHS,
+        metavar="LIST",
+        help="code depths in percent (default 10,20,...,90,95)",
+    )
+    parser.add_argument(
+        "--context-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="probe length in tokens (default: half the smallest pool the servers report, "
+        f"at most {V.DEFAULT_MAX_CONTEXT_TOKENS})",
+    )
+    parser.add_argument(
+        "--answer-tokens",
+        type=_positive_int,
+        default=V.ANSWER_TOKENS,
+        metavar="N",
+        help=f"greedy answer length (default {V.ANSWER_TOKENS})",
+    )
+    parser.add_argument(
+        "--top-logprobs",
+        type=_positive_int,
+        default=V.TOP_LOGPROBS,
+        metavar="K",
+        help=f"top candidates compared per answer token (default {V.TOP_LOGPROBS})",
+    )
+    parser.add_argument(
+        "--logprob-tolerance",
+        type=float,
+        default=None,
+        metavar="X",
+        help=f"largest |logprob difference| that agrees (default {oracle.LOGPROB_TOLERANCE:g} "
+        f"for float32 servers, {V.HALF_PRECISION_LOGPROB_TOLERANCE:g} otherwise)",
+    )
+    parser.add_argument(
+        "--evict",
+        choices=("flush", "churn"),
+        default="flush",
+        help="how probes leave device and host memory before the L3 pass on the same server: "
+        "sglang's /flush_cache (default), or unique traffic sized from the server's pools",
+    )
+    parser.add_argument(
+        "--backup-wait-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="longest wait for the cold pass's backups to land (default 60)",
+    )
+    parser.add_argument(
+        "--save", type=Path, default=None, metavar="FILE", help="keep probes and cold answers"
+    )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="run only the L3 pass against a --save file (after a restart)",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="probe seed (default: random)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.set_defaults(func=run_validate_command)
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    if len(args.server) > 2:
+        raise ValidateError("give one --server, or two (cold pass on the first, L3 on the second)")
+    if args.against is not None and (len(args.server) != 1 or args.save is not None):
+        raise ValidateError("--against runs only the L3 pass: give one --server and no --save")
+    if args.logprob_tolerance is not None and args.logprob_tolerance < 0:
+        raise ValidateError("--logprob-tolerance must be >= 0")
+    return Options(
+        urls=tuple(args.server),
+        depths=args.depths,
+        context_tokens=args.context_tokens,
+        answer_tokens=args.answer_tokens,
+        top_logprobs=args.top_logprobs,
+        tolerance=args.logprob_tolerance,
+        evict=args.evict,
+        backup_wait_s=args.backup_wait_s,
+        save=args.save,
+        against=args.against,
+        seed=args.seed,
+    )
+
+
+def _fail(args: argparse.Namespace, message: str) -> int:
+    if args.json:
+        print(json.dumps({"ok": False, "error": message}, indent=1))
+    print(f"mooncake-span validate: {message}", file=sys.stderr)
+    return 1
+
+
+def run_validate_command(args: argparse.Namespace) -> int:
+    try:
+        outcome = run(options_from_args(args))
+    except (ValidateError, ServerUnreachable, OSError) as exc:
+        return _fail(args, str(exc))
+    report = outcome.report
+    if args.json:
+        print(json.dumps({**V.report_json(report), **outcome.notes}, indent=1))
+    else:
+        print(V.format_table(report))
+        for name, delta in V.headline_deltas(report.l3_deltas).items():
+            print(f"  {name} {delta:+g}")
+        for reason in report.reasons():
+            print(f"FAIL: {reason}")
+        print(report.summary_line(), flush=True)
+    return 0 if report.ok else 1

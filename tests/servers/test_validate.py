@@ -1,0 +1,327 @@
+"""``mooncake-span validate`` against real sglang servers that it did not start.
+
+One module of servers shared by most cases: a cluster with one storage node,
+two servers of this backend (the second is ``FaultyRestoreStore``: the
+backend plus the test hook that can spoil one restore on purpose; without a
+fault it is the backend's own read path), one of sglang's ``MooncakeStore``,
+and the session's server without an L3. The servers use the
+``wait_complete`` prefetch policy: on this shared 2-core box sglang's default
+``timeout`` policy sometimes drops a prefetch under load, which validate
+reports as a failure ("prefetch dropped") and these tests are not about.
+
+Covered: this backend passes with two servers and with one server and a
+flush; ``MooncakeStore`` passes; a server without L3 fails with no storage
+hits; each restore fault fails at the one probe it spoils and only there;
+``--save`` / ``--against`` across a whole-cluster restart with the SSD tier;
+GLM-5.3-Flash (``glm5_next``) restores all three pools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from mooncake_span.lab.sglang_servers import START_TIMEOUT_S, ServerOptions
+from mooncake_span.ops import cli
+from mooncake_span.testing import restore_faults
+from mooncake_span.testing.cpu_server.models import default_spec, serving_profile
+from tests.servers.conftest import Launched, stored_keys, wait_until
+from tests.span_helpers import master_replicas
+
+pytestmark = [pytest.mark.integration, pytest.mark.servers, pytest.mark.slow]
+
+POLICY = "wait_complete"
+METRICS = ("--enable-metrics",)
+FEW_DEPTHS = "25,75"
+OFFLOAD_TIMEOUT_S = 30.0
+
+
+def validate(capsys, *args: str) -> tuple[int, dict]:
+    """Run the command in this process; (exit code, its JSON document)."""
+    capsys.readouterr()
+    code = cli.main(["validate", "--json", *args])
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    print(captured.err[-3000:])
+    print(doc.get("summary"), doc.get("reasons"))
+    return code, doc
+
+
+def restored_everything(doc: dict) -> bool:
+    return all(r["storage_tokens"] == r["restorable_tokens"] > 0 for r in doc["results"])
+
+
+class Deployment:
+    def __init__(self, cluster, ours, faulty, mooncake_store, no_l3, fault_file):
+        self.cluster, self.ours, self.faulty = cluster, ours, faulty
+        self.mooncake_store, self.no_l3, self.fault_file = mooncake_store, no_l3, fault_file
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, tiny_model, recompute_server):
+    root = tmp_path_factory.mktemp("validate")
+    launched = Launched(root / "logs")
+    fault_file = root / "restore-fault.json"
+    restore_faults.write_fault(fault_file, None)
+    try:
+        cluster = launched.cluster(storage_nodes=1)
+        config = cluster.client_config(0)
+        base = ServerOptions(
+            model_path=tiny_model("llama"),
+            storage_config=config,
+            prefetch_policy=POLICY,
+            extra_args=METRICS,
+            env=cluster.client_env(),
+        )
+        ours = launched.server("ours", base)
+        faulty = launched.server(
+            "faulty",
+            dataclasses.replace(
+                base,
+                storage_config={
+                    **config,
+                    "module_path": restore_faults.MODULE_PATH,
+                    "class_name": restore_faults.CLASS_NAME,
+                },
+                env={**cluster.client_env(), restore_faults.FAULT_FILE_ENV: str(fault_file)},
+            ),
+        )
+        mooncake_store = launched.server(
+            "mooncake-store",
+            dataclasses.replace(
+                base,
+                storage_backend="mooncake",
+                # sglang's own MooncakeStore reads the Mooncake keys; ours are span_*.
+                storage_config={k: v for k, v in config.items() if not k.startswith("span_")},
+            ),
+        )
+        with ThreadPoolExecutor(1) as pool:
+            reference = pool.submit(recompute_server, "llama")
+            launched.start(ours, faulty, mooncake_store)
+            no_l3 = reference.result(timeout=START_TIMEOUT_S).server
+        yield Deployment(cluster, ours, faulty, mooncake_store, no_l3, fault_file)
+    finally:
+        launched.stop_all()
+
+
+@pytest.mark.timeout(600)
+def test_two_servers_of_this_backend_pass(deployment, capsys):
+    """The default probe set: cold pass on one server, L3 pass on the other."""
+    started = time.monotonic()
+    code, doc = validate(capsys, "--server", deployment.ours.url, "--server", deployment.faulty.url)
+    print(f"default probe set, two servers: {time.monotonic() - started:.1f} s")
+    assert code == 0, doc["reasons"]
+    assert doc["ok"] and doc["probes"] == 10 and doc["agreeing"] == 10
+    assert [r["depth"] for r in doc["results"]] == [
+        0.1,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.6,
+        0.7,
+        0.8,
+        0.9,
+        0.95,
+    ]
+    assert restored_everything(doc)
+    assert doc["restored_tokens"] == doc["restorable_tokens"]
+    assert {r["storage_backend"] for r in doc["results"]} == {"FaultyRestoreStore"}
+    assert (
+        doc["l3_counter_deltas"]["sglang:storage_prefetch_hit_tokens_total"]
+        >= (doc["restorable_tokens"])
+    )
+    assert doc["eviction"].startswith("none")
+    assert "grew by" in doc["backup_wait"]
+
+
+@pytest.mark.timeout(600)
+def test_one_server_with_a_flush_passes(deployment, capsys):
+    code, doc = validate(capsys, "--server", deployment.ours.url, "--depths", FEW_DEPTHS)
+    assert code == 0, doc["reasons"]
+    assert restored_everything(doc) and doc["agreeing"] == 2
+    assert "/flush_cache" in doc["eviction"]
+
+
+@pytest.mark.timeout(600)
+def test_mooncake_store_passes(deployment, capsys):
+    code, doc = validate(capsys, "--server", deployment.mooncake_store.url, "--depths", FEW_DEPTHS)
+    assert code == 0, doc["reasons"]
+    assert restored_everything(doc)
+    assert {r["storage_backend"] for r in doc["results"]} == {"MooncakeStore"}
+
+
+@pytest.mark.timeout(600)
+def test_a_server_without_l3_fails(deployment, capsys):
+    code, doc = validate(capsys, "--server", deployment.no_l3.url, "--depths", FEW_DEPTHS)
+    assert code == 1
+    assert doc["reasons"][0].startswith("no storage hits")
+    assert doc["agreeing"] == 2 and doc["restored_tokens"] == 0
+
+
+def spoiled_run(capsys, fault_file, fault, servers, *args):
+    """Validate with ``fault`` on the L3 pass's second probe: (exit code, document)."""
+    applied_before = len(restore_faults.applied(fault_file))
+    restore_faults.write_fault(fault_file, {**fault, "call": 1})
+    try:
+        code, doc = validate(capsys, *(a for s in servers for a in ("--server", s.url)), *args)
+    finally:
+        restore_faults.write_fault(fault_file, None)
+    assert len(restore_faults.applied(fault_file)) == applied_before + 1, "the fault never fired"
+    return code, doc
+
+
+def assert_fails_at(code, doc, depth, fault):
+    """Validate failed at ``depth`` and only there, for the fault's reason."""
+    assert code == 1
+    assert doc["failing_depths"] == [depth], doc["reasons"]
+    label = f"{depth * 100:g}%"
+    assert doc["summary"].endswith(f"failing depths: {label}")
+    spoiled = next(r for r in doc["results"] if r["depth"] == depth)
+    if fault["kind"] == "miss":
+        assert spoiled["storage_tokens"] < spoiled["restorable_tokens"], spoiled
+    else:
+        assert spoiled["storage_tokens"] == spoiled["restorable_tokens"], spoiled
+        assert f"disagreement at depth {label}" in doc["reasons"][-1]
+
+
+# A swap of two pages inside a restored prefix is invisible to an MHA model: its
+# attention over cached keys and values does not depend on their order, so no
+# answer can show it (measured: the same tokens and logprobs). GLM-5.3-Flash's
+# indexer selects positions by content, so there a swap shows (the GLM cases below).
+LLAMA_CONTROLS = [
+    pytest.param({"kind": "zero", "pool": "kv"}, id="zero"),
+    pytest.param({"kind": "miss", "pool": "kv"}, id="miss"),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault", LLAMA_CONTROLS)
+def test_a_spoiled_restore_fails_at_its_probe(deployment, capsys, fault):
+    """The L3 pass's second probe (depth 50%) is restored wrong, or reported missing:
+    validate fails there, and only there."""
+    servers = (deployment.ours, deployment.faulty)
+    code, doc = spoiled_run(capsys, deployment.fault_file, fault, servers, "--depths", "20,50,80")
+    assert_fails_at(code, doc, 0.5, fault)
+    if fault["kind"] == "miss":
+        assert "no storage hits at depth 50%" in doc["reasons"]
+
+
+def _on_disk(cluster) -> tuple[int, int]:
+    keys = stored_keys(cluster)
+    found = master_replicas(cluster, keys)
+    disk = sum(1 for reps in found.values() if any(r.is_local_disk_replica() for r in reps))
+    return disk, len(keys)
+
+
+@pytest.mark.timeout(900)
+def test_save_and_against_across_a_whole_cluster_restart(tiny_model, launched, capsys, tmp_path):
+    """``--save`` on a cluster with the SSD tier; everything stops but the SSD
+    directory; ``--against`` on a new cluster and a new server restores and agrees."""
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    spec = {"storage_nodes": 1, "storage_node_segment_bytes": 64 << 20, "ssd_dir": ssd}
+    cluster = launched.cluster(**spec)
+    options = ServerOptions(
+        model_path=tiny_model("llama"),
+        storage_config=cluster.client_config(0),
+        prefetch_policy=POLICY,
+        extra_args=METRICS,
+        env=cluster.client_env(),
+    )
+    server = launched.server("before", options)
+    launched.start(server)
+    saved = tmp_path / "validate.json"
+    code, before = validate(
+        capsys, "--server", server.url, "--depths", FEW_DEPTHS, "--save", str(saved)
+    )
+    assert code == 0, before["reasons"]
+    # Offload is one heartbeat behind the put: stop only once every object is on disk.
+    wait_until(lambda: len(set(_on_disk(cluster))) == 1, OFFLOAD_TIMEOUT_S, "every object on SSD")
+
+    server.stop()
+    cluster.stop()
+    again = launched.cluster(**spec)
+    fresh = launched.server(
+        "after",
+        dataclasses.replace(options, storage_config=again.client_config(0), env=again.client_env()),
+    )
+    launched.start_cold(fresh)  # validate warms it up itself
+    code, after = validate(capsys, "--server", fresh.url, "--against", str(saved))
+    assert code == 0, after["reasons"]
+    assert [r["storage_tokens"] for r in after["results"]] == [
+        r["storage_tokens"] for r in before["results"]
+    ]
+    assert after["agreeing"] == 2
+
+
+GLM_POOLS = ("kv", "indexer", "mamba")
+GLM_ARGS = ("--context-tokens", "2048", "--depths", FEW_DEPTHS)
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory, tiny_model):
+    """A GLM-5.3-Flash writer and a reader with the restore-fault hook, one cluster."""
+    root = tmp_path_factory.mktemp("validate-glm")
+    launched = Launched(root / "logs")
+    fault_file = root / "restore-fault.json"
+    restore_faults.write_fault(fault_file, None)
+    try:
+        cluster = launched.cluster(storage_nodes=1)
+        profile = serving_profile(default_spec("glm5_next"))
+        config = cluster.client_config(0)
+        options = ServerOptions(
+            model_path=tiny_model("glm5_next"),
+            storage_config=config,
+            prefetch_policy=POLICY,
+            **profile.server_fields(METRICS, cluster.client_env()),
+        )
+        writer = launched.server("writer", options)
+        reader = launched.server(
+            "reader",
+            dataclasses.replace(
+                options,
+                storage_config={
+                    **config,
+                    "module_path": restore_faults.MODULE_PATH,
+                    "class_name": restore_faults.CLASS_NAME,
+                },
+                env={**options.env, restore_faults.FAULT_FILE_ENV: str(fault_file)},
+            ),
+        )
+        launched.start(writer, reader)
+        yield writer, reader, fault_file
+    finally:
+        launched.stop_all()
+
+
+@pytest.mark.timeout(900)
+def test_glm5_next_restores_all_three_pools(glm, capsys):
+    writer, reader, _fault_file = glm
+    code, doc = validate(capsys, "--server", writer.url, "--server", reader.url, *GLM_ARGS)
+    assert code == 0, doc["reasons"]
+    assert restored_everything(doc) and doc["agreeing"] == 2
+    reads = doc["l3_counter_deltas"]
+    for pool in GLM_POOLS:
+        read = f'mooncake_span_keys_total{{operation="get",pool="{pool}",result="ok"}}'
+        assert reads.get(read, 0) > 0, (pool, reads)
+
+
+GLM_CONTROLS = [
+    pytest.param({"kind": "swap", "pool": "kv", "first": 1, "second": 5}, id="kv-swap"),
+    pytest.param({"kind": "swap", "pool": "indexer", "first": 1, "second": 5}, id="indexer-swap"),
+    pytest.param({"kind": "zero", "pool": "mamba"}, id="state-zero"),
+    pytest.param({"kind": "miss", "pool": "mamba"}, id="state-miss"),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fault", GLM_CONTROLS)
+def test_glm5_next_spoiled_restore_fails_at_its_probe(glm, capsys, fault):
+    writer, reader, fault_file = glm
+    code, doc = spoiled_run(capsys, fault_file, fault, (writer, reader), *GLM_ARGS)
+    assert_fails_at(code, doc, 0.75, fault)
