@@ -28,6 +28,7 @@ import shutil
 import signal
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,6 +89,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # Their state files name the namespaces and the owner pid (see lab.topology).
     if os.geteuid() == 0 and shutil.which("ip") is not None:
         remove_stale_runs()
+
+
+# Every test of these folders carries the folder's marker, so the inner loop
+# (`-m "not servers and not faults and not netns"`: unit, contract and
+# integration) can leave them out whatever marks a file sets itself.
+_FOLDER_MARKERS = {"servers": "servers", "faults": "faults", "netns": "netns"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).parent
+    for item in items:
+        try:
+            folder = Path(item.path).relative_to(tests_dir).parts[0]
+        except ValueError:
+            continue
+        marker = _FOLDER_MARKERS.get(folder)
+        if marker is not None:
+            item.add_marker(marker)
 
 
 def _in_ci() -> bool:
