@@ -12,6 +12,11 @@ existing deployment instead with
 Tests marked ``integration`` are skipped when Mooncake (``mooncake_master``
 and ``mooncake.store``) is missing, except when ``CI`` is set: there they fail,
 because CI must never pass by skipping.
+
+A run stopped partway leaves nothing behind: SIGTERM interrupts it as Ctrl-C
+does, so every fixture's finalizer stops its servers and namespaces; every
+child process dies with the run in any case (``launcher.popen_tied``); and
+namespaces a killed run left are removed when the next run starts.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
+import signal
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,6 +71,42 @@ def pytest_configure(config: pytest.Config) -> None:
     # Parse the external-cluster options once, so a bad value stops the run
     # with a usage error instead of erroring every integration test.
     config.stash[_EXTERNAL_KEY] = _external_cluster(config)
+    signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+
+
+def _interrupt_on_sigterm(signum: int, frame: object) -> None:
+    # As Ctrl-C: pytest then runs every finalizer (servers, clusters, namespaces)
+    # and ends the session. A second SIGTERM ends the run at once; the children
+    # then die with it (their parent-death signal).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Remove the namespaces of earlier runs that died before their finalizers ran."""
+    from mooncake_span.lab.netns import remove_stale_runs
+
+    # Their state files name the namespaces and the owner pid (see lab.topology).
+    if os.geteuid() == 0 and shutil.which("ip") is not None:
+        remove_stale_runs()
+
+
+# Every test of these folders carries the folder's marker, so the inner loop
+# (`-m "not servers and not faults and not netns"`: unit, contract and
+# integration) can leave them out whatever marks a file sets itself.
+_FOLDER_MARKERS = {"servers": "servers", "faults": "faults", "netns": "netns"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).parent
+    for item in items:
+        try:
+            folder = Path(item.path).relative_to(tests_dir).parts[0]
+        except ValueError:
+            continue
+        marker = _FOLDER_MARKERS.get(folder)
+        if marker is not None:
+            item.add_marker(marker)
 
 
 def _in_ci() -> bool:

@@ -89,6 +89,7 @@ __all__ = [
     "NetnsUnavailableError",
     "TopologySpec",
     "netns_unavailable_reason",
+    "remove_stale_runs",
     "run_in_namespace",
 ]
 
@@ -122,9 +123,9 @@ def _teardown_state(state: Mapping[str, Any]) -> None:
         if (_NETNS_DIR / namespace).exists():
             killed = _kill_namespace_processes(namespace, grace_s=3.0)
             if killed:
-                print(f"{namespace}: stopped pids {killed}")
+                logger.warning("%s: stopped pids %s", namespace, killed)
             _ip("netns", "del", namespace, check=False)
-            print(f"deleted namespace {namespace}")
+            logger.warning("deleted namespace %s", namespace)
     path = state.get("_path")
     if path:
         Path(path).unlink(missing_ok=True)
@@ -135,7 +136,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.ha:
         hosts.insert(1, "master2")
     spec = TopologySpec(hosts=tuple(hosts))
-    topology = NetnsTopology(spec, log_dir=args.log_dir)
+    topology = NetnsTopology(spec, log_dir=args.log_dir, outlive_owner=args.detach)
     cluster_spec = NetnsClusterSpec(
         master_hosts=("master", "master2") if args.ha else ("master",),
         storage_hosts=("store1", "store2"),
@@ -206,14 +207,27 @@ def _cmd_up(args: argparse.Namespace) -> int:
             topology.destroy()
 
 
+def remove_stale_runs() -> list[str]:
+    """Tear down every recorded run whose owner process died without detaching it
+    (a killed test run, say): its processes, namespaces and state file. Returns
+    the run tags removed; runs whose owner lives are left alone."""
+    removed = []
+    for state in _load_states():
+        owner = int(state.get("owner_pid", 0))
+        if state.get("detached") or (owner and _process_alive(owner)):
+            continue
+        logger.warning(
+            "tearing down stale netns run %s (owner pid %d is gone)", state.get("tag"), owner
+        )
+        _teardown_state(state)
+        removed.append(str(state.get("tag")))
+    return removed
+
+
 def _cmd_down(args: argparse.Namespace) -> int:
     if args.stale:
-        for state in _load_states():
-            owner = int(state.get("owner_pid", 0))
-            if state.get("detached") or (owner and _process_alive(owner)):
-                continue
-            print(f"tearing down stale run {state.get('tag')} (owner pid {owner} is gone)")
-            _teardown_state(state)
+        for tag in remove_stale_runs():
+            print(f"tore down stale run {tag}")
         return 0
     if not args.run_id:
         raise SystemExit("down: name a RUN_ID (see `list`) or pass --stale")

@@ -482,9 +482,15 @@ def start_together(servers: Sequence[_Served]) -> None:
             if isinstance(server, SglangServer):
                 server.warm_up()
     except BaseException:
-        for server in servers:
-            server.stop()
+        stop_together(servers)
         raise
+
+
+def stop_together(served: Sequence[_Served], grace_s: float = STOP_GRACE_S) -> None:
+    """Stop every process at once, by PID group: SIGTERM, up to ``grace_s`` for all of
+    them together, then SIGKILL for any left. Servers stopped one by one would each
+    spend their own grace."""
+    L.terminate([s.process for s in served], signal.SIGTERM, grace_s)
 
 
 def settled_count(count: Callable[[], int], timeout_s: float = 30.0, settle_s: float = 1.0) -> int:

@@ -46,7 +46,7 @@ from mooncake_span.lab.namespaces import (
     _state_dir,
     run_in_namespace,
 )
-from mooncake_span.ops.launcher import http_get, read_text_from
+from mooncake_span.ops.launcher import http_get, popen_tied, read_text_from
 
 logger = logging.getLogger(__name__)
 
@@ -247,9 +247,18 @@ class NetnsTopology:
     called from several threads.
     """
 
-    def __init__(self, spec: TopologySpec | None = None, log_dir: str | Path | None = None):
+    def __init__(
+        self,
+        spec: TopologySpec | None = None,
+        log_dir: str | Path | None = None,
+        *,
+        outlive_owner: bool = False,
+    ):
         self.spec = spec if spec is not None else TopologySpec()
         self._log_dir = Path(log_dir) if log_dir is not None else None
+        # Spawned processes die with this process unless the topology is to be
+        # detached (``netns up --detach``); its namespaces then stay for ``down``.
+        self._outlive_owner = outlive_owner
         self._processes: list[NetnsProcess] = []
         self._lock = threading.Lock()
         self._created = False
@@ -455,7 +464,7 @@ class NetnsTopology:
             stdout_file = open(stdout_path, "ab") if separate_stdout else log_file  # noqa: SIM115
             stdout_offset = stdout_file.tell()
             try:
-                popen = subprocess.Popen(
+                popen = (subprocess.Popen if self._outlive_owner else popen_tied)(
                     full_argv,
                     stdin=subprocess.DEVNULL,
                     stdout=stdout_file,

@@ -21,21 +21,24 @@ This module needs only the standard library; it never imports ``mooncake``.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ __all__ = [
     "metadata_server_argv",
     "parse_health",
     "pick_free_ports",
+    "popen_tied",
     "read_text_from",
     "start_masters",
     "storage_node_argv",
@@ -419,10 +423,83 @@ def read_text_from(path: Path, offset: int) -> str:
 
 
 _LOG_TAIL_LINES = 40
+_PR_SET_PDEATHSIG = 1
+_T = TypeVar("_T")
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGKILL when the thread that forked it ends.
+
+    A test run killed partway (SIGKILL, or a SIGTERM with no time for
+    finalizers) then leaves no servers behind. The signal survives ``exec``
+    (also through ``ip netns exec``); a parent that died before the ``prctl``
+    is caught by the ``getppid`` check.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork, not in the child
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
+
+
+class _Forker:
+    """One daemon thread that forks the children asked for from other threads.
+
+    The kernel's parent-death signal follows the *thread* that forked, so a
+    child started from a short-lived worker thread (a thread pool's) would be
+    killed when that thread ends. This thread lives as long as the process.
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue]] = (
+            queue.SimpleQueue()
+        )
+        threading.Thread(target=self._serve, name="mooncake-span-forker", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, answer = self._requests.get()
+            try:
+                answer.put((True, fn()))
+            except BaseException as exc:  # handed back to the caller's thread
+                answer.put((False, exc))
+
+    def call(self, fn: Callable[[], _T]) -> _T:
+        answer: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._requests.put((fn, answer))
+        ok, value = answer.get()
+        if not ok:
+            raise value
+        return value
+
+
+_forker: _Forker | None = None
+_forker_lock = threading.Lock()
+
+
+def popen_tied(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(argv, **kwargs)`` for a child that dies with this process
+    (see ``_die_with_parent``): forked by the main thread directly, or for any
+    other thread by the forker thread."""
+    global _forker
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(list(argv), preexec_fn=_die_with_parent(os.getpid()), **kwargs)
+
+    if threading.current_thread() is threading.main_thread():
+        return start()
+    with _forker_lock:
+        if _forker is None:
+            _forker = _Forker()
+    return _forker.call(start)
 
 
 class LocalProcess:
-    """One child process in its own session, appending stdout and stderr to a file.
+    """One child process in its own session, appending stdout and stderr to a file;
+    it dies with this process (``popen_tied``).
 
     ``start()`` may be called again after the process exited (a restart on the
     same argv); output checks then look only at what the new run printed.
@@ -443,7 +520,7 @@ class LocalProcess:
             )
             log_file.flush()
             self.log_offset = log_file.tell()
-            self.popen = subprocess.Popen(
+            self.popen = popen_tied(
                 self.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,

@@ -33,6 +33,7 @@ from mooncake_span.lab.sglang_servers import (
     SglangServer,
     settled_count,
     start_together,
+    stop_together,
 )
 from mooncake_span.ops import inspect_cmd
 from mooncake_span.ops.cluster import LocalCluster
@@ -242,8 +243,7 @@ def run_serve_demo(config: ServeDemoConfig, log_dir: Path | None = None) -> Serv
             print(f"servers A and B up in {startup_s:.0f}s (logs: {log_dir})", flush=True)
             report = _ask_both(cluster, servers, input_ids, config, startup_s)
         finally:
-            for server in servers:
-                server.stop()
+            stop_together(servers)
     _print_report(report, config, log_dir)
     return report
 

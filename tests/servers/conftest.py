@@ -24,6 +24,7 @@ from mooncake_span.lab.sglang_servers import (
     _Served,
     settled_count,
     start_together,
+    stop_together,
 )
 from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
@@ -100,8 +101,8 @@ class Launched:
         self.pids.add(server.pid)
 
     def stop_all(self) -> None:
-        for served in self.processes:
-            served.stop()
+        # Servers (the clusters' clients) first, all at once; then the clusters.
+        stop_together(self.processes)
         for cluster in self.clusters:
             if cluster.started:
                 self.pids.update(cluster.pids().values())
@@ -132,30 +133,51 @@ class Recompute:
         return answer
 
 
+class RecomputeServers:
+    """One reference server per model for the session. ``prestart(architecture)``
+    boots it beside a test's own servers; calling waits for it and returns a
+    :class:`Recompute` (the servers start in parallel rather than one after another)."""
+
+    def __init__(self, tiny_model: Callable[[str], Path], log_dir: Path) -> None:
+        self._tiny_model = tiny_model
+        self._log_dir = log_dir
+        self._servers: dict[str, SglangServer] = {}
+        self._ready: set[str] = set()
+
+    def prestart(self, architecture: str) -> None:
+        if architecture in self._servers:
+            return
+        profile = serving_profile(default_spec(architecture))
+        options = ServerOptions(
+            model_path=self._tiny_model(architecture),
+            storage_backend=None,
+            **profile.server_fields(),
+        )
+        server = SglangServer(f"recompute-{architecture}", options, self._log_dir)
+        self._servers[architecture] = server
+        server.process.start()
+
+    def __call__(self, architecture: str) -> Recompute:
+        self.prestart(architecture)
+        server = self._servers[architecture]
+        if architecture not in self._ready:
+            server.wait_ready()
+            self._ready.add(architecture)
+        return Recompute(server)
+
+    def stop(self) -> None:
+        stop_together(list(self._servers.values()))
+
+
 @pytest.fixture(scope="session")
 def recompute_server(
     tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[str], Recompute]]:
-    """``recompute_server(architecture)``: one reference server per model, kept for the session."""
-    log_dir = tmp_path_factory.mktemp("recompute-logs")
-    servers: dict[str, SglangServer] = {}
-
-    def get(architecture: str) -> Recompute:
-        if architecture not in servers:
-            profile = serving_profile(default_spec(architecture))
-            options = ServerOptions(
-                model_path=tiny_model(architecture),
-                storage_backend=None,
-                **profile.server_fields(),
-            )
-            server = SglangServer(f"recompute-{architecture}", options, log_dir)
-            servers[architecture] = server
-            server.start()
-        return Recompute(servers[architecture])
-
-    yield get
-    for server in servers.values():
-        server.stop()
+) -> Iterator[RecomputeServers]:
+    """``recompute_server(architecture)``: one reference server per model, kept for the
+    session; ``recompute_server.prestart(architecture)`` before a test starts its own."""
+    servers = RecomputeServers(tiny_model, tmp_path_factory.mktemp("recompute-logs"))
+    yield servers
+    servers.stop()
 
 
 BACKUP_TIMEOUT_S = 30.0

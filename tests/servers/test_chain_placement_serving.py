@@ -44,6 +44,7 @@ def test_one_of_two_nodes_lost_costs_whole_prompts(tiny_model, launched, recompu
         env=cluster.client_env(),
     )
     writer, reader = launched.server("writer", options), launched.server("reader", options)
+    recompute_server.prestart("llama")
     launched.start(writer, reader)
     recompute = recompute_server("llama")
     prompts = [prompt(100 + i) for i in range(CONVERSATIONS)]

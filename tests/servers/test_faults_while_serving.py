@@ -94,6 +94,7 @@ def test_faults_while_serving(tiny_model, launched, recompute_server):
         env=cluster.client_env(),
     )
     writer, reader = launched.server("writer", options), launched.server("reader", options)
+    recompute_server.prestart("llama")
     launched.start(writer, reader)
     recompute = recompute_server("llama")
     prompts = {name: prompt(seed) for seed, name in enumerate(["corrupt", "node", "master"], 10)}

@@ -59,6 +59,7 @@ def test_reader_on_another_host_restores_from_the_storage_node(
         )
         place = namespace_place(topology, host)
         servers[host] = launched.server(host, options, port=SERVER_PORT, place=place)
+    recompute_server.prestart("llama")
     launched.start(*servers.values())
     recompute = recompute_server("llama")
     p = prompt(7)

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import ServerOptions
+from mooncake_span.lab.sglang_servers import ServerOptions, stop_together
 from mooncake_span.ops.cluster import LocalCluster
 from tests.servers.conftest import (
     ANSWER_TOKENS,
@@ -62,6 +62,7 @@ def test_whole_cluster_restart_restores_the_same_tokens(
         env=cluster.client_env(),
     )
     writer, reader = launched.server("writer", options), launched.server("reader", options)
+    recompute_server.prestart("llama")
     launched.start(writer, reader)
     recompute = recompute_server("llama")
     p = prompt(31)
@@ -77,8 +78,7 @@ def test_whole_cluster_restart_restores_the_same_tokens(
     objects = _on_disk(cluster)[1]
     old_master = cluster.master_address
 
-    writer.stop()
-    reader.stop()
+    stop_together([writer, reader])
     cluster.stop()
     started = time.monotonic()
     again = launched.cluster(**spec)  # new master, new node, new ports; the same directory

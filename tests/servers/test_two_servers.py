@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import ServerOptions
+from mooncake_span.lab.sglang_servers import ServerOptions, stop_together
 from tests.servers.conftest import (
     ANSWER_TOKENS,
     PAGE_TOKENS,
@@ -68,6 +68,7 @@ def test_second_server_restores_from_l3(
         env=cluster.client_env(),
     )
     writer, reader = launched.server("writer", options), launched.server("reader", options)
+    recompute_server.prestart(architecture)
     launched.start(writer, reader)
     recompute = recompute_server(architecture)
     base = settled_key_count(lambda: len(stored_keys(cluster)))
@@ -94,8 +95,7 @@ def test_second_server_restores_from_l3(
         # A restarted server finds its cache again, in its first request after the
         # start: nothing warmed it up, so the backend must have loaded what the
         # hit query needs (sglang's page hash) while the server started.
-        writer.stop()
-        reader.stop()
+        stop_together([writer, reader])
         launched.start_cold(reader)
         again = reader.generate(full, ANSWER_TOKENS)
         assert again.storage_tokens == FULL_RESTORE_TOKENS, again.meta_info
@@ -134,6 +134,7 @@ def test_best_effort_prefetch_beside_mooncake_store(tiny_model, launched, recomp
         ),
     }
     servers = {name: launched.server(name, options) for name, options in arms.items()}
+    recompute_server.prestart("llama")
     launched.start(*servers.values())
     recompute = recompute_server("llama")
     storage_tokens: dict[str, list[int]] = {name: [] for name in servers}

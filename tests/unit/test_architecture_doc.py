@@ -24,6 +24,7 @@ fails, even if some other module defines it.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import pathlib
 import re
@@ -89,21 +90,28 @@ def _names_of(paths: list[pathlib.Path], imported: bool = False) -> set[str]:
     """The stems of ``paths`` and every name they define (and, if ``imported``, import)."""
     names: set[str] = set()
     for path in paths:
-        names.add(path.stem)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    for leaf in ast.walk(target):
-                        if isinstance(leaf, ast.Name):
-                            names.add(leaf.id)
-                        elif isinstance(leaf, ast.Attribute):
-                            names.add(leaf.attr)
-            elif imported and isinstance(node, (ast.Import, ast.ImportFrom)):
-                names.update(alias.asname or alias.name for alias in node.names)
+        names |= _file_names(path, imported)
     return names
+
+
+# Every row of the table reads the same files again: each is parsed once a run.
+@functools.cache
+def _file_names(path: pathlib.Path, imported: bool) -> frozenset[str]:
+    names = {path.stem}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name):
+                        names.add(leaf.id)
+                    elif isinstance(leaf, ast.Attribute):
+                        names.add(leaf.attr)
+        elif imported and isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(alias.asname or alias.name for alias in node.names)
+    return frozenset(names)
 
 
 def _defined_names() -> set[str]:
