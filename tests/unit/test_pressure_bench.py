@@ -20,7 +20,7 @@ from mooncake_span.bench.pressure import (
 )
 from mooncake_span.store.client import NativeBinding
 from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
-from tests.span_helpers import FAKE_CLIENT, skip_probe
+from tests.span_helpers import FAKE_CLIENT, FakeClock, skip_probe
 
 # 26 KiB per host page (KV 24 KiB + indexer 2 KiB), 104 KiB per key, 4 keys per call.
 CONFIG = PressureConfig(
@@ -38,6 +38,10 @@ def run():
             lambda: FakeStore(cluster), FakeReplicateConfig, probe_endpoint=skip_probe
         )
         rig = build_rig(CONFIG, FAKE_CLIENT, cooldown_s, binding)
+        # The drive's pacing sleeps are skipped, so the cool-down's clock must
+        # not run on its own: on a loaded box its 10 ms first pause ended
+        # between two calls and a second cool-down began.
+        rig.store.client.pressure._now_s = FakeClock()
         rigs.append(rig)
         row = {"cooldown_s": cooldown_s, "master_flags": MasterFlags().label}
         row.update(drive(rig, CONFIG, sleep=lambda s: None))
