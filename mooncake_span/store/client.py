@@ -38,7 +38,7 @@ import logging
 import operator
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake_span.config import SpanOptions
@@ -55,6 +55,7 @@ from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
 from mooncake_span.store import disk_reads
 from mooncake_span.store.domains import copy_key
+from mooncake_span.store.failure_ledger import FailureLedger, PutTarget
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.native import (
@@ -129,8 +130,10 @@ class MooncakeClient:
         self._gate = NativeGate(options, clock)
         self.pressure = PutPressure(options.full_cooldown_s, now_s=clock)
         self._directory: SegmentDirectory | None = None
-        # Placement and failure domains; the backend gives the placement key (place_by).
-        self.router = DomainRouter(options, self.segments, clock)
+        # What failed calls taught, and for how long: the one owner of the failure marks.
+        self.ledger = FailureLedger.from_options(options, clock)
+        # Placement and routing; the backend gives the placement key (place_by).
+        self.router = DomainRouter(options, self.segments, self.ledger)
         self._integrity = IntegrityFailures(
             lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
         )
@@ -245,7 +248,7 @@ class MooncakeClient:
             self.router.note_chain_put()
         if self.router.direct_put(keys):
             ok = self._put_direct(list(keys), batch, group_ids, hard_pin, (domains, steps))
-            self.router.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
+            self.ledger.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
             return ok
         return self._put_copies(keys, batch, group_ids, hard_pin, (domains, steps))
 
@@ -295,7 +298,7 @@ class MooncakeClient:
                 if code == 0:
                     written[i] += 1
         ok = {i: written[i] == self.router.copies for i in unique}
-        self.router.forget_lost(keys[i] for i in unique if ok[i])
+        self.ledger.forget_lost(keys[i] for i in unique if ok[i])
         return [ok[first[k]] for k in keys]
 
     def _put_part(
@@ -326,32 +329,14 @@ class MooncakeClient:
             )
             codes += self._put_call(keys[call.start : call.stop], batch.part(call), config)
         if segment and any(map(is_transfer_failure, codes)):
-            self._judge_put_target(segment, all(map(is_transfer_failure, codes)))
+            # The failure does not name its segment (failure_ledger.PutTarget): dial it.
+            answers = self._binding.segment_answers(
+                self.settings.metadata_server, self._admin_url, segment
+            )
+            whole_call = all(map(is_transfer_failure, codes))
+            if self.ledger.put_target_failed(segment, answers, whole_call) is PutTarget.BAD:
+                self._wake_directory()
         return codes
-
-    def _judge_put_target(self, segment: str, whole_call: bool) -> None:
-        # Mooncake moves a put off a full preferred segment onto any listed one, a
-        # dead one included, so a failed transfer does not name its segment. The
-        # preferred one is dialled: one that refuses is marked bad. One that answers
-        # (or any, while another segment is known bad) was full: puts move to the
-        # next segment, reads of its keys go on. One that cannot be dialled (etcd
-        # metadata) is marked bad when it failed a whole call and no other is bad.
-        answers = self._binding.segment_answers(
-            self.settings.metadata_server, self._admin_url, segment
-        )
-        others_bad = bool(self.router.bad_segments())
-        if answers is False or (answers is None and whole_call and not others_bad):
-            self._mark_bad([segment], "batch_put_from_multi_buffers")
-        elif answers or others_bad:
-            fresh = self.router.mark_segments_full([segment])
-            if fresh:
-                logger.info(
-                    "mooncake-span: segment %s took only part of a put (Mooncake moved the "
-                    "rest elsewhere, where the transfer failed); new puts go to the next "
-                    "segment for %.0fs, its keys read as before",
-                    segment,
-                    self.options.domain_bad_ttl_s,
-                )
 
     def _put_call(self, keys: list[str], batch: PlanBatch, config: Any) -> list[int]:
         codes = self._gate.invoke(
@@ -388,7 +373,7 @@ class MooncakeClient:
             codes += self._get_call(keys[call.start : call.stop], batch.part(call))
         ok = list(map(operator.eq, codes, batch.nbytes))
         if not all(ok):
-            self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
+            self.ledger.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
         return ok
 
     def _get_copies(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
@@ -412,7 +397,7 @@ class MooncakeClient:
             pending = [i for i in pending if not ok[i]]
         lost = [k for i, k in enumerate(keys) if not ok[i] and (unreadable[i] or not candidates[i])]
         if lost:
-            self.router.remember_lost(lost)
+            self.ledger.remember_lost(lost)
         return ok
 
     def _get_codes(self, keys: Sequence[str], batch: PlanBatch) -> list[int]:
@@ -496,14 +481,7 @@ class MooncakeClient:
         segments = set().union(*self._disk_owners(down).values())
         if not segments:
             return down
-        fresh = self.router.mark_owners_down(segments)
-        if fresh:
-            logger.warning(
-                "mooncake-span: the SSD tier of segment(s) %s does not answer reads; "
-                "reading their keys as misses for %.0fs",
-                fresh,
-                self.options.domain_bad_ttl_s,
-            )
+        self.ledger.owners_down(segments)
         return []
 
     def _disk_owners(self, object_keys: Sequence[str]) -> dict[str, set[str]]:
@@ -521,22 +499,14 @@ class MooncakeClient:
         -800, a wrong request and not a dead node."""
         located = self._locate(list(planned_bytes), planned_bytes)
         segments = set().union(*located.values())
-        if not segments:
-            return
-        self._mark_bad(segments, op)
+        if segments:
+            self.ledger.transfer_failed(segments, op)
+            self._wake_directory()
+
+    def _wake_directory(self) -> None:
+        """A segment was just marked bad: the segment list is refreshed now."""
         if self._directory is not None:
             self._directory.wake()
-
-    def _mark_bad(self, segments: Iterable[str], op: str) -> None:
-        fresh = self.router.mark_segments_bad(segments)
-        if fresh:
-            logger.warning(
-                "mooncake-span: %s failed on segment(s) %s; avoiding them and reading their "
-                "keys as misses for %.0fs",
-                op,
-                fresh,
-                self.options.domain_bad_ttl_s,
-            )
 
     def _locate(
         self,
@@ -587,7 +557,7 @@ class MooncakeClient:
             room = -len(keys) % _EXISTS_KEYS_PER_CALL
             asked = [*keys, *touch[:room]] if touch and room else list(keys)
             return [code == 1 for code in self._exists_codes(asked, on_rpc)]
-        lost = self.router.lost_mask(keys)
+        lost = self.ledger.lost_mask(keys)
         locate = functools.partial(self._locate, on_rpc=on_rpc)
         rows = self.router.read_rows(keys, locate, domains, steps)
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
@@ -663,7 +633,7 @@ class MooncakeClient:
         (every failure is counted, and the breaker and segment marks follow them)."""
         return (
             *self._gate.revision(),
-            self.router.times_marked,
+            self.ledger.times_marked,
             self.pressure.skipped_total,
             self._ssd_read_rpcs,
         )
@@ -676,10 +646,10 @@ class MooncakeClient:
             "breaker_consecutive_failures": snapshot.consecutive_failures,
             "breaker_times_opened": snapshot.times_opened,
             "segments": list(self.segments()),
-            "bad_segments": sorted(self.router.bad_segments()),
-            "full_segments": sorted(self.router.full_segments()),
-            "domains_marked_bad": self.router.times_marked,
-            "lost_keys": self.router.lost_count,
+            "bad_segments": sorted(self.ledger.bad_segments()),
+            "full_segments": sorted(self.ledger.full_segments()),
+            "domains_marked_bad": self.ledger.times_marked,
+            "lost_keys": self.ledger.lost_count,
             "skipped_backups": self.pressure.skipped(),
             "ssd_read_rpcs": self._ssd_read_rpcs,
             **self._integrity.snapshot(),

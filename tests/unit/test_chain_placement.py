@@ -228,7 +228,7 @@ def test_reads_of_a_chain_skip_only_the_dead_window(chain_rig):
     schema = store.key_schema
     order = rank_segments(schema.domains([keys[0]], 1)[0], cluster.live_segments())
     cluster.kill_segment(order[1])  # the second window's node
-    store.client.router.mark_segments_bad([order[1]])
+    store.client.ledger.transfer_failed([order[1]], "get")
     assert store.batch_exists(keys, _info([])) == 4
     located: list[list[str]] = []
     locate = store.client._locate
