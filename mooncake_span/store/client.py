@@ -53,7 +53,6 @@ from mooncake_span.errors import (
 )
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
-from mooncake_span.store import disk_reads
 from mooncake_span.store.domains import copy_key
 from mooncake_span.store.failure_ledger import FailureLedger, PutTarget
 from mooncake_span.store.gate import NativeGate
@@ -65,7 +64,6 @@ from mooncake_span.store.native import (
     native_env_defaults,
     prepare_native_env,
     replicate_config,
-    serving_tier,
     setup_arguments,
     setup_store,
     wait_for_segments,
@@ -78,7 +76,7 @@ from mooncake_span.store.put_cooldown import (
 )
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
-from mooncake_span.store.ssd_tier import DirLock
+from mooncake_span.store.serving_ssd import ServingSsd
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +135,7 @@ class MooncakeClient:
         self._integrity = IntegrityFailures(
             lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
         )
-        self._ssd_read_rpcs = 0  # Mooncake's count of reads it asked an SSD owner for
-        self._ssd_lock: DirLock | None = None  # this rank's SSD directory, if it has one
+        self._ssd = ServingSsd(self._gate, self.ledger)  # the SSD tier's one owner
         self._admin_url: str | None = None  # the master's admin server, set by connect()
 
     # ---- lifecycle -------------------------------------------------------
@@ -167,16 +164,14 @@ class MooncakeClient:
             wait_for_segments(check_url, binding.list_segments)
         store = binding.store_factory()
         started = time.monotonic()
-        lister = (lambda: binding.list_segments(admin_url)) if admin_url else None
-        self._ssd_lock = serving_tier(s, lister)
+        self._ssd.open(s, admin_url, binding.list_segments, binding.list_disk_owners)
         try:
             setup_store(store, s, **setup_arguments(s, self._shared_engine))
         except BaseException:
-            if self._ssd_lock is not None:
-                self._ssd_lock.release()
+            self._ssd.release()
             raise
-        if self._ssd_lock is not None:
-            self._ssd_lock.update(state="running", segment=store.get_hostname())
+        if self._ssd.owns_directory:
+            self._ssd.running(segment=store.get_hostname())
         self._gate.open(store)
         if self.options.placement:
             self._directory = start_directory(admin_url, self.options, binding.list_segments)
@@ -206,11 +201,10 @@ class MooncakeClient:
         state = "stopped"
         # The disk segment first: readers miss cleanly at once, and a restart right
         # after registers every key again (store/ssd_tier.py).
-        if self._ssd_lock is not None and store.unmount_local_disk_segment(0) != 0:
+        if self._ssd.owns_directory and store.unmount_local_disk_segment(0) != 0:
             state = "unmount-failed"
         store.close()
-        if self._ssd_lock is not None:
-            self._ssd_lock.release(state)
+        self._ssd.release(state)
 
     @property
     def closed(self) -> bool:
@@ -414,28 +408,24 @@ class MooncakeClient:
         return out
 
     def _get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
-        codes = self._gate.invoke(
-            "batch_get_into_multi_buffers",
-            functools.partial(self._native_get, keys, batch),
-            len(keys),
-        )
-        overflow = disk_reads.overflowed(codes)
-        if overflow and len(keys) > 1:
-            # An SSD owner's read buffer took less than this call: ask again in halves.
-            for half in disk_reads.halves(overflow):
-                again = self._get_call([keys[i] for i in half], batch.take(half))
-                for i, code in zip(half, again, strict=True):
-                    codes[i] = code
+        # What an SSD owner's read buffer could not take is asked again in halves.
+        codes = self._ssd.read(self._native_get_call, keys, batch)
         if codes != batch.nbytes:
             short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
             if short:
                 self._gate.count("SHORT_READ", short)
         return codes
 
+    def _native_get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
+        return self._gate.invoke(
+            "batch_get_into_multi_buffers",
+            functools.partial(self._native_get, keys, batch),
+            len(keys),
+        )
+
     def _native_get(self, keys: list[str], batch: PlanBatch, store: Any) -> list[int]:
         codes = store.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes)
-        # Cumulative, per native client: one per SSD owner a get asked over RPC.
-        self._ssd_read_rpcs = max(self._ssd_read_rpcs, store.get_offload_rpc_read_count())
+        self._ssd.saw_owner_reads(store.get_offload_rpc_read_count())
         return codes
 
     def _on_failed_reads(
@@ -452,43 +442,17 @@ class MooncakeClient:
         if dead:
             self._mark_failed_domains("batch_get_into_multi_buffers", dead)
         lost = [*dead, *self._integrity.record(failed)]
-        rpc_failed = disk_reads.owner_failures(codes)
-        if rpc_failed:
-            lost += self._on_owner_down(object_keys, rpc_failed)
-        return lost
+        return lost + self._ssd.owners_down(object_keys, codes, self._replica_desc_past_breaker)
 
-    def _on_owner_down(self, object_keys: Sequence[str], positions: list[int]) -> list[str]:
-        """Reads that failed at the RPC layer: if the master answers and the objects
-        had only disk replicas, their SSD owner is down (``disk_reads.py``). The
-        master's admin server names the owner, whose segment is marked bad; until
-        the mark ends, reads ask where each key is, since a full segment's puts land
-        elsewhere and placement cannot tell an owner's keys. Without an owner to
-        name, the keys are returned to be remembered lost."""
-        keys = [object_keys[i] for i in positions]
-        suppress = contextlib.suppress(TransportError, StoreClosedError)
+    def _replica_desc_past_breaker(self, object_keys: list[str]) -> Any:
+        """The master's replica descriptions, None if it does not answer. Past the
+        breaker: the failed read may just have opened it, and this one RPC is what
+        tells a dead master from a dead SSD owner."""
         found = None
-        # Past the breaker: the failed read may just have opened it, and this one
-        # RPC is what tells a dead master from a dead SSD owner.
+        suppress = contextlib.suppress(TransportError, StoreClosedError)
         with suppress, self._gate.native("batch_get_replica_desc", past_breaker=True) as store:
-            found = store.batch_get_replica_desc(keys)
-        if not isinstance(found, dict):
-            return []  # the master is down too: the breaker's business
-        down = sorted(disk_reads.disk_only(found) & set(keys))
-        if not down:
-            return []
-        self._gate.answered()  # a storage node is down, not the cluster
-        self._gate.count(disk_reads.OWNER_DOWN_LABEL, len(down))
-        segments = set().union(*self._disk_owners(down).values())
-        if not segments:
-            return down
-        self.ledger.owners_down(segments)
-        return []
-
-    def _disk_owners(self, object_keys: Sequence[str]) -> dict[str, set[str]]:
-        """Per object, the segments whose SSD holds it ({} without an admin server)."""
-        if self._admin_url is None or not object_keys:
-            return {}
-        return self._binding.list_disk_owners(self._admin_url, list(object_keys)) or {}
+            found = store.batch_get_replica_desc(object_keys)
+        return found
 
     # ---- what failed transfers teach (both paths) ---------------------------------
 
@@ -526,11 +490,7 @@ class MooncakeClient:
             except Exception:  # observation only: unknown means "treat as lost"
                 logger.debug("batch_get_replica_desc failed", exc_info=True)
                 return {}
-        located = replica_segments(found, sizes)
-        on_disk = [k for k in disk_reads.disk_only(found) if k not in located]
-        for key, owners in self._disk_owners(on_disk).items():
-            located.setdefault(key, set()).update(owners)
-        return located
+        return self._ssd.add_disk_owners(found, replica_segments(found, sizes))
 
     # ---- existence ---------------------------------------------------------------
 
@@ -635,7 +595,7 @@ class MooncakeClient:
             *self._gate.revision(),
             self.ledger.times_marked,
             self.pressure.skipped_total,
-            self._ssd_read_rpcs,
+            self._ssd.read_rpcs,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -651,6 +611,6 @@ class MooncakeClient:
             "domains_marked_bad": self.ledger.times_marked,
             "lost_keys": self.ledger.lost_count,
             "skipped_backups": self.pressure.skipped(),
-            "ssd_read_rpcs": self._ssd_read_rpcs,
+            "ssd_read_rpcs": self._ssd.read_rpcs,
             **self._integrity.snapshot(),
         }
