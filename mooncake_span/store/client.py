@@ -39,6 +39,7 @@ import operator
 import re
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mooncake_span.config import SpanOptions
@@ -109,6 +110,16 @@ _GROUPED_PUT_OBJECTS = 64
 
 def _uncounted() -> None:
     """The ``on_rpc`` of a caller that does not count RPCs."""
+
+
+@dataclass(frozen=True)
+class Existence:
+    """An existence query's answer."""
+
+    found: list[bool]  # per key asked
+    # Per touched object asked: a head of them, as many as fit in the query's last
+    # RPC, and none while the router is troubled (touching never adds an RPC).
+    touched_head: list[bool]
 
 
 class MooncakeClient:
@@ -494,29 +505,42 @@ class MooncakeClient:
 
     # ---- existence ---------------------------------------------------------------
 
+    @property
+    def untroubled(self) -> bool:
+        """Existence queries carry touched objects and need no placement: one copy per
+        key, no key known lost, no segment marked bad (``DomainRouter.untroubled``)."""
+        return self.router.untroubled
+
     def exists(
         self,
         keys: Sequence[str],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
         on_rpc: Callable[[], None] = _uncounted,
-        touch: Sequence[str] = (),
     ) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
         absent without asking the master. ``domains``/``steps`` as for ``get``;
         ``on_rpc`` is called once per native RPC sent (existence queries of at
-        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are).
+        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are)."""
+        return self.exists_and_touch(keys, (), domains, steps, on_rpc).found
 
-        ``touch``: objects the query also names, for the lease Mooncake grants
-        every object it finds: as many of the first ones as fit in the query's
-        last RPC, so touching never adds one, and only while the router is
-        untroubled (no copies, nothing lost or bad). Their answers follow those
-        of ``keys``, one per touched object asked (none when none was)."""
+    def exists_and_touch(
+        self,
+        keys: Sequence[str],
+        touch: Sequence[str],
+        domains: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
+        on_rpc: Callable[[], None] = _uncounted,
+    ) -> Existence:
+        """``exists``, and the same query names objects of ``touch`` for the lease
+        Mooncake grants every object it finds: as many of the first ones as fit in
+        the query's last RPC, so touching never adds one, and only while the
+        router is untroubled (``Existence.touched_head``)."""
         if self.router.untroubled:  # the common case
-            room = -len(keys) % _EXISTS_KEYS_PER_CALL
-            asked = [*keys, *touch[:room]] if touch and room else list(keys)
-            return [code == 1 for code in self._exists_codes(asked, on_rpc)]
+            head = list(touch[: -len(keys) % _EXISTS_KEYS_PER_CALL])
+            flags = [code == 1 for code in self._exists_codes([*keys, *head], on_rpc)]
+            return Existence(flags[: len(keys)], flags[len(keys) :])
         lost = self.ledger.lost_mask(keys)
         locate = functools.partial(self._locate, on_rpc=on_rpc)
         rows = self.router.read_rows(keys, locate, domains, steps)
@@ -527,9 +551,8 @@ class MooncakeClient:
         if any(lost):
             self._gate.count("LOST_KEY_SKIPPED", sum(lost))
         found = dict(zip(asked, self._exists_codes(asked, on_rpc), strict=True)) if asked else {}
-        return [
-            not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
-        ]
+        flags = [not lost[i] and any(found.get(o) == 1 for o in row) for i, row in enumerate(rows)]
+        return Existence(flags, [])
 
     def _exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
         out: list[int] = []
