@@ -1,37 +1,28 @@
 """The only module that talks to Mooncake.
 
 ``MooncakeClient`` wraps one ``MooncakeDistributedStore`` and turns its native
-conventions into plain Python ones, once:
+conventions into plain Python ones, once: per-object results become ``bool``
+(put: rc 0; get: exactly the planned bytes read; exists: 1), and every other
+code is counted by name for ``stats()``. Every native call passes the gate
+(``gate.py``: closed, breaker, answer shape). What to do is decided elsewhere,
+and carried out here:
 
-* per-object results become ``bool`` (put: rc 0; get: exactly the planned
-  bytes read; exists: 1); every other code is counted by name for ``stats()``;
-* every native call passes the gate (``gate.py``): cluster-level failures (an
-  exception, a wrong-length result, every entry an RPC-level code) raise
-  ``TransportError`` and feed the circuit breaker, and after ``close()`` every
-  method raises ``StoreClosedError`` (the native client segfaults if called
-  after close);
-* ``router.py`` decides where objects go and which copies to read, and owns
-  the failure-domain state: a TRANSFER_FAIL marks the failing segment's
-  failure domain bad there, and a key that cannot be read is remembered lost;
-  a call of a healthy cluster goes out as the caller built it, in one native
-  call, and otherwise calls carry at most ``max_buffers_per_call`` buffers and
-  a get never names one key twice (Mooncake would leave a buffer unwritten);
-* refused puts in a row pause puts (``put_cooldown.py``): skipped ones read False.
-
-Every TTL and cool-down runs on the one ``clock`` the client is given.
-
-Before ``setup`` the endpoints are probed with a short TCP connect (a dead etcd
-blocks setup for minutes) and ``MC_TCP_STATUS_TIMEOUT_SEC`` /
-``MC_STORE_CLIENT_SETUP_RETRIES`` get bounded defaults unless already set.
+* ``router.py``: whether a call goes out as its caller built it (nearly every
+  call of a healthy cluster: one native call, cut only by the buffer budget)
+  or copy by copy (``domain_calls.py``), and where a put's objects go;
+* ``failure_ledger.py``: the bad, full and owner-down segment marks and lost
+  keys, on the one ``clock`` the client is given;
+* ``put_cooldown.py``: refused puts in a row pause puts (skipped ones read False);
+* ``serving_ssd.py``: this rank's SSD directory and reads from SSD owners;
+* ``native.py``: the reachability checks and environment before ``setup``.
 
 The file reads top-down: lifecycle, the write path (``put`` down to the
-native call), the read path (``get`` likewise, then what a failed read
-teaches), existence, the other operations, then statistics.
+native call), the read path (``get`` likewise), existence, the other
+operations, then statistics.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
@@ -44,7 +35,6 @@ from typing import Any
 
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import (
-    ErrorCode,
     SetupError,
     StoreClosedError,
     TransportError,
@@ -53,21 +43,20 @@ from mooncake_span.errors import (
     is_transport_failure,
 )
 from mooncake_span.mooncake_settings import MooncakeSettings
-from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
+from mooncake_span.span.plan import ObjectPlan, PlanBatch
+from mooncake_span.store.domain_calls import DomainCalls, Placed, uncounted
 from mooncake_span.store.domains import copy_key
-from mooncake_span.store.failure_ledger import FailureLedger, PutTarget
+from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.native import (
-    REACHABILITY_TIMEOUT_S,
     NativeBinding,
     SharedEngine,
     native_env_defaults,
-    prepare_native_env,
+    reach_cluster,
     replicate_config,
     setup_arguments,
     setup_store,
-    wait_for_segments,
 )
 from mooncake_span.store.put_cooldown import (
     COOLDOWN,
@@ -80,9 +69,6 @@ from mooncake_span.store.segments import SegmentDirectory, replica_segments, sta
 from mooncake_span.store.serving_ssd import ServingSsd
 
 logger = logging.getLogger(__name__)
-
-# A call's placement as its caller knows it: (domains, chain steps), either None.
-Placed = tuple[Sequence[str] | None, Sequence[int] | None]
 
 # NativeBinding and native_env_defaults are imported from here by callers.
 __all__ = ["MooncakeClient", "NativeBinding", "load_native_binding", "native_env_defaults"]
@@ -106,10 +92,6 @@ _EXISTS_KEYS_PER_CALL = 4096
 # one call carries: a 1024-object MHA put took 148 ms in one call and 46 ms in
 # calls of 64 (32 ms without group ids); a 256-object one 23 vs 19 ms.
 _GROUPED_PUT_OBJECTS = 64
-
-
-def _uncounted() -> None:
-    """The ``on_rpc`` of a caller that does not count RPCs."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +129,10 @@ class MooncakeClient:
             lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
         )
         self._ssd = ServingSsd(self._gate, self.ledger)  # the SSD tier's one owner
-        self._admin_url: str | None = None  # the master's admin server, set by connect()
+        # Calls while failure domains matter, made of this client's native parts.
+        self._domains = DomainCalls(
+            self, self.router, self.ledger, self._gate, self._integrity, self._ssd
+        )
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -156,23 +141,10 @@ class MooncakeClient:
         s = self.settings
         binding = self._binding or load_native_binding()
         self._binding = binding
-        prepare_native_env(s, self.options, binding.shares_process_env)
-        endpoints = s.etcd_endpoints()
-        if not s.master_server_address.startswith("etcd://"):
-            endpoints.append(s.master_server_address)
-        for endpoint in endpoints:
-            binding.probe_endpoint(endpoint, REACHABILITY_TIMEOUT_S)
-        # span_master_admin_url overrides the master host on master_metrics_port.
-        # No guessed admin URL (sglang's 9003) for placement and SSD owners: a wrong
-        # one costs a timeout per refresh.
-        admin_url = self.options.master_admin_url or s.configured_admin_url()
-        self._admin_url = admin_url
-        if s.check_server:
-            # sglang's check_server tries the master's default admin port (9003).
-            check_url = self.options.master_admin_url or s.admin_url()
-            if check_url is None:
-                raise SetupError("check_server with an etcd master needs span_master_admin_url")
-            wait_for_segments(check_url, binding.list_segments)
+        admin_url = reach_cluster(s, self.options, binding)
+        self._domains.dial = functools.partial(
+            binding.segment_answers, s.metadata_server, admin_url
+        )
         store = binding.store_factory()
         started = time.monotonic()
         self._ssd.open(s, admin_url, binding.list_segments, binding.list_disk_owners)
@@ -241,13 +213,10 @@ class MooncakeClient:
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
     ) -> list[bool]:
-        """Write objects that do not exist yet. Mooncake keeps the old value of an
-        existing key and reports success, so callers check existence first.
-        Objects with the same domain (``domains``, else ``place_by``'s) and
-        chain step (``steps``: prefix-chain placement) land on the same segment.
-        ``group_ids``, when given, are sent (the caller decides whether they are
-        wanted). ``hard_pin`` exempts the objects from eviction (small metadata
-        only). True only if every copy was written."""
+        """Write objects that do not exist yet (Mooncake keeps an existing key's value
+        and answers success). Objects of one domain (``domains``, else ``place_by``'s)
+        and chain step (``steps``) share a segment; ``group_ids`` are sent if given;
+        ``hard_pin``: never evicted (metadata). True only if every copy was written."""
         batch = PlanBatch.of(plans)
         if steps is not None:
             self.router.note_chain_put()
@@ -255,7 +224,7 @@ class MooncakeClient:
             ok = self._put_direct(list(keys), batch, group_ids, hard_pin, (domains, steps))
             self.ledger.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
             return ok
-        return self._put_copies(keys, batch, group_ids, hard_pin, (domains, steps))
+        return self._domains.put(keys, batch, group_ids, hard_pin, (domains, steps))
 
     def _put_direct(
         self,
@@ -265,48 +234,21 @@ class MooncakeClient:
         hard_pin: bool,
         placed: Placed,
     ) -> list[bool]:
-        """One copy per unique key: the objects go in the caller's order, one
-        segment's share at a time."""
+        """One copy per unique key, in the caller's order, one segment's share at a time."""
         codes = [0] * len(keys)
         for segment, rows in self.router.direct_groups(keys, *placed):
             if rows is None:  # every object goes to one segment
-                codes = self._put_part(keys, batch, group_ids, hard_pin, segment)
+                codes = self.put_part(keys, batch, group_ids, hard_pin, segment)
                 break
             groups = [group_ids[i] for i in rows] if group_ids else None
-            part = self._put_part(
+            part = self.put_part(
                 [keys[i] for i in rows], batch.take(rows), groups, hard_pin, segment
             )
             for i, code in zip(rows, part, strict=True):
                 codes[i] = code
         return [code == 0 for code in codes]
 
-    def _put_copies(
-        self,
-        keys: Sequence[str],
-        batch: PlanBatch,
-        group_ids: Sequence[str] | None,
-        hard_pin: bool,
-        placed: Placed,
-    ) -> list[bool]:
-        """Every copy of every unique key onto the segment the router places it on;
-        a key is written when all its copies are."""
-        first: dict[str, int] = {}
-        unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
-        written = collections.Counter()
-        mine = [None if p is None else [p[i] for i in unique] for p in placed]
-        for segment, entries in self.router.put_groups([keys[i] for i in unique], *mine).items():
-            rows = [unique[j] for j, _ in entries]
-            groups = [group_ids[i] for i in rows] if group_ids else None
-            part = [k for _, k in entries]
-            codes = self._put_part(part, batch.take(rows), groups, hard_pin, segment)
-            for i, code in zip(rows, codes, strict=True):
-                if code == 0:
-                    written[i] += 1
-        ok = {i: written[i] == self.router.copies for i in unique}
-        self.ledger.forget_lost(keys[i] for i in unique if ok[i])
-        return [ok[first[k]] for k in keys]
-
-    def _put_part(
+    def put_part(
         self,
         keys: list[str],
         batch: PlanBatch,
@@ -315,8 +257,7 @@ class MooncakeClient:
         segment: str,
     ) -> list[int]:
         """Objects onto one segment, in calls within the buffer budget (not sent
-        while the cluster is full). Every object failing to transfer there marks
-        the segment bad."""
+        while the cluster is full); a failed transfer is judged (``failed_put``)."""
         codes: list[int] = []
         grouped = bool(group_ids)
         for call in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
@@ -334,13 +275,7 @@ class MooncakeClient:
             )
             codes += self._put_call(keys[call.start : call.stop], batch.part(call), config)
         if segment and any(map(is_transfer_failure, codes)):
-            # The failure does not name its segment (failure_ledger.PutTarget): dial it.
-            answers = self._binding.segment_answers(
-                self.settings.metadata_server, self._admin_url, segment
-            )
-            whole_call = all(map(is_transfer_failure, codes))
-            if self.ledger.put_target_failed(segment, answers, whole_call) is PutTarget.BAD:
-                self._wake_directory()
+            self._domains.failed_put(segment, codes)
         return codes
 
     def _put_call(self, keys: list[str], batch: PlanBatch, config: Any) -> list[int]:
@@ -360,65 +295,26 @@ class MooncakeClient:
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
     ) -> list[bool]:
-        """Read objects into the planned buffers; True only for a complete read.
-
-        Copies in a bad failure domain are skipped without a transfer; a copy
-        that fails is retried on the next one (at most ``span_replica_num``
-        attempts per key). A key that cannot be read is remembered as lost.
-        ``domains``/``steps``: the placement its put used, if the caller knows it."""
+        """Read objects into the planned buffers; True only for a complete read. A key
+        that cannot be read is remembered lost; while domains matter, each key's live
+        copies are tried in turn (``DomainCalls.get``; ``domains``/``steps``: the
+        placement its put used, if the caller knows it)."""
         batch = PlanBatch.of(plans)
         if self.router.direct(keys):
             return self._get_direct(list(keys), batch)
-        return self._get_copies(keys, batch, (domains, steps))
+        return self._domains.get(keys, batch, (domains, steps))
 
     def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
         """One copy per unique key, in the caller's order, cut by the buffer budget."""
         codes: list[int] = []
         for call in self.router.calls(batch):
-            codes += self._get_call(keys[call.start : call.stop], batch.part(call))
+            codes += self.get_call(keys[call.start : call.stop], batch.part(call))
         ok = list(map(operator.eq, codes, batch.nbytes))
         if not all(ok):
-            self.ledger.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
+            self.ledger.remember_lost(self._domains.failed_reads(keys, batch.nbytes, codes))
         return ok
 
-    def _get_copies(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
-        """Each key's live copies in turn, until one reads completely."""
-        candidates = self.router.read_rows(keys, self._locate, *placed)
-        ok = [False] * len(keys)
-        unreadable = [False] * len(keys)
-        pending = [i for i in range(len(keys)) if candidates[i]]
-        if len(pending) < len(keys):
-            self._gate.count("DOMAIN_BAD_SKIPPED", len(keys) - len(pending))
-        for attempt in range(self.router.copies):
-            pending = [i for i in pending if attempt < len(candidates[i])]
-            if not pending:
-                break
-            object_keys = [candidates[i][attempt] for i in pending]
-            codes = self._get_codes(object_keys, batch.take(pending))
-            bad = set(self._on_failed_reads(object_keys, [batch.nbytes[i] for i in pending], codes))
-            for i, object_key, code in zip(pending, object_keys, codes, strict=True):
-                ok[i] = code == batch.nbytes[i]
-                unreadable[i] = unreadable[i] or object_key in bad
-            pending = [i for i in pending if not ok[i]]
-        lost = [k for i, k in enumerate(keys) if not ok[i] and (unreadable[i] or not candidates[i])]
-        if lost:
-            self.ledger.remember_lost(lost)
-        return ok
-
-    def _get_codes(self, keys: Sequence[str], batch: PlanBatch) -> list[int]:
-        """One read attempt per key: the native code (bytes read, or an error).
-        A round never names one key twice."""
-        out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
-        for round_positions in dedup_rounds(keys):
-            rows = batch.take(round_positions)
-            for call in self.router.calls(rows):  # the one place the buffer budget is cut
-                idx = round_positions[call.start : call.stop]
-                codes = self._get_call([keys[i] for i in idx], rows.part(call))
-                for i, code in zip(idx, codes, strict=True):
-                    out[i] = code
-        return out
-
-    def _get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
+    def get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
         # What an SSD owner's read buffer could not take is asked again in halves.
         codes = self._ssd.read(self._native_get_call, keys, batch)
         if codes != batch.nbytes:
@@ -439,23 +335,7 @@ class MooncakeClient:
         self._ssd.saw_owner_reads(store.get_offload_rpc_read_count())
         return codes
 
-    def _on_failed_reads(
-        self,
-        object_keys: Sequence[str],
-        planned: Sequence[int],
-        codes: Sequence[int],
-    ) -> list[str]:
-        """Marks the domains of transfer failures and of SSD owners that are down,
-        and removes corrupt objects; returns the keys to remember lost (the reads
-        that cannot succeed again)."""
-        failed = [f for f in zip(object_keys, planned, codes, strict=True) if f[1] != f[2]]
-        dead = {k: n for k, n, code in failed if is_transfer_failure(code)}
-        if dead:
-            self._mark_failed_domains("batch_get_into_multi_buffers", dead)
-        lost = [*dead, *self._integrity.record(failed)]
-        return lost + self._ssd.owners_down(object_keys, codes, self._replica_desc_past_breaker)
-
-    def _replica_desc_past_breaker(self, object_keys: list[str]) -> Any:
+    def replica_desc_past_breaker(self, object_keys: list[str]) -> Any:
         """The master's replica descriptions, None if it does not answer. Past the
         breaker: the failed read may just have opened it, and this one RPC is what
         tells a dead master from a dead SSD owner."""
@@ -465,29 +345,16 @@ class MooncakeClient:
             found = store.batch_get_replica_desc(object_keys)
         return found
 
-    # ---- what failed transfers teach (both paths) ---------------------------------
-
-    def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
-        """Mark bad the segments holding objects a transfer just failed on, as the
-        master locates them (placement may not have been followed). Only objects
-        of exactly the planned size count: a read into larger buffers also gets
-        -800, a wrong request and not a dead node."""
-        located = self._locate(list(planned_bytes), planned_bytes)
-        segments = set().union(*located.values())
-        if segments:
-            self.ledger.transfer_failed(segments, op)
-            self._wake_directory()
-
-    def _wake_directory(self) -> None:
+    def wake_directory(self) -> None:
         """A segment was just marked bad: the segment list is refreshed now."""
         if self._directory is not None:
             self._directory.wake()
 
-    def _locate(
+    def locate(
         self,
         object_keys: Sequence[str],
         sizes: dict[str, int] | None = None,
-        on_rpc: Callable[[], None] = _uncounted,
+        on_rpc: Callable[[], None] = uncounted,
     ) -> dict[str, set[str]]:
         """Where the master says objects are (one RPC); {} if it does not answer."""
         if not object_keys:
@@ -516,7 +383,7 @@ class MooncakeClient:
         keys: Sequence[str],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
-        on_rpc: Callable[[], None] = _uncounted,
+        on_rpc: Callable[[], None] = uncounted,
     ) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
@@ -531,7 +398,7 @@ class MooncakeClient:
         touch: Sequence[str],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
-        on_rpc: Callable[[], None] = _uncounted,
+        on_rpc: Callable[[], None] = uncounted,
     ) -> Existence:
         """``exists``, and the same query names objects of ``touch`` for the lease
         Mooncake grants every object it finds: as many of the first ones as fit in
@@ -539,22 +406,11 @@ class MooncakeClient:
         router is untroubled (``Existence.touched_head``)."""
         if self.router.untroubled:  # the common case
             head = list(touch[: -len(keys) % _EXISTS_KEYS_PER_CALL])
-            flags = [code == 1 for code in self._exists_codes([*keys, *head], on_rpc)]
+            flags = [code == 1 for code in self.exists_codes([*keys, *head], on_rpc)]
             return Existence(flags[: len(keys)], flags[len(keys) :])
-        lost = self.ledger.lost_mask(keys)
-        locate = functools.partial(self._locate, on_rpc=on_rpc)
-        rows = self.router.read_rows(keys, locate, domains, steps)
-        asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
-        skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
-        if skipped:
-            self._gate.count("DOMAIN_BAD_SKIPPED", skipped)
-        if any(lost):
-            self._gate.count("LOST_KEY_SKIPPED", sum(lost))
-        found = dict(zip(asked, self._exists_codes(asked, on_rpc), strict=True)) if asked else {}
-        flags = [not lost[i] and any(found.get(o) == 1 for o in row) for i, row in enumerate(rows)]
-        return Existence(flags, [])
+        return Existence(self._domains.exists(keys, domains, steps, on_rpc), [])
 
-    def _exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
+    def exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
         out: list[int] = []
         for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
             chunk = keys[start : start + _EXISTS_KEYS_PER_CALL]

@@ -110,6 +110,30 @@ def setup_arguments(
     }
 
 
+def reach_cluster(
+    settings: MooncakeSettings, options: SpanOptions, binding: NativeBinding
+) -> str | None:
+    """Before ``setup``: the native environment exported, every endpoint dialled
+    once (a dead etcd blocks ``setup`` for minutes), and with ``check_server`` a
+    wait for a segment. Returns the master's admin URL (None: not configured)."""
+    prepare_native_env(settings, options, binding.shares_process_env)
+    endpoints = settings.etcd_endpoints()
+    if not settings.master_server_address.startswith("etcd://"):
+        endpoints.append(settings.master_server_address)
+    for endpoint in endpoints:
+        binding.probe_endpoint(endpoint, REACHABILITY_TIMEOUT_S)
+    if settings.check_server:
+        # sglang's check_server tries the master's default admin port (9003).
+        check_url = options.master_admin_url or settings.admin_url()
+        if check_url is None:
+            raise SetupError("check_server with an etcd master needs span_master_admin_url")
+        wait_for_segments(check_url, binding.list_segments)
+    # span_master_admin_url overrides the master host on master_metrics_port. No
+    # guessed admin URL (sglang's 9003) for placement and SSD owners: a wrong one
+    # costs a timeout per refresh.
+    return options.master_admin_url or settings.configured_admin_url()
+
+
 def wait_for_segments(
     url: str,
     list_segments: Callable[[str], list[str] | None],
