@@ -30,19 +30,31 @@ class _Pool:
         self.data[index // self.page_size] = page
 
 
-class _Stored:
-    def __init__(self, pool):
-        self.host_pool = pool
+class _Backend:
+    """The wrapped backend: registrations and calls recorded, reads answer True."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.span_field = "the backend's own"
+
+    def register_mem_pool_host(self, pool):
+        self.calls.append("register_mem_pool_host")
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None):
+        self.calls.append("batch_get_v1")
+        return [True] * len(keys)
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None):
+        self.calls.append("batch_set_v1")
+        return [True] * len(keys)
 
 
 def _store(monkeypatch, tmp_path, fault, pool):
     path = tmp_path / "fault.json"
     restore_faults.write_fault(path, fault)
     monkeypatch.setenv(restore_faults.FAULT_FILE_ENV, str(path))
-    store = restore_faults.FaultyRestoreStore.__new__(restore_faults.FaultyRestoreStore)
-    monkeypatch.setattr(
-        restore_faults.FaultyRestoreStore, "pools", property(lambda self: {"kv": _Stored(pool)})
-    )
+    store = restore_faults.FaultyRestoreStore(backend=_Backend())
+    store.register_mem_pool_host(pool)
     return store, path
 
 
@@ -79,3 +91,22 @@ def test_zero_answers_success_over_a_fresh_pools_bytes(monkeypatch, tmp_path):
         restore_faults.read_fault(str(path)), ["a"], torch.arange(8, 12), [False]
     )
     assert results == [True] and not pool.data[2].any() and pool.data[0].any()
+
+
+def test_the_wrapper_forwards_sglangs_whole_interface():
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    wanted = [n for n, m in vars(HiCacheStorage).items() if callable(m) and n[0] != "_"]
+    missing = [n for n in wanted if n not in vars(restore_faults.FaultyRestoreStore)]
+    assert wanted and missing == []
+
+
+def test_calls_without_a_fault_reach_the_backend_unchanged(monkeypatch, tmp_path):
+    pool = _Pool(3)
+    before = pool.data.clone()
+    store, path = _store(monkeypatch, tmp_path, None, pool)
+    assert store.batch_get_v1(["a"], torch.arange(0, 4)) == [True]
+    assert store.batch_set_v1(["a"], torch.arange(0, 4)) == [True]
+    assert store._backend.calls == ["register_mem_pool_host", "batch_get_v1", "batch_set_v1"]
+    assert store.span_field == "the backend's own"  # what the wrapper lacks is the backend's
+    assert torch.equal(pool.data, before) and restore_faults.applied(path) == []
