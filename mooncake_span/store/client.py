@@ -44,7 +44,7 @@ from mooncake_span.errors import (
 )
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch
-from mooncake_span.store.domain_calls import DomainCalls, Placed, uncounted
+from mooncake_span.store.domain_calls import DomainCalls, Placed
 from mooncake_span.store.domains import copy_key
 from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.gate import NativeGate
@@ -84,6 +84,10 @@ def load_native_binding() -> NativeBinding:
             "or install mooncake-span with the [cpu] or [cuda] extra"
         ) from exc
     return NativeBinding(MooncakeDistributedStore, ReplicateConfig, shares_process_env=True)
+
+
+def _uncounted() -> None:
+    """The ``on_rpc`` of a caller that does not count RPCs."""
 
 
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
@@ -354,7 +358,7 @@ class MooncakeClient:
         self,
         object_keys: Sequence[str],
         sizes: dict[str, int] | None = None,
-        on_rpc: Callable[[], None] = uncounted,
+        on_rpc: Callable[[], None] = _uncounted,
     ) -> dict[str, set[str]]:
         """Where the master says objects are (one RPC); {} if it does not answer."""
         if not object_keys:
@@ -383,7 +387,7 @@ class MooncakeClient:
         keys: Sequence[str],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
-        on_rpc: Callable[[], None] = uncounted,
+        on_rpc: Callable[[], None] = _uncounted,
     ) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
@@ -398,7 +402,7 @@ class MooncakeClient:
         touch: Sequence[str],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
-        on_rpc: Callable[[], None] = uncounted,
+        on_rpc: Callable[[], None] = _uncounted,
     ) -> Existence:
         """``exists``, and the same query names objects of ``touch`` for the lease
         Mooncake grants every object it finds: as many of the first ones as fit in

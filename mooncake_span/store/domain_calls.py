@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mooncake_span.errors import ErrorCode, is_transfer_failure
@@ -41,58 +42,35 @@ from mooncake_span.store.serving_ssd import ServingSsd
 Placed = tuple[Sequence[str] | None, Sequence[int] | None]
 
 
-def uncounted() -> None:
-    """The ``on_rpc`` of a caller that does not count RPCs."""
+# Per object: the native code of a put onto one segment (keys, plans, group ids, hard pin, segment).
+PutPart = Callable[[list[str], PlanBatch, Sequence[str] | None, bool, str], list[int]]
+# Object key -> the segments the master says hold it (keys, expected sizes, on_rpc=...).
+Locate = Callable[..., dict[str, set[str]]]
 
 
 class NativeParts(Protocol):
     """The client's native calls that the paths here are made of (``store/client.py``)."""
 
-    def put_part(
-        self,
-        keys: list[str],
-        batch: PlanBatch,
-        group_ids: Sequence[str] | None,
-        hard_pin: bool,
-        segment: str,
-    ) -> list[int]: ...
-
-    def get_call(self, keys: list[str], batch: PlanBatch) -> list[int]: ...
-
-    def exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]: ...
-
-    def locate(
-        self,
-        object_keys: Sequence[str],
-        sizes: dict[str, int] | None = None,
-        on_rpc: Callable[[], None] = uncounted,
-    ) -> dict[str, set[str]]: ...
-
-    def replica_desc_past_breaker(self, object_keys: list[str]) -> Any: ...
-
-    def wake_directory(self) -> None: ...
+    put_part: PutPart
+    get_call: Callable[[list[str], PlanBatch], list[int]]
+    exists_codes: Callable[[list[str], Callable[[], None]], list[int]]
+    locate: Locate
+    replica_desc_past_breaker: Callable[[list[str]], Any]
+    wake_directory: Callable[[], None]
 
 
+@dataclass(eq=False)
 class DomainCalls:
     """Puts, gets and existence queries copy by copy, on the client's native parts."""
 
-    def __init__(
-        self,
-        native: NativeParts,
-        router: DomainRouter,
-        ledger: FailureLedger,
-        gate: NativeGate,
-        integrity: IntegrityFailures,
-        ssd: ServingSsd,
-    ) -> None:
-        self._native = native
-        self._router = router
-        self._ledger = ledger
-        self._gate = gate  # its error counters
-        self._integrity = integrity
-        self._ssd = ssd
-        # Whether a segment's transfer endpoint answers (None: unknown); set at connect.
-        self.dial: Callable[[str], bool | None] = lambda segment: None
+    native: NativeParts
+    router: DomainRouter
+    ledger: FailureLedger
+    gate: NativeGate  # its error counters
+    integrity: IntegrityFailures
+    ssd: ServingSsd
+    # Whether a segment's transfer endpoint answers (None: unknown); set at connect.
+    dial: Callable[[str], bool | None] = lambda segment: None
 
     def put(
         self,
@@ -108,27 +86,27 @@ class DomainCalls:
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
         written = collections.Counter()
         mine = [None if p is None else [p[i] for i in unique] for p in placed]
-        for segment, entries in self._router.put_groups([keys[i] for i in unique], *mine).items():
+        for segment, entries in self.router.put_groups([keys[i] for i in unique], *mine).items():
             rows = [unique[j] for j, _ in entries]
             groups = [group_ids[i] for i in rows] if group_ids else None
             part = [k for _, k in entries]
-            codes = self._native.put_part(part, batch.take(rows), groups, hard_pin, segment)
+            codes = self.native.put_part(part, batch.take(rows), groups, hard_pin, segment)
             for i, code in zip(rows, codes, strict=True):
                 if code == 0:
                     written[i] += 1
-        ok = {i: written[i] == self._router.copies for i in unique}
-        self._ledger.forget_lost(keys[i] for i in unique if ok[i])
+        ok = {i: written[i] == self.router.copies for i in unique}
+        self.ledger.forget_lost(keys[i] for i in unique if ok[i])
         return [ok[first[k]] for k in keys]
 
     def get(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
         """Each key's live copies in turn, until one reads completely."""
-        candidates = self._router.read_rows(keys, self._native.locate, *placed)
+        candidates = self.router.read_rows(keys, self.native.locate, *placed)
         ok = [False] * len(keys)
         unreadable = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]
         if len(pending) < len(keys):
-            self._gate.count("DOMAIN_BAD_SKIPPED", len(keys) - len(pending))
-        for attempt in range(self._router.copies):
+            self.gate.count("DOMAIN_BAD_SKIPPED", len(keys) - len(pending))
+        for attempt in range(self.router.copies):
             pending = [i for i in pending if attempt < len(candidates[i])]
             if not pending:
                 break
@@ -141,7 +119,7 @@ class DomainCalls:
             pending = [i for i in pending if not ok[i]]
         lost = [k for i, k in enumerate(keys) if not ok[i] and (unreadable[i] or not candidates[i])]
         if lost:
-            self._ledger.remember_lost(lost)
+            self.ledger.remember_lost(lost)
         return ok
 
     def _get_codes(self, keys: Sequence[str], batch: PlanBatch) -> list[int]:
@@ -150,9 +128,9 @@ class DomainCalls:
         out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
         for round_positions in dedup_rounds(keys):
             rows = batch.take(round_positions)
-            for call in self._router.calls(rows):  # the one place the buffer budget is cut
+            for call in self.router.calls(rows):  # the one place the buffer budget is cut
                 idx = round_positions[call.start : call.stop]
-                codes = self._native.get_call([keys[i] for i in idx], rows.part(call))
+                codes = self.native.get_call([keys[i] for i in idx], rows.part(call))
                 for i, code in zip(idx, codes, strict=True):
                     out[i] = code
         return out
@@ -166,16 +144,16 @@ class DomainCalls:
     ) -> list[bool]:
         """Per key, whether a live copy is stored; lost keys and keys with every copy
         in a bad failure domain are absent without asking."""
-        lost = self._ledger.lost_mask(keys)
-        locate = functools.partial(self._native.locate, on_rpc=on_rpc)
-        rows = self._router.read_rows(keys, locate, domains, steps)
+        lost = self.ledger.lost_mask(keys)
+        locate = functools.partial(self.native.locate, on_rpc=on_rpc)
+        rows = self.router.read_rows(keys, locate, domains, steps)
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
         skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
         if skipped:
-            self._gate.count("DOMAIN_BAD_SKIPPED", skipped)
+            self.gate.count("DOMAIN_BAD_SKIPPED", skipped)
         if any(lost):
-            self._gate.count("LOST_KEY_SKIPPED", sum(lost))
-        codes = self._native.exists_codes(asked, on_rpc) if asked else []
+            self.gate.count("LOST_KEY_SKIPPED", sum(lost))
+        codes = self.native.exists_codes(asked, on_rpc) if asked else []
         found = dict(zip(asked, codes, strict=True))
         return [not lost[i] and any(found.get(o) == 1 for o in row) for i, row in enumerate(rows)]
 
@@ -187,9 +165,9 @@ class DomainCalls:
         its segment: the segment is dialled (a blocking TCP connect, or None where
         metadata cannot say where it listens) and the ledger judges (``PutTarget``)."""
         whole_call = all(map(is_transfer_failure, codes))
-        verdict = self._ledger.put_target_failed(segment, self.dial(segment), whole_call)
+        verdict = self.ledger.put_target_failed(segment, self.dial(segment), whole_call)
         if verdict is PutTarget.BAD:
-            self._native.wake_directory()
+            self.native.wake_directory()
 
     def failed_reads(
         self,
@@ -204,9 +182,9 @@ class DomainCalls:
         dead = {k: n for k, n, code in failed if is_transfer_failure(code)}
         if dead:
             self._mark_failed_domains("batch_get_into_multi_buffers", dead)
-        lost = [*dead, *self._integrity.record(failed)]
-        return lost + self._ssd.owners_down(
-            object_keys, codes, self._native.replica_desc_past_breaker
+        lost = [*dead, *self.integrity.record(failed)]
+        return lost + self.ssd.owners_down(
+            object_keys, codes, self.native.replica_desc_past_breaker
         )
 
     def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
@@ -214,8 +192,8 @@ class DomainCalls:
         master locates them (placement may not have been followed). Only objects
         of exactly the planned size count: a read into larger buffers also gets
         -800, a wrong request and not a dead node."""
-        located = self._native.locate(list(planned_bytes), planned_bytes)
+        located = self.native.locate(list(planned_bytes), planned_bytes)
         segments = set().union(*located.values())
         if segments:
-            self._ledger.transfer_failed(segments, op)
-            self._native.wake_directory()
+            self.ledger.transfer_failed(segments, op)
+            self.native.wake_directory()

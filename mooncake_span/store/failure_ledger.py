@@ -123,21 +123,21 @@ class FailureLedger:
             )
         return fresh
 
-    def bad_segments(self) -> frozenset[str]:
-        return self._bad.bad(self._clock())
-
-    def full_segments(self) -> frozenset[str]:
-        return self._full.bad(self._clock())
-
     @property
     def any_bad(self) -> bool:
         """True while some bad mark may still be live (no clock read)."""
         return self._bad.any_bad
 
+    def bad_segments(self) -> frozenset[str]:
+        return self._bad.bad(self._clock())
+
     @property
     def any_full(self) -> bool:
         """True while some full mark may still be live (no clock read)."""
         return self._full.any_bad
+
+    def full_segments(self) -> frozenset[str]:
+        return self._full.bad(self._clock())
 
     @property
     def owners_down_now(self) -> bool:
