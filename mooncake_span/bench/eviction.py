@@ -44,7 +44,6 @@ its default contender ``span`` names that tree's backend).
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import os
@@ -131,11 +130,9 @@ class EvictionConfig:
 
 def conversation_keys(seed: int, conversation: int, count: int) -> list[str]:
     """A conversation's storage keys, each hashed from the one before (as sglang's)."""
-    keys, prior = [], f"evict:{seed}:{conversation}"
-    for i in range(count):
-        prior = hashlib.sha256(f"{prior}:{i}".encode()).hexdigest()
-        keys.append(prior)
-    return keys
+    from mooncake_span.testing.controller import chained_keys
+
+    return chained_keys(f"evict:{seed}:{conversation}", count)
 
 
 # ---- one contender on one cluster ---------------------------------------------------

@@ -18,7 +18,6 @@ bytes counts as corrupt, and the command exits 1 if any does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_span.bench.shared_native import RecordingNative
+from mooncake_span.testing.controller import chained_keys
 
 logger = logging.getLogger(__name__)
 
@@ -118,12 +118,8 @@ def counting_binding(binding: Any) -> tuple[Any, list[RecordingNative]]:
 
 
 def request_keys(seed: int, request: int, count: int) -> list[str]:
-    # Prefix-chained like sglang's page hashes.
-    keys, prior = [], f"{seed}:{request}"
-    for i in range(count):
-        prior = hashlib.sha256(f"{prior}:{i}".encode()).hexdigest()
-        keys.append(prior)
-    return keys
+    """A request's keys, prefix-chained like sglang's page hashes."""
+    return chained_keys(f"{seed}:{request}", count)
 
 
 def percentile_ms(values: Sequence[float], q: float) -> float | None:

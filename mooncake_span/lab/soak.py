@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import hashlib
 import logging
 import math
 import os
@@ -243,16 +242,7 @@ class Traffic:
         )
         total_bytes = config.working_set_ratio * config.storage_nodes * config.segment_bytes
         n_requests = max(2, int(total_bytes // (self.bytes_per_key * kpr)))
-        self.requests = [self._request_keys(config.seed, r, kpr) for r in range(n_requests)]
-
-    @staticmethod
-    def _request_keys(seed: int, request: int, count: int) -> list[str]:
-        # Prefix-chained like sglang's page hashes: key i depends on keys < i.
-        keys, prior = [], f"{seed}:{request}"
-        for i in range(count):
-            prior = hashlib.sha256(f"{prior}:{i}".encode()).hexdigest()
-            keys.append(prior)
-        return keys
+        self.requests = [sg.chained_keys(f"{config.seed}:{r}", kpr) for r in range(n_requests)]
 
     def _timed(self, op: int, fn: Callable[[], Any]) -> Any:
         started = time.perf_counter()

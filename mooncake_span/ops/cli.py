@@ -9,6 +9,7 @@ one registration call to ``build_parser()``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import shlex
@@ -16,6 +17,7 @@ import signal
 import sys
 import threading
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mooncake_span.ops import doctor, inspect_cmd, validate_cmd
@@ -373,7 +375,7 @@ def _register_serve_demo(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_serve_demo_command(args: argparse.Namespace) -> int:
-    from mooncake_span.ops.serve_demo import ServeDemoConfig, run_serve_demo
+    from mooncake_span.lab.serve_demo import ServeDemoConfig, run_serve_demo
 
     try:
         config = ServeDemoConfig(
@@ -495,6 +497,91 @@ def run_demo_command(args: argparse.Namespace) -> int:
 # bench
 
 
+@dataclass(frozen=True)
+class BenchSection:
+    """One ``bench --FLAG`` section: its help, and the function that runs it with
+    these ``bench`` arguments, imported only when asked for."""
+
+    help: str
+    module: str
+    function: str
+    args: tuple[str, ...]
+
+
+# The sections run alone (``bench --FLAG``); without one, ``bench`` runs the grid.
+BENCH_SECTIONS = {
+    "overhead": BenchSection(
+        "only the adapter-overhead section: own Python per page/key on a do-nothing "
+        "native store and on a real in-process one (mooncake_span.bench.overhead)",
+        "mooncake_span.bench.overhead",
+        "run_overhead_command",
+        ("quick", "reps", "json"),
+    ),
+    "pressure": BenchSection(
+        "only the full-cluster section: backups at 5x a small segment, with and without "
+        "the put cool-down, under several eviction flags (mooncake_span.bench.pressure)",
+        "mooncake_span.bench.pressure",
+        "run_pressure_command",
+        ("quick", "json"),
+    ),
+    "checksum": BenchSection(
+        "only the checksum section: put and get pages/s with span_verify_checksums off and "
+        "on, one process and TCP (mooncake_span.bench.checksum)",
+        "mooncake_span.bench.checksum",
+        "run_checksum_command",
+        ("quick", "reps", "json"),
+    ),
+    "seal": BenchSection(
+        "only the object-seal section: checksum candidates' GB/s, and put and get GB/s "
+        "with span_object_checksums off and on, K=1 and K=4, one process and TCP "
+        "(mooncake_span.bench.seal)",
+        "mooncake_span.bench.seal",
+        "run_seal_command",
+        ("quick", "reps", "json"),
+    ),
+    "leases": BenchSection(
+        "only the hit-query lease section: objects probed and leased per query and "
+        "backups under a probe storm, vs upstream (mooncake_span.bench.leases)",
+        "mooncake_span.bench.leases",
+        "run_leases_command",
+        ("json",),
+    ),
+    "serve": BenchSection(
+        "only the serving section: real sglang servers on embedded clusters, recompute vs "
+        "this backend vs sglang's MooncakeStore: a second server's TTFT from L3, multi-turn hit "
+        "rate by tier and throughput, prefill/decode turn 2 (mooncake_span.bench.serve)",
+        "mooncake_span.bench.serve",
+        "run_serve_command",
+        ("serve_models", "serve_lengths", "serve_rounds", "serve_workloads", "json", "plot"),
+    ),
+    "ssd": BenchSection(
+        "only the SSD-tier section: reads from a storage node's SSD vs its DRAM (paired), "
+        "and restore after a whole-cluster restart, vs a DRAM-only cluster "
+        "(mooncake_span.bench.ssd)",
+        "mooncake_span.bench.ssd",
+        "run_ssd_command",
+        ("quick", "json"),
+    ),
+    "placement": BenchSection(
+        "only the placement section: restorable prompt tokens after one of 2 or 4 storage "
+        "nodes is SIGKILLed, bytes per node and put/get pages/s, per-key vs prefix-chain "
+        "placement vs sglang's MooncakeStore (mooncake_span.bench.placement)",
+        "mooncake_span.bench.placement",
+        "run_placement_command",
+        ("quick", "json"),
+    ),
+    "eviction": BenchSection(
+        "only the eviction section: 48 conversations backed up in 4 turns with prefix "
+        "keys into a segment a third of their size, a quarter re-read between rounds; keys "
+        "reachable as a prefix, dead bytes, returning users' hit tokens, refused and skipped "
+        "backups, master RPCs, vs sglang's MooncakeStore (mooncake_span.bench.eviction)",
+        "mooncake_span.bench.eviction",
+        "run_eviction_command",
+        ("quick", "json", "eviction_lease_ms", "eviction_round_s"),
+    ),
+}
+
+
 def _register_bench(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
@@ -566,44 +653,8 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_native_log_arg(bench)
-    bench.add_argument(
-        "--overhead",
-        action="store_true",
-        help="only the adapter-overhead section: own Python per page/key on a do-nothing "
-        "native store and on a real in-process one (mooncake_span.bench.overhead)",
-    )
-    bench.add_argument(
-        "--pressure",
-        action="store_true",
-        help="only the full-cluster section: backups at 5x a small segment, with and without "
-        "the put cool-down, under several eviction flags (mooncake_span.bench.pressure)",
-    )
-    bench.add_argument(
-        "--checksum",
-        action="store_true",
-        help="only the checksum section: put and get pages/s with span_verify_checksums off and "
-        "on, one process and TCP (mooncake_span.bench.checksum)",
-    )
-    bench.add_argument(
-        "--seal",
-        action="store_true",
-        help="only the object-seal section: checksum candidates' GB/s, and put and get GB/s "
-        "with span_object_checksums off and on, K=1 and K=4, one process and TCP "
-        "(mooncake_span.bench.seal)",
-    )
-    bench.add_argument(
-        "--leases",
-        action="store_true",
-        help="only the hit-query lease section: objects probed and leased per query and "
-        "backups under a probe storm, vs upstream (mooncake_span.bench.leases)",
-    )
-    bench.add_argument(
-        "--serve",
-        action="store_true",
-        help="only the serving section: real sglang servers on embedded clusters, recompute vs "
-        "this backend vs sglang's MooncakeStore: a second server's TTFT from L3, multi-turn hit "
-        "rate by tier and throughput, prefill/decode turn 2 (mooncake_span.bench.serve)",
-    )
+    for flag, section in BENCH_SECTIONS.items():
+        bench.add_argument(f"--{flag}", action="store_true", help=section.help)
     bench.add_argument(
         "--serve-workloads",
         default=None,
@@ -632,28 +683,6 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "after one warm-up round",
     )
     bench.add_argument(
-        "--ssd",
-        action="store_true",
-        help="only the SSD-tier section: reads from a storage node's SSD vs its DRAM (paired), "
-        "and restore after a whole-cluster restart, vs a DRAM-only cluster "
-        "(mooncake_span.bench.ssd)",
-    )
-    bench.add_argument(
-        "--placement",
-        action="store_true",
-        help="only the placement section: restorable prompt tokens after one of 2 or 4 storage "
-        "nodes is SIGKILLed, bytes per node and put/get pages/s, per-key vs prefix-chain "
-        "placement vs sglang's MooncakeStore (mooncake_span.bench.placement)",
-    )
-    bench.add_argument(
-        "--eviction",
-        action="store_true",
-        help="only the eviction section: 48 conversations backed up in 4 turns with prefix "
-        "keys into a segment a third of their size, a quarter re-read between rounds; keys "
-        "reachable as a prefix, dead bytes, returning users' hit tokens, refused and skipped "
-        "backups, master RPCs, vs sglang's MooncakeStore (mooncake_span.bench.eviction)",
-    )
-    bench.add_argument(
         "--eviction-lease-ms",
         type=int,
         default=None,
@@ -676,51 +705,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     # The native library reads its log level once, when it is loaded.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-    if args.overhead:
-        from mooncake_span.bench.overhead import run_overhead_command
-
-        return run_overhead_command(args.quick, args.reps, args.json)
-    if args.pressure:
-        from mooncake_span.bench.pressure import run_pressure_command
-
-        return run_pressure_command(args.quick, args.json)
-    if args.checksum:
-        from mooncake_span.bench.checksum import run_checksum_command
-
-        return run_checksum_command(args.quick, args.reps, args.json)
-    if args.seal:
-        from mooncake_span.bench.seal import run_seal_command
-
-        return run_seal_command(args.quick, args.reps, args.json)
-    if args.leases:
-        from mooncake_span.bench.leases import run_leases_command
-
-        return run_leases_command(args.json)
-    if args.serve:
-        from mooncake_span.bench.serve import run_serve_command
-
-        return run_serve_command(
-            args.serve_models,
-            args.serve_lengths,
-            args.serve_rounds,
-            args.serve_workloads,
-            args.json,
-            args.plot,
-        )
-    if args.ssd:
-        from mooncake_span.bench.ssd import run_ssd_command
-
-        return run_ssd_command(args.quick, args.json)
-    if args.placement:
-        from mooncake_span.bench.placement import run_placement_command
-
-        return run_placement_command(args.quick, args.json)
-    if args.eviction:
-        from mooncake_span.bench.eviction import run_eviction_command
-
-        return run_eviction_command(
-            args.quick, args.json, args.eviction_lease_ms, args.eviction_round_s
-        )
+    for flag, section in BENCH_SECTIONS.items():
+        if getattr(args, flag):
+            run = getattr(importlib.import_module(section.module), section.function)
+            return run(*(getattr(args, name) for name in section.args))
     from mooncake_span.bench.runner import (
         BenchConfig,
         format_markdown,

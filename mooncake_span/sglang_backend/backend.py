@@ -59,7 +59,6 @@ from mooncake_span.sglang_backend.guard import (
     never_raise,
 )
 from mooncake_span.sglang_backend.hit_query import HitProber
-from mooncake_span.sglang_backend.kv_ahead import KvAhead
 from mooncake_span.sglang_backend.l3_layout import describe_layout
 from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.page_hash import preload_page_hash
@@ -70,6 +69,7 @@ from mooncake_span.sglang_backend.recording import CallRecorder
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stats import METRIC_WINDOW, UNPOLLED_WINDOW, SpanStorageMetrics
+from mooncake_span.sglang_backend.stored_check import StoredCheck
 from mooncake_span.sglang_backend.stored_pool import StoredPool
 from mooncake_span.sglang_backend.writes import WritePath
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
@@ -123,7 +123,9 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.stager = Stager(arena)  # registered memory for unregistered bytes
         self.registration = Registration(storage_config, self.options, self.client, self.stager)
         self.prober = HitProber(self.client)
-        self.kv_ahead = KvAhead()  # a sidecar backup's answers for the KV call after it
+        self.stored_check = StoredCheck(
+            self.client, self.client.pressure, self.registration, self.options.skip_unreachable
+        )
         self.chain_records = ChainRecords(self.client, arena, self.options.chain_sample_every)
         self.per_key_notice = PerKeyNotice()
 

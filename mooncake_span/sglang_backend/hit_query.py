@@ -8,6 +8,7 @@ the KV-hit prefix in one round. The hit math itself is ``span.hits``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ from mooncake_span.span.hits import (
     leading_run,
 )
 from mooncake_span.span.keys import KeySchema
+from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domains import ChainSpot
 
 
@@ -46,7 +48,7 @@ def _pool_query(transfer: Any, page_exists: list[bool]) -> PoolHitQuery:
 class HitProber:
     """Existence rounds of one backend's hit queries, counted in a ``ProbeTally``."""
 
-    def __init__(self, client: Any, policy: ProbePolicy | None = None) -> None:
+    def __init__(self, client: MooncakeClient, policy: ProbePolicy | None = None) -> None:
         self._client = client
         self.policy = policy or ProbePolicy()
 
@@ -62,7 +64,7 @@ class HitProber:
         query) part, counted by the RPCs the client sends for it; per part, per
         key flags. With ``chain``, the client learns where each object was
         placed (it matters while a segment is bad). ``touch``: objects whose
-        leases the query renews besides (``MooncakeClient.exists``)."""
+        leases the query renews besides (``MooncakeClient.exists_and_touch``)."""
         per_part = [pool.object_keys(schema, keys) for pool, keys, _ in parts]
         flat = [k for keys in per_part for k in keys]
         domains = steps = None
@@ -76,8 +78,8 @@ class HitProber:
         sent: list[None] = []  # one entry per native RPC the client sends
         found = []
         if flat:
-            asked = self._client.exists(flat, domains, steps, lambda: sent.append(None), touch)
-            found = asked[: len(flat)]
+            on_rpc = functools.partial(sent.append, None)
+            found = self._client.exists_and_touch(flat, touch, domains, steps, on_rpc).found
         tally.add(len(flat) + len(touch), len(sent))
         counts = [len(keys) for keys in per_part]
         return [

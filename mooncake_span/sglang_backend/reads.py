@@ -42,15 +42,22 @@ from mooncake_span.sglang_backend.objects import (
     put_back,
     select,
 )
-from mooncake_span.sglang_backend.recording import GET, recorded
+from mooncake_span.sglang_backend.recording import GET, CallRecorder, recorded
+from mooncake_span.sglang_backend.registration import Registration
+from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.geometry import KV_POOL
 from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.client import MooncakeClient
 
 
 class ReadPath:
-    """The get methods of ``MooncakeSpanStore``, on what ``backend.py`` builds:
-    its ``registration``, ``client``, ``stager`` and ``recorder``."""
+    """The get methods of ``MooncakeSpanStore``, on the collaborators ``backend.py`` builds."""
+
+    registration: Registration
+    client: MooncakeClient
+    stager: Stager
+    recorder: CallRecorder
 
     @never_raise(miss_per_key)
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info=None) -> list[bool]:

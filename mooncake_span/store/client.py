@@ -1,52 +1,43 @@
 """The only module that talks to Mooncake.
 
 ``MooncakeClient`` wraps one ``MooncakeDistributedStore`` and turns its native
-conventions into plain Python ones, once:
+conventions into plain Python ones, once: per-object results become ``bool``
+(put: rc 0; get: exactly the planned bytes read; exists: 1), and every other
+code is counted by name for ``stats()``. Every native call passes the gate
+(``gate.py``: closed, breaker, answer shape). What to do is decided elsewhere,
+and carried out here:
 
-* per-object results become ``bool`` (put: rc 0; get: exactly the planned
-  bytes read; exists: 1); every other code is counted by name for ``stats()``;
-* every native call passes the gate (``gate.py``): cluster-level failures (an
-  exception, a wrong-length result, every entry an RPC-level code) raise
-  ``TransportError`` and feed the circuit breaker, and after ``close()`` every
-  method raises ``StoreClosedError`` (the native client segfaults if called
-  after close);
-* ``router.py`` decides where objects go and which copies to read, and owns
-  the failure-domain state: a TRANSFER_FAIL marks the failing segment's
-  failure domain bad there, and a key that cannot be read is remembered lost;
-  a call of a healthy cluster goes out as the caller built it, in one native
-  call, and otherwise calls carry at most ``max_buffers_per_call`` buffers and
-  a get never names one key twice (Mooncake would leave a buffer unwritten);
-* refused puts in a row pause puts (``put_cooldown.py``): skipped ones read False;
-* with ``span_object_checksums`` every object carries its seal (``seal.py``):
+* ``router.py``: whether a call goes out as its caller built it (nearly every
+  call of a healthy cluster: one native call, cut only by the buffer budget)
+  or copy by copy (``domain_calls.py``), and where a put's objects go;
+* ``failure_ledger.py``: the bad, full and owner-down segment marks and lost
+  keys, on the one ``clock`` the client is given;
+* ``put_cooldown.py``: refused puts in a row pause puts (skipped ones read False);
+* ``seal.py``: with ``span_object_checksums`` every object carries its seal:
   ``put`` and ``get`` wrap the call in the trailers' arena, and each native
-  get checks what it read, a mismatch reading as a broken object.
-
-Every TTL and cool-down runs on the one ``clock`` the client is given.
-
-Before ``setup`` the endpoints are probed with a short TCP connect (a dead etcd
-blocks setup for minutes) and ``MC_TCP_STATUS_TIMEOUT_SEC`` /
-``MC_STORE_CLIENT_SETUP_RETRIES`` get bounded defaults unless already set.
+  get checks what it read, a mismatch reading as a broken object;
+* ``serving_ssd.py``: this rank's SSD directory and reads from SSD owners;
+* ``native.py``: the reachability checks and environment before ``setup``.
 
 The file reads top-down: lifecycle, the write path (``put`` down to the
-native call), the read path (``get`` likewise, then what a failed read
-teaches), existence, the other operations, then statistics.
+native call), the read path (``get`` likewise), existence, the other
+operations, then statistics.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
 import operator
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import (
-    ErrorCode,
     SetupError,
     StoreClosedError,
     TransportError,
@@ -55,22 +46,20 @@ from mooncake_span.errors import (
     is_transport_failure,
 )
 from mooncake_span.mooncake_settings import MooncakeSettings
-from mooncake_span.span.plan import ObjectPlan, PlanBatch, dedup_rounds
-from mooncake_span.store import disk_reads
+from mooncake_span.span.plan import ObjectPlan, PlanBatch
+from mooncake_span.store.domain_calls import DomainCalls, Placed
 from mooncake_span.store.domains import copy_key
+from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.native import (
-    REACHABILITY_TIMEOUT_S,
     NativeBinding,
     SharedEngine,
     native_env_defaults,
-    prepare_native_env,
+    reach_cluster,
     replicate_config,
-    serving_tier,
     setup_arguments,
     setup_store,
-    wait_for_segments,
 )
 from mooncake_span.store.put_cooldown import (
     COOLDOWN,
@@ -81,12 +70,9 @@ from mooncake_span.store.put_cooldown import (
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.seal import TrailerArena
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
-from mooncake_span.store.ssd_tier import DirLock
+from mooncake_span.store.serving_ssd import ServingSsd
 
 logger = logging.getLogger(__name__)
-
-# A call's placement as its caller knows it: (domains, chain steps), either None.
-Placed = tuple[Sequence[str] | None, Sequence[int] | None]
 
 # NativeBinding and native_env_defaults are imported from here by callers.
 __all__ = ["MooncakeClient", "NativeBinding", "load_native_binding", "native_env_defaults"]
@@ -104,6 +90,10 @@ def load_native_binding() -> NativeBinding:
     return NativeBinding(MooncakeDistributedStore, ReplicateConfig, shares_process_env=True)
 
 
+def _uncounted() -> None:
+    """The ``on_rpc`` of a caller that does not count RPCs."""
+
+
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
 _EXISTS_KEYS_PER_CALL = 4096
 # Mooncake 0.3.13's put with group ids costs more per object the more objects
@@ -112,8 +102,14 @@ _EXISTS_KEYS_PER_CALL = 4096
 _GROUPED_PUT_OBJECTS = 64
 
 
-def _uncounted() -> None:
-    """The ``on_rpc`` of a caller that does not count RPCs."""
+@dataclass(frozen=True)
+class Existence:
+    """An existence query's answer."""
+
+    found: list[bool]  # per key asked
+    # Per touched object asked: a head of them, as many as fit in the query's last
+    # RPC, and none while the router is troubled (touching never adds an RPC).
+    touched_head: list[bool]
 
 
 class MooncakeClient:
@@ -133,15 +129,19 @@ class MooncakeClient:
         self._gate = NativeGate(options, clock)
         self.pressure = PutPressure(options.full_cooldown_s, now_s=clock)
         self._directory: SegmentDirectory | None = None
-        # Placement and failure domains; the backend gives the placement key (place_by).
-        self.router = DomainRouter(options, self.segments, clock)
+        # What failed calls taught, and for how long: the one owner of the failure marks.
+        self.ledger = FailureLedger.from_options(options, clock)
+        # Placement and routing; the backend gives the placement key (place_by).
+        self.router = DomainRouter(options, self.segments, self.ledger)
         self._integrity = IntegrityFailures(
             lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
         )
-        self._ssd_read_rpcs = 0  # Mooncake's count of reads it asked an SSD owner for
-        self._ssd_lock: DirLock | None = None  # this rank's SSD directory, if it has one
-        self._admin_url: str | None = None  # the master's admin server, set by connect()
+        self._ssd = ServingSsd(self._gate, self.ledger)  # the SSD tier's one owner
         self._seal: TrailerArena | None = None  # span_object_checksums, set by connect()
+        # Calls while failure domains matter, made of this client's native parts.
+        self._domains = DomainCalls(
+            self, self.router, self.ledger, self._gate, self._integrity, self._ssd
+        )
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -150,35 +150,20 @@ class MooncakeClient:
         s = self.settings
         binding = self._binding or load_native_binding()
         self._binding = binding
-        prepare_native_env(s, self.options, binding.shares_process_env)
-        endpoints = s.etcd_endpoints()
-        if not s.master_server_address.startswith("etcd://"):
-            endpoints.append(s.master_server_address)
-        for endpoint in endpoints:
-            binding.probe_endpoint(endpoint, REACHABILITY_TIMEOUT_S)
-        # span_master_admin_url overrides the master host on master_metrics_port.
-        # No guessed admin URL (sglang's 9003) for placement and SSD owners: a wrong
-        # one costs a timeout per refresh.
-        admin_url = self.options.master_admin_url or s.configured_admin_url()
-        self._admin_url = admin_url
-        if s.check_server:
-            # sglang's check_server tries the master's default admin port (9003).
-            check_url = self.options.master_admin_url or s.admin_url()
-            if check_url is None:
-                raise SetupError("check_server with an etcd master needs span_master_admin_url")
-            wait_for_segments(check_url, binding.list_segments)
+        admin_url = reach_cluster(s, self.options, binding)
+        self._domains.dial = functools.partial(
+            binding.segment_answers, s.metadata_server, admin_url
+        )
         store = binding.store_factory()
         started = time.monotonic()
-        lister = (lambda: binding.list_segments(admin_url)) if admin_url else None
-        self._ssd_lock = serving_tier(s, lister)
+        self._ssd.open(s, admin_url, binding.list_segments, binding.list_disk_owners)
         try:
             setup_store(store, s, **setup_arguments(s, self._shared_engine))
         except BaseException:
-            if self._ssd_lock is not None:
-                self._ssd_lock.release()
+            self._ssd.release()
             raise
-        if self._ssd_lock is not None:
-            self._ssd_lock.update(state="running", segment=store.get_hostname())
+        if self._ssd.owns_directory:
+            self._ssd.running(segment=store.get_hostname())
         self._gate.open(store)
         if self.options.object_checksums:
             self._seal = TrailerArena(self.register_buffer, float(self.options.transfer_timeout_s))
@@ -210,11 +195,10 @@ class MooncakeClient:
         state = "stopped"
         # The disk segment first: readers miss cleanly at once, and a restart right
         # after registers every key again (store/ssd_tier.py).
-        if self._ssd_lock is not None and store.unmount_local_disk_segment(0) != 0:
+        if self._ssd.owns_directory and store.unmount_local_disk_segment(0) != 0:
             state = "unmount-failed"
         store.close()
-        if self._ssd_lock is not None:
-            self._ssd_lock.release(state)
+        self._ssd.release(state)
 
     @property
     def closed(self) -> bool:
@@ -241,14 +225,12 @@ class MooncakeClient:
         steps: Sequence[int] | None = None,
         sealed: bool = True,
     ) -> list[bool]:
-        """Write objects that do not exist yet. Mooncake keeps the old value of an
-        existing key and reports success, so callers check existence first.
-        Objects with the same domain (``domains``, else ``place_by``'s) and
-        chain step (``steps``: prefix-chain placement) land on the same segment.
-        ``group_ids``, when given, are sent (the caller decides whether they are
-        wanted). ``hard_pin`` exempts the objects from eviction (small metadata
-        only). ``sealed=False``: no seal even with ``span_object_checksums`` (small
-        records other tools read as they are). True only if every copy was written."""
+        """Write objects that do not exist yet (Mooncake keeps an existing key's value
+        and answers success). Objects of one domain (``domains``, else ``place_by``'s)
+        and chain step (``steps``) share a segment; ``group_ids`` are sent if given;
+        ``hard_pin``: never evicted (metadata); ``sealed=False``: no seal even with
+        ``span_object_checksums`` (small records other tools read as they are).
+        True only if every copy was written."""
         batch = PlanBatch.of(plans)
         if sealed and self._seal is not None:
             with self._seal.writing(keys, batch) as sealed_batch:
@@ -263,13 +245,14 @@ class MooncakeClient:
         hard_pin: bool,
         placed: Placed,
     ) -> list[bool]:
-        if placed[1] is not None:  # chain steps
+        domains, steps = placed
+        if steps is not None:
             self.router.note_chain_put()
         if self.router.direct_put(keys):
-            ok = self._put_direct(list(keys), batch, group_ids, hard_pin, placed)
-            self.router.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
+            ok = self._put_direct(list(keys), batch, group_ids, hard_pin, (domains, steps))
+            self.ledger.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
             return ok
-        return self._put_copies(keys, batch, group_ids, hard_pin, placed)
+        return self._domains.put(keys, batch, group_ids, hard_pin, (domains, steps))
 
     def _put_direct(
         self,
@@ -279,48 +262,21 @@ class MooncakeClient:
         hard_pin: bool,
         placed: Placed,
     ) -> list[bool]:
-        """One copy per unique key: the objects go in the caller's order, one
-        segment's share at a time."""
+        """One copy per unique key, in the caller's order, one segment's share at a time."""
         codes = [0] * len(keys)
         for segment, rows in self.router.direct_groups(keys, *placed):
             if rows is None:  # every object goes to one segment
-                codes = self._put_part(keys, batch, group_ids, hard_pin, segment)
+                codes = self.put_part(keys, batch, group_ids, hard_pin, segment)
                 break
             groups = [group_ids[i] for i in rows] if group_ids else None
-            part = self._put_part(
+            part = self.put_part(
                 [keys[i] for i in rows], batch.take(rows), groups, hard_pin, segment
             )
             for i, code in zip(rows, part, strict=True):
                 codes[i] = code
         return [code == 0 for code in codes]
 
-    def _put_copies(
-        self,
-        keys: Sequence[str],
-        batch: PlanBatch,
-        group_ids: Sequence[str] | None,
-        hard_pin: bool,
-        placed: Placed,
-    ) -> list[bool]:
-        """Every copy of every unique key onto the segment the router places it on;
-        a key is written when all its copies are."""
-        first: dict[str, int] = {}
-        unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
-        written = collections.Counter()
-        mine = [None if p is None else [p[i] for i in unique] for p in placed]
-        for segment, entries in self.router.put_groups([keys[i] for i in unique], *mine).items():
-            rows = [unique[j] for j, _ in entries]
-            groups = [group_ids[i] for i in rows] if group_ids else None
-            part = [k for _, k in entries]
-            codes = self._put_part(part, batch.take(rows), groups, hard_pin, segment)
-            for i, code in zip(rows, codes, strict=True):
-                if code == 0:
-                    written[i] += 1
-        ok = {i: written[i] == self.router.copies for i in unique}
-        self.router.forget_lost(keys[i] for i in unique if ok[i])
-        return [ok[first[k]] for k in keys]
-
-    def _put_part(
+    def put_part(
         self,
         keys: list[str],
         batch: PlanBatch,
@@ -329,8 +285,7 @@ class MooncakeClient:
         segment: str,
     ) -> list[int]:
         """Objects onto one segment, in calls within the buffer budget (not sent
-        while the cluster is full). Every object failing to transfer there marks
-        the segment bad."""
+        while the cluster is full); a failed transfer is judged (``failed_put``)."""
         codes: list[int] = []
         grouped = bool(group_ids)
         for call in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
@@ -348,32 +303,8 @@ class MooncakeClient:
             )
             codes += self._put_call(keys[call.start : call.stop], batch.part(call), config)
         if segment and any(map(is_transfer_failure, codes)):
-            self._judge_put_target(segment, all(map(is_transfer_failure, codes)))
+            self._domains.failed_put(segment, codes)
         return codes
-
-    def _judge_put_target(self, segment: str, whole_call: bool) -> None:
-        # Mooncake moves a put off a full preferred segment onto any listed one, a
-        # dead one included, so a failed transfer does not name its segment. The
-        # preferred one is dialled: one that refuses is marked bad. One that answers
-        # (or any, while another segment is known bad) was full: puts move to the
-        # next segment, reads of its keys go on. One that cannot be dialled (etcd
-        # metadata) is marked bad when it failed a whole call and no other is bad.
-        answers = self._binding.segment_answers(
-            self.settings.metadata_server, self._admin_url, segment
-        )
-        others_bad = bool(self.router.bad_segments())
-        if answers is False or (answers is None and whole_call and not others_bad):
-            self._mark_bad([segment], "batch_put_from_multi_buffers")
-        elif answers or others_bad:
-            fresh = self.router.mark_segments_full([segment])
-            if fresh:
-                logger.info(
-                    "mooncake-span: segment %s took only part of a put (Mooncake moved the "
-                    "rest elsewhere, where the transfer failed); new puts go to the next "
-                    "segment for %.0fs, its keys read as before",
-                    segment,
-                    self.options.domain_bad_ttl_s,
-                )
 
     def _put_call(self, keys: list[str], batch: PlanBatch, config: Any) -> list[int]:
         codes = self._gate.invoke(
@@ -393,14 +324,12 @@ class MooncakeClient:
         steps: Sequence[int] | None = None,
         sealed: bool = True,
     ) -> list[bool]:
-        """Read objects into the planned buffers; True only for a complete read
-        (with ``span_object_checksums``, of bytes that match their seal, unless
-        ``sealed=False``: objects put with it off).
-
-        Copies in a bad failure domain are skipped without a transfer; a copy
-        that fails is retried on the next one (at most ``span_replica_num``
-        attempts per key). A key that cannot be read is remembered as lost.
-        ``domains``/``steps``: the placement its put used, if the caller knows it."""
+        """Read objects into the planned buffers; True only for a complete read (with
+        ``span_object_checksums``, of bytes that match their seal, unless
+        ``sealed=False``: objects put with it off). A key that cannot be read is
+        remembered lost; while domains matter, each key's live copies are tried in
+        turn (``DomainCalls.get``; ``domains``/``steps``: the placement its put used,
+        if the caller knows it)."""
         batch = PlanBatch.of(plans)
         if sealed and self._seal is not None:
             with self._seal.reading(keys, batch) as sealed_batch:
@@ -408,170 +337,60 @@ class MooncakeClient:
         return self._get(keys, batch, (domains, steps))
 
     def _get(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
+        domains, steps = placed
         if self.router.direct(keys):
             return self._get_direct(list(keys), batch)
-        return self._get_copies(keys, batch, placed)
+        return self._domains.get(keys, batch, (domains, steps))
 
     def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
         """One copy per unique key, in the caller's order, cut by the buffer budget."""
         codes: list[int] = []
         for call in self.router.calls(batch):
-            codes += self._get_call(keys[call.start : call.stop], batch.part(call))
+            codes += self.get_call(keys[call.start : call.stop], batch.part(call))
         ok = list(map(operator.eq, codes, batch.nbytes))
         if not all(ok):
-            self.router.remember_lost(self._on_failed_reads(keys, batch.nbytes, codes))
+            self.ledger.remember_lost(self._domains.failed_reads(keys, batch.nbytes, codes))
         return ok
 
-    def _get_copies(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
-        """Each key's live copies in turn, until one reads completely."""
-        candidates = self.router.read_rows(keys, self._locate, *placed)
-        ok = [False] * len(keys)
-        unreadable = [False] * len(keys)
-        pending = [i for i in range(len(keys)) if candidates[i]]
-        if len(pending) < len(keys):
-            self._gate.count("DOMAIN_BAD_SKIPPED", len(keys) - len(pending))
-        for attempt in range(self.router.copies):
-            pending = [i for i in pending if attempt < len(candidates[i])]
-            if not pending:
-                break
-            object_keys = [candidates[i][attempt] for i in pending]
-            codes = self._get_codes(object_keys, batch.take(pending))
-            bad = set(self._on_failed_reads(object_keys, [batch.nbytes[i] for i in pending], codes))
-            for i, object_key, code in zip(pending, object_keys, codes, strict=True):
-                ok[i] = code == batch.nbytes[i]
-                unreadable[i] = unreadable[i] or object_key in bad
-            pending = [i for i in pending if not ok[i]]
-        lost = [k for i, k in enumerate(keys) if not ok[i] and (unreadable[i] or not candidates[i])]
-        if lost:
-            self.router.remember_lost(lost)
-        return ok
-
-    def _get_codes(self, keys: Sequence[str], batch: PlanBatch) -> list[int]:
-        """One read attempt per key: the native code (bytes read, or an error).
-        A round never names one key twice."""
-        out = [int(ErrorCode.INTERNAL_ERROR)] * len(keys)
-        for round_positions in dedup_rounds(keys):
-            rows = batch.take(round_positions)
-            for call in self.router.calls(rows):  # the one place the buffer budget is cut
-                idx = round_positions[call.start : call.stop]
-                codes = self._get_call([keys[i] for i in idx], rows.part(call))
-                for i, code in zip(idx, codes, strict=True):
-                    out[i] = code
-        return out
-
-    def _get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
-        codes = self._gate.invoke(
-            "batch_get_into_multi_buffers",
-            functools.partial(self._native_get, keys, batch),
-            len(keys),
-        )
-        overflow = disk_reads.overflowed(codes)
-        if overflow and len(keys) > 1:
-            # An SSD owner's read buffer took less than this call: ask again in halves.
-            for half in disk_reads.halves(overflow):
-                again = self._get_call([keys[i] for i in half], batch.take(half))
-                for i, code in zip(half, again, strict=True):
-                    codes[i] = code
+    def get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
+        # What an SSD owner's read buffer could not take is asked again in halves.
+        codes = self._ssd.read(self._native_get_call, keys, batch)
         if codes != batch.nbytes:
             short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
             if short:
                 self._gate.count("SHORT_READ", short)
         return codes
 
+    def _native_get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
+        return self._gate.invoke(
+            "batch_get_into_multi_buffers",
+            functools.partial(self._native_get, keys, batch),
+            len(keys),
+        )
+
     def _native_get(self, keys: list[str], batch: PlanBatch, store: Any) -> list[int]:
         codes = store.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes)
         if self._seal is not None:
             codes = self._seal.verify(batch, codes)
-        # Cumulative, per native client: one per SSD owner a get asked over RPC.
-        self._ssd_read_rpcs = max(self._ssd_read_rpcs, store.get_offload_rpc_read_count())
+        self._ssd.saw_owner_reads(store.get_offload_rpc_read_count())
         return codes
 
-    def _on_failed_reads(
-        self,
-        object_keys: Sequence[str],
-        planned: Sequence[int],
-        codes: Sequence[int],
-    ) -> list[str]:
-        """Marks the domains of transfer failures and of SSD owners that are down,
-        and removes corrupt objects; returns the keys to remember lost (the reads
-        that cannot succeed again)."""
-        failed = [f for f in zip(object_keys, planned, codes, strict=True) if f[1] != f[2]]
-        dead = {k: n for k, n, code in failed if is_transfer_failure(code)}
-        if dead:
-            self._mark_failed_domains("batch_get_into_multi_buffers", dead)
-        lost = [*dead, *self._integrity.record(failed)]
-        rpc_failed = disk_reads.owner_failures(codes)
-        if rpc_failed:
-            lost += self._on_owner_down(object_keys, rpc_failed)
-        return lost
-
-    def _on_owner_down(self, object_keys: Sequence[str], positions: list[int]) -> list[str]:
-        """Reads that failed at the RPC layer: if the master answers and the objects
-        had only disk replicas, their SSD owner is down (``disk_reads.py``). The
-        master's admin server names the owner, whose segment is marked bad; until
-        the mark ends, reads ask where each key is, since a full segment's puts land
-        elsewhere and placement cannot tell an owner's keys. Without an owner to
-        name, the keys are returned to be remembered lost."""
-        keys = [object_keys[i] for i in positions]
-        suppress = contextlib.suppress(TransportError, StoreClosedError)
+    def replica_desc_past_breaker(self, object_keys: list[str]) -> Any:
+        """The master's replica descriptions, None if it does not answer. Past the
+        breaker: the failed read may just have opened it, and this one RPC is what
+        tells a dead master from a dead SSD owner."""
         found = None
-        # Past the breaker: the failed read may just have opened it, and this one
-        # RPC is what tells a dead master from a dead SSD owner.
+        suppress = contextlib.suppress(TransportError, StoreClosedError)
         with suppress, self._gate.native("batch_get_replica_desc", past_breaker=True) as store:
-            found = store.batch_get_replica_desc(keys)
-        if not isinstance(found, dict):
-            return []  # the master is down too: the breaker's business
-        down = sorted(disk_reads.disk_only(found) & set(keys))
-        if not down:
-            return []
-        self._gate.answered()  # a storage node is down, not the cluster
-        self._gate.count(disk_reads.OWNER_DOWN_LABEL, len(down))
-        segments = set().union(*self._disk_owners(down).values())
-        if not segments:
-            return down
-        fresh = self.router.mark_owners_down(segments)
-        if fresh:
-            logger.warning(
-                "mooncake-span: the SSD tier of segment(s) %s does not answer reads; "
-                "reading their keys as misses for %.0fs",
-                fresh,
-                self.options.domain_bad_ttl_s,
-            )
-        return []
+            found = store.batch_get_replica_desc(object_keys)
+        return found
 
-    def _disk_owners(self, object_keys: Sequence[str]) -> dict[str, set[str]]:
-        """Per object, the segments whose SSD holds it ({} without an admin server)."""
-        if self._admin_url is None or not object_keys:
-            return {}
-        return self._binding.list_disk_owners(self._admin_url, list(object_keys)) or {}
-
-    # ---- what failed transfers teach (both paths) ---------------------------------
-
-    def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
-        """Mark bad the segments holding objects a transfer just failed on, as the
-        master locates them (placement may not have been followed). Only objects
-        of exactly the planned size count: a read into larger buffers also gets
-        -800, a wrong request and not a dead node."""
-        located = self._locate(list(planned_bytes), planned_bytes)
-        segments = set().union(*located.values())
-        if not segments:
-            return
-        self._mark_bad(segments, op)
+    def wake_directory(self) -> None:
+        """A segment was just marked bad: the segment list is refreshed now."""
         if self._directory is not None:
             self._directory.wake()
 
-    def _mark_bad(self, segments: Iterable[str], op: str) -> None:
-        fresh = self.router.mark_segments_bad(segments)
-        if fresh:
-            logger.warning(
-                "mooncake-span: %s failed on segment(s) %s; avoiding them and reading their "
-                "keys as misses for %.0fs",
-                op,
-                fresh,
-                self.options.domain_bad_ttl_s,
-            )
-
-    def _locate(
+    def locate(
         self,
         object_keys: Sequence[str],
         sizes: dict[str, int] | None = None,
@@ -589,13 +408,15 @@ class MooncakeClient:
             except Exception:  # observation only: unknown means "treat as lost"
                 logger.debug("batch_get_replica_desc failed", exc_info=True)
                 return {}
-        located = replica_segments(found, sizes)
-        on_disk = [k for k in disk_reads.disk_only(found) if k not in located]
-        for key, owners in self._disk_owners(on_disk).items():
-            located.setdefault(key, set()).update(owners)
-        return located
+        return self._ssd.add_disk_owners(found, replica_segments(found, sizes))
 
     # ---- existence ---------------------------------------------------------------
+
+    @property
+    def untroubled(self) -> bool:
+        """Existence queries carry touched objects and need no placement: one copy per
+        key, no key known lost, no segment marked bad (``DomainRouter.untroubled``)."""
+        return self.router.untroubled
 
     def exists(
         self,
@@ -603,38 +424,33 @@ class MooncakeClient:
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
         on_rpc: Callable[[], None] = _uncounted,
-        touch: Sequence[str] = (),
     ) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
         absent without asking the master. ``domains``/``steps`` as for ``get``;
         ``on_rpc`` is called once per native RPC sent (existence queries of at
-        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are).
+        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are)."""
+        return self.exists_and_touch(keys, (), domains, steps, on_rpc).found
 
-        ``touch``: objects the query also names, for the lease Mooncake grants
-        every object it finds: as many of the first ones as fit in the query's
-        last RPC, so touching never adds one, and only while the router is
-        untroubled (no copies, nothing lost or bad). Their answers follow those
-        of ``keys``, one per touched object asked (none when none was)."""
+    def exists_and_touch(
+        self,
+        keys: Sequence[str],
+        touch: Sequence[str],
+        domains: Sequence[str] | None = None,
+        steps: Sequence[int] | None = None,
+        on_rpc: Callable[[], None] = _uncounted,
+    ) -> Existence:
+        """``exists``, and the same query names objects of ``touch`` for the lease
+        Mooncake grants every object it finds: as many of the first ones as fit in
+        the query's last RPC, so touching never adds one, and only while the
+        router is untroubled (``Existence.touched_head``)."""
         if self.router.untroubled:  # the common case
-            room = -len(keys) % _EXISTS_KEYS_PER_CALL
-            asked = [*keys, *touch[:room]] if touch and room else list(keys)
-            return [code == 1 for code in self._exists_codes(asked, on_rpc)]
-        lost = self.router.lost_mask(keys)
-        locate = functools.partial(self._locate, on_rpc=on_rpc)
-        rows = self.router.read_rows(keys, locate, domains, steps)
-        asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
-        skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
-        if skipped:
-            self._gate.count("DOMAIN_BAD_SKIPPED", skipped)
-        if any(lost):
-            self._gate.count("LOST_KEY_SKIPPED", sum(lost))
-        found = dict(zip(asked, self._exists_codes(asked, on_rpc), strict=True)) if asked else {}
-        return [
-            not lost[i] and any(found.get(obj) == 1 for obj in row) for i, row in enumerate(rows)
-        ]
+            head = list(touch[: -len(keys) % _EXISTS_KEYS_PER_CALL])
+            flags = [code == 1 for code in self.exists_codes([*keys, *head], on_rpc)]
+            return Existence(flags[: len(keys)], flags[len(keys) :])
+        return Existence(self._domains.exists(keys, domains, steps, on_rpc), [])
 
-    def _exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
+    def exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
         out: list[int] = []
         for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
             chunk = keys[start : start + _EXISTS_KEYS_PER_CALL]
@@ -696,9 +512,9 @@ class MooncakeClient:
         (every failure is counted, and the breaker and segment marks follow them)."""
         return (
             *self._gate.revision(),
-            self.router.times_marked,
+            self.ledger.times_marked,
             self.pressure.skipped_total,
-            self._ssd_read_rpcs,
+            self._ssd.read_rpcs,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -709,11 +525,11 @@ class MooncakeClient:
             "breaker_consecutive_failures": snapshot.consecutive_failures,
             "breaker_times_opened": snapshot.times_opened,
             "segments": list(self.segments()),
-            "bad_segments": sorted(self.router.bad_segments()),
-            "full_segments": sorted(self.router.full_segments()),
-            "domains_marked_bad": self.router.times_marked,
-            "lost_keys": self.router.lost_count,
+            "bad_segments": sorted(self.ledger.bad_segments()),
+            "full_segments": sorted(self.ledger.full_segments()),
+            "domains_marked_bad": self.ledger.times_marked,
+            "lost_keys": self.ledger.lost_count,
             "skipped_backups": self.pressure.skipped(),
-            "ssd_read_rpcs": self._ssd_read_rpcs,
+            "ssd_read_rpcs": self._ssd.read_rpcs,
             **self._integrity.snapshot(),
         }

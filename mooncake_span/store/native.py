@@ -19,7 +19,6 @@ from mooncake_span.errors import ConfigError, SetupError, code_name
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.store.protocol import NativeStore
 from mooncake_span.store.segments import fetch_disk_owners, fetch_segments, probe_segment
-from mooncake_span.store.ssd_tier import DirLock, open_serving_tier
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +110,30 @@ def setup_arguments(
     }
 
 
+def reach_cluster(
+    settings: MooncakeSettings, options: SpanOptions, binding: NativeBinding
+) -> str | None:
+    """Before ``setup``: the native environment exported, every endpoint dialled
+    once (a dead etcd blocks ``setup`` for minutes), and with ``check_server`` a
+    wait for a segment. Returns the master's admin URL (None: not configured)."""
+    prepare_native_env(settings, options, binding.shares_process_env)
+    endpoints = settings.etcd_endpoints()
+    if not settings.master_server_address.startswith("etcd://"):
+        endpoints.append(settings.master_server_address)
+    for endpoint in endpoints:
+        binding.probe_endpoint(endpoint, REACHABILITY_TIMEOUT_S)
+    if settings.check_server:
+        # sglang's check_server tries the master's default admin port (9003).
+        check_url = options.master_admin_url or settings.admin_url()
+        if check_url is None:
+            raise SetupError("check_server with an etcd master needs span_master_admin_url")
+        wait_for_segments(check_url, binding.list_segments)
+    # span_master_admin_url overrides the master host on master_metrics_port. No
+    # guessed admin URL (sglang's 9003) for placement and SSD owners: a wrong one
+    # costs a timeout per refresh.
+    return options.master_admin_url or settings.configured_admin_url()
+
+
 def wait_for_segments(
     url: str,
     list_segments: Callable[[str], list[str] | None],
@@ -130,31 +153,6 @@ def wait_for_segments(
             )
         logger.info("mooncake-span: check_server: waiting for a segment at %s", url)
         time.sleep(min(poll_s, left_s))
-
-
-def serving_tier(
-    settings: MooncakeSettings, list_segments: Callable[[], list[str] | None] | None
-) -> DirLock | None:
-    """With ``enable_ssd_offload``: this rank's SSD tier, set up to persist every object
-    (``store/ssd_tier.py``), its directory locked; None without it. Without
-    ``ssd_offload_path`` Mooncake reads ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``
-    itself, as under sglang's ``MooncakeStore``."""
-    if not settings.enable_ssd_offload:
-        return None
-    directory = settings.ssd_offload_path or os.environ.get(
-        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ""
-    )
-    if not directory:
-        raise SetupError(
-            "enable_ssd_offload needs a directory: set ssd_offload_path (each rank then uses "
-            "its own rank_<dp>_<tp>_<pp>_<cp> sub-directory, as in sglang)"
-        )
-    try:
-        return open_serving_tier(
-            directory, settings.global_segment_size_bytes, os.environ, list_segments
-        )
-    except (ConfigError, OSError) as exc:
-        raise SetupError(f"SSD tier ({directory}): {exc}") from exc
 
 
 def setup_store(store: NativeStore, settings: MooncakeSettings, **arguments: Any) -> None:

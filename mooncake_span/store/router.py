@@ -1,10 +1,8 @@
 """Which objects a store call touches, and on which segment. No I/O.
 
-``DomainRouter`` owns one client's failure-domain state -- segments marked
-bad, keys whose restore failed, the number of copies per key -- and is the
-only code that changes it (the client reports what its calls saw through
-``mark_segments_bad``, ``remember_lost`` and ``forget_lost``). TTLs run on the
-clock it is given. It decides, per call:
+``DomainRouter`` decides, per call, from the client's ``FailureLedger``
+(``failure_ledger.py``: bad, full and owner-down segments, lost keys) and the
+number of copies per key:
 
 * whether the call can go to Mooncake as the caller built it: one copy per
   key, no segment marked bad, no key named twice. That is nearly every call
@@ -22,16 +20,13 @@ and passes the answer in (``locate``).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from mooncake_span.config import SpanOptions
 from mooncake_span.span.plan import PlanBatch, split_calls
 from mooncake_span.store.domains import (
-    DomainHealth,
-    LostKeys,
     copy_candidates,
     copy_key,
     first_choices,
@@ -40,6 +35,7 @@ from mooncake_span.store.domains import (
     segment_weights,
     suspect_copies,
 )
+from mooncake_span.store.failure_ledger import FailureLedger
 
 # Object key -> the segments the master reports holding it.
 Locate = Callable[[list[str]], dict[str, set[str]]]
@@ -50,19 +46,12 @@ class DomainRouter:
         self,
         options: SpanOptions,
         segments: Callable[[], tuple[str, ...]],
-        clock: Callable[[], float] = time.monotonic,
+        ledger: FailureLedger,
     ) -> None:
         # With placement, replicas are copies under their own keys (one per
         # segment) so that a read can skip a dead copy; without it, Mooncake's.
         self.copies = options.replica_num if options.placement else 1
-        self._health = DomainHealth(options.domain_bad_ttl_s)
-        # Live segments that took only part of a put (Mooncake moved the rest):
-        # puts avoid them for a while, reads do not.
-        self._full = DomainHealth(options.domain_bad_ttl_s)
-        self._bad_ttl_s = options.domain_bad_ttl_s
-        self._owners_down_until = 0.0  # see mark_owners_down
-        self._lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
-        self._clock = clock
+        self.ledger = ledger
         self.segments = segments
         self._max_buffers = options.max_buffers_per_call
         # The placement key of an object key: objects with one domain share a
@@ -82,60 +71,11 @@ class DomainRouter:
         """A put was placed by prefix chain (see ``chained``)."""
         self.chained = True
 
-    # ---- failure-domain state ------------------------------------------------
-
-    def mark_segments_bad(self, segments: Iterable[str]) -> list[str]:
-        """Segments a transfer just failed on: their keys read as misses and writes
-        avoid them for ``span_domain_bad_ttl_s``. Returns those not bad before."""
-        return self._health.mark_bad(segments, self._clock())
-
-    def mark_owners_down(self, segments: Iterable[str]) -> list[str]:
-        """Segments whose SSD tier failed a read: bad as ``mark_segments_bad``, and
-        until the mark ends every read asks where its keys are (placement does not
-        say which keys an SSD owner holds). Returns those not bad before."""
-        now = self._clock()
-        self._owners_down_until = now + self._bad_ttl_s
-        return self._health.mark_bad(segments, now)
-
-    def mark_segments_full(self, segments: Iterable[str]) -> list[str]:
-        """Live segments a put could not fill: Mooncake moves a put off a full
-        preferred segment onto any listed one, a dead one included, so new puts
-        go to the next segment for ``span_domain_bad_ttl_s``; their keys read as
-        before. Returns those not marked before."""
-        return self._full.mark_bad(segments, self._clock())
-
-    def bad_segments(self) -> frozenset[str]:
-        return self._health.bad(self._clock())
-
-    def full_segments(self) -> frozenset[str]:
-        return self._full.bad(self._clock())
-
-    @property
-    def times_marked(self) -> int:
-        """How many times a healthy segment was marked bad."""
-        return self._health.times_marked
-
-    def remember_lost(self, keys: Iterable[str]) -> None:
-        """Keys whose restore failed: absent until re-written or the lost-key TTL passes."""
-        self._lost.add(keys, self._clock())
-
-    def forget_lost(self, keys: Iterable[str]) -> None:
-        """Keys just written: readable again."""
-        self._lost.discard(keys)
-
-    def lost_mask(self, keys: Sequence[str]) -> list[bool]:
-        """Per key, True while it is known lost."""
-        return self._lost.lost_mask(keys, self._clock())
-
-    @property
-    def lost_count(self) -> int:
-        return len(self._lost)
-
     @property
     def untroubled(self) -> bool:
         """One copy per key, no key known lost and no segment marked bad: every key
         can be asked about as it is (the common case, without the clock)."""
-        return self.copies == 1 and not self._lost and not self._health.any_bad
+        return self.copies == 1 and self.ledger.quiet
 
     # ---- routing ---------------------------------------------------------------
 
@@ -143,11 +83,11 @@ class DomainRouter:
         """True when the objects can go to Mooncake in the caller's order, cut only
         by the buffer budget (``calls``): one copy per key, no segment marked bad,
         no key named twice."""
-        return self.copies == 1 and not self._health.any_bad and len(set(keys)) == len(keys)
+        return self.copies == 1 and not self.ledger.any_bad and len(set(keys)) == len(keys)
 
     def direct_put(self, keys: Sequence[str]) -> bool:
         """``direct``, and no segment is marked full (puts move off it)."""
-        return self.direct(keys) and not self._full.any_bad
+        return self.direct(keys) and not self.ledger.any_full
 
     def calls(self, batch: PlanBatch, max_objects: int = 0) -> list[range]:
         """Consecutive objects per native call, each within the buffer budget and,
@@ -200,7 +140,7 @@ class DomainRouter:
             self._domains(keys, domains, steps) if segments else None,
             segments,
             self.copies,
-            self.bad_segments() | self.full_segments(),
+            self.ledger.bad_segments() | self.ledger.full_segments(),
             steps,
         )
 
@@ -216,12 +156,12 @@ class DomainRouter:
         called only if a key was placed on a bad segment, or if its placement is
         unknown: a read naming no chain (``domains``/``steps``) once puts were
         placed by chain, and any key while an SSD owner is down."""
-        bad = self.bad_segments()
+        bad = self.ledger.bad_segments()
         if not bad:
             if self.copies == 1:
                 return [[key] for key in keys]
             return [[copy_key(key, r) for r in range(self.copies)] for key in keys]
-        if (domains is None and self.chained) or self._clock() < self._owners_down_until:
+        if (domains is None and self.chained) or self.ledger.owners_down_now:
             rows = copy_candidates(keys, None, (), self.copies)  # every copy: ask the master
         else:
             placed = self._domains(keys, domains, steps)

@@ -11,6 +11,7 @@ the tooling packages (``lab/``, ``ops/``), which only load this lazily.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "KV",
     "MAMBA",
     "STORAGE_BATCH_SIZE",
+    "chained_keys",
     "hit_query",
     "indexer",
     "page_hashes",
@@ -41,6 +43,16 @@ KV, INDEXER, MAMBA = PoolName.KV, PoolName.INDEXER, PoolName.MAMBA
 def page_hashes(tokens: Sequence[int], page_tokens: int) -> list[str]:
     """sglang's storage keys of ``tokens``, one per ``page_tokens`` (a prefix chain)."""
     return list(get_hash_str(list(tokens), None, page_size=page_tokens))
+
+
+def chained_keys(root: str, count: int) -> list[str]:
+    """``count`` keys chained like sglang's page hashes (key i hashes key i-1), from ``root``:
+    the keys of one request or conversation, without its tokens."""
+    keys, prior = [], root
+    for i in range(count):
+        prior = hashlib.sha256(f"{prior}:{i}".encode()).hexdigest()
+        keys.append(prior)
+    return keys
 
 
 def slots_of_pages(pages: Sequence[int], page_tokens: int) -> torch.Tensor:

@@ -92,7 +92,7 @@ class FakeCluster:
         self._faults: dict[str, list[int]] = {}
         self.calls: list[tuple[str, int]] = []
         self.unregistered_buffers = 0
-        # The SSD tier, as measured on the real one (store/disk_reads.py): objects
+        # The SSD tier, as measured on the real one (store/serving_ssd.py): objects
         # whose DRAM copy is gone and that only their owner's disk holds. A read of
         # one whose owner is dead fails at the RPC layer; one owner's share of a
         # get larger than its read buffer overflows.

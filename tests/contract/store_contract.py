@@ -129,7 +129,7 @@ class StoreContract:
         client.place_by(lambda key: key.rsplit("-", 1)[0])
         keys = [f"{key_namespace}.dom-{component}" for component in ("k", "indexer", "conv_0")]
         self.put_objects(client, keys, 2, seed=61)
-        located = client._locate(keys)
+        located = client.locate(keys)
         homes = {segment for key in keys for segment in located.get(key, ())}
         assert sorted(located) == sorted(keys)
         assert len(homes) == 1 and homes <= set(segments), (homes, segments)

@@ -90,7 +90,7 @@ def _placement(harness: Any, conversation: dict[str, Any]) -> list[set[str]]:
     per_key: list[set[str]] = []
     for key in conversation["keys"]:
         objects = [o for pool in backend.pools.values() for o in pool.object_keys(schema, [key])]
-        located = backend.client._locate(objects)
+        located = backend.client.locate(objects)
         assert set(located) == set(objects), f"the master lost track of {key[:12]}"
         per_key.append(set().union(*located.values()))
     return per_key

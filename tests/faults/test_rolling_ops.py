@@ -197,7 +197,7 @@ def test_scale_out_under_traffic_takes_its_share(fault_cluster, oracle_factory, 
     fresh = traffic.placed[first_new:]
     schema = oracle.store.key_schema
     kv_objects = [oracle.store.pools["kv"].object_keys(schema, [k])[0] for k in fresh]
-    where = oracle.store.client._locate(kv_objects)
+    where = oracle.store.client.locate(kv_objects)
     share = collections.Counter(next(iter(where.get(o, {"?"}))) for o in kv_objects)
     figures.update(
         new_segment=new_segment,

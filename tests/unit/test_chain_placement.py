@@ -228,16 +228,16 @@ def test_reads_of_a_chain_skip_only_the_dead_window(chain_rig):
     schema = store.key_schema
     order = rank_segments(schema.domains([keys[0]], 1)[0], cluster.live_segments())
     cluster.kill_segment(order[1])  # the second window's node
-    store.client.router.mark_segments_bad([order[1]])
+    store.client.ledger.transfer_failed([order[1]], "get")
     assert store.batch_exists(keys, _info([])) == 4
     located: list[list[str]] = []
-    locate = store.client._locate
+    locate = store.client.locate
 
     def counting(object_keys, sizes=None, **counted):
         located.append(list(object_keys))
         return locate(object_keys, sizes, **counted)
 
-    store.client._locate = counting
+    store.client.locate = counting
     assert (
         store.batch_get_v1(keys[:4], slots_of(list(range(30, 34)), PAGE), _info([])) == [True] * 4
     )

@@ -229,7 +229,7 @@ def test_a_failed_put_convicts_its_segment_only_when_that_segment_does_not_answe
 def test_puts_move_off_a_full_segment_to_the_next_one(make_client, cluster):
     client = make_client()
     full = SEGMENTS[0]
-    client.router.mark_segments_full([full])
+    client.ledger.put_target_failed(full, answers=True, whole_call=False)
     keys = Keys()
     assert all(keys.put(client))
     assert {cluster.placement[o] for o in keys.objects} == {SEGMENTS[1]}

@@ -1,6 +1,6 @@
 """MooncakeClient with an SSD tier behind it, on the fake's model of one.
 
-The fake answers as the real tier did (``store/disk_reads.py``; measured in
+The fake answers as the real tier did (``store/serving_ssd.py``; measured in
 ``tests/integration/test_ssd_tier.py``): a disk-only object whose owner is
 down fails at the RPC layer while the master still answers, and one owner's
 share of a get larger than its read buffer overflows.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.store.disk_reads import OWNER_DOWN_LABEL
+from mooncake_span.store.serving_ssd import OWNER_DOWN_LABEL
 from tests.span_helpers import json_http_server
 from tests.unit import test_client_domains as domains
 from tests.unit.test_client_domains import COMPONENTS, OBJECT_BYTES, SEGMENTS, Keys, native_calls

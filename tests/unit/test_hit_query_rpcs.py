@@ -103,7 +103,7 @@ def test_a_query_while_a_segment_is_bad_counts_the_locate_call(placed_rig):
     assert store.batch_set_v1(keys, slots_of(list(range(12)), PAGE)) == [True] * 12
     homes = [cluster.placement[obj] for obj in _kv_objects(store, keys)]
     bad = next(segment for segment in homes[1:] if segment != homes[0])
-    store.client.router.mark_segments_bad([bad])
+    store.client.ledger.transfer_failed([bad], "get")
     counted, seen = _query_rpcs(store, sent, keys)
     # Round 1: key 0, on a good segment (one existence call); round 2: the
     # rest, some of them on the bad segment (where are they, then existence).

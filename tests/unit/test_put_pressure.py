@@ -265,14 +265,15 @@ def test_touched_objects_fill_the_last_query_and_never_add_a_call(rig):
     client, cluster, _, source = rig
     assert _put(client, source, 0, 3) == [True] * 3
     cluster.calls.clear()
-    # The touched objects' answers follow the keys' ones.
-    flags = client.exists(["obj-1", "obj-5"], touch=["obj-0", "obj-2", "nope"])
-    assert flags == [True, False, True, True, False]
+    # The touched objects' answers come apart from the keys' ones.
+    answer = client.exists_and_touch(["obj-1", "obj-5"], ["obj-0", "obj-2", "nope"])
+    assert answer.found + answer.touched_head == [True, False, True, True, False]
     assert cluster.calls == [("batch_is_exist", 5)]
     cluster.calls.clear()
     many = [f"absent-{i}" for i in range(4094)]
-    flags = client.exists(many, touch=["obj-0", "obj-1", "obj-2"])
-    assert flags == [False] * 4094 + [True, True]  # two of the three fit
+    answer = client.exists_and_touch(many, ["obj-0", "obj-1", "obj-2"])
+    assert answer.found + answer.touched_head == [False] * 4094 + [True, True]  # two of three fit
+    assert len(answer.found) == 4094
     assert cluster.calls == [("batch_is_exist", 4096)]
 
 

@@ -31,19 +31,31 @@ class _Pool:
         self.data[index // self.page_size] = page
 
 
-class _Stored:
-    def __init__(self, pool):
-        self.host_pool = pool
+class _Backend:
+    """The wrapped backend: registrations and calls recorded, reads answer True."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.span_field = "the backend's own"
+
+    def register_mem_pool_host(self, pool):
+        self.calls.append("register_mem_pool_host")
+
+    def batch_get_v1(self, keys, host_indices, extra_info=None):
+        self.calls.append("batch_get_v1")
+        return [True] * len(keys)
+
+    def batch_set_v1(self, keys, host_indices, extra_info=None):
+        self.calls.append("batch_set_v1")
+        return [True] * len(keys)
 
 
 def _store(monkeypatch, tmp_path, fault, pool):
     path = tmp_path / "fault.json"
     restore_faults.write_fault(path, fault)
     monkeypatch.setenv(restore_faults.FAULT_FILE_ENV, str(path))
-    store = restore_faults.FaultyRestoreStore.__new__(restore_faults.FaultyRestoreStore)
-    monkeypatch.setattr(
-        restore_faults.FaultyRestoreStore, "pools", property(lambda self: {"kv": _Stored(pool)})
-    )
+    store = restore_faults.FaultyRestoreStore(backend=_Backend())
+    store.register_mem_pool_host(pool)
     return store, path
 
 
@@ -94,3 +106,29 @@ def test_a_numbered_fault_applies_to_that_call_only(monkeypatch, tmp_path):
     os.utime(path, ns=(1, path.stat().st_mtime_ns + 10**9))
     assert [store._due(fault) for _ in range(2)] == [False, True]
     assert store._due({"kind": "zero", "pool": "kv"})
+
+
+def test_the_wrapper_forwards_sglangs_whole_interface():
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    wanted = [n for n, m in vars(HiCacheStorage).items() if callable(m) and n[0] != "_"]
+    missing = [n for n in wanted if n not in vars(restore_faults.FaultyRestoreStore)]
+    assert wanted and missing == []
+
+
+def test_calls_without_a_fault_reach_the_backend_unchanged(monkeypatch, tmp_path):
+    pool = _Pool(3)
+    before = pool.data.clone()
+    store, path = _store(monkeypatch, tmp_path, None, pool)
+    assert store.batch_get_v1(["a"], torch.arange(0, 4)) == [True]
+    assert store.batch_set_v1(["a"], torch.arange(0, 4)) == [True]
+    assert store._backend.calls == ["register_mem_pool_host", "batch_get_v1", "batch_set_v1"]
+    assert store.span_field == "the backend's own"  # what the wrapper lacks is the backend's
+    assert torch.equal(pool.data, before) and restore_faults.applied(path) == []
+
+
+def test_an_assigned_storage_page_reaches_the_wrapped_backend(monkeypatch, tmp_path):
+    store, _ = _store(monkeypatch, tmp_path, None, _Pool(2))
+    store._backend.storage_page_size = 64
+    store.storage_page_size = 256  # the span fork's late assignment
+    assert store._backend.storage_page_size == 256 == store.storage_page_size

@@ -12,6 +12,7 @@ import pytest
 from mooncake_span.config import SpanOptions
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.domains import rank_segments
+from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.router import DomainRouter
 from tests.span_helpers import FakeClock
 
@@ -23,7 +24,8 @@ def _batch(buffers_per_object: list[int]) -> PlanBatch:
 
 
 def _router(segments: tuple[str, ...] = (), **options) -> DomainRouter:
-    return DomainRouter(SpanOptions(**options), lambda: segments)
+    spans = SpanOptions(**options)
+    return DomainRouter(spans, lambda: segments, FailureLedger.from_options(spans))
 
 
 def test_a_healthy_call_goes_as_built_in_one_call_when_it_fits():
@@ -55,7 +57,7 @@ def test_copies_and_bad_segments_are_not_direct():
     copies = _router(("s1", "s2"), replica_num=2, placement=True)
     assert not copies.direct(["a"])
     router = _router(("s1", "s2"))
-    router.mark_segments_bad(["s2"])
+    router.ledger.transfer_failed(["s2"], "get")
     assert not router.direct(["a"])
 
 
@@ -102,7 +104,7 @@ def test_read_rows_ask_the_master_only_about_suspect_copies():
     keys = [f"k{i}" for i in range(10)]
     assert router.read_rows(keys, locate) == [[k] for k in keys]
     assert asked == []
-    router.mark_segments_bad(["s2"])
+    router.ledger.transfer_failed(["s2"], "get")
     rows = router.read_rows(keys, locate)
     on_bad = {k for k in keys if rank_segments(k, ("s1", "s2"))[0] == "s2"}
     assert asked == [sorted(on_bad, key=keys.index)]
@@ -137,22 +139,22 @@ def test_an_object_cap_cuts_every_call_further():
 
 def test_marks_and_lost_keys_expire_on_the_routers_clock():
     clock = FakeClock()
-    router = DomainRouter(
-        SpanOptions(domain_bad_ttl_s=10.0, lost_key_ttl_s=30.0), lambda: ("s1", "s2"), clock
-    )
+    options = SpanOptions(domain_bad_ttl_s=10.0, lost_key_ttl_s=30.0)
+    ledger = FailureLedger.from_options(options, clock)
+    router = DomainRouter(options, lambda: ("s1", "s2"), ledger)
     assert router.untroubled
-    assert router.mark_segments_bad(["s2"]) == ["s2"]
-    assert router.mark_segments_bad(["s2"]) == []  # already bad: not fresh
-    router.remember_lost(["a", "b"])
+    assert ledger.transfer_failed(["s2"], "get") == ["s2"]
+    assert ledger.transfer_failed(["s2"], "get") == []  # already bad: not fresh
+    ledger.remember_lost(["a", "b"])
     assert not router.untroubled
-    assert router.lost_mask(["a", "b", "c"]) == [True, True, False]
-    router.forget_lost(["b"])  # written again
-    assert router.lost_mask(["a", "b"]) == [True, False]
+    assert ledger.lost_mask(["a", "b", "c"]) == [True, True, False]
+    ledger.forget_lost(["b"])  # written again
+    assert ledger.lost_mask(["a", "b"]) == [True, False]
     clock.advance(10.5)
-    assert router.bad_segments() == frozenset()
+    assert ledger.bad_segments() == frozenset()
     assert router.direct(["a"])
-    assert router.lost_mask(["a"]) == [True]
+    assert ledger.lost_mask(["a"]) == [True]
     clock.advance(20.0)
-    assert router.lost_mask(["a"]) == [False]
-    assert (router.lost_count, router.times_marked) == (0, 1)
+    assert ledger.lost_mask(["a"]) == [False]
+    assert (ledger.lost_count, ledger.times_marked) == (0, 1)
     assert router.untroubled

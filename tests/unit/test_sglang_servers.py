@@ -8,6 +8,15 @@ from pathlib import Path
 import pytest
 
 from mooncake_span.lab.oracle import PoolReads
+from mooncake_span.lab.serve_demo import (
+    HIT_KEYS,
+    HIT_QUERIES,
+    UNFULFILLED,
+    RestoreEvidence,
+    ServeDemoConfig,
+    ServeDemoReport,
+    explain_restore,
+)
 from mooncake_span.lab.sglang_servers import (
     DYNAMIC_BACKEND_KEYS,
     PLUGIN_OPT_IN_ENV,
@@ -21,15 +30,6 @@ from mooncake_span.lab.sglang_servers import (
     sum_samples,
 )
 from mooncake_span.ops.master_http import parse_prometheus
-from mooncake_span.ops.serve_demo import (
-    HIT_KEYS,
-    HIT_QUERIES,
-    UNFULFILLED,
-    RestoreEvidence,
-    ServeDemoConfig,
-    ServeDemoReport,
-    explain_restore,
-)
 from mooncake_span.testing.cpu_server import SITE_DIR
 from mooncake_span.testing.cpu_server.models import TinyModelSpec, prompt_text
 

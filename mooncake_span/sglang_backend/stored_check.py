@@ -1,0 +1,108 @@
+"""Before a put: which of its objects are stored already, and is the chain's prefix?
+
+``StoredCheck`` gives a put its one answer, a ``StoredAnswer``:
+
+* ``stored``: per object of the call, whether it is in the cluster already
+  (another rank or node wrote it). It is asked in a put cool-down too, so a
+  stored key reads True at every moment, and those objects are not written;
+* ``prefix_head_stored``: whether the chain prefix's objects that the query
+  carried are all stored. With prefix keys, the same query names the objects
+  of the chain's prefix (``PoolBatch.prefix_keys``); Mooncake renews the lease
+  of every object it finds, so the prefix is stamped newer than the tail about
+  to be put and eviction takes the tail first. The query carries only as many
+  prefix objects as fit in its last RPC (``Existence.touched_head``), and none
+  while a segment is bad or a key lost: the answer speaks for that head only.
+  When it is False (and ``span_skip_unreachable``), nothing is written: the
+  new keys could never be reached.
+
+Why the prefix's leases: Mooncake evicts the objects with the oldest lease
+timestamp first; a put stamps an object with the time it lands, and a lookup
+stamps what it finds with now + the lease TTL. Renewed just before the tail
+is put, a conversation's prefix is newer than its tail by about the TTL, so
+eviction takes the tail first and a stored key stays reachable from the
+chain's root (docs/operating.md, "Eviction").
+
+One query serves two sglang calls where it can: a sidecar backup
+(``batch_set_v2`` with a KV-derived pool) asks about the KV objects of its
+keys too and keeps the answer (``KvAhead``) for the KV call that follows,
+which then sends no query. Why each object is not written is counted in the
+client's ``PutPressure`` (``STORED``, ``UNREACHABLE``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mooncake_span.sglang_backend.kv_ahead import KvAhead
+from mooncake_span.sglang_backend.objects import chain_placement, prefix_objects
+from mooncake_span.sglang_backend.registration import Registration
+from mooncake_span.sglang_backend.stored_pool import PoolBatch
+from mooncake_span.span.geometry import KV_POOL, PoolKind
+from mooncake_span.store.client import MooncakeClient
+from mooncake_span.store.put_cooldown import STORED, UNREACHABLE, PutPressure
+
+
+@dataclass(frozen=True)
+class StoredAnswer:
+    stored: list[bool]  # per object of the call
+    prefix_head_stored: bool  # the prefix objects the query carried (True: none)
+
+
+class StoredCheck:
+    """The one answer to "stored already, and is the prefix stored?" for a put."""
+
+    def __init__(
+        self,
+        client: MooncakeClient,
+        pressure: PutPressure,
+        registration: Registration,
+        skip_unreachable: bool,
+    ) -> None:
+        self._client = client
+        self._pressure = pressure
+        self._registration = registration
+        self._skip_unreachable = skip_unreachable
+        self._kv_ahead = KvAhead()  # a sidecar backup's answers for the KV call after it
+
+    def ask(self, physical: list[PoolBatch], keys: list[str]) -> StoredAnswer:
+        """For ``keys``, the object keys of ``physical`` (its stored pools) in order."""
+        if not keys:
+            return StoredAnswer([], True)
+        kept = self._kv_ahead.take(keys)
+        answer = StoredAnswer(kept.stored, kept.reachable) if kept else self._query(physical, keys)
+        if True in answer.stored:
+            self._pressure.count(STORED, answer.stored.count(True))
+        if not answer.prefix_head_stored:
+            self._pressure.count(UNREACHABLE, answer.stored.count(False))
+        return answer
+
+    def _query(self, physical: list[PoolBatch], keys: list[str]) -> StoredAnswer:
+        """One existence query: the call's objects, the KV objects a sidecar call asks
+        for the KV call that follows, and the chain prefix's objects."""
+        placed, ahead, ahead_prefix = (None, None), [], []
+        if self._client.untroubled:
+            ahead, ahead_prefix = self._kv_of_sidecars(physical)
+        else:
+            # Where a chain's objects sit matters to the query only while a segment is
+            # bad or a key lost; it costs a pass per object.
+            placed = chain_placement(physical)
+        touch = [*prefix_objects(physical, self._registration.key_schema), *ahead_prefix]
+        existence = self._client.exists_and_touch([*keys, *ahead], touch, *placed)
+        head_stored = not self._skip_unreachable or all(existence.touched_head)
+        if ahead:
+            self._kv_ahead.keep(ahead, existence.found[len(keys) :], head_stored)
+        return StoredAnswer(existence.found[: len(keys)], head_stored)
+
+    def _kv_of_sidecars(self, physical: list[PoolBatch]) -> tuple[list[str], list[str]]:
+        """For a sidecar call (no KV batch in it): the KV objects of its KV-derived
+        batch's keys and of their chain prefix, asked now for the KV call after it."""
+        kv = self._registration.pools.get(KV_POOL)
+        if kv is None or kv.is_logical or any(b.pool is kv for b in physical):
+            return [], []
+        derived = next((b for b in physical if b.pool.kind is PoolKind.KV_DERIVED), None)
+        if derived is None:
+            return [], []
+        schema = self._registration.key_schema
+        return kv.object_keys(schema, derived.page_keys), kv.object_keys(
+            schema, derived.prefix_keys
+        )

@@ -1,0 +1,173 @@
+"""What failed calls taught one client, and for how long. Pure state; the caller's clock.
+
+``FailureLedger`` is the one owner of a client's failure marks. Each mark has
+its rule here, next to its state; the client makes the calls, hands in what
+they answered, and carries out what the ledger decided (the router reads the
+marks to route):
+
+* **bad segments** (``transfer_failed``): a transfer failed on objects the
+  master locates there. Their keys read as misses and puts avoid them for
+  ``span_domain_bad_ttl_s``.
+* **full segments** (``put_target_failed``, ``PutTarget``): Mooncake moves a
+  put off a full preferred segment onto any listed one, a dead one included,
+  so a failed put does not name its segment. The client dials the preferred
+  one; the answer decides between bad and full. A full segment keeps serving
+  reads; new puts go to the next segment for the same TTL.
+* **owners down** (``owners_down``): an SSD owner that stopped answering reads
+  (``store/serving_ssd.py``). Its segment is bad, and until the mark ends
+  every read asks the master where its keys are: placement cannot tell which
+  keys an owner holds on disk.
+* **lost keys** (``remember_lost``): keys whose restore failed read as absent
+  until re-written or ``span_lost_key_ttl_s`` passes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from mooncake_span.config import SpanOptions
+from mooncake_span.store.domains import DomainHealth, LostKeys
+
+logger = logging.getLogger(__name__)
+
+
+class PutTarget(enum.Enum):
+    """What a put's failed transfers say about the segment the put preferred."""
+
+    BAD = "bad"  # it refuses a dial, or failed a whole call and cannot be dialled
+    FULL = "full"  # it answers (or another segment is bad): Mooncake moved the rest away
+    UNKNOWN = "unknown"  # no dial, part of the call stored: nothing is marked
+
+
+def judge_put_target(answers: bool | None, whole_call: bool, others_bad: bool) -> PutTarget:
+    """The rule for a preferred segment a put failed on. ``answers``: whether its
+    transfer endpoint accepted a dial (None: it cannot be dialled, e.g. etcd
+    metadata); ``whole_call``: every object of the call failed; ``others_bad``:
+    another segment is marked bad, which explains a failure on its own."""
+    if answers is False or (answers is None and whole_call and not others_bad):
+        return PutTarget.BAD
+    if answers or others_bad:
+        return PutTarget.FULL
+    return PutTarget.UNKNOWN
+
+
+class FailureLedger:
+    """Bad, full and owner-down segment marks and lost keys, on one clock. Thread-safe."""
+
+    def __init__(
+        self,
+        bad_ttl_s: float,
+        lost_key_ttl_s: float,
+        lost_keys_max: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._bad_ttl_s = bad_ttl_s
+        self._bad = DomainHealth(bad_ttl_s)
+        self._full = DomainHealth(bad_ttl_s)
+        self._owners_down_until = 0.0
+        self._lost = LostKeys(lost_key_ttl_s, lost_keys_max)
+        self._clock = clock
+
+    @classmethod
+    def from_options(
+        cls, options: SpanOptions, clock: Callable[[], float] = time.monotonic
+    ) -> FailureLedger:
+        """With ``span_domain_bad_ttl_s``, ``span_lost_key_ttl_s`` and ``span_lost_keys_max``."""
+        return cls(options.domain_bad_ttl_s, options.lost_key_ttl_s, options.lost_keys_max, clock)
+
+    # ---- segment marks ---------------------------------------------------------------
+
+    def transfer_failed(self, segments: Iterable[str], op: str) -> list[str]:
+        """Segments a transfer (``op``) just failed on are bad. Returns those not bad before."""
+        fresh = self._bad.mark_bad(segments, self._clock())
+        if fresh:
+            logger.warning(
+                "mooncake-span: %s failed on segment(s) %s; avoiding them and reading their "
+                "keys as misses for %.0fs",
+                op,
+                fresh,
+                self._bad_ttl_s,
+            )
+        return fresh
+
+    def put_target_failed(self, segment: str, answers: bool | None, whole_call: bool) -> PutTarget:
+        """Marks the preferred segment of a failed put as ``judge_put_target`` decides."""
+        verdict = judge_put_target(answers, whole_call, bool(self.bad_segments()))
+        if verdict is PutTarget.BAD:
+            self.transfer_failed([segment], "batch_put_from_multi_buffers")
+        elif verdict is PutTarget.FULL and self._full.mark_bad([segment], self._clock()):
+            logger.info(
+                "mooncake-span: segment %s took only part of a put (Mooncake moved the "
+                "rest elsewhere, where the transfer failed); new puts go to the next "
+                "segment for %.0fs, its keys read as before",
+                segment,
+                self._bad_ttl_s,
+            )
+        return verdict
+
+    def owners_down(self, segments: Iterable[str]) -> list[str]:
+        """Segments whose SSD tier failed a read: bad as after a failed transfer, and
+        until the mark ends every read locates its keys. Returns those not bad before."""
+        now = self._clock()
+        self._owners_down_until = now + self._bad_ttl_s
+        fresh = self._bad.mark_bad(segments, now)
+        if fresh:
+            logger.warning(
+                "mooncake-span: the SSD tier of segment(s) %s does not answer reads; "
+                "reading their keys as misses for %.0fs",
+                fresh,
+                self._bad_ttl_s,
+            )
+        return fresh
+
+    @property
+    def any_bad(self) -> bool:
+        """True while some bad mark may still be live (no clock read)."""
+        return self._bad.any_bad
+
+    def bad_segments(self) -> frozenset[str]:
+        return self._bad.bad(self._clock())
+
+    @property
+    def any_full(self) -> bool:
+        """True while some full mark may still be live (no clock read)."""
+        return self._full.any_bad
+
+    def full_segments(self) -> frozenset[str]:
+        return self._full.bad(self._clock())
+
+    @property
+    def owners_down_now(self) -> bool:
+        """True while an owner-down mark holds: placement cannot say where keys are."""
+        return self._clock() < self._owners_down_until
+
+    @property
+    def times_marked(self) -> int:
+        """How many times a healthy segment was marked bad."""
+        return self._bad.times_marked
+
+    # ---- lost keys -------------------------------------------------------------------
+
+    def remember_lost(self, keys: Iterable[str]) -> None:
+        """Keys whose restore failed: absent until re-written or the lost-key TTL passes."""
+        self._lost.add(keys, self._clock())
+
+    def forget_lost(self, keys: Iterable[str]) -> None:
+        """Keys just written: readable again."""
+        self._lost.discard(keys)
+
+    def lost_mask(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, True while it is known lost."""
+        return self._lost.lost_mask(keys, self._clock())
+
+    @property
+    def lost_count(self) -> int:
+        return len(self._lost)
+
+    @property
+    def quiet(self) -> bool:
+        """No key known lost and no segment marked bad (no clock read)."""
+        return not self._lost and not self._bad.any_bad

@@ -1,0 +1,208 @@
+"""A serving client's view of Mooncake's SSD tier: its one owner, ``ServingSsd``.
+
+An object whose DRAM copy was evicted keeps a ``LOCAL_DISK`` replica on the
+process that held it; a reader asks that owner over RPC, the owner loads the
+object into its registered read buffer and the reader pulls it
+(``store/ssd_tier.py`` sets the tier up). ``ServingSsd`` owns what a client
+does about it:
+
+* this rank's own tier (sglang's ``enable_ssd_offload``): its directory
+  checked and locked before ``setup`` (``ssd_tier.open_serving_tier``), its
+  segment recorded once set up, the lock released at close with whether the
+  disk segment was unmounted;
+* reads an owner's read buffer could not take (``BUFFER_OVERFLOW``, every
+  object of that owner in the call, at once): asked again in halves, down to
+  one object per call (``read``);
+* an owner that is down but not yet expired at the master (up to its
+  ``client_ttl``): existence queries still answer yes and each read blocks
+  about 4.3 s in Mooncake's RPC retries before ``RPC_FAIL``. The master still
+  answers, which tells this apart from a dead master; ``disk_only`` says which
+  of the failed objects had nothing but a disk replica. The owner's segment
+  (its DRAM segment, still listed) is then marked down in the client's
+  ``FailureLedger``, so reads and hit queries skip that owner's keys at once
+  instead of paying 4.3 s per call, until the mark's TTL runs out;
+* which segment holds an object on disk (``owners``): a replica descriptor
+  does not name a disk replica's owner (``query_key`` and
+  ``batch_get_replica_desc`` leave it out in 0.3.13.post1), and placement
+  cannot tell it (a put lands on another segment when the preferred one is
+  full); the master's admin server can (``segments.fetch_disk_owners``);
+* the count of reads Mooncake asked an SSD owner for (``read_rpcs``).
+
+The client makes every native call and hands the answers in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from mooncake_span.errors import ConfigError, ErrorCode, SetupError
+from mooncake_span.mooncake_settings import MooncakeSettings
+from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.failure_ledger import FailureLedger
+from mooncake_span.store.gate import NativeGate
+from mooncake_span.store.ssd_tier import DirLock, open_serving_tier
+
+OVERFLOW = int(ErrorCode.BUFFER_OVERFLOW)
+OWNER_RPC_FAILED = int(ErrorCode.RPC_FAIL)
+# The client's counter (failed_objects_total{code=...}) of reads from an SSD owner that was down.
+OWNER_DOWN_LABEL = "SSD_OWNER_DOWN"
+
+# Per object key, the segments whose SSD holds it, given the admin URL (None: no answer).
+ListDiskOwners = Callable[[str, Sequence[str]], dict[str, set[str]] | None]
+# A call's native codes, given its object keys and their buffers.
+GetCall = Callable[[list[str], PlanBatch], list[int]]
+
+
+def overflowed(codes: Sequence[int]) -> list[int]:
+    """Positions of objects an owner's read buffer could not take in this call."""
+    return [i for i, code in enumerate(codes) if code == OVERFLOW]
+
+
+def halves(positions: Sequence[int]) -> list[list[int]]:
+    middle = len(positions) // 2
+    return [list(positions[:middle]), list(positions[middle:])]
+
+
+def owner_failures(codes: Sequence[int]) -> list[int]:
+    """Positions of objects whose read failed at the RPC layer (a dead master, or a dead owner)."""
+    return [i for i, code in enumerate(codes) if code == OWNER_RPC_FAILED]
+
+
+def disk_only(found: Mapping[str, Sequence[Any]] | None) -> set[str]:
+    """Object keys whose replicas (``batch_get_replica_desc``) are all on an owner's disk."""
+    return {
+        key
+        for key, replicas in (found or {}).items()
+        if replicas and all(replica.is_local_disk_replica() for replica in replicas)
+    }
+
+
+def open_rank_directory(
+    settings: MooncakeSettings, list_segments: Callable[[], list[str] | None] | None
+) -> DirLock | None:
+    """With ``enable_ssd_offload``: this rank's SSD tier, set up to persist every object
+    (``store/ssd_tier.py``), its directory locked; None without it. Without
+    ``ssd_offload_path`` Mooncake reads ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``
+    itself, as under sglang's ``MooncakeStore``."""
+    if not settings.enable_ssd_offload:
+        return None
+    directory = settings.ssd_offload_path or os.environ.get(
+        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ""
+    )
+    if not directory:
+        raise SetupError(
+            "enable_ssd_offload needs a directory: set ssd_offload_path (each rank then uses "
+            "its own rank_<dp>_<tp>_<pp>_<cp> sub-directory, as in sglang)"
+        )
+    try:
+        return open_serving_tier(
+            directory, settings.global_segment_size_bytes, os.environ, list_segments
+        )
+    except (ConfigError, OSError) as exc:
+        raise SetupError(f"SSD tier ({directory}): {exc}") from exc
+
+
+class ServingSsd:
+    """The SSD tier as one client meets it: its own directory, owners' read buffers,
+    owners that are down, where disk replicas are, and the owner reads it made."""
+
+    def __init__(self, gate: NativeGate, ledger: FailureLedger) -> None:
+        self._gate = gate  # its counters and its "the cluster answered"
+        self._ledger = ledger
+        self._lock: DirLock | None = None  # this rank's SSD directory, if it has one
+        self._admin_url: str | None = None
+        self._list_disk_owners: ListDiskOwners | None = None
+        self.read_rpcs = 0  # Mooncake's count of reads it asked an SSD owner for
+
+    # ---- this rank's own tier ----------------------------------------------------------
+
+    def open(
+        self,
+        settings: MooncakeSettings,
+        admin_url: str | None,
+        list_segments: Callable[[str], list[str] | None],
+        list_disk_owners: ListDiskOwners,
+    ) -> None:
+        """Before ``setup``: lock this rank's directory (with ``enable_ssd_offload``),
+        and learn where to ask for disk owners."""
+        self._admin_url = admin_url
+        self._list_disk_owners = list_disk_owners
+        lister = (lambda: list_segments(admin_url)) if admin_url else None
+        self._lock = open_rank_directory(settings, lister)
+
+    @property
+    def owns_directory(self) -> bool:
+        return self._lock is not None
+
+    def running(self, segment: str) -> None:
+        """``setup`` succeeded: the directory's record names this process's segment."""
+        if self._lock is not None:
+            self._lock.update(state="running", segment=segment)
+
+    def release(self, state: str = "stopped") -> None:
+        """Unlock the directory, recording how this process stopped."""
+        if self._lock is not None:
+            self._lock.release(state)
+
+    # ---- reads -------------------------------------------------------------------------
+
+    def read(self, get_call: GetCall, keys: list[str], batch: PlanBatch) -> list[int]:
+        """``get_call``'s codes; objects an owner's read buffer could not take are asked
+        again in halves."""
+        codes = get_call(keys, batch)
+        overflow = overflowed(codes)
+        if overflow and len(keys) > 1:
+            for half in halves(overflow):
+                again = self.read(get_call, [keys[i] for i in half], batch.take(half))
+                for i, code in zip(half, again, strict=True):
+                    codes[i] = code
+        return codes
+
+    def saw_owner_reads(self, cumulative: int) -> None:
+        """Mooncake's cumulative count of reads it asked SSD owners for, per native client."""
+        self.read_rpcs = max(self.read_rpcs, cumulative)
+
+    def owners_down(
+        self,
+        object_keys: Sequence[str],
+        codes: Sequence[int],
+        replica_desc: Callable[[list[str]], Any],
+    ) -> list[str]:
+        """Reads that failed at the RPC layer: if the master answers (``replica_desc``,
+        one RPC past the breaker) and the objects had only disk replicas, their
+        owner is down. The master's admin server names it, and the ledger marks
+        its segment; without an owner to name, returns the keys to remember lost."""
+        positions = owner_failures(codes)
+        if not positions:
+            return []
+        keys = [object_keys[i] for i in positions]
+        found = replica_desc(keys)
+        if not isinstance(found, dict):
+            return []  # the master is down too: the breaker's business
+        down = sorted(disk_only(found) & set(keys))
+        if not down:
+            return []
+        self._gate.answered()  # a storage node is down, not the cluster
+        self._gate.count(OWNER_DOWN_LABEL, len(down))
+        segments = set().union(*self.owners(down).values())
+        if not segments:
+            return down
+        self._ledger.owners_down(segments)
+        return []
+
+    # ---- where disk replicas are ---------------------------------------------------------
+
+    def owners(self, object_keys: Sequence[str]) -> dict[str, set[str]]:
+        """Per object, the segments whose SSD holds it ({} without an admin server)."""
+        if self._admin_url is None or self._list_disk_owners is None or not object_keys:
+            return {}
+        return self._list_disk_owners(self._admin_url, list(object_keys)) or {}
+
+    def add_disk_owners(self, found: Any, located: dict[str, set[str]]) -> dict[str, set[str]]:
+        """``located`` (object -> segments) with the owners of objects found only on disk."""
+        on_disk = [k for k in disk_only(found) if k not in located]
+        for key, owners in self.owners(on_disk).items():
+            located.setdefault(key, set()).update(owners)
+        return located
