@@ -187,9 +187,10 @@ class StoragePage:
     def contradiction(self, pool_name: str, slots_per_key: int, host_page_tokens: int) -> None:
         """Log once per pool and stride that a transfer disagrees with the page."""
         key = (pool_name, slots_per_key)
-        if key in self._reported:
-            return
-        self._reported.add(key)
+        with self._lock:
+            if key in self._reported:
+                return
+            self._reported.add(key)
         storage_tokens = self.choice.resolved(host_page_tokens)
         logger.error(
             "mooncake-span: pool %r sent %d host slots per key but the storage page is %d "
