@@ -53,35 +53,17 @@ def _cell_store(cluster: Any, topology: str, size: str, pages: int, verify: bool
 
 
 def _measure_cell(cluster: Any, cell: tuple[str, str, int], verify: bool, reps: int) -> dict:
-    import numpy as np
-
-    from mooncake_span.bench import contenders as C
     from mooncake_span.bench.workloads import HOST_PAGE_TOKENS
     from mooncake_span.testing import page_io
 
     topology, size, pages = cell
     store, parts = _cell_store(cluster, topology, size, pages, verify)
     pool = parts[0].pool
-    src, dst = np.arange(pages), np.arange(pages, 2 * pages)
-    page_io.fill_random_pages(pool, [int(p) * HOST_PAGE_TOKENS for p in src], seed=1)
-    want = [page_io.page_bytes(pool, int(p) * HOST_PAGE_TOKENS) for p in src]
-    put_s, get_s = [], []
+    page_io.fill_random_pages(pool, [p * HOST_PAGE_TOKENS for p in range(pages)], seed=1)
     try:
-        for rep in range(reps + 1):  # rep 0 warms up
-            keys = C.page_keys(f"ck/{verify}/{rep}", pages // PAGES_PER_KEY)
-            page_io.wipe_pages(pool, [int(p) * HOST_PAGE_TOKENS for p in dst])
-            started = time.perf_counter()
-            put_ok = store.batch_set_v1(keys, C.page_slots(src))
-            mid = time.perf_counter()
-            get_ok = store.batch_get_v1(keys, C.page_slots(dst))
-            done = time.perf_counter()
-            got = [page_io.page_bytes(pool, int(p) * HOST_PAGE_TOKENS) for p in dst]
-            if not (all(put_ok) and all(get_ok) and got == want):
-                raise RuntimeError(f"{cell}: a put or get failed or was not byte-exact")
-            store.client.remove_all()
-            if rep:
-                put_s.append(mid - started)
-                get_s.append(done - mid)
+        put_s, get_s = time_round_trips(
+            store, pool, pages, PAGES_PER_KEY, f"ck/{verify}", str(cell), reps
+        )
     finally:
         store.close()
     return {
@@ -89,6 +71,39 @@ def _measure_cell(cluster: Any, cell: tuple[str, str, int], verify: bool, reps: 
         "put_pages_per_s": [pages / s for s in put_s],
         "get_pages_per_s": [pages / s for s in get_s],
     }
+
+
+def time_round_trips(
+    store: Any, pool: Any, pages: int, pages_per_key: int, tag: str, label: str, reps: int
+) -> tuple[list[float], list[float]]:
+    """Seconds of each timed ``batch_set_v1`` of host pages ``[0, pages)`` and
+    ``batch_get_v1`` into ``[pages, 2 * pages)`` (rep 0 warms up), every get checked
+    byte for byte and the cluster emptied after each rep."""
+    import numpy as np
+
+    from mooncake_span.bench import contenders as C
+    from mooncake_span.bench.workloads import HOST_PAGE_TOKENS
+    from mooncake_span.testing import page_io
+
+    src, dst = np.arange(pages), np.arange(pages, 2 * pages)
+    want = [page_io.page_bytes(pool, int(p) * HOST_PAGE_TOKENS) for p in src]
+    put_s, get_s = [], []
+    for rep in range(reps + 1):
+        keys = C.page_keys(f"{tag}/{rep}", pages // pages_per_key)
+        page_io.wipe_pages(pool, [int(p) * HOST_PAGE_TOKENS for p in dst])
+        started = time.perf_counter()
+        put_ok = store.batch_set_v1(keys, C.page_slots(src))
+        mid = time.perf_counter()
+        get_ok = store.batch_get_v1(keys, C.page_slots(dst))
+        done = time.perf_counter()
+        got = [page_io.page_bytes(pool, int(p) * HOST_PAGE_TOKENS) for p in dst]
+        if not (all(put_ok) and all(get_ok) and got == want):
+            raise RuntimeError(f"{label}: a put or get failed or was not byte-exact")
+        store.client.remove_all()
+        if rep:
+            put_s.append(mid - started)
+            get_s.append(done - mid)
+    return put_s, get_s
 
 
 def _measure_raw(cluster: Any, topology: str, reps: int) -> dict[str, Any]:

@@ -94,30 +94,9 @@ def _store(cluster: Any, topology: str, pages_per_key: int, sealed: bool, parts:
 
 
 def _measure(store: Any, pool: Any, tag: str, reps: int, pages_per_key: int) -> dict[str, Any]:
-    import numpy as np
+    from mooncake_span.bench.checksum import time_round_trips
 
-    from mooncake_span.bench import contenders as C
-    from mooncake_span.bench.workloads import HOST_PAGE_TOKENS
-    from mooncake_span.testing import page_io
-
-    src, dst = np.arange(PAGES_PER_CALL), np.arange(PAGES_PER_CALL, 2 * PAGES_PER_CALL)
-    want = [page_io.page_bytes(pool, int(p) * HOST_PAGE_TOKENS) for p in src]
-    put_s, get_s = [], []
-    for rep in range(reps + 1):  # rep 0 warms up
-        keys = C.page_keys(f"{tag}/{rep}", PAGES_PER_CALL // pages_per_key)
-        page_io.wipe_pages(pool, [int(p) * HOST_PAGE_TOKENS for p in dst])
-        started = time.perf_counter()
-        put_ok = store.batch_set_v1(keys, C.page_slots(src))
-        mid = time.perf_counter()
-        get_ok = store.batch_get_v1(keys, C.page_slots(dst))
-        done = time.perf_counter()
-        got = [page_io.page_bytes(pool, int(p) * HOST_PAGE_TOKENS) for p in dst]
-        if not (all(put_ok) and all(get_ok) and got == want):
-            raise RuntimeError(f"{tag}: a put or get failed or was not byte-exact")
-        store.client.remove_all()
-        if rep:
-            put_s.append(mid - started)
-            get_s.append(done - mid)
+    put_s, get_s = time_round_trips(store, pool, PAGES_PER_CALL, pages_per_key, tag, tag, reps)
     return {"put_s": put_s, "get_s": get_s}
 
 

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mooncake_span.ops import doctor, inspect_cmd, validate_cmd
+from mooncake_span.ops.arg_types import non_negative_int_arg as _non_negative_int_arg
+from mooncake_span.ops.arg_types import positive_int_arg as _positive_int_arg
+from mooncake_span.ops.arg_types import size_arg as _size_arg
 from mooncake_span.ops.cluster_spec import (
     CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
     CLUSTER_UP_EVICTION_RATIO,
@@ -38,33 +41,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 1.0
-
-
-def _size_arg(text: str) -> int:
-    try:
-        return parse_size_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _non_negative_int_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 # ---------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from typing import Any
 
 from mooncake_span.lab import oracle
 from mooncake_span.ops import validate as V
+from mooncake_span.ops.arg_types import positive_int_arg
 from mooncake_span.ops.validate_http import ServerRefused, ServerUnreachable, SglangHttp
 
 # Token ids whose text is read for the filler vocabulary; smaller spans are
@@ -387,16 +388,6 @@ def _depths_arg(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "validate",
@@ -426,7 +417,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--context-tokens",
-        type=_positive_int,
+        type=positive_int_arg,
         default=None,
         metavar="N",
         help="probe length in tokens (default: half the smallest pool the servers report, "
@@ -434,14 +425,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--answer-tokens",
-        type=_positive_int,
+        type=positive_int_arg,
         default=V.ANSWER_TOKENS,
         metavar="N",
         help=f"greedy answer length (default {V.ANSWER_TOKENS})",
     )
     parser.add_argument(
         "--top-logprobs",
-        type=_positive_int,
+        type=positive_int_arg,
         default=V.TOP_LOGPROBS,
         metavar="K",
         help=f"top candidates compared per answer token (default {V.TOP_LOGPROBS})",
