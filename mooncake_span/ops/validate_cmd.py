@@ -15,7 +15,9 @@ Against servers that are already running (this backend, sglang's
    stopped moving;
 5. evict the probes from device and host memory (``/flush_cache``, or
    ``--evict churn``: unique prompts sized from the pools the server
-   reports), unless the L3 pass runs on a second server that never saw them;
+   reports, :func:`mooncake_span.ops.validate.churn_plan`, or
+   ``--churn-tokens``), unless the L3 pass runs on a second server that
+   never saw them;
 6. L3 pass, per probe: tokens from storage, greedy tokens, top-k logprobs
    and the code against the cold pass; counter deltas from ``/metrics``.
 
@@ -200,6 +202,8 @@ def evict(
     context_tokens: int,
     notes: dict[str, Any],
 ) -> str:
+    """Push the probes out of ``server``'s device and host memory; say how (a churn's
+    plan also goes to ``notes['churn']``)."""
     if options.evict == "flush":
         try:
             server.http.flush_cache(FLUSH_TIMEOUT_S)
@@ -208,7 +212,9 @@ def evict(
                 f"{server.url}: /flush_cache refused ({exc}); where flushing is not allowed, "
                 "use --evict churn"
             ) from None
-        return "flushed the device and host caches (/flush_cache)"
+        said = "flushed the device and host caches (/flush_cache)"
+        _progress(said)
+        return said
     # Read the pools again: sglang sets its host pool gauge at its first
     # prefill, which came after connect().
     fresh = connect(server.url)
@@ -350,7 +356,6 @@ def run(options: Options) -> Outcome:
         _progress(f"{len(probes)} saved probes from {options.against}; L3 pass only")
         warm_up(l3_server, vocab, rng)
         notes["eviction"] = evict(l3_server, options, vocab, len(probes[0].input_ids), notes)
-        _progress(notes["eviction"])
         return Outcome(_l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes)
 
     facts = [s.facts for s in servers]
@@ -391,7 +396,7 @@ def run(options: Options) -> Outcome:
         notes["eviction"] = evict(l3_server, options, vocab, context, notes)
     else:
         notes["eviction"] = f"none: {l3_server.url} never saw the probes"
-    _progress(notes["eviction"])
+        _progress(notes["eviction"])
     return Outcome(_l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes)
 
 
