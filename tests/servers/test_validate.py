@@ -179,9 +179,12 @@ def test_churn_evicts_from_device_and_host_then_passes(deployment, capsys):
 
 
 @pytest.mark.timeout(300)
-def test_churn_too_small_to_evict_is_no_pass(deployment, capsys):
-    """Negative control: churn sized below the pools leaves the probe in memory, and
-    validate says it was not served from storage."""
+@pytest.mark.parametrize("device_pools", [0, 1], ids=["one-prompt", "device-pool-only"])
+def test_churn_too_small_to_evict_is_no_pass(deployment, capsys, device_pools):
+    """Negative control: churn below the pools leaves the probe in memory, and validate
+    says it was not served from storage. ``device-pool-only`` is churn sized as if there
+    were no host pool: sglang keeps the probe in host memory, which is not full."""
+    device = SglangHttp(deployment.ours.url).server_info()["max_total_num_tokens"]
     started = time.monotonic()
     code, doc = validate(
         capsys,
@@ -190,13 +193,14 @@ def test_churn_too_small_to_evict_is_no_pass(deployment, capsys):
         "--evict",
         "churn",
         "--churn-tokens",
-        "1",
+        str(max(device * device_pools, 1)),
         "--depths",
         "50",
     )
-    print(f"small churn case: {time.monotonic() - started:.1f} s")
+    print(f"small churn case ({device_pools} device pools): {time.monotonic() - started:.1f} s")
     assert code == 1 and not doc["ok"]
-    assert doc["churn"]["prompts"] == 1 and "too little" in doc["eviction"]
+    assert doc["churn"]["tokens"] <= max(device * device_pools, doc["churn"]["prompt_tokens"])
+    assert "too little" in doc["eviction"]
     assert doc["reasons"][0].startswith("not evicted: 1 of 1 probes"), doc["reasons"]
     (result,) = doc["results"]
     assert result["device_tokens"] + result["host_tokens"] > 0, result
