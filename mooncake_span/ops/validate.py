@@ -50,8 +50,12 @@ FULL_PRECISION_DTYPES = ("float32", "fp32")
 MIN_POOL_WORDS = 64
 MAX_WORD_CHARS = 12
 # Churn eviction sends unique prompts worth this many times the device and
-# host pools together.
+# host pools together. sglang frees a host page only when a backup finds its
+# host pool full, and frees the least recently used first, so once unique
+# traffic has passed through more tokens than both pools hold, nothing older
+# is left in memory; the margin covers page rounding and in-flight requests.
 CHURN_FACTOR = 1.5
+HOST_TOTAL_GAUGE = "sglang:hicache_host_total_tokens"
 # sglang's and this backend's counters worth a delta, by name prefix.
 COUNTER_PREFIXES = (
     "sglang:storage_",
@@ -80,8 +84,11 @@ class ServerFacts:
     page_tokens: int
     context_tokens: int
     device_pool_tokens: int
-    # None when the server says nothing about its host pool.
+    # None when the server has no host pool, or does not say its size.
     host_pool_tokens: int | None
+    # Where host_pool_tokens comes from, or why it is unknown.
+    host_pool_source: str
+    hierarchical_cache: bool
     max_input_tokens: int
     storage_backend: str | None
     prefetch_policy: str | None
@@ -113,10 +120,8 @@ def server_facts(
         raise ValueError(f"{url}: /server_info reports no KV pool size (max_total_num_tokens)")
     page = _int(server_info.get("page_size"), 1) or 1
     context = _int(server_info.get("context_length")) or _int(model_info.get("context_length"))
-    host = _int(counters.get("sglang:hicache_host_total_tokens"))
-    if not host and server_info.get("enable_hierarchical_cache"):
-        ratio = float(server_info.get("hicache_ratio") or 0.0)
-        host = int(device * ratio) if ratio > 0 else 0
+    hierarchical = bool(server_info.get("enable_hierarchical_cache"))
+    host, host_source = _host_pool(server_info, counters, device) if hierarchical else (0, "")
     backend = server_info.get("hicache_storage_backend") or None
     return ServerFacts(
         url=url,
@@ -125,11 +130,34 @@ def server_facts(
         context_tokens=context or device,
         device_pool_tokens=device,
         host_pool_tokens=host or None,
+        host_pool_source=host_source or "no host pool (hierarchical cache off)",
+        hierarchical_cache=hierarchical,
         max_input_tokens=_int(server_info.get("max_req_input_len")) or context or device,
         storage_backend=str(backend) if backend else None,
         prefetch_policy=server_info.get("hicache_storage_prefetch_policy") if backend else None,
         dtype=str(server_info.get("dtype") or "auto"),
     )
+
+
+def _host_pool(
+    server_info: Mapping[str, Any], counters: Mapping[str, float], device_tokens: int
+) -> tuple[int, str]:
+    """(host pool tokens or 0, where that figure comes from or why it is unknown)."""
+    exported = _int(counters.get(HOST_TOTAL_GAUGE))
+    if exported:
+        return exported, f"{HOST_TOTAL_GAUGE} on /metrics"
+    # sglang sizes the host pool by --hicache-size (GB) when given, else by the
+    # ratio; from GB to tokens takes the bytes per token, which the server does not say.
+    size_gb = float(server_info.get("hicache_size") or 0.0)
+    if size_gb > 0:
+        return 0, (
+            f"unknown: the server sizes it with --hicache-size {size_gb:g} GB and exports "
+            f"no {HOST_TOTAL_GAUGE} (serve with --enable-metrics)"
+        )
+    ratio = float(server_info.get("hicache_ratio") or 0.0)
+    if ratio > 0:
+        return int(device_tokens * ratio), f"--hicache-ratio {ratio:g} x the device pool"
+    return 0, f"unknown: no {HOST_TOTAL_GAUGE}, --hicache-size or --hicache-ratio reported"
 
 
 def min_context_tokens(page_tokens: int) -> int:
@@ -180,18 +208,62 @@ def restorable_tokens(prompt_tokens: int, page_tokens: int) -> int:
     return (prompt_tokens - 1) // page_tokens * page_tokens
 
 
-def churn_plan(servers: Iterable[ServerFacts], prompt_tokens: int) -> tuple[int, str]:
-    """(unique churn prompts to send, why), to push probes out of device and host memory."""
-    worst = max(servers, key=lambda s: s.device_pool_tokens + (s.host_pool_tokens or 0))
-    host = worst.host_pool_tokens or 0
-    total = math.ceil(CHURN_FACTOR * (worst.device_pool_tokens + host))
-    prompts = math.ceil(total / prompt_tokens)
-    host_said = f"host pool {host}" if worst.host_pool_tokens else "no host pool reported"
-    why = (
-        f"{prompts} unique {prompt_tokens}-token prompts: {CHURN_FACTOR}x device pool "
-        f"{worst.device_pool_tokens} + {host_said} tokens"
+@dataclass(frozen=True)
+class ChurnPlan:
+    """Unique traffic meant to push the probes out of device and host memory."""
+
+    prompts: int
+    prompt_tokens: int
+    # What the server's device and host pools hold together.
+    pool_tokens: int
+    why: str
+
+    @property
+    def tokens(self) -> int:
+        return self.prompts * self.prompt_tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompts": self.prompts,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "pool_tokens": self.pool_tokens,
+        }
+
+
+def churn_plan(
+    server: ServerFacts, prompt_tokens: int, override_tokens: int | None = None
+) -> ChurnPlan:
+    """How much unique traffic evicts the probes from ``server``'s memory, and why.
+
+    ValueError when the server has a host pool of unknown size and no override
+    says how much to send: a guess could leave the probes in host memory.
+    """
+    host = server.host_pool_tokens or 0
+    if server.hierarchical_cache and not host and override_tokens is None:
+        raise ValueError(
+            f"{server.url}: cannot size churn eviction, the host pool size is "
+            f"{server.host_pool_source}; give --churn-tokens (more than device + host pool tokens)"
+        )
+    pools = server.device_pool_tokens + host
+    pools_said = (
+        f"device pool {server.device_pool_tokens} + host pool {host} tokens "
+        f"(host: {server.host_pool_source})"
+        if server.hierarchical_cache
+        else f"device pool {server.device_pool_tokens} tokens, no host pool"
     )
-    return prompts, why
+    if override_tokens is None:
+        total = math.ceil(CHURN_FACTOR * pools)
+        sized = f"{CHURN_FACTOR}x {pools_said}"
+    else:
+        total = override_tokens
+        sized = f"--churn-tokens {override_tokens}; the server holds {pools_said}"
+        if override_tokens <= pools:
+            sized += ": too little to be sure the probes leave memory"
+    prompts = max(math.ceil(total / prompt_tokens), 1)
+    sent = prompts * prompt_tokens
+    why = f"{prompts} unique {prompt_tokens}-token prompts ({sent} tokens): {sized}"
+    return ChurnPlan(prompts, prompt_tokens, pools, why)
 
 
 # ---------------------------------------------------------------------------
@@ -250,8 +322,9 @@ def code_found(answer_text: str, code: str) -> bool:
 
 def shared_prefix_tokens(prompts: Sequence[Sequence[int]]) -> int:
     """Tokens every probe starts with (a chat template's opening): a server may hold
-    them in memory whatever the eviction did."""
-    if not prompts:
+    them in memory whatever the eviction did. A lone probe shares nothing: its whole
+    prompt would otherwise count as an opening that memory may hold."""
+    if len(prompts) < 2:
         return 0
     first, shared = prompts[0], len(prompts[0])
     for other in prompts[1:]:
@@ -301,11 +374,20 @@ class Answer:
     cached_tokens: int
     storage_tokens: int
     storage_backend: str | None
+    # The split of the memory hits, where sglang reports it (0 otherwise).
+    device_tokens: int = 0
+    host_tokens: int = 0
 
     @property
     def memory_tokens(self) -> int:
         """Cached tokens that came from device or host memory, not storage."""
         return max(self.cached_tokens - self.storage_tokens, 0)
+
+    def memory_said(self) -> str:
+        said = f"{self.memory_tokens} tokens"
+        if self.device_tokens or self.host_tokens:
+            said += f" (device {self.device_tokens}, host {self.host_tokens})"
+        return said
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -316,6 +398,8 @@ class Answer:
             "cached_tokens": self.cached_tokens,
             "storage_tokens": self.storage_tokens,
             "storage_backend": self.storage_backend,
+            "device_tokens": self.device_tokens,
+            "host_tokens": self.host_tokens,
         }
 
     @classmethod
@@ -330,6 +414,8 @@ class Answer:
             cached_tokens=int(doc.get("cached_tokens", 0)),
             storage_tokens=int(doc.get("storage_tokens", 0)),
             storage_backend=doc.get("storage_backend"),
+            device_tokens=int(doc.get("device_tokens", 0)),
+            host_tokens=int(doc.get("host_tokens", 0)),
         )
 
 
@@ -349,6 +435,8 @@ def parse_answer(doc: Mapping[str, Any]) -> Answer:
         cached_tokens=int(meta.get("cached_tokens", 0)),
         storage_tokens=int(details.get("storage", 0) or 0),
         storage_backend=details.get("storage_backend"),
+        device_tokens=int(details.get("device", 0) or 0),
+        host_tokens=int(details.get("host", 0) or 0),
     )
 
 
@@ -415,8 +503,8 @@ class ProbeResult:
         label = depth_label(self.probe.depth)
         if not self.evicted:
             return (
-                f"not evicted at depth {label}: {self.l3.memory_tokens} tokens still came from "
-                "device/host memory"
+                f"not evicted at depth {label}: {self.l3.memory_said()} came from memory, "
+                f"{self.l3.storage_tokens} from storage"
             )
         if not self.agrees:
             what = self.verdict.describe()
@@ -530,7 +618,17 @@ class Report:
         reasons = list(self.setup_problems)
         if not self.results:
             return reasons or ["no probe was answered"]
-        nothing_stored = all(r.l3.storage_tokens == 0 for r in self.results)
+        kept = sum(1 for r in self.results if not r.evicted)
+        if kept:
+            reasons.append(
+                f"not evicted: {kept} of {self.probes} probes were served from device/host "
+                "memory, not from storage; evict harder (/flush_cache, or churn that exceeds "
+                "the device and host pools)"
+            )
+        # Probes still in memory say nothing of storage: not 'no storage hits'.
+        nothing_stored = kept < self.probes and all(
+            r.l3.storage_tokens == 0 for r in self.results if r.evicted
+        )
         if nothing_stored:
             reasons.append("no storage hits: the L3 pass took nothing from storage")
         dropped = dropped_prefetches(self.l3_deltas)
@@ -612,6 +710,8 @@ def report_json(report: Report) -> dict[str, Any]:
                 "storage_tokens": r.l3.storage_tokens,
                 "restorable_tokens": r.restorable_tokens,
                 "memory_tokens": r.l3.memory_tokens,
+                "device_tokens": r.l3.device_tokens,
+                "host_tokens": r.l3.host_tokens,
                 "storage_backend": r.l3.storage_backend,
                 "tokens_equal": r.verdict.tokens_equal,
                 "max_logprob_delta": _finite_or_none(r.verdict.max_logprob_delta),

@@ -15,7 +15,9 @@ Against servers that are already running (this backend, sglang's
    stopped moving;
 5. evict the probes from device and host memory (``/flush_cache``, or
    ``--evict churn``: unique prompts sized from the pools the server
-   reports), unless the L3 pass runs on a second server that never saw them;
+   reports, :func:`mooncake_span.ops.validate.churn_plan`, or
+   ``--churn-tokens``), unless the L3 pass runs on a second server that
+   never saw them;
 6. L3 pass, per probe: tokens from storage, greedy tokens, top-k logprobs
    and the code against the cold pass; counter deltas from ``/metrics``.
 
@@ -193,8 +195,16 @@ def wait_for_backups(server: Server, before: dict[str, float], tokens: int, limi
         time.sleep(BACKUP_POLL_S)
 
 
-def evict(server: Server, how: str, vocab: dict[str, int], context_tokens: int) -> str:
-    if how == "flush":
+def evict(
+    server: Server,
+    options: Options,
+    vocab: dict[str, int],
+    context_tokens: int,
+    notes: dict[str, Any],
+) -> str:
+    """Push the probes out of ``server``'s device and host memory; say how (a churn's
+    plan also goes to ``notes['churn']``)."""
+    if options.evict == "flush":
         try:
             server.http.flush_cache(FLUSH_TIMEOUT_S)
         except ServerRefused as exc:
@@ -202,14 +212,26 @@ def evict(server: Server, how: str, vocab: dict[str, int], context_tokens: int) 
                 f"{server.url}: /flush_cache refused ({exc}); where flushing is not allowed, "
                 "use --evict churn"
             ) from None
-        return "flushed the device and host caches (/flush_cache)"
-    prompts, why = V.churn_plan([server.facts], context_tokens)
+        said = "flushed the device and host caches (/flush_cache)"
+        _progress(said)
+        return said
+    # Read the pools again: sglang sets its host pool gauge at its first
+    # prefill, which came after connect().
+    fresh = connect(server.url)
+    try:
+        plan = V.churn_plan(fresh.facts, context_tokens, options.churn_tokens)
+    except ValueError as exc:
+        raise ValidateError(str(exc)) from None
+    notes["churn"] = plan.to_json()
+    _progress(f"churn: {plan.why}")
     ids = list(vocab.values())
     rng = random.Random()
-    for i in range(prompts):
-        _progress(f"churn {i + 1}/{prompts}")
-        server.http.generate([rng.choice(ids) for _ in range(context_tokens)], 1, 0)
-    return f"churn: {why}"
+    started = time.monotonic()
+    for i in range(plan.prompts):
+        _progress(f"churn {i + 1}/{plan.prompts}")
+        server.http.generate([rng.choice(ids) for _ in range(plan.prompt_tokens)], 1, 0)
+    notes["churn"]["seconds"] = round(time.monotonic() - started, 2)
+    return f"churn: {plan.why}"
 
 
 # ---------------------------------------------------------------------------
@@ -225,6 +247,7 @@ class Options:
     top_logprobs: int
     tolerance: float | None
     evict: str
+    churn_tokens: int | None
     backup_wait_s: float
     save: Path | None
     against: Path | None
@@ -296,6 +319,7 @@ def run(options: Options) -> Outcome:
                 "prefetch_policy": s.facts.prefetch_policy,
                 "device_pool_tokens": s.facts.device_pool_tokens,
                 "host_pool_tokens": s.facts.host_pool_tokens,
+                "host_pool_source": s.facts.host_pool_source,
             }
             for s in servers
         ]
@@ -331,8 +355,7 @@ def run(options: Options) -> Outcome:
         notes["against"] = str(options.against)
         _progress(f"{len(probes)} saved probes from {options.against}; L3 pass only")
         warm_up(l3_server, vocab, rng)
-        notes["eviction"] = evict(l3_server, options.evict, vocab, len(probes[0].input_ids))
-        _progress(notes["eviction"])
+        notes["eviction"] = evict(l3_server, options, vocab, len(probes[0].input_ids), notes)
         return Outcome(_l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes)
 
     facts = [s.facts for s in servers]
@@ -370,10 +393,10 @@ def run(options: Options) -> Outcome:
         notes["saved"] = str(options.save)
         _progress(f"saved the probes and cold answers to {options.save}")
     if l3_server is cold_server:
-        notes["eviction"] = evict(l3_server, options.evict, vocab, context)
+        notes["eviction"] = evict(l3_server, options, vocab, context, notes)
     else:
         notes["eviction"] = f"none: {l3_server.url} never saw the probes"
-    _progress(notes["eviction"])
+        _progress(notes["eviction"])
     return Outcome(_l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes)
 
 
@@ -453,6 +476,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "sglang's /flush_cache (default), or unique traffic sized from the server's pools",
     )
     parser.add_argument(
+        "--churn-tokens",
+        type=positive_int_arg,
+        default=None,
+        metavar="N",
+        help=f"unique tokens --evict churn sends (default {V.CHURN_FACTOR}x the device and "
+        "host pools the server reports; needed when it does not report its host pool)",
+    )
+    parser.add_argument(
         "--backup-wait-s",
         type=float,
         default=60.0,
@@ -479,6 +510,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
         raise ValidateError("give one --server, or two (cold pass on the first, L3 on the second)")
     if args.against is not None and (len(args.server) != 1 or args.save is not None):
         raise ValidateError("--against runs only the L3 pass: give one --server and no --save")
+    if args.churn_tokens is not None and args.evict != "churn":
+        raise ValidateError("--churn-tokens sizes --evict churn; add --evict churn")
     if args.logprob_tolerance is not None and args.logprob_tolerance < 0:
         raise ValidateError("--logprob-tolerance must be >= 0")
     return Options(
@@ -489,6 +522,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         top_logprobs=args.top_logprobs,
         tolerance=args.logprob_tolerance,
         evict=args.evict,
+        churn_tokens=args.churn_tokens,
         backup_wait_s=args.backup_wait_s,
         save=args.save,
         against=args.against,

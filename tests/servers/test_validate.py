@@ -9,8 +9,9 @@ and the session's server without an L3. The servers use the
 ``timeout`` policy sometimes drops a prefetch under load, which validate
 reports as a failure ("prefetch dropped") and these tests are not about.
 
-Covered: this backend passes with two servers and with one server and a
-flush; ``MooncakeStore`` passes; a server without L3 fails with no storage
+Covered: this backend passes with two servers, with one server and a
+flush, and with one server and churn eviction (and churn too small to evict
+is no pass); ``MooncakeStore`` passes; a server without L3 fails with no storage
 hits; each restore fault fails at the one probe it spoils and only there;
 ``--save`` / ``--against`` across a whole-cluster restart with the SSD tier;
 GLM-5.3-Flash (``glm5_next``) restores all three pools.
@@ -27,6 +28,8 @@ import pytest
 
 from mooncake_span.lab.sglang_servers import START_TIMEOUT_S, ServerOptions
 from mooncake_span.ops import cli
+from mooncake_span.ops import validate as V
+from mooncake_span.ops.validate_http import SglangHttp
 from mooncake_span.testing import restore_faults
 from mooncake_span.testing.cpu_server.models import default_spec, serving_profile
 from tests.servers.conftest import Launched, stored_keys, wait_until
@@ -145,6 +148,64 @@ def test_one_server_with_a_flush_passes(deployment, capsys):
     assert code == 0, doc["reasons"]
     assert restored_everything(doc) and doc["agreeing"] == 2
     assert "/flush_cache" in doc["eviction"]
+
+
+@pytest.mark.timeout(300)
+def test_churn_evicts_from_device_and_host_then_passes(deployment, capsys):
+    """``--evict churn`` on one server: unique traffic sized from the pools it reports
+    pushes the probes out of device and host memory, so the L3 pass takes every
+    restorable token from storage, and agrees."""
+    started = time.monotonic()
+    code, doc = validate(
+        capsys, "--server", deployment.ours.url, "--evict", "churn", "--depths", FEW_DEPTHS
+    )
+    print(f"churn case: {time.monotonic() - started:.1f} s, churn {doc.get('churn')}")
+    assert code == 0, doc["reasons"]
+    # The pools as the server reports them, read here apart from the command.
+    http = SglangHttp(deployment.ours.url)
+    device = http.server_info()["max_total_num_tokens"]
+    host = int(http.metrics()["sglang:hicache_host_total_tokens"])
+    assert host > device > 0
+    churn = doc["churn"]
+    assert churn["pool_tokens"] == device + host
+    assert churn["tokens"] >= V.CHURN_FACTOR * (device + host)
+    assert f"device pool {device} + host pool {host} tokens" in doc["eviction"]
+    assert doc["agreeing"] == 2 and restored_everything(doc)
+    for result in doc["results"]:
+        assert result["device_tokens"] == result["host_tokens"] == 0, result
+        assert result["memory_tokens"] == 0, result
+    hits = doc["l3_counter_deltas"]["sglang:storage_prefetch_hit_tokens_total"]
+    assert hits >= doc["restorable_tokens"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("device_pools", [0, 1], ids=["one-prompt", "device-pool-only"])
+def test_churn_too_small_to_evict_is_no_pass(deployment, capsys, device_pools):
+    """Negative control: churn below the pools leaves the probe in memory, and validate
+    says it was not served from storage. ``device-pool-only`` is churn sized as if there
+    were no host pool: sglang keeps the probe in host memory, which is not full."""
+    device = SglangHttp(deployment.ours.url).server_info()["max_total_num_tokens"]
+    started = time.monotonic()
+    code, doc = validate(
+        capsys,
+        "--server",
+        deployment.ours.url,
+        "--evict",
+        "churn",
+        "--churn-tokens",
+        str(max(device * device_pools, 1)),
+        "--depths",
+        "50",
+    )
+    print(f"small churn case ({device_pools} device pools): {time.monotonic() - started:.1f} s")
+    assert code == 1 and not doc["ok"]
+    assert doc["churn"]["tokens"] <= max(device * device_pools, doc["churn"]["prompt_tokens"])
+    assert "too little" in doc["eviction"]
+    assert doc["reasons"][0].startswith("not evicted: 1 of 1 probes"), doc["reasons"]
+    (result,) = doc["results"]
+    assert result["device_tokens"] + result["host_tokens"] > 0, result
+    assert result["storage_tokens"] < result["restorable_tokens"], result
+    assert doc["failing_depths"] == [0.5]
 
 
 @pytest.mark.timeout(600)

@@ -77,7 +77,8 @@ def test_parse_depths_accepts_percent_and_fractions():
 
 def test_shared_prefix_tokens():
     assert V.shared_prefix_tokens([(1, 2, 3, 4), (1, 2, 9), (1, 2, 3)]) == 2
-    assert V.shared_prefix_tokens([(5, 6)]) == 2
+    # A lone probe shares nothing (else its whole prompt could stay in memory).
+    assert V.shared_prefix_tokens([(5, 6)]) == 0
     assert V.shared_prefix_tokens([(1,), (2,)]) == 0
 
 
@@ -111,13 +112,20 @@ def test_server_facts_read_pools_and_backend():
     assert (f.page_tokens, f.device_pool_tokens, f.host_pool_tokens) == (64, 4096, 8192)
     assert f.storage_backend == "dynamic" and f.prefetch_policy == "timeout"
     assert f.model == "tiny" and f.full_precision
+    assert f.host_pool_source == "--hicache-ratio 2 x the device pool"
     # The host pool the server exports wins over the ratio.
     exported = V.server_facts(
         "http://s", SERVER_INFO, MODEL_INFO, {"sglang:hicache_host_total_tokens": 5000.0}
     )
     assert exported.host_pool_tokens == 5000
+    assert exported.host_pool_source.startswith("sglang:hicache_host_total_tokens")
+    # --hicache-size (GB) overrides the ratio in sglang; GB to tokens is not reported.
+    sized = facts(hicache_size=4)
+    assert sized.host_pool_tokens is None and sized.hierarchical_cache
+    assert "--hicache-size 4 GB" in sized.host_pool_source
     bare = facts(hicache_storage_backend=None, enable_hierarchical_cache=False, dtype="bfloat16")
     assert bare.storage_backend is None and bare.host_pool_tokens is None
+    assert not bare.hierarchical_cache
     assert not bare.full_precision
     with pytest.raises(ValueError, match="KV pool"):
         V.server_facts("http://s", {"page_size": 64}, MODEL_INFO, {})
@@ -143,9 +151,31 @@ def test_context_override_out_of_bounds_is_refused():
 
 
 def test_churn_covers_device_and_host_pools():
-    prompts, why = V.churn_plan([facts()], 2048)
-    assert prompts * 2048 >= V.CHURN_FACTOR * (4096 + 8192)
-    assert "device pool 4096" in why and "host pool 8192" in why
+    plan = V.churn_plan(facts(), 2048)
+    assert plan.prompt_tokens == 2048 and plan.pool_tokens == 4096 + 8192
+    assert plan.tokens >= V.CHURN_FACTOR * (4096 + 8192) > (plan.prompts - 1) * 2048
+    assert "device pool 4096 + host pool 8192" in plan.why and "--hicache-ratio 2" in plan.why
+    exported = V.server_facts(
+        "http://s", SERVER_INFO, MODEL_INFO, {"sglang:hicache_host_total_tokens": 8256.0}
+    )
+    assert V.churn_plan(exported, 1000).tokens >= V.CHURN_FACTOR * (4096 + 8256)
+    no_host = V.churn_plan(facts(enable_hierarchical_cache=False), 1024)
+    assert no_host.pool_tokens == 4096 and "no host pool" in no_host.why
+
+
+def test_churn_needs_a_known_host_pool():
+    sized = facts(hicache_size=4)
+    with pytest.raises(ValueError, match="host pool size is unknown.*--churn-tokens"):
+        V.churn_plan(sized, 2048)
+    plan = V.churn_plan(sized, 2048, override_tokens=50000)
+    assert plan.prompts == 25 and "--churn-tokens 50000" in plan.why
+
+
+def test_churn_override_says_when_it_is_too_small():
+    small = V.churn_plan(facts(), 2048, override_tokens=1)
+    assert small.prompts == 1 and small.tokens == 2048
+    assert "too little" in small.why and "device pool 4096 + host pool 8192" in small.why
+    assert "too little" not in V.churn_plan(facts(), 2048, override_tokens=20000).why
 
 
 def generate_answer(ids, top, storage=0, cached=0, text="w1 w2"):
@@ -214,6 +244,42 @@ def test_restore_problems_are_named():
     assert not partial.ok and "partial restore at depth 40%: 1024 of 1984" in partial.problem()
     kept = judged(storage=0, cached=1984)
     assert not kept.ok and "not evicted" in kept.problem()
+
+
+def test_probes_left_in_memory_fail_as_not_evicted():
+    """Churn too small to evict: the L3 pass is served from host memory. That is no
+    pass, and no storage failure either: the reason says eviction did not happen."""
+    host_hit = {
+        "text": "x",
+        "output_ids": [7, 9, 4],
+        "meta_info": {
+            "prompt_tokens": 2048,
+            "cached_tokens": 1984,
+            "cached_tokens_details": {"device": 0, "host": 1984, "storage": 0},
+            "output_top_logprobs": [[[lp, tok, None] for tok, lp in step] for step in TOP],
+        },
+    }
+    cold, _ = answers()
+    l3 = V.parse_answer(host_hit)
+    assert (l3.device_tokens, l3.host_tokens, l3.memory_tokens) == (0, 1984, 1984)
+    kept = [V.judge_probe(PROBE, cold, l3, PAGE, 0, 1e-4) for _ in range(2)]
+    assert kept[0].problem() == (
+        "not evicted at depth 40%: 1984 tokens (device 0, host 1984) came from memory, "
+        "0 from storage"
+    )
+    report = V.Report(tuple(kept))
+    assert not report.ok and report.reasons()[0].startswith("not evicted: 2 of 2 probes")
+    assert not any(r.startswith("no storage hits") for r in report.reasons())
+
+
+def test_a_lone_probe_half_in_memory_fails():
+    """One depth: the probe's head still in host memory, its tail from storage. Its
+    prompt is no shared opening, so this is not a full restore from L3."""
+    cold, l3 = answers(storage=960, cached=1984)
+    shared = V.shared_prefix_tokens([PROBE.input_ids])
+    result = V.judge_probe(PROBE, cold, l3, PAGE, shared, 1e-4)
+    assert not result.ok and "not evicted at depth 40%" in result.problem()
+    assert not V.Report((result,)).ok
 
 
 def test_the_shared_opening_may_stay_in_memory():
@@ -305,6 +371,11 @@ def test_unreachable_server_is_a_clear_error(capsys):
     assert cli.main(["validate", "--server", url, "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False and "unreachable" in doc["error"]
+
+
+def test_churn_tokens_go_with_churn_eviction(capsys):
+    code = cli.main(["validate", "--server", "a:1", "--churn-tokens", "1000"])
+    assert code == 1 and "add --evict churn" in capsys.readouterr().err
 
 
 def test_against_takes_one_server(capsys, tmp_path):
