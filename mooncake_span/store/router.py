@@ -51,6 +51,8 @@ class DomainRouter:
         # With placement, replicas are copies under their own keys (one per
         # segment) so that a read can skip a dead copy; without it, Mooncake's.
         self.copies = options.replica_num if options.placement else 1
+        # The replicas Mooncake itself makes of each object a put sends.
+        self.mooncake_replicas = 1 if options.placement else options.replica_num
         self.ledger = ledger
         self.segments = segments
         self._max_buffers = options.max_buffers_per_call
@@ -62,6 +64,10 @@ class DomainRouter:
         # names no chain cannot compute where its keys are (domain_of gives the
         # per-key answer), so while a segment is bad the master is asked.
         self.chained = False
+
+    def copy_keys(self, key: str) -> list[str]:
+        """The object keys of every copy of ``key``."""
+        return [copy_key(key, r) for r in range(self.copies)]
 
     def place_by(self, domain_of: Callable[[str], str] | None) -> None:
         """Place objects by ``domain_of(object key)`` (None: by the key itself)."""

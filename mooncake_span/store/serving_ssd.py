@@ -53,6 +53,9 @@ OWNER_DOWN_LABEL = "SSD_OWNER_DOWN"
 ListDiskOwners = Callable[[str, Sequence[str]], dict[str, set[str]] | None]
 # A call's native codes, given its object keys and their buffers.
 GetCall = Callable[[list[str], PlanBatch], list[int]]
+# The master's replica descriptions of objects (None: no answer), even while the
+# breaker is open with past_breaker=True (``MooncakeClient.replica_desc``).
+ReplicaDesc = Callable[..., Any]
 
 
 def overflowed(codes: Sequence[int]) -> list[int]:
@@ -168,17 +171,21 @@ class ServingSsd:
         self,
         object_keys: Sequence[str],
         codes: Sequence[int],
-        replica_desc: Callable[[list[str]], Any],
+        replica_desc: ReplicaDesc,
     ) -> list[str]:
-        """Reads that failed at the RPC layer: if the master answers (``replica_desc``,
-        one RPC past the breaker) and the objects had only disk replicas, their
-        owner is down. The master's admin server names it, and the ledger marks
-        its segment; without an owner to name, returns the keys to remember lost."""
+        """Reads that failed at the RPC layer: if the master answers (``replica_desc``)
+        and the objects had only disk replicas, their owner is down. The master's
+        admin server names it, and the ledger marks its segment; without an owner
+        to name, returns the keys to remember lost.
+
+        The master is asked past the breaker: the failed read may just have
+        opened it, and this one RPC is what tells a dead master from a dead SSD
+        owner."""
         positions = owner_failures(codes)
         if not positions:
             return []
         keys = [object_keys[i] for i in positions]
-        found = replica_desc(keys)
+        found = replica_desc(keys, past_breaker=True)
         if not isinstance(found, dict):
             return []  # the master is down too: the breaker's business
         down = sorted(disk_only(found) & set(keys))
