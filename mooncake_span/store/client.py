@@ -7,9 +7,9 @@ one place (``errors.py``: ``written``, ``read_whole``, ``found`` and the
 predicates); every other code is counted by name. What to do is decided
 elsewhere, and carried out here:
 
-* ``domain_calls.py``: which native calls a put, get or existence query
-  becomes (direct, as its caller built it, or copy by copy, by the router's
-  word), and what a failed call teaches;
+* ``domain_calls.py``: which native calls a put or a get becomes (direct, as
+  its caller built it, or copy by copy, by the router's word), existence
+  queries copy by copy, and what a failed call teaches;
 * ``put_cooldown.py``: refused puts in a row pause puts (skipped ones read False);
 * ``seal.py``: with ``span_object_checksums`` every object carries its seal:
   ``put`` and ``get`` wrap the call in the trailers' arena, and each native
@@ -28,6 +28,7 @@ existence, the other operations, then statistics.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import re
@@ -41,6 +42,7 @@ from mooncake_span.errors import (
     StoreClosedError,
     TransportError,
     code_name,
+    found,
     is_transfer_failure,
     is_transport_failure,
     short_reads,
@@ -48,7 +50,7 @@ from mooncake_span.errors import (
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch
 from mooncake_span.store.client_stats import ClientStats
-from mooncake_span.store.domain_calls import DomainCalls, Existence, Puts
+from mooncake_span.store.domain_calls import DomainCalls, Puts
 from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.integrity import IntegrityFailures
@@ -61,12 +63,7 @@ from mooncake_span.store.native import (
     setup_arguments,
     setup_store,
 )
-from mooncake_span.store.put_cooldown import (
-    COOLDOWN,
-    FULL_SKIPPED_LABEL,
-    SKIPPED_CODE,
-    PutPressure,
-)
+from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL, PutPressure
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.seal import TrailerArena
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
@@ -102,10 +99,17 @@ _EXISTS_KEYS_PER_CALL = 4096
 _GROUPED_PUT_OBJECTS = 64
 
 
-class MooncakeClient:
-    # The most keys one batch_is_exist carries (DomainCalls fills the last one's room).
-    exists_keys_per_call = _EXISTS_KEYS_PER_CALL
+@dataclasses.dataclass(frozen=True)
+class Existence:
+    """An existence query's answer."""
 
+    found: list[bool]  # per key asked
+    # Per touched object asked: a head of them, as many as fit in the query's last
+    # RPC, and none while the router is troubled (touching never adds an RPC).
+    touched_head: list[bool]
+
+
+class MooncakeClient:
     def __init__(
         self,
         settings: MooncakeSettings,
@@ -224,12 +228,11 @@ class MooncakeClient:
         ``hard_pin``: never evicted (metadata); ``sealed=False``: no seal even with
         ``span_object_checksums`` (small records other tools read as they are).
         True only if every copy was written (``DomainCalls.put``)."""
-        batch = PlanBatch.of(plans)
-        if sealed and self._seal is not None:
-            with self._seal.writing(keys, batch) as sealed_batch:
-                puts = Puts(list(keys), sealed_batch, group_ids, hard_pin, domains, steps)
-                return self._domains.put(puts)
-        return self._domains.put(Puts(list(keys), batch, group_ids, hard_pin, domains, steps))
+        puts = Puts(list(keys), PlanBatch.of(plans), group_ids, hard_pin, domains, steps)
+        if not sealed or self._seal is None:
+            return self._domains.put(puts)
+        with self._seal.writing(puts.keys, puts.batch) as sealed_batch:
+            return self._domains.put(dataclasses.replace(puts, batch=sealed_batch))
 
     def put_part(self, puts: Puts, segment: str) -> list[int]:
         """Objects onto one segment, in calls within the buffer budget (not sent
@@ -238,10 +241,9 @@ class MooncakeClient:
         for call in self.router.calls(puts.batch, _GROUPED_PUT_OBJECTS if puts.group_ids else 0):
             if not puts.hard_pin and self.pressure.cooling:
                 self._gate.count(FULL_SKIPPED_LABEL, len(call))
-                self.pressure.count(COOLDOWN, len(call))
-                codes += [SKIPPED_CODE] * len(call)
-                continue
-            codes += self._put_call(puts.part(call), segment)
+                codes += self.pressure.skip(len(call))
+            else:
+                codes += self._put_call(puts.part(call), segment)
         if segment and any(map(is_transfer_failure, codes)):
             self._domains.failed_put(segment, codes)
         return codes
@@ -352,8 +354,8 @@ class MooncakeClient:
         recently, and keys whose every copy sits in a bad failure domain, are
         absent without asking the master. ``domains``/``steps`` as for ``get``;
         ``on_rpc`` is called once per native RPC sent (existence queries of at
-        most ``exists_keys_per_call`` keys each, and where suspect copies are)."""
-        return self._domains.exists(keys, (), domains, steps, on_rpc).found
+        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are)."""
+        return self.exists_and_touch(keys, (), domains, steps, on_rpc).found
 
     def exists_and_touch(
         self,
@@ -366,13 +368,18 @@ class MooncakeClient:
         """``exists``, and the same query names objects of ``touch`` for the lease
         Mooncake grants every object it finds: as many of the first ones as fit in
         the query's last RPC, so touching never adds one, and only while the
-        router is untroubled (``Existence.touched_head``)."""
-        return self._domains.exists(keys, touch, domains, steps, on_rpc)
+        router is untroubled (``Existence.touched_head``); otherwise copy by copy
+        (``DomainCalls.exists``)."""
+        if not self.router.untroubled:
+            return Existence(self._domains.exists(keys, domains, steps, on_rpc), [])
+        head = list(touch[: -len(keys) % _EXISTS_KEYS_PER_CALL])
+        flags = found(self.exists_codes([*keys, *head], on_rpc))
+        return Existence(flags[: len(keys)], flags[len(keys) :])
 
     def exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
         out: list[int] = []
-        for start in range(0, len(keys), self.exists_keys_per_call):
-            chunk = keys[start : start + self.exists_keys_per_call]
+        for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
+            chunk = keys[start : start + _EXISTS_KEYS_PER_CALL]
 
             def ask(store: Any, keys: list[str] = chunk) -> list[int]:
                 on_rpc()  # called once the gate let the call through

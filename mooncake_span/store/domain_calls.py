@@ -8,8 +8,7 @@ its own). The router (``DomainRouter``) decides from the ledger's marks:
 * nearly every call of a healthy cluster goes **direct**, as its caller built
   it: one copy per key, no segment marked bad or full, no key named twice.
   A put goes one segment's share at a time; a get in calls cut only by the
-  buffer budget; an existence query in one query that also names the
-  objects to touch, as many as fit in its last RPC;
+  buffer budget (an existence query goes direct from the client itself);
 * otherwise **copy by copy**: a put writes every copy of every unique key
   onto the segment the router places it on (a key is written when all its
   copies are); a get reads each key's live copies in turn, until one reads
@@ -75,20 +74,8 @@ class Puts:
         return Puts(keys, self.batch.take(rows), groups, self.hard_pin)
 
 
-@dataclass(frozen=True)
-class Existence:
-    """An existence query's answer."""
-
-    found: list[bool]  # per key asked
-    # Per touched object asked: a head of them, as many as fit in the query's last
-    # RPC, and none while the router is troubled (touching never adds an RPC).
-    touched_head: list[bool]
-
-
 class NativeParts(Protocol):
     """The client's native calls that the paths here are made of (``store/client.py``)."""
-
-    exists_keys_per_call: int  # the most keys one existence RPC carries
 
     def put_part(self, puts: Puts, segment: str) -> list[int]: ...
     def get_call(self, keys: list[str], batch: PlanBatch) -> list[int]: ...
@@ -104,7 +91,7 @@ class NativeParts(Protocol):
 
 @dataclass(eq=False)
 class DomainCalls:
-    """Puts, gets and existence queries, direct or copy by copy, on the client's native parts."""
+    """Puts and gets, direct or copy by copy, and existence queries copy by copy."""
 
     native: NativeParts
     router: DomainRouter
@@ -121,8 +108,6 @@ class DomainCalls:
 
     def put(self, puts: Puts) -> list[bool]:
         """Per key, True when every copy was written."""
-        if puts.steps is not None:
-            self.router.note_chain_put()
         if not self.router.direct_put(puts.keys):
             return self._put_copies(puts)
         ok = self._put_direct(puts)
@@ -219,23 +204,6 @@ class DomainCalls:
     # ---- existence queries -----------------------------------------------------------
 
     def exists(
-        self,
-        keys: Sequence[str],
-        touch: Sequence[str],
-        domains: Domains,
-        steps: Steps,
-        on_rpc: Callable[[], None],
-    ) -> Existence:
-        """Per key, whether a readable copy is stored; the objects of ``touch`` ride
-        along (Mooncake renews the lease of each one it finds) only on the direct
-        path, as many as fit in the query's last RPC."""
-        if self.router.untroubled:  # the common case
-            head = list(touch[: -len(keys) % self.native.exists_keys_per_call])
-            flags = found(self.native.exists_codes([*keys, *head], on_rpc))
-            return Existence(flags[: len(keys)], flags[len(keys) :])
-        return Existence(self._exists_copies(keys, domains, steps, on_rpc), [])
-
-    def _exists_copies(
         self, keys: Sequence[str], domains: Domains, steps: Steps, on_rpc: Callable[[], None]
     ) -> list[bool]:
         """Per key, whether a live copy is stored; lost keys and keys with every copy
