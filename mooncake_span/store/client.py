@@ -91,6 +91,10 @@ def _uncounted() -> None:
     """The ``on_rpc`` of a caller that does not count RPCs."""
 
 
+def _before_connect(*_: Any) -> Any:
+    raise StoreClosedError("batch_put_from_multi_buffers called before connect()")
+
+
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
 _EXISTS_KEYS_PER_CALL = 4096
 # Mooncake 0.3.13's put with group ids costs more per object the more objects
@@ -135,6 +139,8 @@ class MooncakeClient:
         )
         self._ssd = ServingSsd(self._gate, self.ledger)  # the SSD tier's one owner
         self._seal: TrailerArena | None = None  # span_object_checksums, set by connect()
+        # Every put's ReplicateConfig but for its group ids, pin and segment; set by connect().
+        self._replicate_config: Callable[..., Any] = _before_connect
         # Which native calls a data call becomes, made of this client's native parts.
         self._domains = DomainCalls(
             self, self.router, self.ledger, self._gate, self._integrity, self._ssd
@@ -153,14 +159,13 @@ class MooncakeClient:
         self._domains.dial = functools.partial(
             binding.segment_answers, s.metadata_server, admin_url
         )
+        self._replicate_config = functools.partial(
+            replicate_config, binding.replicate_config_factory, self.router.mooncake_replicas
+        )
         store = binding.store_factory()
         started = time.monotonic()
-        self._ssd.open(s, admin_url, binding.list_segments, binding.list_disk_owners)
-        try:
+        with self._ssd.opened(s, admin_url, binding.list_segments, binding.list_disk_owners):
             setup_store(store, s, **setup_arguments(s, self._shared_engine))
-        except BaseException:
-            self._ssd.release()
-            raise
         if self._ssd.owns_directory:
             self._ssd.running(segment=store.get_hostname())
         self._gate.open(store)
@@ -249,9 +254,7 @@ class MooncakeClient:
         return codes
 
     def _put_call(self, puts: Puts, segment: str) -> list[int]:
-        factory = self._binding.replicate_config_factory
-        replicas = self.router.mooncake_replicas
-        config = replicate_config(factory, replicas, puts.group_ids, puts.hard_pin, segment)
+        config = self._replicate_config(puts.group_ids, puts.hard_pin, segment)
         keys, batch = puts.keys, puts.batch
         codes = self._gate.invoke(
             "batch_put_from_multi_buffers",

@@ -33,8 +33,9 @@ The client makes every native call and hands the answers in.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from mooncake_span.errors import ConfigError, ErrorCode, SetupError
@@ -121,19 +122,26 @@ class ServingSsd:
 
     # ---- this rank's own tier ----------------------------------------------------------
 
-    def open(
+    @contextlib.contextmanager
+    def opened(
         self,
         settings: MooncakeSettings,
         admin_url: str | None,
         list_segments: Callable[[str], list[str] | None],
         list_disk_owners: ListDiskOwners,
-    ) -> None:
-        """Before ``setup``: lock this rank's directory (with ``enable_ssd_offload``),
-        and learn where to ask for disk owners."""
+    ) -> Iterator[None]:
+        """Around ``setup``: lock this rank's directory first (with
+        ``enable_ssd_offload``) and learn where to ask for disk owners; release
+        the directory if ``setup`` fails (a later start must find it free)."""
         self._admin_url = admin_url
         self._list_disk_owners = list_disk_owners
         lister = (lambda: list_segments(admin_url)) if admin_url else None
         self._lock = open_rank_directory(settings, lister)
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
 
     @property
     def owns_directory(self) -> bool:
