@@ -92,6 +92,8 @@ def _uncounted() -> None:
 
 
 def _before_connect(*_: Any) -> Any:
+    """A put's ``ReplicateConfig`` before ``connect``: refused, as the gate refuses
+    every native call then."""
     raise StoreClosedError("batch_put_from_multi_buffers called before connect()")
 
 
@@ -318,8 +320,8 @@ class MooncakeClient:
         found only on an SSD (``ServingSsd.add_disk_owners``); {} if it does not answer."""
         if not object_keys:
             return {}
-        found = self.replica_desc(list(object_keys), on_rpc=on_rpc)
-        return self._ssd.add_disk_owners(found, replica_segments(found, sizes))
+        replicas = self.replica_desc(list(object_keys), on_rpc=on_rpc)
+        return self._ssd.add_disk_owners(replicas, replica_segments(replicas, sizes))
 
     def replica_desc(
         self,

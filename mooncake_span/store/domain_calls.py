@@ -1,8 +1,8 @@
-"""Which native calls a put, a get or an existence query becomes: the router's
-word, carried out.
+"""Which native calls a put or a get becomes (and an existence query while
+failure domains matter): the router's word, carried out.
 
-``MooncakeClient`` hands every data call here, and ``DomainCalls`` sends its
-parts through the client's native calls (``NativeParts``: it makes none of
+``MooncakeClient`` hands every put and get here, and ``DomainCalls`` sends
+their parts through the client's native calls (``NativeParts``: it makes none of
 its own). The router (``DomainRouter``) decides from the ledger's marks:
 
 * nearly every call of a healthy cluster goes **direct**, as its caller built
