@@ -8,6 +8,8 @@ each subclasses a builtin so generic handlers keep working.
 from __future__ import annotations
 
 import enum
+import operator
+from collections.abc import Sequence
 
 
 class MooncakeSpanError(Exception):
@@ -163,3 +165,28 @@ def is_integrity_failure(code: int) -> bool:
 
 def is_no_space(code: int) -> bool:
     return code in NO_SPACE_CODES
+
+
+# The one translation of a data call's per-object codes into what the caller
+# reads: True or False per object. Everything else is a reason, counted by name.
+
+
+def written(codes: Sequence[int]) -> list[bool]:
+    """A put's codes: True where the object was stored (0)."""
+    return [code == 0 for code in codes]
+
+
+def read_whole(codes: Sequence[int], planned_bytes: Sequence[int]) -> list[bool]:
+    """A get's codes: True only where exactly the planned bytes arrived (a
+    positive code is the bytes read)."""
+    return list(map(operator.eq, codes, planned_bytes))
+
+
+def short_reads(codes: Sequence[int], planned_bytes: Sequence[int]) -> int:
+    """How many objects of a get read some bytes, but not the planned ones."""
+    return sum(1 for code, n in zip(codes, planned_bytes, strict=True) if 0 <= code != n)
+
+
+def found(codes: Sequence[int]) -> list[bool]:
+    """An existence query's codes: True where the object exists (1)."""
+    return [code == 1 for code in codes]

@@ -46,6 +46,5 @@ class KvAhead:
         either way."""
         answer = getattr(self._local, "answer", None)
         self._local.answer = None
-        if answer is None or answer.objects != objects:
-            return None
-        return answer if self._clock() - answer.at_s <= FRESH_S else None
+        fresh = answer is not None and self._clock() - answer.at_s <= FRESH_S
+        return answer if fresh and answer.objects == objects else None

@@ -97,10 +97,8 @@ class StoredCheck:
         """For a sidecar call (no KV batch in it): the KV objects of its KV-derived
         batch's keys and of their chain prefix, asked now for the KV call after it."""
         kv = self._registration.pools.get(KV_POOL)
-        if kv is None or kv.is_logical or any(b.pool is kv for b in physical):
-            return [], []
         derived = next((b for b in physical if b.pool.kind is PoolKind.KV_DERIVED), None)
-        if derived is None:
+        if derived is None or kv is None or kv.is_logical or any(b.pool is kv for b in physical):
             return [], []
         schema = self._registration.key_schema
         return kv.object_keys(schema, derived.page_keys), kv.object_keys(

@@ -21,17 +21,14 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from mooncake_span.errors import InvalidRequestError, MooncakeSpanError
 from mooncake_span.span.byte_budget import align_up, largest_gap
 from mooncake_span.span.plan import ObjectPlan
-
-if TYPE_CHECKING:
-    from mooncake_span.store.client import MooncakeClient
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +103,21 @@ class StagingArena:
                 self._cond.notify_all()
 
 
-def create_blob(client: MooncakeClient, arena: StagingArena, key: str, data: bytes) -> bool:
+class BlobClient(Protocol):
+    """The calls of ``MooncakeClient`` a blob makes. Named here, not imported: the
+    client's seals (``seal.py``) live in an arena, so an import would be a cycle."""
+
+    def exists(self, keys: Sequence[str]) -> list[bool]: ...
+    def size_of(self, key: str) -> int: ...
+    def put(
+        self, keys: Sequence[str], plans: Sequence[ObjectPlan], *, hard_pin: bool, sealed: bool
+    ) -> list[bool]: ...
+    def get(
+        self, keys: Sequence[str], plans: Sequence[ObjectPlan], *, sealed: bool
+    ) -> list[bool]: ...
+
+
+def create_blob(client: BlobClient, arena: StagingArena, key: str, data: bytes) -> bool:
     """Store ``data`` under ``key`` unless the key exists; True if this call wrote it."""
     if client.exists([key])[0]:
         return False
@@ -117,7 +128,7 @@ def create_blob(client: MooncakeClient, arena: StagingArena, key: str, data: byt
         return client.put([key], [plan], hard_pin=True, sealed=False)[0]
 
 
-def read_blob(client: MooncakeClient, arena: StagingArena, key: str) -> bytes | None:
+def read_blob(client: BlobClient, arena: StagingArena, key: str) -> bytes | None:
     """The bytes stored under ``key``, or None when it cannot be read."""
     size = client.size_of(key)
     if size <= 0:

@@ -1,39 +1,39 @@
 """The only module that talks to Mooncake.
 
-``MooncakeClient`` wraps one ``MooncakeDistributedStore`` and turns its native
-conventions into plain Python ones, once: per-object results become ``bool``
-(put: rc 0; get: exactly the planned bytes read; exists: 1), and every other
-code is counted by name for ``stats()``. Every native call passes the gate
-(``gate.py``: closed, breaker, answer shape). What to do is decided elsewhere,
-and carried out here:
+``MooncakeClient`` wraps one ``MooncakeDistributedStore``: it sets it up,
+makes every native call through the gate (``gate.py``: closed, breaker,
+answer shape, the error counters) and closes it. A native code is read in
+one place (``errors.py``: ``written``, ``read_whole``, ``found`` and the
+predicates); every other code is counted by name. What to do is decided
+elsewhere, and carried out here:
 
-* ``router.py``: whether a call goes out as its caller built it (nearly every
-  call of a healthy cluster: one native call, cut only by the buffer budget)
-  or copy by copy (``domain_calls.py``), and where a put's objects go;
-* ``failure_ledger.py``: the bad, full and owner-down segment marks and lost
-  keys, on the one ``clock`` the client is given;
+* ``domain_calls.py``: which native calls a put or a get becomes (direct, as
+  its caller built it, or copy by copy, by the router's word), existence
+  queries copy by copy, and what a failed call teaches;
 * ``put_cooldown.py``: refused puts in a row pause puts (skipped ones read False);
 * ``seal.py``: with ``span_object_checksums`` every object carries its seal:
   ``put`` and ``get`` wrap the call in the trailers' arena, and each native
   get checks what it read, a mismatch reading as a broken object;
-* ``serving_ssd.py``: this rank's SSD directory and reads from SSD owners;
+* ``serving_ssd.py``: this rank's SSD directory, reads an SSD owner's read
+  buffer could not take, and where disk replicas are;
+* ``segments.py``: the live segment list placement chooses from;
+* ``client_stats.py``: what ``stats()`` reports, from the owners of each count;
 * ``native.py``: the reachability checks and environment before ``setup``.
 
 The file reads top-down: lifecycle, the write path (``put`` down to the
-native call), the read path (``get`` likewise), existence, the other
-operations, then statistics.
+native call), the read path (``get`` likewise), replica descriptions,
+existence, the other operations, then statistics.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
-import operator
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from mooncake_span.config import SpanOptions
@@ -42,13 +42,15 @@ from mooncake_span.errors import (
     StoreClosedError,
     TransportError,
     code_name,
+    found,
     is_transfer_failure,
     is_transport_failure,
+    short_reads,
 )
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch
-from mooncake_span.store.domain_calls import DomainCalls, Placed
-from mooncake_span.store.domains import copy_key
+from mooncake_span.store.client_stats import ClientStats
+from mooncake_span.store.domain_calls import DomainCalls, Puts
 from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.integrity import IntegrityFailures
@@ -61,12 +63,7 @@ from mooncake_span.store.native import (
     setup_arguments,
     setup_store,
 )
-from mooncake_span.store.put_cooldown import (
-    COOLDOWN,
-    FULL_SKIPPED_LABEL,
-    SKIPPED_CODE,
-    PutPressure,
-)
+from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL, PutPressure
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.seal import TrailerArena
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
@@ -94,6 +91,12 @@ def _uncounted() -> None:
     """The ``on_rpc`` of a caller that does not count RPCs."""
 
 
+def _before_connect(*_: Any) -> Any:
+    """A put's ``ReplicateConfig`` before ``connect``: refused, as the gate refuses
+    every native call then."""
+    raise StoreClosedError("batch_put_from_multi_buffers called before connect()")
+
+
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
 _EXISTS_KEYS_PER_CALL = 4096
 # Mooncake 0.3.13's put with group ids costs more per object the more objects
@@ -102,7 +105,7 @@ _EXISTS_KEYS_PER_CALL = 4096
 _GROUPED_PUT_OBJECTS = 64
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Existence:
     """An existence query's answer."""
 
@@ -138,10 +141,14 @@ class MooncakeClient:
         )
         self._ssd = ServingSsd(self._gate, self.ledger)  # the SSD tier's one owner
         self._seal: TrailerArena | None = None  # span_object_checksums, set by connect()
-        # Calls while failure domains matter, made of this client's native parts.
+        # Every put's ReplicateConfig but for its group ids, pin and segment; set by connect().
+        self._replicate_config: Callable[..., Any] = _before_connect
+        # Which native calls a data call becomes, made of this client's native parts.
         self._domains = DomainCalls(
             self, self.router, self.ledger, self._gate, self._integrity, self._ssd
         )
+        parts = (self._gate, self.ledger, self.pressure, self._ssd, self._integrity)
+        self._stats = ClientStats(*parts, self.segments)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -154,14 +161,13 @@ class MooncakeClient:
         self._domains.dial = functools.partial(
             binding.segment_answers, s.metadata_server, admin_url
         )
+        self._replicate_config = functools.partial(
+            replicate_config, binding.replicate_config_factory, self.router.mooncake_replicas
+        )
         store = binding.store_factory()
         started = time.monotonic()
-        self._ssd.open(s, admin_url, binding.list_segments, binding.list_disk_owners)
-        try:
+        with self._ssd.opened(s, admin_url, binding.list_segments, binding.list_disk_owners):
             setup_store(store, s, **setup_arguments(s, self._shared_engine))
-        except BaseException:
-            self._ssd.release()
-            raise
         if self._ssd.owns_directory:
             self._ssd.running(segment=store.get_hostname())
         self._gate.open(store)
@@ -169,6 +175,8 @@ class MooncakeClient:
             self._seal = TrailerArena(self.register_buffer, float(self.options.transfer_timeout_s))
         if self.options.placement:
             self._directory = start_directory(admin_url, self.options, binding.list_segments)
+            if self._directory is not None:
+                self._domains.wake = self._directory.wake
         logger.info(
             "mooncake-span connected to master %s (metadata %s, protocol %s, device %r, "
             "tenant %r, segment %d bytes) in %.2fs",
@@ -211,10 +219,6 @@ class MooncakeClient:
 
     # ---- the write path ----------------------------------------------------------
 
-    def puts_paused(self) -> bool:
-        """True while puts pause on a cluster that keeps refusing them (``put_cooldown.py``)."""
-        return self.pressure.cooling
-
     def put(
         self,
         keys: Sequence[str],
@@ -230,83 +234,30 @@ class MooncakeClient:
         and chain step (``steps``) share a segment; ``group_ids`` are sent if given;
         ``hard_pin``: never evicted (metadata); ``sealed=False``: no seal even with
         ``span_object_checksums`` (small records other tools read as they are).
-        True only if every copy was written."""
-        batch = PlanBatch.of(plans)
-        if sealed and self._seal is not None:
-            with self._seal.writing(keys, batch) as sealed_batch:
-                return self._put(keys, sealed_batch, group_ids, hard_pin, (domains, steps))
-        return self._put(keys, batch, group_ids, hard_pin, (domains, steps))
+        True only if every copy was written (``DomainCalls.put``)."""
+        puts = Puts(list(keys), PlanBatch.of(plans), group_ids, hard_pin, domains, steps)
+        if not sealed or self._seal is None:
+            return self._domains.put(puts)
+        with self._seal.writing(puts.keys, puts.batch) as sealed_batch:
+            return self._domains.put(dataclasses.replace(puts, batch=sealed_batch))
 
-    def _put(
-        self,
-        keys: Sequence[str],
-        batch: PlanBatch,
-        group_ids: Sequence[str] | None,
-        hard_pin: bool,
-        placed: Placed,
-    ) -> list[bool]:
-        domains, steps = placed
-        if steps is not None:
-            self.router.note_chain_put()
-        if self.router.direct_put(keys):
-            ok = self._put_direct(list(keys), batch, group_ids, hard_pin, (domains, steps))
-            self.ledger.forget_lost(k for k, good in zip(keys, ok, strict=True) if good)
-            return ok
-        return self._domains.put(keys, batch, group_ids, hard_pin, (domains, steps))
-
-    def _put_direct(
-        self,
-        keys: list[str],
-        batch: PlanBatch,
-        group_ids: Sequence[str] | None,
-        hard_pin: bool,
-        placed: Placed,
-    ) -> list[bool]:
-        """One copy per unique key, in the caller's order, one segment's share at a time."""
-        codes = [0] * len(keys)
-        for segment, rows in self.router.direct_groups(keys, *placed):
-            if rows is None:  # every object goes to one segment
-                codes = self.put_part(keys, batch, group_ids, hard_pin, segment)
-                break
-            groups = [group_ids[i] for i in rows] if group_ids else None
-            part = self.put_part(
-                [keys[i] for i in rows], batch.take(rows), groups, hard_pin, segment
-            )
-            for i, code in zip(rows, part, strict=True):
-                codes[i] = code
-        return [code == 0 for code in codes]
-
-    def put_part(
-        self,
-        keys: list[str],
-        batch: PlanBatch,
-        group_ids: Sequence[str] | None,
-        hard_pin: bool,
-        segment: str,
-    ) -> list[int]:
+    def put_part(self, puts: Puts, segment: str) -> list[int]:
         """Objects onto one segment, in calls within the buffer budget (not sent
         while the cluster is full); a failed transfer is judged (``failed_put``)."""
         codes: list[int] = []
-        grouped = bool(group_ids)
-        for call in self.router.calls(batch, _GROUPED_PUT_OBJECTS if grouped else 0):
-            if not hard_pin and self.puts_paused():
+        for call in self.router.calls(puts.batch, _GROUPED_PUT_OBJECTS if puts.group_ids else 0):
+            if not puts.hard_pin and self.pressure.cooling:
                 self._gate.count(FULL_SKIPPED_LABEL, len(call))
-                self.pressure.count(COOLDOWN, len(call))
-                codes += [SKIPPED_CODE] * len(call)
-                continue
-            config = replicate_config(
-                self._binding.replicate_config_factory,
-                self.options.replica_num if self.router.copies == 1 else 1,
-                group_ids[call.start : call.stop] if grouped else None,
-                hard_pin,
-                segment,
-            )
-            codes += self._put_call(keys[call.start : call.stop], batch.part(call), config)
+                codes += self.pressure.skip(len(call))
+            else:
+                codes += self._put_call(puts.part(call), segment)
         if segment and any(map(is_transfer_failure, codes)):
             self._domains.failed_put(segment, codes)
         return codes
 
-    def _put_call(self, keys: list[str], batch: PlanBatch, config: Any) -> list[int]:
+    def _put_call(self, puts: Puts, segment: str) -> list[int]:
+        config = self._replicate_config(puts.group_ids, puts.hard_pin, segment)
+        keys, batch = puts.keys, puts.batch
         codes = self._gate.invoke(
             "batch_put_from_multi_buffers",
             lambda s: s.batch_put_from_multi_buffers(keys, batch.ptrs, batch.sizes, config),
@@ -333,32 +284,14 @@ class MooncakeClient:
         batch = PlanBatch.of(plans)
         if sealed and self._seal is not None:
             with self._seal.reading(keys, batch) as sealed_batch:
-                return self._get(keys, sealed_batch, (domains, steps))
-        return self._get(keys, batch, (domains, steps))
-
-    def _get(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
-        domains, steps = placed
-        if self.router.direct(keys):
-            return self._get_direct(list(keys), batch)
-        return self._domains.get(keys, batch, (domains, steps))
-
-    def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
-        """One copy per unique key, in the caller's order, cut by the buffer budget."""
-        codes: list[int] = []
-        for call in self.router.calls(batch):
-            codes += self.get_call(keys[call.start : call.stop], batch.part(call))
-        ok = list(map(operator.eq, codes, batch.nbytes))
-        if not all(ok):
-            self.ledger.remember_lost(self._domains.failed_reads(keys, batch.nbytes, codes))
-        return ok
+                return self._domains.get(keys, sealed_batch, domains, steps)
+        return self._domains.get(keys, batch, domains, steps)
 
     def get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
         # What an SSD owner's read buffer could not take is asked again in halves.
         codes = self._ssd.read(self._native_get_call, keys, batch)
-        if codes != batch.nbytes:
-            short = sum(1 for code, n in zip(codes, batch.nbytes, strict=True) if 0 <= code != n)
-            if short:
-                self._gate.count("SHORT_READ", short)
+        if codes != batch.nbytes and (short := short_reads(codes, batch.nbytes)):
+            self._gate.count("SHORT_READ", short)
         return codes
 
     def _native_get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
@@ -375,20 +308,7 @@ class MooncakeClient:
         self._ssd.saw_owner_reads(store.get_offload_rpc_read_count())
         return codes
 
-    def replica_desc_past_breaker(self, object_keys: list[str]) -> Any:
-        """The master's replica descriptions, None if it does not answer. Past the
-        breaker: the failed read may just have opened it, and this one RPC is what
-        tells a dead master from a dead SSD owner."""
-        found = None
-        suppress = contextlib.suppress(TransportError, StoreClosedError)
-        with suppress, self._gate.native("batch_get_replica_desc", past_breaker=True) as store:
-            found = store.batch_get_replica_desc(object_keys)
-        return found
-
-    def wake_directory(self) -> None:
-        """A segment was just marked bad: the segment list is refreshed now."""
-        if self._directory is not None:
-            self._directory.wake()
+    # ---- replica descriptions ----------------------------------------------------
 
     def locate(
         self,
@@ -396,19 +316,29 @@ class MooncakeClient:
         sizes: dict[str, int] | None = None,
         on_rpc: Callable[[], None] = _uncounted,
     ) -> dict[str, set[str]]:
-        """Where the master says objects are (one RPC); {} if it does not answer."""
+        """Where the master says objects are (one RPC), with the owners of those
+        found only on an SSD (``ServingSsd.add_disk_owners``); {} if it does not answer."""
         if not object_keys:
             return {}
+        replicas = self.replica_desc(list(object_keys), on_rpc=on_rpc)
+        return self._ssd.add_disk_owners(replicas, replica_segments(replicas, sizes))
+
+    def replica_desc(
+        self,
+        object_keys: list[str],
+        past_breaker: bool = False,
+        on_rpc: Callable[[], None] = _uncounted,
+    ) -> Any:
+        """The master's replica descriptions (``batch_get_replica_desc``), None if it
+        does not answer; ``past_breaker``: also while the breaker is open."""
         suppress = contextlib.suppress(TransportError, StoreClosedError)
-        found = None
-        with suppress, self._gate.native("batch_get_replica_desc") as store:
+        with suppress, self._gate.native("batch_get_replica_desc", past_breaker) as store:
             on_rpc()  # past the gate: the RPC goes out
             try:
-                found = store.batch_get_replica_desc(list(object_keys))
+                return store.batch_get_replica_desc(object_keys)
             except Exception:  # observation only: unknown means "treat as lost"
                 logger.debug("batch_get_replica_desc failed", exc_info=True)
-                return {}
-        return self._ssd.add_disk_owners(found, replica_segments(found, sizes))
+        return None
 
     # ---- existence ---------------------------------------------------------------
 
@@ -443,12 +373,13 @@ class MooncakeClient:
         """``exists``, and the same query names objects of ``touch`` for the lease
         Mooncake grants every object it finds: as many of the first ones as fit in
         the query's last RPC, so touching never adds one, and only while the
-        router is untroubled (``Existence.touched_head``)."""
-        if self.router.untroubled:  # the common case
-            head = list(touch[: -len(keys) % _EXISTS_KEYS_PER_CALL])
-            flags = [code == 1 for code in self.exists_codes([*keys, *head], on_rpc)]
-            return Existence(flags[: len(keys)], flags[len(keys) :])
-        return Existence(self._domains.exists(keys, domains, steps, on_rpc), [])
+        router is untroubled (``Existence.touched_head``); otherwise copy by copy
+        (``DomainCalls.exists``)."""
+        if not self.router.untroubled:
+            return Existence(self._domains.exists(keys, domains, steps, on_rpc), [])
+        head = list(touch[: -len(keys) % _EXISTS_KEYS_PER_CALL])
+        flags = found(self.exists_codes([*keys, *head], on_rpc))
+        return Existence(flags[: len(keys)], flags[len(keys) :])
 
     def exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
         out: list[int] = []
@@ -483,9 +414,9 @@ class MooncakeClient:
         """Force-remove objects (and their copies); returns how many keys were removed."""
         removed = 0
         for key in keys:
-            copies = [copy_key(key, r) for r in range(self.router.copies)]
             codes = [
-                self._gate.invoke_one("remove", lambda s, k=k: s.remove(k, True)) for k in copies
+                self._gate.invoke_one("remove", lambda s, k=k: s.remove(k, True))
+                for k in self.router.copy_keys(key)
             ]
             if 0 in codes:  # a key is removed when one of its copies was
                 removed += 1
@@ -505,31 +436,11 @@ class MooncakeClient:
         """The stored size of ``key`` in bytes, or a negative native code."""
         return self._gate.invoke_one("get_size", lambda s: s.get_size(key))
 
-    # ---- statistics ----------------------------------------------------------------
+    # ---- statistics (client_stats.py) -----------------------------------------------
 
     def stats_revision(self) -> tuple[int, bool, int, int, int]:
-        """Cheap to read; changes whenever ``stats()`` has news for the metrics
-        (every failure is counted, and the breaker and segment marks follow them)."""
-        return (
-            *self._gate.revision(),
-            self.ledger.times_marked,
-            self.pressure.skipped_total,
-            self._ssd.read_rpcs,
-        )
+        """Cheap to read; changes whenever ``stats()`` has news for the metrics."""
+        return self._stats.revision()
 
     def stats(self) -> dict[str, Any]:
-        snapshot = self._gate.breaker()
-        return {
-            "error_counts": self._gate.counts(),
-            "breaker_state": snapshot.state.value,
-            "breaker_consecutive_failures": snapshot.consecutive_failures,
-            "breaker_times_opened": snapshot.times_opened,
-            "segments": list(self.segments()),
-            "bad_segments": sorted(self.ledger.bad_segments()),
-            "full_segments": sorted(self.ledger.full_segments()),
-            "domains_marked_bad": self.ledger.times_marked,
-            "lost_keys": self.ledger.lost_count,
-            "skipped_backups": self.pressure.skipped(),
-            "ssd_read_rpcs": self._ssd.read_rpcs,
-            **self._integrity.snapshot(),
-        }
+        return self._stats.snapshot()

@@ -1,25 +1,31 @@
-"""Calls while failure domains matter, and what a failed read teaches.
+"""Which native calls a put or a get becomes (and an existence query while
+failure domains matter): the router's word, carried out.
 
-``MooncakeClient`` sends a call as its caller built it whenever the router
-says it can (``DomainRouter.direct``): nearly every call of a healthy
-cluster. Otherwise the call comes here, to ``DomainCalls``, which decides
-copy by copy and sends each part through the client's native calls
-(``NativeParts``: it makes none of its own):
+``MooncakeClient`` hands every put and get here, and ``DomainCalls`` sends
+their parts through the client's native calls (``NativeParts``: it makes none of
+its own). The router (``DomainRouter``) decides from the ledger's marks:
 
-* a put writes every copy of every unique key onto the segment the router
-  places it on; a key is written when all its copies are;
-* a get reads each key's live copies in turn, until one reads completely (a
-  round never names one key twice: Mooncake would leave a buffer unwritten);
-  a key that cannot be read is remembered lost;
-* an existence query asks about the live copies only; keys known lost, or
-  with every copy in a bad failure domain, are absent without asking;
-* a failed put (``failed_put``, on both paths) has its preferred segment
-  dialled, and the ledger judges it bad or full;
-* a failed read (``failed_reads``, on both paths) marks the segments its
-  transfer failures sit on (as the master locates them), removes corrupt
-  objects (``IntegrityFailures``) and hears about SSD owners that are down
-  (``ServingSsd``); what can never be read again is returned to be
-  remembered lost in the ``FailureLedger``.
+* nearly every call of a healthy cluster goes **direct**, as its caller built
+  it: one copy per key, no segment marked bad or full, no key named twice.
+  A put goes one segment's share at a time; a get in calls cut only by the
+  buffer budget (an existence query goes direct from the client itself);
+* otherwise **copy by copy**: a put writes every copy of every unique key
+  onto the segment the router places it on (a key is written when all its
+  copies are); a get reads each key's live copies in turn, until one reads
+  completely (a round never names one key twice: Mooncake would leave a
+  buffer unwritten); an existence query asks about the live copies only, and
+  keys known lost, or with every copy in a bad failure domain, are absent
+  without asking;
+* a failed put (``failed_put``) has its preferred segment dialled, and the
+  ledger judges it bad or full;
+* a failed read (``failed_reads``) marks the segments its transfer failures
+  sit on (as the master locates them), removes corrupt objects
+  (``IntegrityFailures``) and hears about SSD owners that are down
+  (``ServingSsd``); what can never be read again is remembered lost in the
+  ``FailureLedger``, and a key written again is forgotten there.
+
+A segment marked bad wakes the segment directory (``wake``), so placement
+stops choosing it at once.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mooncake_span.errors import ErrorCode, is_transfer_failure
+from mooncake_span.errors import ErrorCode, found, is_transfer_failure, read_whole, written
 from mooncake_span.span.plan import PlanBatch, dedup_rounds
 from mooncake_span.store.failure_ledger import FailureLedger, PutTarget
 from mooncake_span.store.gate import NativeGate
@@ -38,30 +44,54 @@ from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.serving_ssd import ServingSsd
 
-# A call's placement as its caller knows it: (domains, chain steps), either None.
-Placed = tuple[Sequence[str] | None, Sequence[int] | None]
+# Where a caller placed its keys, if it knows: their domains, their chain steps.
+Domains = Sequence[str] | None
+Steps = Sequence[int] | None
 
 
-# Per object: the native code of a put onto one segment (keys, plans, group ids, hard pin, segment).
-PutPart = Callable[[list[str], PlanBatch, Sequence[str] | None, bool, str], list[int]]
-# Object key -> the segments the master says hold it (keys, expected sizes, on_rpc=...).
-Locate = Callable[..., dict[str, set[str]]]
+@dataclass(frozen=True)
+class Puts:
+    """Objects to put: their keys, plans and eviction group ids (None: none sent),
+    whether they are pinned, and where the caller placed them (``domains``,
+    ``steps``: None when it does not say)."""
+
+    keys: list[str]
+    batch: PlanBatch
+    group_ids: Sequence[str] | None = None
+    hard_pin: bool = False
+    domains: Domains = None
+    steps: Steps = None
+
+    def part(self, call: range) -> Puts:
+        """Consecutive objects, one native call's (the placement is spent by then)."""
+        groups = self.group_ids[call.start : call.stop] if self.group_ids else None
+        return Puts(self.keys[call.start : call.stop], self.batch.part(call), groups, self.hard_pin)
+
+    def take(self, rows: Sequence[int], keys: list[str] | None = None) -> Puts:
+        """The objects at ``rows``, under ``keys`` when given (their copies' keys)."""
+        groups = [self.group_ids[i] for i in rows] if self.group_ids else None
+        keys = [self.keys[i] for i in rows] if keys is None else keys
+        return Puts(keys, self.batch.take(rows), groups, self.hard_pin)
 
 
 class NativeParts(Protocol):
     """The client's native calls that the paths here are made of (``store/client.py``)."""
 
-    put_part: PutPart
-    get_call: Callable[[list[str], PlanBatch], list[int]]
-    exists_codes: Callable[[list[str], Callable[[], None]], list[int]]
-    locate: Locate
-    replica_desc_past_breaker: Callable[[list[str]], Any]
-    wake_directory: Callable[[], None]
+    def put_part(self, puts: Puts, segment: str) -> list[int]: ...
+    def get_call(self, keys: list[str], batch: PlanBatch) -> list[int]: ...
+    def exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]: ...
+    def locate(
+        self,
+        object_keys: Sequence[str],
+        sizes: dict[str, int] | None = None,
+        on_rpc: Callable[[], None] = ...,
+    ) -> dict[str, set[str]]: ...
+    def replica_desc(self, object_keys: list[str], past_breaker: bool = False) -> Any: ...
 
 
 @dataclass(eq=False)
 class DomainCalls:
-    """Puts, gets and existence queries copy by copy, on the client's native parts."""
+    """Puts and gets, direct or copy by copy, and existence queries copy by copy."""
 
     native: NativeParts
     router: DomainRouter
@@ -71,36 +101,70 @@ class DomainCalls:
     ssd: ServingSsd
     # Whether a segment's transfer endpoint answers (None: unknown); set at connect.
     dial: Callable[[str], bool | None] = lambda segment: None
+    # Refreshes the live segment list now; set at connect when there is one.
+    wake: Callable[[], None] = lambda: None
 
-    def put(
-        self,
-        keys: Sequence[str],
-        batch: PlanBatch,
-        group_ids: Sequence[str] | None,
-        hard_pin: bool,
-        placed: Placed,
-    ) -> list[bool]:
+    # ---- puts ----------------------------------------------------------------------
+
+    def put(self, puts: Puts) -> list[bool]:
+        """Per key, True when every copy was written."""
+        if not self.router.direct_put(puts.keys):
+            return self._put_copies(puts)
+        ok = self._put_direct(puts)
+        self.ledger.forget_lost(k for k, good in zip(puts.keys, ok, strict=True) if good)
+        return ok
+
+    def _put_direct(self, puts: Puts) -> list[bool]:
+        """One copy per key, in the caller's order, one segment's share at a time."""
+        codes = [0] * len(puts.keys)
+        for segment, rows in self.router.direct_groups(puts.keys, puts.domains, puts.steps):
+            if rows is None:  # every object goes to one segment
+                return written(self.native.put_part(puts, segment))
+            for i, code in zip(rows, self.native.put_part(puts.take(rows), segment), strict=True):
+                codes[i] = code
+        return written(codes)
+
+    def _put_copies(self, puts: Puts) -> list[bool]:
         """Every copy of every unique key onto the segment the router places it on;
         a key is written when all its copies are."""
+        keys = puts.keys
         first: dict[str, int] = {}
         unique = [i for i, k in enumerate(keys) if first.setdefault(k, i) == i]
-        written = collections.Counter()
-        mine = [None if p is None else [p[i] for i in unique] for p in placed]
+        copies_written = collections.Counter()
+        mine = [None if p is None else [p[i] for i in unique] for p in (puts.domains, puts.steps)]
         for segment, entries in self.router.put_groups([keys[i] for i in unique], *mine).items():
             rows = [unique[j] for j, _ in entries]
-            groups = [group_ids[i] for i in rows] if group_ids else None
-            part = [k for _, k in entries]
-            codes = self.native.put_part(part, batch.take(rows), groups, hard_pin, segment)
-            for i, code in zip(rows, codes, strict=True):
-                if code == 0:
-                    written[i] += 1
-        ok = {i: written[i] == self.router.copies for i in unique}
+            codes = self.native.put_part(puts.take(rows, [k for _, k in entries]), segment)
+            copies_written.update(i for i, ok in zip(rows, written(codes), strict=True) if ok)
+        ok = {i: copies_written[i] == self.router.copies for i in unique}
         self.ledger.forget_lost(keys[i] for i in unique if ok[i])
         return [ok[first[k]] for k in keys]
 
-    def get(self, keys: Sequence[str], batch: PlanBatch, placed: Placed) -> list[bool]:
+    # ---- gets ----------------------------------------------------------------------
+
+    def get(
+        self, keys: Sequence[str], batch: PlanBatch, domains: Domains, steps: Steps
+    ) -> list[bool]:
+        """Per key, True when exactly its planned bytes arrived."""
+        if self.router.direct(keys):
+            return self._get_direct(list(keys), batch)
+        return self._get_copies(keys, batch, domains, steps)
+
+    def _get_direct(self, keys: list[str], batch: PlanBatch) -> list[bool]:
+        """One copy per unique key, in the caller's order, cut by the buffer budget."""
+        codes: list[int] = []
+        for call in self.router.calls(batch):
+            codes += self.native.get_call(keys[call.start : call.stop], batch.part(call))
+        ok = read_whole(codes, batch.nbytes)
+        if not all(ok):
+            self.ledger.remember_lost(self.failed_reads(keys, batch.nbytes, codes))
+        return ok
+
+    def _get_copies(
+        self, keys: Sequence[str], batch: PlanBatch, domains: Domains, steps: Steps
+    ) -> list[bool]:
         """Each key's live copies in turn, until one reads completely."""
-        candidates = self.router.read_rows(keys, self.native.locate, *placed)
+        candidates = self.router.read_rows(keys, self.native.locate, domains, steps)
         ok = [False] * len(keys)
         unreadable = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]
@@ -111,10 +175,12 @@ class DomainCalls:
             if not pending:
                 break
             object_keys = [candidates[i][attempt] for i in pending]
+            planned = [batch.nbytes[i] for i in pending]
             codes = self._get_codes(object_keys, batch.take(pending))
-            bad = set(self.failed_reads(object_keys, [batch.nbytes[i] for i in pending], codes))
-            for i, object_key, code in zip(pending, object_keys, codes, strict=True):
-                ok[i] = code == batch.nbytes[i]
+            bad = set(self.failed_reads(object_keys, planned, codes))
+            whole = read_whole(codes, planned)
+            for i, object_key, read in zip(pending, object_keys, whole, strict=True):
+                ok[i] = read
                 unreadable[i] = unreadable[i] or object_key in bad
             pending = [i for i in pending if not ok[i]]
         lost = [k for i, k in enumerate(keys) if not ok[i] and (unreadable[i] or not candidates[i])]
@@ -135,12 +201,10 @@ class DomainCalls:
                     out[i] = code
         return out
 
+    # ---- existence queries -----------------------------------------------------------
+
     def exists(
-        self,
-        keys: Sequence[str],
-        domains: Sequence[str] | None,
-        steps: Sequence[int] | None,
-        on_rpc: Callable[[], None],
+        self, keys: Sequence[str], domains: Domains, steps: Steps, on_rpc: Callable[[], None]
     ) -> list[bool]:
         """Per key, whether a live copy is stored; lost keys and keys with every copy
         in a bad failure domain are absent without asking."""
@@ -154,8 +218,8 @@ class DomainCalls:
         if any(lost):
             self.gate.count("LOST_KEY_SKIPPED", sum(lost))
         codes = self.native.exists_codes(asked, on_rpc) if asked else []
-        found = dict(zip(asked, codes, strict=True))
-        return [not lost[i] and any(found.get(o) == 1 for o in row) for i, row in enumerate(rows)]
+        stored = dict(zip(asked, found(codes), strict=True))
+        return [not lost[i] and any(stored.get(o) for o in row) for i, row in enumerate(rows)]
 
     # ---- what a failed call teaches ----------------------------------------------------
 
@@ -167,7 +231,7 @@ class DomainCalls:
         whole_call = all(map(is_transfer_failure, codes))
         verdict = self.ledger.put_target_failed(segment, self.dial(segment), whole_call)
         if verdict is PutTarget.BAD:
-            self.native.wake_directory()
+            self.wake()
 
     def failed_reads(
         self,
@@ -183,9 +247,7 @@ class DomainCalls:
         if dead:
             self._mark_failed_domains("batch_get_into_multi_buffers", dead)
         lost = [*dead, *self.integrity.record(failed)]
-        return lost + self.ssd.owners_down(
-            object_keys, codes, self.native.replica_desc_past_breaker
-        )
+        return lost + self.ssd.owners_down(object_keys, codes, self.native.replica_desc)
 
     def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
         """Mark bad the segments holding objects a transfer just failed on, as the
@@ -196,4 +258,4 @@ class DomainCalls:
         segments = set().union(*located.values())
         if segments:
             self.ledger.transfer_failed(segments, op)
-            self.native.wake_directory()
+            self.wake()

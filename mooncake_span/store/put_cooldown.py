@@ -115,6 +115,12 @@ class PutPressure:
             self._skipped[reason] += n
             self.skipped_total += n
 
+    def skip(self, n: int) -> list[int]:
+        """``n`` objects not sent in a pause: counted (``COOLDOWN``), and each answered
+        as the refusal that started the pause (``SKIPPED_CODE``)."""
+        self.count(COOLDOWN, n)
+        return [SKIPPED_CODE] * n
+
     def skipped(self) -> dict[str, int]:
         """A copy of the counts of backup objects not written, by reason."""
         with self._lock:

@@ -51,6 +51,8 @@ class DomainRouter:
         # With placement, replicas are copies under their own keys (one per
         # segment) so that a read can skip a dead copy; without it, Mooncake's.
         self.copies = options.replica_num if options.placement else 1
+        # The replicas Mooncake itself makes of each object a put sends.
+        self.mooncake_replicas = 1 if options.placement else options.replica_num
         self.ledger = ledger
         self.segments = segments
         self._max_buffers = options.max_buffers_per_call
@@ -58,18 +60,19 @@ class DomainRouter:
         # segment. Given through place_by (the client passes on the backend's
         # KeySchema.domain_of); None: the key itself.
         self._domain_of: Callable[[str], str] | None = None
-        # Set once a put was placed by prefix chain: from then on a read that
-        # names no chain cannot compute where its keys are (domain_of gives the
-        # per-key answer), so while a segment is bad the master is asked.
+        # Set once a put was placed by prefix chain (direct_groups, put_groups):
+        # from then on a read that names no chain cannot compute where its keys
+        # are (domain_of gives the per-key answer), so while a segment is bad the
+        # master is asked.
         self.chained = False
+
+    def copy_keys(self, key: str) -> list[str]:
+        """The object keys of every copy of ``key``."""
+        return [copy_key(key, r) for r in range(self.copies)]
 
     def place_by(self, domain_of: Callable[[str], str] | None) -> None:
         """Place objects by ``domain_of(object key)`` (None: by the key itself)."""
         self._domain_of = domain_of
-
-    def note_chain_put(self) -> None:
-        """A put was placed by prefix chain (see ``chained``)."""
-        self.chained = True
 
     @property
     def untroubled(self) -> bool:
@@ -114,6 +117,8 @@ class DomainRouter:
         None: all of them. Segment "": Mooncake places the objects (no segment list).
         ``domains``: the placement key of every key, if the caller has them;
         ``steps``: their chain steps (a prefix chain's keys share its root's domain)."""
+        if steps is not None:
+            self.chained = True
         segments = self.segments()
         if len(segments) <= 1:
             return [(segments[0] if segments else "", None)]
@@ -134,6 +139,8 @@ class DomainRouter:
         steps: Sequence[int] | None = None,
     ) -> dict[str, list[tuple[int, str]]]:
         """Segment -> [(index into keys, object key)]: every copy of every key."""
+        if steps is not None:
+            self.chained = True
         segments = self.segments()
         return put_targets(
             keys,

@@ -33,8 +33,9 @@ The client makes every native call and hands the answers in.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from mooncake_span.errors import ConfigError, ErrorCode, SetupError
@@ -53,6 +54,9 @@ OWNER_DOWN_LABEL = "SSD_OWNER_DOWN"
 ListDiskOwners = Callable[[str, Sequence[str]], dict[str, set[str]] | None]
 # A call's native codes, given its object keys and their buffers.
 GetCall = Callable[[list[str], PlanBatch], list[int]]
+# The master's replica descriptions of objects (None: no answer), even while the
+# breaker is open with past_breaker=True (``MooncakeClient.replica_desc``).
+ReplicaDesc = Callable[..., Any]
 
 
 def overflowed(codes: Sequence[int]) -> list[int]:
@@ -118,19 +122,26 @@ class ServingSsd:
 
     # ---- this rank's own tier ----------------------------------------------------------
 
-    def open(
+    @contextlib.contextmanager
+    def opened(
         self,
         settings: MooncakeSettings,
         admin_url: str | None,
         list_segments: Callable[[str], list[str] | None],
         list_disk_owners: ListDiskOwners,
-    ) -> None:
-        """Before ``setup``: lock this rank's directory (with ``enable_ssd_offload``),
-        and learn where to ask for disk owners."""
+    ) -> Iterator[None]:
+        """Around ``setup``: lock this rank's directory first (with
+        ``enable_ssd_offload``) and learn where to ask for disk owners; release
+        the directory if ``setup`` fails (a later start must find it free)."""
         self._admin_url = admin_url
         self._list_disk_owners = list_disk_owners
         lister = (lambda: list_segments(admin_url)) if admin_url else None
         self._lock = open_rank_directory(settings, lister)
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
 
     @property
     def owns_directory(self) -> bool:
@@ -168,17 +179,21 @@ class ServingSsd:
         self,
         object_keys: Sequence[str],
         codes: Sequence[int],
-        replica_desc: Callable[[list[str]], Any],
+        replica_desc: ReplicaDesc,
     ) -> list[str]:
-        """Reads that failed at the RPC layer: if the master answers (``replica_desc``,
-        one RPC past the breaker) and the objects had only disk replicas, their
-        owner is down. The master's admin server names it, and the ledger marks
-        its segment; without an owner to name, returns the keys to remember lost."""
+        """Reads that failed at the RPC layer: if the master answers (``replica_desc``)
+        and the objects had only disk replicas, their owner is down. The master's
+        admin server names it, and the ledger marks its segment; without an owner
+        to name, returns the keys to remember lost.
+
+        The master is asked past the breaker: the failed read may just have
+        opened it, and this one RPC is what tells a dead master from a dead SSD
+        owner."""
         positions = owner_failures(codes)
         if not positions:
             return []
         keys = [object_keys[i] for i in positions]
-        found = replica_desc(keys)
+        found = replica_desc(keys, past_breaker=True)
         if not isinstance(found, dict):
             return []  # the master is down too: the breaker's business
         down = sorted(disk_only(found) & set(keys))

@@ -1,0 +1,57 @@
+"""What one client reports, gathered from the owners of each count. Reads only.
+
+``ClientStats`` writes nothing: the error counters and the breaker belong to
+``NativeGate``, the segment marks and lost keys to ``FailureLedger``, the
+backups not written to ``PutPressure``, the SSD owner reads to ``ServingSsd``,
+the broken objects to ``IntegrityFailures``, the live segments to the
+segment directory. ``revision`` is cheap and changes whenever ``snapshot``
+has news, so the metrics are rebuilt only then (``CallObserver``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_span.store.failure_ledger import FailureLedger
+from mooncake_span.store.gate import NativeGate
+from mooncake_span.store.integrity import IntegrityFailures
+from mooncake_span.store.put_cooldown import PutPressure
+from mooncake_span.store.serving_ssd import ServingSsd
+
+
+@dataclass(eq=False)
+class ClientStats:
+    gate: NativeGate
+    ledger: FailureLedger
+    pressure: PutPressure
+    ssd: ServingSsd
+    integrity: IntegrityFailures
+    segments: Callable[[], tuple[str, ...]]
+
+    def revision(self) -> tuple[int, bool, int, int, int]:
+        """Every failure is counted, and the breaker and segment marks follow them."""
+        return (
+            *self.gate.revision(),
+            self.ledger.times_marked,
+            self.pressure.skipped_total,
+            self.ssd.read_rpcs,
+        )
+
+    def snapshot(self) -> dict[str, Any]:
+        breaker = self.gate.breaker()
+        return {
+            "error_counts": self.gate.counts(),
+            "breaker_state": breaker.state.value,
+            "breaker_consecutive_failures": breaker.consecutive_failures,
+            "breaker_times_opened": breaker.times_opened,
+            "segments": list(self.segments()),
+            "bad_segments": sorted(self.ledger.bad_segments()),
+            "full_segments": sorted(self.ledger.full_segments()),
+            "domains_marked_bad": self.ledger.times_marked,
+            "lost_keys": self.ledger.lost_count,
+            "skipped_backups": self.pressure.skipped(),
+            "ssd_read_rpcs": self.ssd.read_rpcs,
+            **self.integrity.snapshot(),
+        }
