@@ -33,8 +33,13 @@ from mooncake_span.testing.cpu_server import SITE_DIR
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
-START_TIMEOUT_S = 180.0
+# A tiny model serves in 20-30 s on a quiet box; the parallel test run starts
+# several at once beside other work on two cores, which took over 180 s.
+START_TIMEOUT_S = 300.0
 STOP_GRACE_S = 20.0
+# What uvicorn (a server) or the router prints when its port was taken.
+_PORT_TAKEN = "address already in use"
+_PORT_REPICKS = 3
 REQUEST_TIMEOUT_S = 120.0
 PREFETCH_POLICIES = ("timeout", "best_effort", "wait_complete")
 STORAGE_BACKENDS = ("dynamic", "mooncake")
@@ -306,10 +311,14 @@ class _Served:
         log_dir: Path,
         port: int,
         place: Place = Place(),
+        repick: Callable[[], tuple[int, list[str]]] | None = None,
     ):
         self.name = name
         self.port = port
         self.place = place
+        # A fresh port and the argv for it, where the port was picked here rather
+        # than given: a picked port can still be taken before the process binds it.
+        self._repick = repick
         log_dir.mkdir(parents=True, exist_ok=True)
         self.process = L.LocalProcess(name, place.wrap_argv(argv), log_dir / f"{name}.log", env)
 
@@ -340,7 +349,12 @@ class _Served:
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> _Served:
         """Wait until the process serves; a process that died or missed the deadline raises."""
         deadline = time.monotonic() + timeout_s
+        repicks_left = _PORT_REPICKS
         while not self._ready():
+            if self._repick is not None and repicks_left and _PORT_TAKEN in self.log_text().lower():
+                repicks_left -= 1
+                self._restart_on_fresh_port()
+                continue
             if not self.process.running():
                 raise ServerError(
                     f"{self.name} exited with {self.process.exit_code()} before it served:\n"
@@ -354,6 +368,17 @@ class _Served:
             time.sleep(0.5)
         logger.info("%s serving at %s (pid %s)", self.name, self.url, self.pid)
         return self
+
+    def _restart_on_fresh_port(self) -> None:
+        assert self._repick is not None
+        taken = self.port
+        self.stop()
+        self.port, argv = self._repick()
+        logger.warning(
+            "%s: port %d was taken before it bound; restarting on %d", self.name, taken, self.port
+        )
+        self.process.argv = self.place.wrap_argv(argv)
+        self.process.start()
 
     def running(self) -> bool:
         return self.process.running()
@@ -386,14 +411,21 @@ class SglangServer(_Served):
         env: Mapping[str, str] = (),
         place: Place = Place(),
     ) -> None:
-        port = port if port is not None else L.pick_free_ports(HOST, 1)[0]
+        repick = None
+        if port is None:
+            port = L.pick_free_ports(HOST, 1)[0]
+
+            def repick() -> tuple[int, list[str]]:
+                fresh = L.pick_free_ports(HOST, 1)[0]
+                return fresh, server_argv(options, fresh, place.address)
+
         # Said either way: an opt-in left in the caller's environment must not
         # turn a MooncakeStore arm into this backend.
         extra_env = {PLUGIN_OPT_IN_ENV: "1" if options.plugin_opt_in else "0", **options.env}
         extra_env.update(place.env)
         extra_env.update(env)
         argv = server_argv(options, port, place.address)
-        super().__init__(name, argv, server_env(extra_env), log_dir, port, place)
+        super().__init__(name, argv, server_env(extra_env), log_dir, port, place, repick)
         self.options = options
 
     def generate(
@@ -536,11 +568,13 @@ class Router(_Served):
         decode: Sequence[SglangServer],
         log_dir: Path,
     ) -> None:
-        port, prometheus_port = L.pick_free_ports(HOST, 2)
-        argv = router_argv(
-            [(s.url, b) for s, b in prefill], [s.url for s in decode], port, prometheus_port
-        )
-        super().__init__(name, argv, server_env(), log_dir, port)
+        def pick() -> tuple[int, list[str]]:
+            port, prometheus_port = L.pick_free_ports(HOST, 2)
+            urls = [(s.url, b) for s, b in prefill], [s.url for s in decode]
+            return port, router_argv(*urls, port, prometheus_port)
+
+        port, argv = pick()
+        super().__init__(name, argv, server_env(), log_dir, port, repick=pick)
 
     def _ready(self) -> bool:
         # The router answers before it has workers; readiness is a generation that

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -445,6 +446,13 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
+def tie_to_parent() -> None:
+    """Give this process the parent-death SIGKILL that ``popen_tied`` gives its
+    children: for a process some other tool forked (a pytest-xdist worker),
+    so that it and then its own children die with the run."""
+    _die_with_parent(os.getppid())()
+
+
 class _Forker:
     """One daemon thread that forks the children asked for from other threads.
 
@@ -634,12 +642,42 @@ class LocalSite:
         return http_get(url, timeout_s)
 
 
-def pick_free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct ports that were free on ``host`` a moment ago."""
-    # Hold all sockets open until every port is chosen so they are distinct.
-    sockets = []
+# Listening ports come from below the kernel's ephemeral range: a port inside it
+# that was free a moment ago can be taken by any outgoing connection's source
+# port before the server binds it (seen under parallel test runs). Mooncake's
+# own random ports lie lower (12000-17000).
+_LISTEN_PORTS_LOW = 20000
+_EPHEMERAL_RANGE_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
+_PICK_ATTEMPTS = 500
+
+
+def _listen_port_range() -> range | None:
     try:
-        for _ in range(count):
+        with open(_EPHEMERAL_RANGE_PATH, encoding="ascii") as fh:
+            ephemeral_low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(_LISTEN_PORTS_LOW, ephemeral_low) if ephemeral_low > _LISTEN_PORTS_LOW else None
+
+
+def pick_free_ports(host: str, count: int) -> list[int]:
+    """``count`` distinct ports that were free on ``host`` a moment ago, below the
+    ephemeral range where there is room (else any the kernel hands out)."""
+    candidates = _listen_port_range()
+    # Hold all sockets open until every port is chosen so they are distinct.
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(_PICK_ATTEMPTS if candidates is not None else 0):
+            if len(sockets) == count:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, random.choice(candidates)))
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)
+        while len(sockets) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind((host, 0))
             sockets.append(sock)

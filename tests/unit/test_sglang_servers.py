@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +23,17 @@ from mooncake_span.lab.sglang_servers import (
     DYNAMIC_BACKEND_KEYS,
     PLUGIN_OPT_IN_ENV,
     Completion,
+    ServerError,
     ServerOptions,
     SglangServer,
+    _Served,
     parse_completion,
     router_argv,
     server_argv,
     server_env,
     sum_samples,
 )
+from mooncake_span.ops import launcher as L
 from mooncake_span.ops.master_http import parse_prometheus
 from mooncake_span.testing.cpu_server import SITE_DIR
 from mooncake_span.testing.cpu_server.models import TinyModelSpec, prompt_text
@@ -221,3 +226,65 @@ def test_server_metrics_are_summed_per_family_and_label():
     sums = sum_samples(samples)
     assert sums["x_total"] == 5 and sums["y"] == 1
     assert sums['x_total{reason="deadline"}'] == 3 and sums['x_total{model="m"}'] == 5
+
+
+def test_picked_ports_lie_below_the_ephemeral_range():
+    # A port from inside the ephemeral range can be taken by any outgoing
+    # connection's source port before the server binds it.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = L.pick_free_ports("127.0.0.1", 20)
+    assert len(set(ports)) == 20
+    assert all(1024 <= port < low for port in ports), (low, ports)
+
+
+# Serves what _Served polls for (/model_info, /health) on the port it is given,
+# or prints the bind error and exits when that port is taken.
+_FAKE_SERVER = """
+import http.server, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b'{"model_path": "fake"}'
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_server_whose_picked_port_was_taken_restarts_on_a_fresh_one(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+
+        def argv(port: int) -> list[str]:
+            return [sys.executable, "-c", _FAKE_SERVER, str(port)]
+
+        fresh = L.pick_free_ports("127.0.0.1", 1)[0]
+        served = _Served(
+            "fake", argv(taken), {}, tmp_path, taken, repick=lambda: (fresh, argv(fresh))
+        )
+        served.process.start()
+        try:
+            served.wait_ready(timeout_s=30.0)
+            assert served.port == fresh
+            assert served.url.endswith(f":{fresh}")
+        finally:
+            served.stop(grace_s=5.0)
+
+
+def test_a_given_port_that_is_taken_is_not_repicked(tmp_path):
+    # A port the caller chose (a fixed port inside a namespace) is not ours to change:
+    # the process's own exit is the error.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        served = _Served(
+            "fake", [sys.executable, "-c", _FAKE_SERVER, str(taken)], {}, tmp_path, taken
+        )
+        served.process.start()
+        with pytest.raises(ServerError, match="exited with 1 before it served"):
+            served.wait_ready(timeout_s=30.0)
