@@ -24,6 +24,7 @@ from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 
 _NODE_SEGMENT_BYTES = 64 << 20
 _VALUE_BYTES = 256 << 10
+_SUMMARY_TIMEOUT_S = 30.0
 
 
 def _process_exists(pid: int) -> bool:
@@ -108,7 +109,11 @@ def test_start_health_and_teardown_leaves_no_process(tmp_path):
         with urllib.request.urlopen(cluster.metrics_url + "/health", timeout=5) as response:
             health = json.loads(response.read())
         assert health["role"] == "leader" and health["service_ready"] is True
-        summary = cluster.summary()
+        # The master's summary counts clients as they renew; under load the
+        # second node's first renewal can come a moment after it is READY.
+        deadline = time.monotonic() + _SUMMARY_TIMEOUT_S
+        while "Clients: 2" not in (summary := cluster.summary()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert "role=leader" in summary and "Clients: 2" in summary
         assert cluster.leader_index() == 0
 

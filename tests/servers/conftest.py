@@ -59,7 +59,9 @@ def _servers_need_mooncake() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    cache = tmp_path_factory.mktemp("tiny-models")
+    # One cache for the run: xdist workers' base folders share a parent.
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tiny-models"
 
     def make(architecture: str) -> Path:
         return ensure_model(default_spec(architecture), cache)

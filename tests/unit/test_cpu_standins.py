@@ -4,7 +4,6 @@ the callers that pick a path from what the stand-ins provide."""
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import importlib.metadata
 import importlib.util
@@ -14,6 +13,7 @@ import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -31,8 +31,9 @@ DIRECT_COPIES = (
 )
 
 # install() end to end runs in a fresh process with SITE_DIR on its PYTHONPATH.
-# Importing sglang takes most of this file's time, so that process starts now,
-# while this one imports sglang too; its test (the last one) collects the result.
+# Importing sglang takes most of its time, so that process starts with this
+# module's first test and runs beside the others; its test (the last one)
+# collects the result.
 _E2E = """
 import json, types
 import torch
@@ -91,16 +92,31 @@ print("RESULT " + json.dumps({
 """
 
 
-_E2E_OUT = tempfile.TemporaryFile(mode="w+")  # files, not pipes: nothing can block it
-_E2E_ERR = tempfile.TemporaryFile(mode="w+")
-_E2E_PROC = subprocess.Popen(
-    [sys.executable, "-c", _E2E % (DIRECT_COPIES,)],
-    env={**os.environ, "PYTHONPATH": f"{SITE_DIR}{os.pathsep}{REPO_ROOT}"},
-    cwd=REPO_ROOT,
-    stdout=_E2E_OUT,
-    stderr=_E2E_ERR,
-)
-atexit.register(_E2E_PROC.kill)  # a no-op once it has exited
+class _EndToEnd:
+    """The fresh process of the last test, started by this module's first test.
+
+    Not at import: every xdist worker imports (collects) every module, and only
+    the one that runs this module needs the process."""
+
+    def __init__(self) -> None:
+        self.out = tempfile.TemporaryFile(mode="w+")  # files, not pipes: nothing can block it
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _E2E % (DIRECT_COPIES,)],
+            env={**os.environ, "PYTHONPATH": f"{SITE_DIR}{os.pathsep}{REPO_ROOT}"},
+            cwd=REPO_ROOT,
+            stdout=self.out,
+            stderr=self.err,
+        )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def end_to_end() -> Iterator[_EndToEnd]:
+    started = _EndToEnd()
+    yield started
+    started.proc.kill()  # a no-op once it has exited
+    started.proc.wait()
+
 
 pytest.importorskip("sglang.srt.mem_cache.pool_host.mla", reason="needs sglang 0.5.23")
 
@@ -648,24 +664,19 @@ def test_install_refuses_after_sglang_imported_a_patched_module(monkeypatch):
     assert sys.meta_path == before
 
 
-def test_install_end_to_end_in_a_fresh_process():
+def test_install_end_to_end_in_a_fresh_process(end_to_end):
     """sitecustomize installs the stand-ins before sglang imports anything."""
     assert PACKAGE_SITE_DIR == SITE_DIR and (SITE_DIR / "sitecustomize.py").is_file()
     if torch.cuda.is_available():
-        _E2E_PROC.kill()
         pytest.skip("install() does nothing where CUDA is present")
     if importlib.util.find_spec("sgl_kernel") is not None:
-        _E2E_PROC.kill()
         pytest.skip("a real sgl_kernel is installed")
-    try:
-        returncode = _E2E_PROC.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        _E2E_PROC.kill()
-        raise
-    _E2E_OUT.seek(0)
-    _E2E_ERR.seek(0)
-    assert returncode == 0, _E2E_ERR.read()[-4000:]
-    (line,) = [x for x in _E2E_OUT.read().splitlines() if x.startswith("RESULT ")]
+    # Generous: under a parallel run its sglang import shares two cores with the rest.
+    returncode = end_to_end.proc.wait(timeout=300)
+    end_to_end.out.seek(0)
+    end_to_end.err.seek(0)
+    assert returncode == 0, end_to_end.err.read()[-4000:]
+    (line,) = [x for x in end_to_end.out.read().splitlines() if x.startswith("RESULT ")]
     assert json.loads(line.removeprefix("RESULT ")) == {
         "installed": True,
         "sgl_kernel": [True, True, "_SglKernelFinder"],

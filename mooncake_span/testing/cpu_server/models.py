@@ -14,6 +14,7 @@ bytes; each model directory carries a word-level tokenizer whose tokens are
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -309,13 +310,17 @@ def ensure_model(spec: TinyModelSpec, cache_dir: Path) -> Path:
     target = cache_dir / f"{spec.architecture}-{spec.digest()}"
     if (target / "tiny_model_spec.json").exists():
         return target
-    staging = cache_dir / f".{target.name}.{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    make_model(spec, staging)
-    try:
-        staging.rename(target)
-    except OSError:  # another process made it first
+    # Processes sharing the cache (parallel test workers) make each model once:
+    # the others wait for the lock and then find it made.
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "tiny_model_spec.json").exists():
+            return target
+        staging = cache_dir / f".{target.name}.{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
+        make_model(spec, staging)
+        staging.rename(target)
     logger.info("made tiny %s model at %s", spec.architecture, target)
     return target
 
