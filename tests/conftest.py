@@ -35,6 +35,7 @@ import pytest
 
 from mooncake_span.lab.sglang_servers import EXTENSIONS_ENV, extensions_dir
 from mooncake_span.ops.cluster import ClusterSpec, ExternalCluster, LocalCluster, find_executable
+from mooncake_span.ops.launcher import tie_to_parent
 
 _MASTER_ENV = "MOONCAKE_SPAN_TEST_MASTER"
 _METADATA_ENV = "MOONCAKE_SPAN_TEST_METADATA"
@@ -71,7 +72,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # Parse the external-cluster options once, so a bad value stops the run
     # with a usage error instead of erroring every integration test.
     config.stash[_EXTERNAL_KEY] = _external_cluster(config)
-    signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+    if hasattr(config, "workerinput"):
+        # An xdist worker dies with the controller, and its children with it.
+        tie_to_parent()
+    if _is_xdist_controller(config):
+        signal.signal(signal.SIGTERM, _forward_sigterm_to_workers)
+    else:
+        signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and bool(config.getoption("numprocesses", None))
 
 
 def _interrupt_on_sigterm(signum: int, frame: object) -> None:
@@ -80,6 +91,29 @@ def _interrupt_on_sigterm(signum: int, frame: object) -> None:
     # then die with it (their parent-death signal).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+def _forward_sigterm_to_workers(signum: int, frame: object) -> None:
+    # The xdist controller runs no test: its children are its workers. Each one
+    # is interrupted as above and runs its finalizers; xdist then ends the run
+    # as interrupted. Interrupting the controller itself would make xdist tear
+    # the workers down without their finalizers.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for pid in _child_pids():
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _child_pids() -> list[int]:
+    pids: list[int] = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids.extend(int(pid) for pid in children.read_text().split())
+        except OSError:
+            continue
+    return pids
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -96,6 +130,54 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # integration) can leave them out whatever marks a file sets itself.
 _FOLDER_MARKERS = {"servers": "servers", "faults": "faults", "netns": "netns"}
 
+# pytest-xdist (`-n 5 --dist loadscope`, pyproject.toml) hands out one group of
+# tests at a time to a worker, so a group's module- and session-scoped fixtures
+# are built once. A test's group is its module unless named here: the
+# real-server modules run in three lanes of about equal length (measured), so
+# that at most three of them hold servers (and memory) at once, and each lane
+# starts its reference servers once.
+_SHARED_GROUPS = {
+    "tests/servers/test_two_servers.py": "servers-lane-a",
+    "tests/servers/test_chain_placement_serving.py": "servers-lane-a",
+    "tests/servers/test_validate.py": "servers-lane-b",
+    "tests/servers/test_glm5_pd.py": "servers-lane-b",
+    "tests/servers/test_servers_on_hosts.py": "servers-lane-b",
+    "tests/servers/test_faults_while_serving.py": "servers-lane-b",
+    "tests/servers/test_demo.py": "servers-lane-c",
+    "tests/servers/test_glm5_next.py": "servers-lane-c",
+    "tests/servers/test_ssd_restart.py": "servers-lane-c",
+    "tests/servers/test_pd.py": "servers-lane-c",
+}
+# Groups are handed out in this folder order, the longest first, so that the
+# many short unit modules fill the gaps at the end instead of a server lane
+# starting last.
+_FOLDER_ORDER = ("servers", "netns", "faults", "integration", "contract", "unit")
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The xdist work unit of a test: its lane, or else its module."""
+    module = nodeid.split("::", 1)[0]
+    return _SHARED_GROUPS.get(module, module)
+
+
+def _folder_rank(nodeid: str) -> int:
+    parts = nodeid.split("/")
+    folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+    return _FOLDER_ORDER.index(folder) if folder in _FOLDER_ORDER else len(_FOLDER_ORDER)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    # xdist's own `loadgroup` marks groups by rewriting node ids, which pytest 9
+    # no longer reads; the scope is taken from the node id here instead.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return GroupScheduling(config, log)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tests_dir = Path(__file__).parent
@@ -107,6 +189,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = _FOLDER_MARKERS.get(folder)
         if marker is not None:
             item.add_marker(marker)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Every worker sorts alike (xdist requires identical collections), and
+        # with --no-loadscope-reorder the groups are handed out in this order.
+        items.sort(key=lambda item: _folder_rank(item.nodeid))
 
 
 def _in_ci() -> bool:

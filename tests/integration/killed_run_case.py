@@ -24,10 +24,16 @@ HOLD_S = 240.0
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 
-def _report(**fields: object) -> None:
+def _report(pids: dict[str, int], **fields: object) -> None:
     path = Path(os.environ[KILLED_RUN_FILE_ENV])
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pytest_pid": os.getpid(), **fields}))
+    run_pid = os.getpid()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # This test runs in an xdist worker: the run the outer test signals is
+        # the worker's parent, the controller, and the worker must die too.
+        run_pid = os.getppid()
+        pids = {**pids, "xdist-worker": os.getpid()}
+    tmp.write_text(json.dumps({"pytest_pid": run_pid, "pids": pids, **fields}))
     tmp.replace(path)
     time.sleep(HOLD_S)
     pytest.fail(f"nobody stopped this run within {HOLD_S:.0f}s")
