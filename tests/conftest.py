@@ -130,23 +130,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # integration) can leave them out whatever marks a file sets itself.
 _FOLDER_MARKERS = {"servers": "servers", "faults": "faults", "netns": "netns"}
 
-# pytest-xdist (`-n 5 --dist loadscope`, pyproject.toml) hands out one group of
+# pytest-xdist (`-n 4 --dist loadscope`, pyproject.toml) hands out one group of
 # tests at a time to a worker, so a group's module- and session-scoped fixtures
 # are built once. A test's group is its module unless named here: the
-# real-server modules run in three lanes of about equal length (measured), so
-# that at most three of them hold servers (and memory) at once, and each lane
-# starts its reference servers once.
+# real-server modules run in two lanes of about equal length (measured), so
+# that at most two of them hold servers at once, and each lane starts its
+# reference servers once. Three lanes ran the 24 GB box out of memory (a lane
+# holds up to seven servers of about 1.2 GB each).
 _SHARED_GROUPS = {
     "tests/servers/test_two_servers.py": "servers-lane-a",
-    "tests/servers/test_chain_placement_serving.py": "servers-lane-a",
-    "tests/servers/test_validate.py": "servers-lane-b",
+    "tests/servers/test_validate.py": "servers-lane-a",
+    "tests/servers/test_servers_on_hosts.py": "servers-lane-a",
+    "tests/servers/test_demo.py": "servers-lane-b",
     "tests/servers/test_glm5_pd.py": "servers-lane-b",
-    "tests/servers/test_servers_on_hosts.py": "servers-lane-b",
+    "tests/servers/test_glm5_next.py": "servers-lane-b",
+    "tests/servers/test_pd.py": "servers-lane-b",
+    "tests/servers/test_chain_placement_serving.py": "servers-lane-b",
     "tests/servers/test_faults_while_serving.py": "servers-lane-b",
-    "tests/servers/test_demo.py": "servers-lane-c",
-    "tests/servers/test_glm5_next.py": "servers-lane-c",
-    "tests/servers/test_ssd_restart.py": "servers-lane-c",
-    "tests/servers/test_pd.py": "servers-lane-c",
+    "tests/servers/test_ssd_restart.py": "servers-lane-b",
 }
 # Groups are handed out in this folder order, the longest first, so that the
 # many short unit modules fill the gaps at the end instead of a server lane
