@@ -305,13 +305,16 @@ def backend(make_backend):
     return store, cluster
 
 
-def test_stored_keys_read_true_in_a_pause_and_new_ones_are_skipped(backend):
+def test_stored_keys_read_true_in_a_pause_and_new_ones_are_skipped(backend, monkeypatch):
     import prometheus_client as prom
 
     from mooncake_span import metrics as M
     from mooncake_span.sglang_backend.observability import CallObserver
 
     store, cluster = backend
+    # A frozen clock: on the real one the 10 ms first pause could end between two
+    # calls on a loaded box (seen under the parallel suite), letting a put through.
+    monkeypatch.setattr(store.client.pressure, "_now_s", FakeClock())
     registry = prom.CollectorRegistry()
     store.observer = CallObserver(store.client, M.SpanMetrics(registry))
     slots = slots_of([0, 1, 2, 3, 4, 5], PAGE)
