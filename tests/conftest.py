@@ -96,8 +96,8 @@ def _interrupt_on_sigterm(signum: int, frame: object) -> None:
 def _forward_sigterm_to_workers(signum: int, frame: object) -> None:
     # The xdist controller runs no test: its children are its workers. Each one
     # is interrupted as above and runs its finalizers; xdist then ends the run
-    # as interrupted. Interrupting the controller itself would make xdist tear
-    # the workers down without their finalizers.
+    # as interrupted. Interrupted itself, the controller would tear the workers
+    # down with a 10 s kill deadline, too short for a lane's servers to stop.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for pid in _child_pids():
         try:
@@ -158,6 +158,10 @@ _FOLDER_ORDER = ("servers", "netns", "faults", "integration", "contract", "unit"
 def xdist_group_of(nodeid: str) -> str:
     """The xdist work unit of a test: its lane, or else its module."""
     module = nodeid.split("::", 1)[0]
+    if module.startswith("tests/servers/"):
+        # A server module not yet placed joins a lane rather than become a third
+        # concurrent holder of servers.
+        return _SHARED_GROUPS.get(module, "servers-lane-b")
     return _SHARED_GROUPS.get(module, module)
 
 
