@@ -36,7 +36,9 @@ CASE = Path(__file__).with_name("killed_run_case.py")
 READY_TIMEOUT_S = 120.0
 EXIT_TIMEOUT_S = 60.0
 CHILD_DEATH_TIMEOUT_S = 15.0
-NODE_CLOSED = "closed"
+NODE_CLOSED = "closed"  # the storage node's last log line after a graceful stop
+# The README's command (its addopts run it under xdist), with one worker: the
+# inner run selects one case, and every idle worker would import the suite.
 _PYTEST = [
     sys.executable,
     "-m",
@@ -44,7 +46,9 @@ _PYTEST = [
     "-q",
     "-p",
     "no:cacheprovider",
-]  # the storage node's last log line after a graceful stop
+    "-n",
+    "1",
+]
 
 
 def _start_run(tmp_path: Path, case: str) -> tuple[subprocess.Popen[str], dict, Path]:
