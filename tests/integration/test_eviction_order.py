@@ -44,6 +44,10 @@ PAGE = 64
 TURN_KEYS = 4
 TURNS = 3
 WAIT_S = 10.0  # bound of every poll
+FLOOD_BYTES = 256 << 10
+# Mooncake's eviction pass frees 5 % of the objects: with some 80 objects here,
+# about four, so eight spacers between two turns outlast two passes.
+SPACERS_PER_TURN = 8
 
 
 @pytest.fixture(scope="module")
@@ -204,20 +208,29 @@ def test_a_chain_loses_its_last_turn_before_its_prefix(cluster, backend):
         s: [f"{s.key_schema.prefix}-k{i}" for i in range(TURNS * TURN_KEYS)]
         for s in (renewing, control)
     }
+    buffer = ctypes.create_string_buffer(FLOOD_BYTES)
+    counted.register_buffer(ctypes.addressof(buffer), FLOOD_BYTES)
     for turn in range(TURNS):  # the two conversations take turns
         for store, chain in chains.items():
             _back_up(store, chain, turn)
             time.sleep(0.01)
+        # Unleased objects stamped between the control's turns: one eviction pass
+        # frees a share of all objects, so without them a pass (or two passes
+        # between two looks on a busy box) could take the control's first and
+        # later turns together, and the look below would never see the first
+        # turn gone while later ones stay.
+        for j in range(SPACERS_PER_TURN if turn < TURNS - 1 else 0):
+            assert (
+                counted.put_from(f"spacer-{turn}-{j}", ctypes.addressof(buffer), FLOOD_BYTES) == 0
+            )
     objects = {s: s.pools["kv"].object_keys(s.key_schema, c) for s, c in chains.items()}
     time.sleep(2 * LEASE_MS / 1000)  # every lease has ended
     # Flood with new objects (stamped later than both chains) until the renewing
     # chain is gone, looking after each put without leasing anything.
-    buffer = ctypes.create_string_buffer(256 << 10)
-    counted.register_buffer(ctypes.addressof(buffer), 256 << 10)
     deadline = time.monotonic() + WAIT_S
     seen: list[tuple[list[bool], list[bool]]] = []
-    for i in range(4 * SEGMENT_BYTES // (256 << 10)):
-        counted.put_from(f"flood-{i}", ctypes.addressof(buffer), 256 << 10)
+    for i in range(4 * SEGMENT_BYTES // FLOOD_BYTES):
+        counted.put_from(f"flood-{i}", ctypes.addressof(buffer), FLOOD_BYTES)
         time.sleep(0.005)
         seen.append(
             (_chain_flags(cluster, objects[renewing]), _chain_flags(cluster, objects[control]))
