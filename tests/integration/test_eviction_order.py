@@ -30,6 +30,7 @@ from mooncake_span.mooncake_settings import load_mooncake_settings
 from mooncake_span.ops import master_http
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store import put_cooldown
 from mooncake_span.store.client import MooncakeClient, load_native_binding
 from mooncake_span.store.put_cooldown import COOLDOWN, STREAK_TO_PAUSE
 from mooncake_span.testing import pools as P
@@ -48,6 +49,7 @@ FLOOD_BYTES = 256 << 10
 # Mooncake's eviction pass frees 5 % of the objects: with some 80 objects here,
 # about four, so eight spacers between two turns outlast two passes.
 SPACERS_PER_TURN = 8
+PAUSE_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +165,11 @@ def backend(cluster):
         store.close()
 
 
-def test_stored_keys_read_true_during_a_pause(backend):
-    store, counted = backend("evict-pause")
+def test_stored_keys_read_true_during_a_pause(backend, monkeypatch):
+    # A first pause of a minute, not 10 ms: a loaded box may take longer than 10 ms
+    # between the refusal that starts the pause and the backup made during it.
+    monkeypatch.setattr(put_cooldown, "FIRST_PAUSE_S", PAUSE_S)
+    store, counted = backend("evict-pause", span_full_cooldown_s=PAUSE_S)
     store.client.remove_all()
     stored = ["kept-a", "kept-b"]
     objects = store.pools["kv"].object_keys(store.key_schema, stored)

@@ -102,7 +102,7 @@ def test_cooldown_kicks_in_on_a_full_segment_and_reads_still_work(make_client, k
         assert cooling.put(keys, _plans(source, BATCH)) == [False] * BATCH
     assert (counted.put_calls, counted.put_objects) == (STREAK_TO_PAUSE, STREAK_TO_PAUSE * BATCH)
     assert counted.put_codes == {-200: STREAK_TO_PAUSE * BATCH}
-    assert cooling.pressure.cooling
+    assert cooling.pressure.cooldowns_started == 1  # not .cooling: 10 ms may be over
 
     rounds = 0
     deadline = time.monotonic() + STORM_S
