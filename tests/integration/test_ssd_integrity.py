@@ -41,7 +41,7 @@ PAGES_PER_KEY = 4
 MLA = {"layers": 8, "kv_lora_rank": 240, "rope_dim": 16}  # 256 KiB pages, 1 MiB keys
 SEGMENT_BYTES = 16 << 20
 KEYS = 8
-OFFLOAD_WAIT_S = 3.0  # the 1 s heartbeat writes every object
+OFFLOAD_WAIT_S = 60.0  # bound of the wait for the 1 s heartbeat to write every object
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +113,26 @@ class Keys:
             if failed:
                 pending += failed
                 time.sleep(0.5)
-        time.sleep(OFFLOAD_WAIT_S)
+        self.wait_on_disk()
+
+    def wait_on_disk(self) -> None:
+        """Until every key's ``.bucket`` file holds at least its object's bytes."""
+        key_bytes = len(self.expected[0]) * PAGES_PER_KEY
+        deadline = time.monotonic() + OFFLOAD_WAIT_S
+        while missing := [n for n in self.names if not self._on_disk(n, key_bytes)]:
+            assert time.monotonic() < deadline, f"never written to disk: {missing}"
+            time.sleep(0.1)
+
+    def _on_disk(self, name: str, key_bytes: int) -> bool:
+        marker = f"_{name}_".encode()
+        for path in self.cluster.node_ssd_dir(0).glob("*.bucket"):
+            try:
+                with open(path, "rb") as file:
+                    if marker in file.read(512):
+                        return os.fstat(file.fileno()).st_size >= key_bytes
+            except FileNotFoundError:  # renamed or removed since the listing
+                continue
+        return False
 
     def read_each(self) -> tuple[list[bool], list[bool]]:
         """(hit, exact) per key, one key per get; the host pages are wiped first."""
