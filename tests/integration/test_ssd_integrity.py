@@ -119,20 +119,27 @@ class Keys:
         """Until every key's ``.bucket`` file holds at least its object's bytes."""
         key_bytes = len(self.expected[0]) * PAGES_PER_KEY
         deadline = time.monotonic() + OFFLOAD_WAIT_S
-        while missing := [n for n in self.names if not self._on_disk(n, key_bytes)]:
+        while True:
+            files = self._bucket_files()
+            missing = [n for n in self.names if not any(b >= key_bytes for _, b in files[n])]
+            if not missing:
+                return
             assert time.monotonic() < deadline, f"never written to disk: {missing}"
             time.sleep(0.1)
 
-    def _on_disk(self, name: str, key_bytes: int) -> bool:
-        marker = f"_{name}_".encode()
+    def _bucket_files(self) -> dict[str, list[tuple[Path, int]]]:
+        """Per key, the ``.bucket`` files whose head names it, with their sizes in bytes."""
+        found: dict[str, list[tuple[Path, int]]] = {name: [] for name in self.names}
         for path in self.cluster.node_ssd_dir(0).glob("*.bucket"):
             try:
                 with open(path, "rb") as file:
-                    if marker in file.read(512):
-                        return os.fstat(file.fileno()).st_size >= key_bytes
+                    head, size = file.read(512), os.fstat(file.fileno()).st_size
             except FileNotFoundError:  # renamed or removed since the listing
                 continue
-        return False
+            for name in self.names:
+                if f"_{name}_".encode() in head:
+                    found[name].append((path, size))
+        return found
 
     def read_each(self) -> tuple[list[bool], list[bool]]:
         """(hit, exact) per key, one key per get; the host pages are wiped first."""
@@ -155,9 +162,7 @@ class Keys:
 
     def bucket(self, row: int) -> Path:
         """The ``.bucket`` file holding key ``row``'s object."""
-        marker = f"_{self.names[row]}_".encode()
-        directory = self.cluster.node_ssd_dir(0)
-        found = [p for p in directory.glob("*.bucket") if marker in p.read_bytes()[:512]]
+        found = [path for path, _ in self._bucket_files()[self.names[row]]]
         assert len(found) == 1, (self.names[row], found)
         return found[0]
 
