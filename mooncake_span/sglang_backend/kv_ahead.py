@@ -42,8 +42,7 @@ class KvAhead:
         self._local.answer = KvAnswer(objects, stored, reachable, self._clock())
 
     def take(self, objects: list[str]) -> KvAnswer | None:
-        """The kept answer if it is about exactly ``objects`` and fresh; it is used up
-        either way."""
+        """The kept answer if about exactly ``objects`` and fresh (used up either way)."""
         answer = getattr(self._local, "answer", None)
         self._local.answer = None
         fresh = answer is not None and self._clock() - answer.at_s <= FRESH_S

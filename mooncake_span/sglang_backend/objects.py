@@ -11,12 +11,13 @@ nothing itself: the read and write paths do, top-down.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.keys import KeySchema
+from mooncake_span.span.plan import PlanBatch
 
 Item = TypeVar("Item")
 
@@ -51,21 +52,26 @@ def split(flat: Sequence[Item], counts: Sequence[int]) -> list[Sequence[Item]]:
     return parts
 
 
-def placement(todos: Sequence[Transfer]) -> tuple[list[str] | None, list[int] | None]:
-    """The domains and chain steps of the objects of ``todos``, laid end to end.
+def joined(todos: Sequence[Transfer]) -> Transfer:
+    """``todos`` laid end to end: one native call's plans, group ids and placement.
 
-    Steps only when every transfer has them (one call's batches share its
-    chain, so they all do or none does); domains when any transfer has them
-    (a put's always do; a read's only with their chain)."""
-    if len(todos) == 1:
-        return todos[0].domains, todos[0].steps
+    Group ids when any transfer has them (a put's batches decide them alike);
+    steps only when every transfer has them (one call's batches share its
+    chain, so they all do or none does); domains when any has them (a put's
+    always do; a read's only with their chain)."""
+    if len(todos) == 1 and todos[0].object_indices is None:
+        return todos[0]
+    plans = PlanBatch.concat([t.plans for t in todos])
+    groups = None
+    if any(t.group_ids is not None for t in todos):
+        groups = [g for t in todos for g in t.group_ids or ()]
     steps = None
     if all(t.steps is not None for t in todos):
         steps = [s for t in todos for s in t.steps]
-    if steps is None and all(t.domains is None for t in todos):
-        return None, None
-    domains = [d for t in todos for d in t.domains or ()]
-    return domains, steps
+    domains = None
+    if steps is not None or any(t.domains is not None for t in todos):
+        domains = [d for t in todos for d in t.domains or ()]
+    return Transfer(None, plans, groups, domains, steps)
 
 
 def chain_placement(batches: Sequence[PoolBatch]) -> tuple[list[str] | None, list[int] | None]:
@@ -132,3 +138,21 @@ def put_back(out: list[bool], slots: Sequence[int], flags: Sequence[bool]) -> No
     """The flags of moved objects into their ``slots`` of the call's flat list."""
     for slot, ok in zip(slots, flags, strict=True):
         out[slot] = ok
+
+
+def move_selected(
+    batches: Sequence[PoolBatch],
+    todos: Sequence[Transfer],
+    flags: list[bool],
+    staged: Callable[[PoolBatch, Transfer], list[bool]],
+    direct: Callable[[list[str], list[Transfer]], list[bool]],
+) -> list[bool]:
+    """What the read and write paths do with a selection (``select``): each staged
+    batch moved alone, the zero-copy objects in one ``direct`` call, every answer
+    put in its slot of ``flags`` (the call's flat object list, returned)."""
+    chosen = select(batches, todos)
+    for batch, todo, slots in chosen.staged:
+        put_back(flags, slots, staged(batch, todo))
+    if chosen.direct_keys:
+        put_back(flags, chosen.direct_slots, direct(chosen.direct_keys, chosen.direct_todos))
+    return flags

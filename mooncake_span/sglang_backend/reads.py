@@ -35,19 +35,12 @@ from mooncake_span.sglang_backend.guard import (
     miss_per_transfer,
     never_raise,
 )
-from mooncake_span.sglang_backend.objects import (
-    object_keys,
-    per_key_results,
-    placement,
-    put_back,
-    select,
-)
+from mooncake_span.sglang_backend.objects import joined, move_selected, object_keys, per_key_results
 from mooncake_span.sglang_backend.recording import GET, CallRecorder, recorded
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.geometry import KV_POOL
-from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient
 
 
@@ -100,19 +93,14 @@ class ReadPath:
         if not any(b.staged for b in physical):  # nearly every call: one native get
             keys = object_keys(physical)
             return per_key_results(batches, self._get_direct(keys, todos) if keys else [])
-        chosen = select(physical, todos)
         flags = [False] * sum(len(b.object_keys) for b in physical)
-        for batch, todo, slots in chosen.staged:
-            put_back(flags, slots, self._get_staged(batch, todo))
-        if chosen.direct_keys:
-            direct = self._get_direct(chosen.direct_keys, chosen.direct_todos)
-            put_back(flags, chosen.direct_slots, direct)
+        move_selected(physical, todos, flags, self._get_staged, self._get_direct)
         return per_key_results(batches, flags)
 
     def _get_direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
         """One native get of zero-copy batches, into the host pools' (registered) memory."""
-        domains, steps = placement(todos)
-        return self.client.get(keys, PlanBatch.concat([t.plans for t in todos]), domains, steps)
+        todo = joined(todos)
+        return self.client.get(keys, todo.plans, todo.domains, todo.steps)
 
     def _get_staged(self, batch: PoolBatch, todo: Transfer) -> list[bool]:
         """A staged batch's objects, one native get per lease of the arena."""

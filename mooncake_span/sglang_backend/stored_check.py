@@ -83,8 +83,7 @@ class StoredCheck:
         if self._client.untroubled:
             ahead, ahead_prefix = self._kv_of_sidecars(physical)
         else:
-            # Where a chain's objects sit matters to the query only while a segment is
-            # bad or a key lost; it costs a pass per object.
+            # A segment bad or a key lost: where objects sit matters (a pass per object).
             placed = chain_placement(physical)
         touch = [*prefix_objects(physical, self._registration.key_schema), *ahead_prefix]
         existence = self._client.exists_and_touch([*keys, *ahead], touch, *placed)
@@ -100,7 +99,5 @@ class StoredCheck:
         derived = next((b for b in physical if b.pool.kind is PoolKind.KV_DERIVED), None)
         if derived is None or kv is None or kv.is_logical or any(b.pool is kv for b in physical):
             return [], []
-        schema = self._registration.key_schema
-        return kv.object_keys(schema, derived.page_keys), kv.object_keys(
-            schema, derived.prefix_keys
-        )
+        schema, objects = self._registration.key_schema, kv.object_keys
+        return objects(schema, derived.page_keys), objects(schema, derived.prefix_keys)

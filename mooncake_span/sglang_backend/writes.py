@@ -41,12 +41,11 @@ from mooncake_span.sglang_backend.guard import (
     never_raise,
 )
 from mooncake_span.sglang_backend.objects import (
+    joined,
+    move_selected,
     object_keys,
     per_batch,
     per_key_results,
-    placement,
-    put_back,
-    select,
 )
 from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice
 from mooncake_span.sglang_backend.recording import SET, CallRecorder, recorded
@@ -55,8 +54,8 @@ from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stored_check import StoredCheck
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
 from mooncake_span.span.geometry import KV_POOL
-from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient
+from mooncake_span.store.domain_calls import Puts
 
 
 class WritePath:
@@ -125,23 +124,15 @@ class WritePath:
         if not any(b.staged for b in physical) and all(t.object_indices is None for t in todos):
             # Every object moves, in order: no per-object bookkeeping.
             return per_key_results(batches, self._put_direct(keys, todos) if keys else [])
-        chosen = select(physical, todos)
         flags = list(answer.stored)
-        for batch, todo, slots in chosen.staged:
-            put_back(flags, slots, self._put_staged(batch, todo))
-        if chosen.direct_keys:
-            direct = self._put_direct(chosen.direct_keys, chosen.direct_todos)
-            put_back(flags, chosen.direct_slots, direct)
+        move_selected(physical, todos, flags, self._put_staged, self._put_direct)
         return per_key_results(batches, flags)
 
     def _put_direct(self, keys: list[str], todos: list[Transfer]) -> list[bool]:
         """One native put of zero-copy batches, from the host pools' (registered) memory."""
-        plans = PlanBatch.concat([t.plans for t in todos])
-        groups = None
-        if any(t.group_ids is not None for t in todos):
-            groups = [g for t in todos for g in t.group_ids or ()]
-        domains, steps = placement(todos)
-        return self.client.put(keys, plans, groups, domains=domains, steps=steps)
+        todo = joined(todos)
+        puts = Puts(keys, todo.plans, todo.group_ids, domains=todo.domains, steps=todo.steps)
+        return self.client.put_objects(puts)
 
     def _put_staged(self, batch: PoolBatch, todo: Transfer) -> list[bool]:
         """A staged batch's objects, one native put per lease of the arena."""

@@ -236,14 +236,17 @@ class MooncakeClient:
         ``span_object_checksums`` (small records other tools read as they are).
         True only if every copy was written (``DomainCalls.put``)."""
         puts = Puts(list(keys), PlanBatch.of(plans), group_ids, hard_pin, domains, steps)
+        return self.put_objects(puts, sealed)
+
+    def put_objects(self, puts: Puts, sealed: bool = True) -> list[bool]:
+        """``put`` of objects gathered in one ``Puts`` (the write path's own call)."""
         if not sealed or self._seal is None:
             return self._domains.put(puts)
         with self._seal.writing(puts.keys, puts.batch) as sealed_batch:
             return self._domains.put(dataclasses.replace(puts, batch=sealed_batch))
 
     def put_part(self, puts: Puts, segment: str) -> list[int]:
-        """Objects onto one segment, in calls within the buffer budget (not sent
-        while the cluster is full); a failed transfer is judged (``failed_put``)."""
+        """Objects onto one segment in calls within the buffer budget, none in a put pause."""
         codes: list[int] = []
         for call in self.router.calls(puts.batch, _GROUPED_PUT_OBJECTS if puts.group_ids else 0):
             if not puts.hard_pin and self.pressure.cooling:
@@ -370,11 +373,9 @@ class MooncakeClient:
         steps: Sequence[int] | None = None,
         on_rpc: Callable[[], None] = _uncounted,
     ) -> Existence:
-        """``exists``, and the same query names objects of ``touch`` for the lease
-        Mooncake grants every object it finds: as many of the first ones as fit in
-        the query's last RPC, so touching never adds one, and only while the
-        router is untroubled (``Existence.touched_head``); otherwise copy by copy
-        (``DomainCalls.exists``)."""
+        """``exists``, the same query renewing the leases of the head of ``touch`` that
+        fits in its last RPC (``Existence.touched_head``); none while the router is
+        troubled, when keys are asked copy by copy (``DomainCalls.exists``)."""
         if not self.router.untroubled:
             return Existence(self._domains.exists(keys, domains, steps, on_rpc), [])
         head = list(touch[: -len(keys) % _EXISTS_KEYS_PER_CALL])
@@ -392,8 +393,7 @@ class MooncakeClient:
 
             codes = self._gate.invoke("batch_is_exist", ask, len(chunk))
             if all(is_transport_failure(code) for code in codes):
-                # Nothing answered: a caller must not read this as "absent" and
-                # follow up with a put that would wait just as long.
+                # Not "absent": a put that followed would wait just as long.
                 raise TransportError(f"batch_is_exist: every key failed ({code_name(codes[0])})")
             out += codes
         return out

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 
 from mooncake_span.sglang_backend.objects import (
+    move_selected,
     object_keys,
     per_batch,
     per_key_results,
-    put_back,
-    select,
     split,
 )
 from mooncake_span.sglang_backend.stored_pool import PoolBatch, StagedPool, StoredPool, Transfer
@@ -27,18 +26,6 @@ LAYOUT = PageLayout(
     num_pages=8,
 )
 TWO = (ComponentSpec("a", RankScope.SHARDED), ComponentSpec("b", RankScope.SHARDED))
-
-
-def move_selected(batches, todos, done, staged, direct):
-    """What the read and write paths do with a selection: staged batches moved
-    alone, the zero-copy objects in one call, every flag put back in its slot."""
-    out = list(done)
-    chosen = select(batches, todos)
-    for batch, todo, slots in chosen.staged:
-        put_back(out, slots, staged(batch, todo))
-    if chosen.direct_keys:
-        put_back(out, chosen.direct_slots, direct(chosen.direct_keys, chosen.direct_todos))
-    return out
 
 
 def _batch(name: str, keys: list[str], *, staged: bool = False, logical: bool = False):

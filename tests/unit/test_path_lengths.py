@@ -5,7 +5,7 @@ functions a zero-copy call reads through from sglang's method down to the
 Mooncake data call. Each function is counted whole, as ``inspect`` finds it
 (decorators, signature, docstring, body): its whole lines, and its code lines
 (the same without the docstring, comment-only and blank lines). The page's
-figures must be the code's, and the put must stay within 150 code lines.
+figures must be the code's, and the put must stay within 150 lines, whole and code.
 """
 
 from __future__ import annotations
@@ -86,5 +86,6 @@ def test_the_put_reads_within_the_bound():
     names, _, _ = _rows()["put"]
     assert names[0] == "sglang_backend/writes.WritePath.batch_set_v1"
     assert names[-1] == "store/client.MooncakeClient._put_call"
-    code_lines = sum(line_counts(_function(name))[0] for name in names)
-    assert code_lines <= PUT_BOUND_LINES
+    counts = [line_counts(_function(name)) for name in names]
+    assert sum(code for code, _ in counts) <= PUT_BOUND_LINES
+    assert sum(whole for _, whole in counts) <= PUT_BOUND_LINES
