@@ -9,7 +9,7 @@ backs its pages up to L3 (write-through); server B, a separate process with
 empty caches, answers the same prompt. The demo prints how many of B's prompt
 tokens came from storage, what B's backend read per host pool, whether both
 answers are the same greedy tokens with the same top logprobs (the content
-oracle of :mod:`mooncake_span.lab.oracle`; A computed its answer, so it is the
+oracle of :mod:`mooncake_span.ops.oracle`; A computed its answer, so it is the
 recompute reference), and the timings; when B restored less than every page
 it could, it says why from the master's key count and B's metrics, and what
 to do. ``--model glm5_next`` serves GLM-5.3-Flash's shape: 256-token pages and
@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mooncake_span.lab import oracle
 from mooncake_span.lab.sglang_servers import (
     Completion,
     ServerOptions,
@@ -35,7 +34,7 @@ from mooncake_span.lab.sglang_servers import (
     start_together,
     stop_together,
 )
-from mooncake_span.ops import inspect_cmd
+from mooncake_span.ops import inspect_cmd, oracle
 from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
 from mooncake_span.ops.launcher import http_get

@@ -7,7 +7,7 @@ after the probes left device and host memory, so that everything sglang can
 restore comes from storage. A probe passes when the L3 pass took every
 restorable token from storage and its answer is the cold pass's: the same
 greedy tokens, the top-k logprobs of the first answer tokens within a
-tolerance (:mod:`mooncake_span.lab.oracle`), and the code back wherever the
+tolerance (:mod:`mooncake_span.ops.oracle`), and the code back wherever the
 cold pass found it. A wrong restore raises no error, it gives a fluent wrong
 answer, hence the content check.
 
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_span.lab import oracle
+from mooncake_span.ops import oracle
 
 DEFAULT_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 # The default probe length: at most this, and at most half the smallest

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_span.lab import oracle
+from mooncake_span.ops import oracle
 from mooncake_span.ops import validate as V
 from mooncake_span.ops.arg_types import positive_int_arg
 from mooncake_span.ops.validate_http import ServerRefused, ServerUnreachable, SglangHttp

@@ -5,7 +5,7 @@ The model this backend exists for: MLA KV, a compressed DSA indexer pool
 with 256-token pages (K=1) and the CPU stand-ins' real compute (the KDA
 kernels, the indexer's pool writes and its top-k selection, which decides
 what each DSA layer attends to). Every answer is held to the content oracle
-(``mooncake_span.lab.oracle``): greedy tokens and the top logprobs of the
+(``mooncake_span.ops.oracle``): greedy tokens and the top logprobs of the
 first answer tokens against a server that recomputes.
 
 One module of servers, shared by the cases: a writer on the ``mooncake``
@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 
 from mooncake_span.bench.serve_stats import parse_prometheus
-from mooncake_span.lab.oracle import compare
 from mooncake_span.lab.sglang_servers import START_TIMEOUT_S, ServerOptions
 from mooncake_span.ops import inspect_cmd
 from mooncake_span.ops.launcher import http_get
+from mooncake_span.ops.oracle import compare
 from mooncake_span.testing import restore_faults
 from mooncake_span.testing.cpu_server.models import (
     GLM_PAGE_TOKENS,

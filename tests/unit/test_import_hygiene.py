@@ -148,6 +148,36 @@ def _run(code: str) -> subprocess.CompletedProcess:
     )
 
 
+def _module_level_package_imports(path: pathlib.Path) -> set[str]:
+    """The other ``mooncake_span`` packages ``path`` imports in its top-level statements."""
+    own = path.relative_to(PACKAGE).parts[0]
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    parts = [name.split(".") for name in names if name.startswith("mooncake_span.")]
+    return {p[1] for p in parts if (PACKAGE / p[1]).is_dir() and p[1] != own}
+
+
+def test_no_two_packages_import_each_other_at_module_level():
+    """A package may lean on another at import time, or be leaned on, not both:
+    the lower one's modules load without the upper one (lazy imports excepted)."""
+    leans_on: dict[str, set[str]] = {}
+    for path in PACKAGE.glob("*/**/*.py"):
+        package = path.relative_to(PACKAGE).parts[0]
+        leans_on.setdefault(package, set()).update(_module_level_package_imports(path))
+    mutual = sorted(
+        (a, b)
+        for a, others in leans_on.items()
+        for b in others
+        if a < b and a in leans_on.get(b, ())
+    )
+    assert "ops" in leans_on["lab"]  # the check sees module-level imports at all
+    assert mutual == []
+
+
 def test_packages_import_without_torch_sglang_or_mooncake():
     blocker = (
         "import sys\nfor m in ('torch', 'sglang', 'mooncake', 'etcd3gw'): sys.modules[m] = None\n"

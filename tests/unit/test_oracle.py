@@ -1,4 +1,4 @@
-"""The content oracle (``lab/oracle.py``) and the restore-fault hook of the serving
+"""The content oracle (``ops/oracle.py``) and the restore-fault hook of the serving
 tests' negative controls (``testing/restore_faults.py``), without servers."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from mooncake_span.lab import oracle
+from mooncake_span.ops import oracle
 
 
 def _top(*rows):

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.lab.oracle import PoolReads
 from mooncake_span.lab.serve_demo import (
     HIT_KEYS,
     HIT_QUERIES,
@@ -35,6 +34,7 @@ from mooncake_span.lab.sglang_servers import (
 )
 from mooncake_span.ops import launcher as L
 from mooncake_span.ops.master_http import parse_prometheus
+from mooncake_span.ops.oracle import PoolReads
 from mooncake_span.testing.cpu_server import SITE_DIR
 from mooncake_span.testing.cpu_server.models import TinyModelSpec, prompt_text
 
