@@ -64,10 +64,11 @@ def test_refused_calls_while_open_do_not_reach_the_store(rig):
         store.batch_exists(["k"])
     assert store.get_stats().breaker_state == "open"
     cluster.calls.clear()
-    started = time.monotonic()
     assert store.batch_get_v1(["k"], slots_of([0, 1], PAGE)) == [False]
     assert store.batch_set_v1(["k"], slots_of([0, 1], PAGE)) == [False]
-    assert time.monotonic() - started < 0.5
-    # only the background probe may touch the store while the breaker is open
+    # Only the background probe may touch the store while the breaker is open: a
+    # refused call costs no native call, so it cannot wait on the cluster either
+    # (the fake answers faults at once, so a wall-clock bound here proved nothing
+    # more, and failed once on a stalled 2-core box).
     assert {op for op, _ in cluster.calls} <= {"batch_is_exist"}
     assert store.get_stats().error_counts.get("BREAKER_REJECTED", 0) >= 2
