@@ -77,8 +77,7 @@ class StoredCheck:
         return answer
 
     def _query(self, physical: list[PoolBatch], keys: list[str]) -> StoredAnswer:
-        """One existence query: the call's objects, the KV objects a sidecar call asks
-        for the KV call that follows, and the chain prefix's objects."""
+        """One existence query: the call's, the next KV call's and the chain prefix's objects."""
         placed, ahead, ahead_prefix = (None, None), [], []
         if self._client.untroubled:
             ahead, ahead_prefix = self._kv_of_sidecars(physical)

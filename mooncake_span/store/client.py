@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import operator
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +44,6 @@ from mooncake_span.errors import (
     TransportError,
     code_name,
     found,
-    is_transfer_failure,
     is_transport_failure,
     short_reads,
 )
@@ -63,7 +63,7 @@ from mooncake_span.store.native import (
     setup_arguments,
     setup_store,
 )
-from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL, PutPressure
+from mooncake_span.store.put_cooldown import PutPressure
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.seal import TrailerArena
 from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
@@ -99,10 +99,6 @@ def _before_connect(*_: Any) -> Any:
 
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
 _EXISTS_KEYS_PER_CALL = 4096
-# Mooncake 0.3.13's put with group ids costs more per object the more objects
-# one call carries: a 1024-object MHA put took 148 ms in one call and 46 ms in
-# calls of 64 (32 ms without group ids); a 256-object one 23 vs 19 ms.
-_GROUPED_PUT_OBJECTS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +141,7 @@ class MooncakeClient:
         self._replicate_config: Callable[..., Any] = _before_connect
         # Which native calls a data call becomes, made of this client's native parts.
         self._domains = DomainCalls(
-            self, self.router, self.ledger, self._gate, self._integrity, self._ssd
+            self, self.router, self.ledger, self._gate, self._integrity, self._ssd, self.pressure
         )
         parts = (self._gate, self.ledger, self.pressure, self._ssd, self._integrity)
         self._stats = ClientStats(*parts, self.segments)
@@ -198,6 +194,7 @@ class MooncakeClient:
         if self._directory is not None:
             self._directory.stop()
         store = self._gate.shut(_CLOSE_DRAIN_TIMEOUT_S)
+        self._domains.close()
         if store is None:
             return
         state = "stopped"
@@ -245,28 +242,12 @@ class MooncakeClient:
         with self._seal.writing(puts.keys, puts.batch) as sealed_batch:
             return self._domains.put(dataclasses.replace(puts, batch=sealed_batch))
 
-    def put_part(self, puts: Puts, segment: str) -> list[int]:
-        """Objects onto one segment in calls within the buffer budget, none in a put pause."""
-        codes: list[int] = []
-        for call in self.router.calls(puts.batch, _GROUPED_PUT_OBJECTS if puts.group_ids else 0):
-            if not puts.hard_pin and self.pressure.cooling:
-                self._gate.count(FULL_SKIPPED_LABEL, len(call))
-                codes += self.pressure.skip(len(call))
-            else:
-                codes += self._put_call(puts.part(call), segment)
-        if segment and any(map(is_transfer_failure, codes)):
-            self._domains.failed_put(segment, codes)
-        return codes
-
-    def _put_call(self, puts: Puts, segment: str) -> list[int]:
+    def put_call(self, puts: Puts, segment: str) -> list[int]:
+        """One native put (objects within the buffer budget), preferring ``segment``."""
         config = self._replicate_config(puts.group_ids, puts.hard_pin, segment)
-        keys, batch = puts.keys, puts.batch
-        codes = self._gate.invoke(
-            "batch_put_from_multi_buffers",
-            lambda s: s.batch_put_from_multi_buffers(keys, batch.ptrs, batch.sizes, config),
-            len(keys),
-        )
-        return self.pressure.record(codes)
+        args = (puts.keys, puts.batch.ptrs, puts.batch.sizes, config)
+        put = operator.methodcaller("batch_put_from_multi_buffers", *args)
+        return self._gate.invoke("batch_put_from_multi_buffers", put, len(puts.keys))
 
     # ---- the read path -----------------------------------------------------------
 
@@ -373,9 +354,8 @@ class MooncakeClient:
         steps: Sequence[int] | None = None,
         on_rpc: Callable[[], None] = _uncounted,
     ) -> Existence:
-        """``exists``, the same query renewing the leases of the head of ``touch`` that
-        fits in its last RPC (``Existence.touched_head``); none while the router is
-        troubled, when keys are asked copy by copy (``DomainCalls.exists``)."""
+        """``exists``, renewing the leases of the head of ``touch`` that fits in its last RPC
+        (``Existence.touched_head``); none while troubled (``DomainCalls.exists``)."""
         if not self.router.untroubled:
             return Existence(self._domains.exists(keys, domains, steps, on_rpc), [])
         head = list(touch[: -len(keys) % _EXISTS_KEYS_PER_CALL])

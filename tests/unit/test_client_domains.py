@@ -9,6 +9,7 @@ real cluster.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from mooncake_span.errors import ErrorCode
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domains import copy_key, rank_segments
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span.testing.fake_store import FakeCluster, FakeStore
 from tests.span_helpers import FakeClock, fake_client, listening_port
 
 SEGMENTS = ("127.0.0.1:12001", "127.0.0.1:12002")
@@ -127,6 +128,27 @@ def test_a_dead_node_costs_its_keys_only_and_no_live_key_waits(make_client, clus
     assert all(fresh.put(reader))
     assert {cluster.placement[o] for o in fresh.objects} == {SEGMENTS[1]}
     assert all(fresh.get_key(reader, k) for k in range(8))
+
+
+@pytest.mark.parametrize("replica_num", [1, 2])
+def test_a_put_reaches_every_segment_at_once(make_client, cluster, monkeypatch, replica_num):
+    """Each segment's share of one put is in flight together: every native put of
+    the call waits at a barrier of one party per segment, which a put sent one
+    segment after another never passes (each waiter times out, the put fails)."""
+    barrier = threading.Barrier(len(SEGMENTS), timeout=10.0)
+    threads: set[str] = set()
+    put = FakeStore.batch_put_from_multi_buffers
+
+    def met(self, keys, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        barrier.wait()
+        return put(self, keys, *args, **kwargs)
+
+    monkeypatch.setattr(FakeStore, "batch_put_from_multi_buffers", met)
+    keys = Keys()
+    assert all(keys.put(make_client(replica_num=replica_num)))
+    assert len(threads) == len(SEGMENTS)
+    assert {cluster.placement[o] for o in keys.objects} == set(SEGMENTS)
 
 
 def test_two_copies_survive_a_node_at_the_first_attempt(make_client, cluster):
