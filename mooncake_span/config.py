@@ -164,6 +164,12 @@ class SpanOptions:
     # turns whole (one dead node of N costs about 1/N of them), while a
     # 128k-token context still spreads over 4 segments (docs/reliability.md).
     chain_window_tokens: int = 32768
+    # Past its first window, a chain moves to the root's next segment every this
+    # many tokens, so one prefetch call of a long conversation (sglang's 128
+    # host pages, 8,192 tokens) reads from several nodes at once instead of
+    # every reader waiting on one; a chain within its first window keeps one
+    # node. Equal to the window: one node per window, as before.
+    chain_stripe_tokens: int = 2048
     # The master's admin HTTP server (its --metrics_port) that lists segments;
     # None: http://<master host>:9003, Mooncake's default port.
     master_admin_url: str | None = None
@@ -268,6 +274,11 @@ class SpanOptions:
                 f"span_chain_window_tokens must be in 1..{1 << 30} tokens, "
                 f"got {self.chain_window_tokens}"
             )
+        if not 1 <= self.chain_stripe_tokens <= 1 << 30:
+            raise ConfigError(
+                f"span_chain_stripe_tokens must be in 1..{1 << 30} tokens, "
+                f"got {self.chain_stripe_tokens}"
+            )
         if not 0 <= self.chain_sample_every <= 1_000_000:
             raise ConfigError(
                 f"span_chain_sample_every must be in 0..1000000 (0: no chain records), "
@@ -292,6 +303,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_layout_guard_etcd": ("layout_guard_etcd", str),
     "span_placement": ("placement", parse_bool),
     "span_chain_window_tokens": ("chain_window_tokens", parse_int),
+    "span_chain_stripe_tokens": ("chain_stripe_tokens", parse_int),
     "span_master_admin_url": ("master_admin_url", str),
     "span_segment_refresh_s": ("segment_refresh_s", float),
     "span_domain_bad_ttl_s": ("domain_bad_ttl_s", float),

@@ -248,8 +248,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         (``span_refresh_prefix``); (None, []) without prefix keys."""
         if not page_keys:
             return None, []
-        window = self.registration.chain_window_keys
-        chain = chain_of(extra_info, page_keys, self.key_schema, window)
+        chain = chain_of(extra_info, page_keys, self.key_schema, *self.registration.chain_keys)
         if chain is None or not self.options.refresh_prefix:
             return chain, []
         return chain, prefix_keys_of(extra_info)

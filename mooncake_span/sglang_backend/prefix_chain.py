@@ -30,7 +30,11 @@ PASS_PREFIX_KEYS = "hicache_storage_pass_prefix_keys"
 
 
 def chain_of(
-    extra_info: Any, page_keys: list[str], schema: KeySchema, window_keys: int
+    extra_info: Any,
+    page_keys: list[str],
+    schema: KeySchema,
+    window_keys: int,
+    stripe_keys: int = 0,
 ) -> ChainSpot | None:
     """The chain spot of ``page_keys`` (validated, non-empty), or None without prefix keys."""
     prefix = getattr(extra_info, "prefix_keys", None)
@@ -45,7 +49,7 @@ def chain_of(
         raise InvalidRequestError(f"extra_info.prefix_keys[0] must be a non-empty str: {root!r}")
     # The root's own per-key domain: a chain and its first key share a segment.
     (domain,) = schema.domains([root], 1)
-    return ChainSpot(domain, len(prefix), window_keys)
+    return ChainSpot(domain, len(prefix), window_keys, stripe_keys)
 
 
 def prefix_keys_of(extra_info: Any) -> list[str]:

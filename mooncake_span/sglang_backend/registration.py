@@ -108,9 +108,10 @@ class Registration:
         self.group_ids = False
         # Rebound, never mutated: worker threads read it without a lock.
         self.learned_kv_derived: frozenset[str] = frozenset()
-        # Storage keys of a prefix chain per segment before it moves on (set
-        # with the geometry: span_chain_window_tokens in whole storage keys).
-        self.chain_window_keys = 1
+        # A prefix chain's window and stripe (prefix_chain.ChainSpot), set with the
+        # geometry: span_chain_window_tokens and span_chain_stripe_tokens in whole
+        # storage keys; one value, so a reader never sees one of them new.
+        self.chain_keys = (1, 1)
         # The storage page may still change until the first data call
         # (storage_page.py); the geometry, key schema and layout guard follow it.
         self.storage_page = StoragePage(declared_page(storage_config, options))
@@ -152,8 +153,10 @@ class Registration:
         # Failure domains (store/domains.py): one segment per storage key, or
         # per chain window when sglang passes prefix keys (prefix_chain.py).
         self._client.place_by(self.key_schema.domain_of)
-        self.chain_window_keys = max(
-            1, self._options.chain_window_tokens // geometry.storage_page_tokens
+        page_tokens = geometry.storage_page_tokens
+        self.chain_keys = (
+            max(1, self._options.chain_window_tokens // page_tokens),
+            max(1, self._options.chain_stripe_tokens // page_tokens),
         )
 
     def _check_pool(self, name: str, pool: StoredPool, geometry: SpanGeometry) -> None:
@@ -362,7 +365,7 @@ class Registration:
         page_keys = check_page_keys(keys)
         if not page_keys:
             raise InvalidRequestError(f"pool {name!r}: transfer has no keys")
-        chain = chain_of(extra_info, page_keys, self.key_schema, self.chain_window_keys)
+        chain = chain_of(extra_info, page_keys, self.key_schema, *self.chain_keys)
         kind = PoolKind.STATE  # a logical pool has no objects to renew
         if pool.is_logical:
             check_host_indices(name, host_indices)

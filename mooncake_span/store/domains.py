@@ -99,29 +99,40 @@ def first_choices(
 @dataclass(frozen=True)
 class ChainSpot:
     """A run of consecutive keys of one prefix chain: the chain's placement key
-    (its root's domain), the chain position of the run's first key, and the
-    window (keys per step). Everything here follows from the chain itself, so
-    every call, process, rank and pool component that names a key of the chain
-    computes the same step for it."""
+    (its root's domain), the chain position of the run's first key, the window
+    (keys the root's segment holds first) and the stripe (keys per step past
+    the window). Everything here follows from the chain itself, so every call,
+    process, rank and pool component that names a key of the chain computes the
+    same step for it."""
 
     domain: str
     start: int
     window_keys: int
+    stripe_keys: int = 0  # 0: the window's (one step per window)
 
     def __post_init__(self) -> None:
         if self.start < 0:
             raise ValueError(f"a chain position is >= 0, got {self.start}")
         if self.window_keys < 1:
             raise ValueError(f"a chain window is >= 1 key, got {self.window_keys}")
+        if self.stripe_keys < 0:
+            raise ValueError(f"a chain stripe is >= 1 key (0: the window), got {self.stripe_keys}")
+
+    def step_of(self, position: int) -> int:
+        """The chain step of the key at ``position``: 0 in the first window, then one
+        more every stripe."""
+        window = self.window_keys
+        if position < window:
+            return 0
+        return 1 + (position - window) // (self.stripe_keys or window)
 
     def objects(self, rows: Sequence[int], per_key: int) -> tuple[list[str], list[int]]:
-        """Domains and steps of ``per_key`` objects for each key ``rows[i]`` of the run;
-        a key's step is its chain position over the window."""
-        start, window = self.start, self.window_keys
+        """Domains and steps of ``per_key`` objects for each key ``rows[i]`` of the run."""
+        start, step_of = self.start, self.step_of
         if per_key == 1:
-            steps = [(start + row) // window for row in rows]
+            steps = [step_of(start + row) for row in rows]
         else:
-            steps = [step for row in rows for step in [(start + row) // window] * per_key]
+            steps = [step for row in rows for step in [step_of(start + row)] * per_key]
         return [self.domain] * len(steps), steps
 
 

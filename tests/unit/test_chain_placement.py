@@ -166,7 +166,9 @@ def test_the_first_backup_without_prefix_keys_logs_one_line_naming_the_knob(capl
 
 
 @pytest.fixture
-def chain_rig():
+def chain_rig(request):
+    """The backend on 4 fake segments, a window of 4 keys and (unless the test
+    passes ``stripe`` by indirect parametrization) a stripe of 4 keys too."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
@@ -179,6 +181,7 @@ def chain_rig():
         **FAKE_CLIENT,
         "span_master_admin_url": "http://127.0.0.1:1",
         "span_chain_window_tokens": 4 * PAGE,
+        "span_chain_stripe_tokens": getattr(request, "param", 4) * PAGE,
         "span_layout_guard": "off",
     }
     binding = NativeBinding(
@@ -218,6 +221,32 @@ def test_a_conversation_written_over_several_calls_sits_on_its_roots_segments(ch
     assert (
         store.batch_get_v1(keys[4:], slots_of(list(range(20, 26)), PAGE), _info(keys[:4]))
         == [True] * 6
+    )
+
+
+@pytest.mark.parametrize("chain_rig", [1, 2], indirect=True)
+def test_past_its_first_window_a_chain_moves_on_every_stripe(chain_rig):
+    """A long conversation's tail spreads over the root's ranking a stripe at a time,
+    so one read of it reaches several segments; its first window stays on one."""
+    store, cluster = chain_rig
+    stripe = store.registration.chain_keys[1]
+    keys = _hex_chain(11, 14)
+    for start, stop in ((0, 5), (5, 14)):
+        part = keys[start:stop]
+        ok = store.batch_set_v1(part, slots_of(list(range(start, stop)), PAGE), _info(keys[:start]))
+        assert ok == [True] * len(part)
+    schema = store.key_schema
+    order = rank_segments(schema.domains([keys[0]], 1)[0], cluster.live_segments())
+    placed = [
+        cluster.placement[schema.object_keys([k], store.pools["kv"].components)[0]] for k in keys
+    ]
+    steps = [0] * 4 + [1 + (p - 4) // stripe for p in range(4, 14)]
+    assert placed == [order[step % len(order)] for step in steps]
+    assert set(placed[4 : 4 + 4 * stripe]) == set(order)  # the tail reaches every segment
+    assert store.batch_exists(keys, _info([])) == 14
+    assert (
+        store.batch_get_v1(keys[4:], slots_of(list(range(20, 30)), PAGE), _info(keys[:4]))
+        == [True] * 10
     )
 
 
@@ -274,6 +303,9 @@ def test_the_knob_reaching_our_config_is_ignored_quietly(caplog):
     assert caplog.records == []
     with pytest.raises(Exception, match="span_chain_window_tokens"):
         load_span_options({"span_chain_window_tokens": 0})
+    assert load_span_options({"span_chain_stripe_tokens": "512"}).chain_stripe_tokens == 512
+    with pytest.raises(Exception, match="span_chain_stripe_tokens must be in 1"):
+        load_span_options({"span_chain_stripe_tokens": 0})
 
 
 def test_the_window_model_of_the_bench_follows_the_rule():
