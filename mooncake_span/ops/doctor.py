@@ -437,6 +437,8 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
         ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)
         ctx.local_ranks = args.local_ranks or ctx.ranks.ranks_per_server
         ctx.host_pool_bytes = parse_size_bytes(args.host_pool_bytes)
+        if args.segment_bytes is not None:
+            ctx.ssd_segment_bytes = parse_size_bytes(args.segment_bytes)
         ctx.settings, ctx.extra = resolve_settings(args, ranks=ctx.ranks)
         ctx.staging_bytes = load_span_options(ctx.extra).staging_buffer_size_bytes
         ctx.rank_devices = _local_rank_devices(args, ctx)
@@ -515,6 +517,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="check an SSD tier on DIR (a storage node's --ssd-dir) and that the master "
         "accepts one; a rank's enable_ssd_offload is checked without it",
+    )
+    parser.add_argument(
+        "--segment-bytes",
+        default=None,
+        metavar="SIZE",
+        help="with --ssd-dir: the storage node's --segment-bytes, the largest object its SSD "
+        "tier must hold (default: the config's global_segment_size)",
     )
     ranks = parser.add_argument_group(
         "deployment", "the sglang rank to check, as its HiCacheStorageConfig would name it"
