@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import ast
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +116,23 @@ def test_doctor_fails_a_build_that_does_not_import(monkeypatch):
     (check,) = doctor.check_mooncake_build(ctx)
     assert check.status == FAIL and "does not import (ImportError: libcuda.so.1" in check.detail
     assert "NVIDIA driver" in check.detail and "mooncake" in ctx.failed
+
+
+def test_the_serving_code_calls_setup_by_name_only():
+    """Mooncake 0.3.14 adds ``setup`` parameters: a call by position depends on where
+    each wheel puts them. The runtime and the operator commands name every argument
+    (the tooling, bench/, lab/ and testing/, is outside the serving package)."""
+    package = Path(native.__file__).parents[1]
+    positional = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] in ("bench", "lab", "testing"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "setup"
+                and node.args
+            ):
+                positional.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not positional, positional
