@@ -55,7 +55,10 @@ CODE_TOKENS = 3
 # The probe's text, where the server has a tokenizer.
 CODE_INTRO = "\nThe secret code is: "
 CODE_OUTRO = "\n"
-QUESTION = "\nWhat is the secret code? Answer with the code only."
+QUESTION = "What is the secret code? Answer with the code only."
+# A message that starts unlike QUESTION: where two chat prompts part is where
+# the template's opening ends.
+OTHER_MESSAGE = "0"
 # Churn eviction sends unique prompts worth this many times the device and
 # host pools together. sglang frees a host page only when a backup finds its
 # host pool full, and frees the least recently used first, so once unique
@@ -352,17 +355,21 @@ class Frame:
         return len(self.head) + len(self.code_intro) + len(self.code_outro) + len(self.tail)
 
 
-def split_chat(
-    chat_ids: Sequence[int], message_ids: Sequence[int]
-) -> tuple[list[int], list[int]] | None:
-    """(the template's opening, its closing) around the last place the message's own
-    token ids appear in a chat-templated prompt; None where the template tokenized
-    the message otherwise (a token merged across its edge)."""
-    n = len(message_ids)
-    for at in range(len(chat_ids) - n, -1, -1):
-        if n and list(chat_ids[at : at + n]) == list(message_ids):
-            return list(chat_ids[:at]), list(chat_ids[at + n :])
-    return None
+def chat_frame(
+    chat_ids: Sequence[int], other_chat_ids: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(the template's opening, the rest) of a chat-templated prompt, from a second
+    prompt of the same template with another message: the opening is what both start
+    with, the rest the message as the template tokenized it and the template's
+    closing. None where the two share no opening (no template around the message)."""
+    shared = 0
+    for mine, other in zip(chat_ids, other_chat_ids, strict=False):
+        if mine != other:
+            break
+        shared += 1
+    if shared == 0 or shared == len(chat_ids):
+        return None
+    return tuple(chat_ids[:shared]), tuple(chat_ids[shared:])
 
 
 def make_probe(

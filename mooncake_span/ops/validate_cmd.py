@@ -137,31 +137,25 @@ def token_pool(server: Server) -> V.TokenPool:
 
 
 def probe_frame(server: Server) -> V.Frame:
-    """The question and the code line as the server's tokenizer writes them, inside its
+    """The code line and the question as the server's tokenizer writes them, inside its
     chat template where it has one; an empty frame for a server without a tokenizer."""
     http = server.http
     try:
-        intro = http.tokenize_text(V.CODE_INTRO, special_tokens=False)
-        outro = http.tokenize_text(V.CODE_OUTRO, special_tokens=False)
-        question = http.tokenize_text(V.QUESTION, special_tokens=False)
+        intro = tuple(http.tokenize_text(V.CODE_INTRO, special_tokens=False))
+        outro = tuple(http.tokenize_text(V.CODE_OUTRO, special_tokens=False))
+        question = tuple(http.tokenize_text(V.QUESTION, special_tokens=False))
     except ServerRefused:
         return V.Frame()
     try:
-        split = V.split_chat(http.tokenize_chat(V.QUESTION), question)
+        framed = V.chat_frame(http.tokenize_chat(V.QUESTION), http.tokenize_chat(V.OTHER_MESSAGE))
     except ServerRefused:
-        split = None
-    if split is not None:
-        head, closing = split
-        return V.Frame(
-            tuple(head), tuple(intro), tuple(outro), (*question, *closing), "the chat template"
-        )
-    opening = http.tokenize_text("", special_tokens=True)
+        framed = None
+    if framed is not None:
+        head, rest = framed
+        return V.Frame(head, intro, outro, (*outro, *rest), "the chat template")
+    opening = tuple(http.tokenize_text("", special_tokens=True))
     return V.Frame(
-        tuple(opening),
-        tuple(intro),
-        tuple(outro),
-        tuple(question),
-        "the tokenizer without a chat template",
+        opening, intro, outro, (*outro, *question), "the tokenizer without a chat template"
     )
 
 

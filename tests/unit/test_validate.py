@@ -102,11 +102,13 @@ def test_probe_needs_room_for_filler():
         V.make_probe(0.5, POOL, FRAME, FRAME.tokens + V.CODE_TOKENS + 1, random.Random(0))
 
 
-def test_split_chat_finds_the_message_inside_the_template():
-    assert V.split_chat([9, 8, 1, 2, 3, 7], [1, 2, 3]) == ([9, 8], [7])
-    assert V.split_chat([1, 2, 1, 2], [1, 2]) == ([1, 2], [])
-    assert V.split_chat([9, 12, 3, 7], [1, 2, 3]) is None  # a token merged across the edge
-    assert V.split_chat([1], []) is None
+def test_chat_frame_parts_the_templates_opening_from_the_message():
+    # <bos> <user> | message ... | <end> <assistant>
+    assert V.chat_frame([1, 2, 30, 31, 32, 8, 9], [1, 2, 40, 8, 9]) == ((1, 2), (30, 31, 32, 8, 9))
+    # A first message token merged with the template's last: the merged token is the rest's.
+    assert V.chat_frame([1, 27, 31, 9], [1, 28, 9]) == ((1,), (27, 31, 9))
+    assert V.chat_frame([30, 31], [40]) is None  # no template: nothing shared
+    assert V.chat_frame([1, 2], [1, 2, 3]) is None  # nothing of the message left
 
 
 def _said(text="", ids=()):
