@@ -326,14 +326,15 @@ def mooncake_store_factory(
     ) -> object:
         config = mooncake_cluster.client_config(global_segment_size_bytes)
         store = MooncakeDistributedStore()
+        # By name, as the backend calls it: later wheels add parameters.
         rc = store.setup(
-            config["local_hostname"],
-            config["metadata_server"],
-            config["global_segment_size"],
-            local_buffer_size_bytes,
-            config["protocol"],
-            "",
-            config["master_server_address"],
+            local_hostname=config["local_hostname"],
+            metadata_server=config["metadata_server"],
+            global_segment_size=config["global_segment_size"],
+            local_buffer_size=local_buffer_size_bytes,
+            protocol=config["protocol"],
+            rdma_devices="",
+            master_server_addr=config["master_server_address"],
         )
         assert rc == 0, f"MooncakeDistributedStore.setup returned {rc} for {config}"
         stores.append(store)

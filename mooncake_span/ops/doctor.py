@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,12 +46,20 @@ from mooncake_span.ops.doctor_host import (
 from mooncake_span.ops.doctor_ssd import check_ssd, master_check, ssd_requested
 from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
+from mooncake_span.store.native import (
+    MOONCAKE_DISTRIBUTIONS,
+    installed_mooncake,
+    mooncake_import_failure,
+    mooncake_install_hint,
+)
 from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
 DEADLINE_S = 18.0
 _NET_TIMEOUT_S = 2.0
+# A Mooncake build that takes longer than this to import is reported as failing.
+_IMPORT_TIMEOUT_S = 10.0
 _ROUNDTRIP_OBJECTS = 4
 _ROUNDTRIP_OBJECT_BYTES = 1 << 20
 _SYN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_syn_retries"
@@ -132,14 +141,70 @@ def _check_admin(ctx: Context) -> list[Check]:
 
 
 def _client_version() -> str | None:
-    from importlib import metadata
+    builds = installed_mooncake()
+    return ", ".join(b.describe() for b in builds) or None
 
-    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
-        try:
-            return f"{dist} {metadata.version(dist)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+
+def _import_failure(ctx: Context) -> ImportError | None:
+    """Whether ``mooncake.store`` imports, tried in a child: the native library runs
+    only there (a wrong build can abort the process that loads it)."""
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", "import mooncake.store"],
+            capture_output=True,
+            text=True,
+            timeout=max(1.0, min(_IMPORT_TIMEOUT_S, ctx.remaining_s())),
+        )
+    except subprocess.TimeoutExpired:
+        return ImportError(f"importing mooncake.store took over {_IMPORT_TIMEOUT_S:.0f} s")
+    if result.returncode == 0:
+        return None
+    lines = result.stderr.strip().splitlines() or [f"exit status {result.returncode}"]
+    return ImportError(lines[-1])
+
+
+def check_mooncake_build(ctx: Context) -> list[Check]:
+    """Which Mooncake distribution provides ``mooncake``: exactly one, one this
+    package knows (CPU, CUDA 12, CUDA 13, EFA), and it imports."""
+    builds = installed_mooncake()
+    data = {"builds": [asdict(b) for b in builds]}
+    if not builds:
+        ctx.failed.add("mooncake")
+        return [
+            Check(
+                "mooncake build",
+                FAIL,
+                "no distribution provides `mooncake`",
+                mooncake_install_hint(),
+            )
+        ]
+    said = ", ".join(b.describe() for b in builds)
+    failure = _import_failure(ctx)
+    if failure is not None:
+        ctx.failed.add("mooncake")
+        return [Check("mooncake build", FAIL, mooncake_import_failure(failure, builds), None, data)]
+    if len(builds) > 1:
+        return [
+            Check(
+                "mooncake build",
+                WARN,
+                f"several builds provide `mooncake`: {said}; they install the same files over "
+                "each other",
+                "uninstall all of them and install the one for this host",
+                data,
+            )
+        ]
+    if builds[0].host_kind is None:
+        return [
+            Check(
+                "mooncake build",
+                WARN,
+                f"{said}: the backend is tested on {', '.join(MOONCAKE_DISTRIBUTIONS)}",
+                mooncake_install_hint(),
+                data,
+            )
+        ]
+    return [Check("mooncake build", PASS, said, None, data)]
 
 
 def check_metadata(ctx: Context) -> list[Check]:
@@ -387,7 +452,7 @@ def _guard_check(reply: dict[str, Any], key: str | None) -> Check:
 
 def check_store(ctx: Context) -> list[Check]:
     """A real round trip, and the layout-guard record, through one probe child."""
-    blocked = sorted(ctx.failed & {"master", "metadata", "etcd"})
+    blocked = sorted(ctx.failed & {"mooncake", "master", "metadata", "etcd"})
     key = _guard_key(ctx)
     if blocked:
         why = f"skipped: {', '.join(blocked)} failed above"
@@ -414,6 +479,7 @@ def check_store(ctx: Context) -> list[Check]:
 
 
 CHECKS = (
+    check_mooncake_build,
     check_master,
     check_metadata,
     check_etcd,
@@ -437,6 +503,8 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
         ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)
         ctx.local_ranks = args.local_ranks or ctx.ranks.ranks_per_server
         ctx.host_pool_bytes = parse_size_bytes(args.host_pool_bytes)
+        if args.segment_bytes is not None:
+            ctx.ssd_segment_bytes = parse_size_bytes(args.segment_bytes)
         ctx.settings, ctx.extra = resolve_settings(args, ranks=ctx.ranks)
         ctx.staging_bytes = load_span_options(ctx.extra).staging_buffer_size_bytes
         ctx.rank_devices = _local_rank_devices(args, ctx)
@@ -515,6 +583,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="check an SSD tier on DIR (a storage node's --ssd-dir) and that the master "
         "accepts one; a rank's enable_ssd_offload is checked without it",
+    )
+    parser.add_argument(
+        "--segment-bytes",
+        default=None,
+        metavar="SIZE",
+        help="with --ssd-dir: the storage node's --segment-bytes, the largest object its SSD "
+        "tier must hold (default: the config's global_segment_size)",
     )
     ranks = parser.add_argument_group(
         "deployment", "the sglang rank to check, as its HiCacheStorageConfig would name it"

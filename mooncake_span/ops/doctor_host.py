@@ -48,8 +48,10 @@ class Context:
     # tp_rank -> the NIC the device_name map gives it, for the other local ranks.
     rank_devices: dict[int, str] = field(default_factory=dict)
     ib_path: str = _IB_PATH
-    # doctor --ssd-dir: a storage node's SSD directory to check (ops/doctor_ssd.py).
+    # doctor --ssd-dir: a storage node's SSD directory to check (ops/doctor_ssd.py),
+    # and --segment-bytes: that node's segment (0: the config's).
     ssd_dir: str | None = None
+    ssd_segment_bytes: int = 0
 
     def remaining_s(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

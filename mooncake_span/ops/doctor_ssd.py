@@ -5,7 +5,9 @@ rank's own segment is offloaded to its ``rank_*`` sub-directory) or
 ``doctor --ssd-dir DIR`` (a storage node's ``--ssd-dir``). Then:
 
 * ``ssd tier``: the directory (exists or can be made, a real directory,
-  writable, not held by a running process) and, for a rank, that it owns a
+  writable, not held by a running process), for a storage node's directory
+  that its usable capacity holds one object (up to the node's segment:
+  ``--segment-bytes``, else the config's), and, for a rank, that it owns a
   segment to offload and that the operator's ``MOONCAKE_OFFLOAD_*`` variables
   keep the layout that writes every object (``store/ssd_tier.layout_problems``);
 * ``ssd master``: the probe child sets up with ``enable_ssd_offload`` on a
@@ -24,6 +26,9 @@ from mooncake_span.store import ssd_tier
 
 _NAME = "ssd tier"
 MASTER_CHECK = "ssd master"
+# Mooncake refuses a segment below this: a storage node's segment, and so the
+# largest object it may be sent, is at least this.
+SMALLEST_SEGMENT_BYTES = 16 << 20
 
 
 def ssd_requested(ctx: Context) -> bool:
@@ -35,25 +40,43 @@ def check_ssd(ctx: Context) -> list[Check]:
     if not ssd_requested(ctx):
         return [Check(_NAME, SKIP, "no SSD tier asked for (enable_ssd_offload, --ssd-dir)")]
     if ctx.ssd_dir:
-        return [_check_node_dir(ctx.ssd_dir)]
+        configured = ctx.settings.global_segment_size_bytes if ctx.settings is not None else 0
+        return [_check_node_dir(ctx.ssd_dir, ctx.ssd_segment_bytes or configured)]
     return _check_rank(ctx)
 
 
-def _check_node_dir(root: str) -> Check:
+def _check_node_dir(root: str, segment_bytes: int) -> Check:
+    """The storage node's directory, and whether its usable capacity holds one object:
+    up to the node's segment (what the node itself refuses to start below), or, with
+    the segment unknown, one of Mooncake's smallest segment."""
     try:
         path = ssd_tier.check_root(root)
     except ConfigError as exc:
         return Check(_NAME, FAIL, str(exc), "fix the directory as the message says")
     cap = ssd_tier.default_cap_bytes(path)
     usable = ssd_tier.usable_bytes(path, ssd_tier.held_bytes(path))
-    data = {"ssd_dir": path, "default_cap_bytes": cap, "usable_bytes": usable}
-    if usable == 0:
+    if segment_bytes > 0:
+        object_bytes, which = segment_bytes, f"the node's {segment_bytes}-byte segment"
+    else:
+        object_bytes = SMALLEST_SEGMENT_BYTES
+        which = (
+            f"the node's segment is not known, so Mooncake's smallest, {object_bytes} bytes "
+            "(pass --segment-bytes as the node gets it)"
+        )
+    data = {
+        "ssd_dir": path,
+        "default_cap_bytes": cap,
+        "usable_bytes": usable,
+        "object_bytes": object_bytes,
+    }
+    reserve = f"Mooncake's {ssd_tier.DISK_RESERVE_BYTES >> 20} MiB reserve"
+    if usable < object_bytes:
         return Check(
             _NAME,
             FAIL,
-            f"{path}: no usable capacity: its free space (plus what it holds) is within "
-            f"Mooncake's {ssd_tier.DISK_RESERVE_BYTES >> 20} MiB reserve, so the tier would "
-            "keep nothing",
+            f"{path}: {usable} bytes usable (free space plus what it holds, less {reserve}), "
+            f"less than one object of up to {object_bytes} bytes ({which}): the tier would "
+            "keep nothing that size, and a storage node with this segment refuses to start",
             "free space on that disk or pick a larger one",
             data=data,
         )
@@ -62,8 +85,8 @@ def _check_node_dir(root: str) -> Check:
         PASS,
         f"{path}: a writable directory; a storage node with --ssd-dir {root} uses "
         f"{path}/<node name>; {usable} bytes usable (free space plus what it holds, less "
-        f"Mooncake's {ssd_tier.DISK_RESERVE_BYTES >> 20} MiB reserve; a --ssd-size above "
-        f"that holds no more), default cap {cap} bytes (90% of the disk)",
+        f"{reserve}; a --ssd-size above that holds no more), at least one object of up to "
+        f"{object_bytes} bytes ({which}); default cap {cap} bytes (90% of the disk)",
         data=data,
     )
 

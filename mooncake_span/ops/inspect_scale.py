@@ -31,10 +31,16 @@ def _fill(cluster: LocalCluster, total_keys: int, namespaces: int) -> float:
 
     cfg = cluster.client_config(0)
     store = MooncakeDistributedStore()
+    # By name, as the backend calls it: later wheels add parameters.
     rc = store.setup(
-        cfg["local_hostname"], cfg["metadata_server"], 0, 64 << 20, "tcp", "",
-        cfg["master_server_address"],
-    )  # fmt: skip
+        local_hostname=cfg["local_hostname"],
+        metadata_server=cfg["metadata_server"],
+        global_segment_size=0,
+        local_buffer_size=64 << 20,
+        protocol="tcp",
+        rdma_devices="",
+        master_server_addr=cfg["master_server_address"],
+    )
     if rc != 0:
         raise RuntimeError(f"setup returned {rc}")
     payload = ctypes.create_string_buffer(b"x" * _OBJECT_BYTES, _OBJECT_BYTES)

@@ -1,7 +1,10 @@
 """``mooncake-span validate``'s pure half: probes, what a server reports, the verdict.
 
-A probe is a long context of high-entropy filler words with a short code
-placed at a given depth, and a question that asks only for the code. The
+A probe is token ids: a long context of high-entropy filler drawn from the
+model's own tokens with a short code placed at a given depth, and, where the
+server has a tokenizer, a question that asks only for the code. Built as ids,
+a probe fits any tokenizer (byte-level ones too) and servers without one
+(``--skip-tokenizer-init``). The
 cold pass answers every probe from scratch; the L3 pass answers them again
 after the probes left device and host memory, so that everything sglang can
 restore comes from storage. A probe passes when the L3 pass took every
@@ -38,7 +41,6 @@ DEFAULT_MAX_CONTEXT_TOKENS = 8192
 # (256 tokens by default) and always computes the last page.
 PREFETCH_THRESHOLD_TOKENS = 256
 MIN_PROBE_PAGES = 3
-CODE_WORDS = 3
 ANSWER_TOKENS = 16
 TOP_LOGPROBS = 5
 # fp32 servers restore to float rounding (oracle.LOGPROB_TOLERANCE). Half
@@ -46,9 +48,17 @@ TOP_LOGPROBS = 5
 # pass did; this bound is a choice, not measured here: --logprob-tolerance.
 HALF_PRECISION_LOGPROB_TOLERANCE = 0.1
 FULL_PRECISION_DTYPES = ("float32", "fp32")
-# Word pool: tokens of the server's own vocabulary that read as plain words.
-MIN_POOL_WORDS = 64
+# Token pool: distinct ids a probe draws from, and what reads as a plain word.
+MIN_POOL_TOKENS = 64
 MAX_WORD_CHARS = 12
+CODE_TOKENS = 3
+# The probe's text, where the server has a tokenizer.
+CODE_INTRO = "\nThe secret code is: "
+CODE_OUTRO = "\n"
+QUESTION = "What is the secret code? Answer with the code only."
+# A message that starts unlike QUESTION: where two chat prompts part is where
+# the template's opening ends.
+OTHER_MESSAGE = "0"
 # Churn eviction sends unique prompts worth this many times the device and
 # host pools together. sglang frees a host page only when a backup finds its
 # host pool full, and frees the least recently used first, so once unique
@@ -171,7 +181,8 @@ def choose_context_tokens(
     """(probe length in tokens, why that length), for every server of the run."""
     page = max(s.page_tokens for s in servers)
     floor = min_context_tokens(page)
-    ceiling = min(min(s.max_input_tokens, s.context_tokens - answer_tokens) for s in servers)
+    # A prompt of max_req_input_len tokens is one too many: the probes stop one short.
+    ceiling = min(min(s.max_input_tokens - 1, s.context_tokens - answer_tokens) for s in servers)
     if override is not None:
         if override < floor:
             raise ValueError(
@@ -270,54 +281,142 @@ def churn_plan(
 # probes
 
 
-def word_pool(token_texts: Iterable[str]) -> list[str]:
-    """Distinct plain words (ASCII letters and digits) among a vocabulary's token texts."""
-    seen: dict[str, None] = {}
-    for text in token_texts:
+@dataclass(frozen=True)
+class TokenPool:
+    """Token ids a probe draws its filler and code from, all valid for the server's model."""
+
+    ids: tuple[int, ...]
+    # Each id's text where the server has a tokenizer (empty without one).
+    texts: Mapping[int, str]
+    source: str
+
+
+def _spelled(text: str) -> bool:
+    return bool(text.strip()) and text.isprintable() and "\ufffd" not in text
+
+
+def pool_from_texts(token_texts: Sequence[str]) -> TokenPool:
+    """Tokens of a vocabulary scan (``token_texts[i]`` is id ``i``'s text alone): its plain
+    words (ASCII letters and digits) when there are enough, which a model reads as words;
+    else every token that spells printable text on its own, as a byte-level tokenizer's
+    do. One id per distinct text; special tokens, which decode to nothing, never qualify.
+    ValueError when fewer than ``MIN_POOL_TOKENS`` qualify."""
+    words: dict[str, int] = {}
+    spelled: dict[str, int] = {}
+    for token_id, text in enumerate(token_texts):
         word = text.strip()
         if 2 <= len(word) <= MAX_WORD_CHARS and word.isascii() and word.isalnum():
-            seen.setdefault(word, None)
-    return list(seen)
+            words.setdefault(word, token_id)
+        if _spelled(text):
+            spelled.setdefault(text, token_id)
+    if len(words) >= MIN_POOL_TOKENS:
+        chosen, source = words, f"{len(words)} plain words of the server's vocabulary"
+    elif len(spelled) >= MIN_POOL_TOKENS:
+        chosen = spelled
+        source = (
+            f"{len(spelled)} printable tokens of the server's vocabulary "
+            f"(it has {len(words)} plain words)"
+        )
+    else:
+        raise ValueError(
+            f"the tokenizer spells {len(spelled)} distinct printable tokens in the "
+            f"{len(token_texts)} ids read; probes need {MIN_POOL_TOKENS}"
+        )
+    return TokenPool(tuple(chosen.values()), {i: token_texts[i] for i in chosen.values()}, source)
+
+
+def pool_from_candidates(candidate_ids: Iterable[int]) -> TokenPool:
+    """The ids a model itself proposed (its top candidates over a greedy answer): a
+    server without a tokenizer says no vocabulary, but every id it proposes is one
+    of its model's. ValueError when fewer than ``MIN_POOL_TOKENS`` are distinct."""
+    ids = tuple(dict.fromkeys(int(i) for i in candidate_ids))
+    if len(ids) < MIN_POOL_TOKENS:
+        raise ValueError(
+            f"the model proposed {len(ids)} distinct token ids; probes need {MIN_POOL_TOKENS}"
+        )
+    return TokenPool(ids, {}, f"{len(ids)} token ids the model proposed (no tokenizer)")
 
 
 @dataclass(frozen=True)
-class ProbeText:
-    depth: float
-    code: str
-    # The user message: filler before the code, the code line, filler after, the question.
-    content: str
-    filler_words: int
+class Frame:
+    """A probe's fixed text as token ids from the server's tokenizer; all empty for a
+    server without one, whose probes are filler and code alone."""
+
+    # The chat template's opening (or the tokenizer's own start tokens).
+    head: tuple[int, ...] = ()
+    code_intro: tuple[int, ...] = ()
+    code_outro: tuple[int, ...] = ()
+    # The question, then the chat template's closing.
+    tail: tuple[int, ...] = ()
+    source: str = "token ids only (the server has no tokenizer)"
+
+    @property
+    def tokens(self) -> int:
+        return len(self.head) + len(self.code_intro) + len(self.code_outro) + len(self.tail)
+
+
+def chat_frame(
+    chat_ids: Sequence[int], other_chat_ids: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(the template's opening, the rest) of a chat-templated prompt, from a second
+    prompt of the same template with another message: the opening is what both start
+    with, the rest the message as the template tokenized it and the template's
+    closing. None where the two share no opening (no template around the message)."""
+    shared = 0
+    for mine, other in zip(chat_ids, other_chat_ids, strict=False):
+        if mine != other:
+            break
+        shared += 1
+    if shared == 0 or shared == len(chat_ids):
+        return None
+    return tuple(chat_ids[:shared]), tuple(chat_ids[shared:])
 
 
 def make_probe(
-    depth: float, words: Sequence[str], filler_words: int, rng: random.Random
-) -> ProbeText:
-    """Filler drawn from ``words`` with the code line at ``depth`` of it, then the question."""
+    depth: float, pool: TokenPool, frame: Frame, context_tokens: int, rng: random.Random
+) -> Probe:
+    """A probe of exactly ``context_tokens`` ids: filler drawn from the pool with a code
+    of ``CODE_TOKENS`` pool ids at ``depth`` of it, inside the frame."""
     if not 0.0 < depth < 1.0:
         raise ValueError(f"a depth is a fraction in (0, 1), got {depth}")
-    if len(words) < MIN_POOL_WORDS:
+    if len(pool.ids) < MIN_POOL_TOKENS:
+        raise ValueError(f"the pool holds {len(pool.ids)} token ids; probes need {MIN_POOL_TOKENS}")
+    filler_tokens = context_tokens - frame.tokens - CODE_TOKENS
+    if filler_tokens < 2:
         raise ValueError(
-            f"the tokenizer yields {len(words)} plain words; probes need {MIN_POOL_WORDS}"
+            f"a {context_tokens}-token probe leaves no room for filler around its "
+            f"{frame.tokens}-token frame and {CODE_TOKENS}-token code"
         )
-    code = " ".join(rng.choice(words) for _ in range(CODE_WORDS))
-    filler = [rng.choice(words) for _ in range(filler_words)]
-    at = round(depth * filler_words)
-    content = " ".join(
-        [
-            *filler[:at],
-            f"\nThe secret code is: {code}\n",
-            *filler[at:],
-            "\nWhat is the secret code? Answer with the code only.",
-        ]
+    code = tuple(rng.choice(pool.ids) for _ in range(CODE_TOKENS))
+    filler = [rng.choice(pool.ids) for _ in range(filler_tokens)]
+    at = round(depth * filler_tokens)
+    ids = (
+        *frame.head,
+        *filler[:at],
+        *frame.code_intro,
+        *code,
+        *frame.code_outro,
+        *filler[at:],
+        *frame.tail,
     )
-    return ProbeText(depth=depth, code=code, content=content, filler_words=filler_words)
+    text = "".join(pool.texts.get(t, "") for t in code) if pool.texts else ""
+    return Probe(depth, text, ids, code)
 
 
-def code_found(answer_text: str, code: str) -> bool:
-    """Whether the answer spells the code's words in order (case and punctuation aside)."""
-    said = " ".join(re.findall(r"[a-z0-9]+", answer_text.lower()))
-    wanted = " ".join(re.findall(r"[a-z0-9]+", code.lower()))
-    return bool(wanted) and f" {wanted} " in f" {said} "
+def _squashed(text: str) -> str:
+    return "".join(re.findall(r"[a-z0-9]", text.lower()))
+
+
+def code_found(answer: Answer, probe: Probe) -> bool:
+    """Whether the answer says the probe's code: its letters and digits in order where
+    both have text (a model may spell the code with other tokens), else its ids in a row."""
+    wanted = _squashed(probe.code)
+    if wanted and answer.text:
+        return wanted in _squashed(answer.text)
+    code, said = list(probe.code_ids), list(answer.output_ids)
+    return bool(code) and any(
+        said[i : i + len(code)] == code for i in range(len(said) - len(code) + 1)
+    )
 
 
 def shared_prefix_tokens(prompts: Sequence[Sequence[int]]) -> int:
@@ -442,18 +541,30 @@ def parse_answer(doc: Mapping[str, Any]) -> Answer:
 
 @dataclass(frozen=True)
 class Probe:
-    """A probe as sent: its depth, code and exact prompt tokens."""
+    """A probe as sent: its depth, code (text where the server has a tokenizer, and
+    token ids) and exact prompt tokens."""
 
     depth: float
     code: str
     input_ids: tuple[int, ...]
+    code_ids: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"depth": self.depth, "code": self.code, "input_ids": list(self.input_ids)}
+        return {
+            "depth": self.depth,
+            "code": self.code,
+            "code_ids": list(self.code_ids),
+            "input_ids": list(self.input_ids),
+        }
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Probe:
-        return cls(float(doc["depth"]), str(doc["code"]), tuple(int(t) for t in doc["input_ids"]))
+        return cls(
+            float(doc["depth"]),
+            str(doc["code"]),
+            tuple(int(t) for t in doc["input_ids"]),
+            tuple(int(t) for t in doc.get("code_ids", ())),
+        )
 
 
 @dataclass(frozen=True)
@@ -483,11 +594,11 @@ class ProbeResult:
 
     @property
     def cold_found_code(self) -> bool:
-        return code_found(self.cold.text, self.probe.code)
+        return code_found(self.cold, self.probe)
 
     @property
     def l3_found_code(self) -> bool:
-        return code_found(self.l3.text, self.probe.code)
+        return code_found(self.l3, self.probe)
 
     @property
     def agrees(self) -> bool:

@@ -5,8 +5,10 @@ Against servers that are already running (this backend, sglang's
 
 1. read what each server reports (page size, context length, pool sizes,
    storage backend) and choose the probe length (or ``--context-tokens``);
-2. make the probes (:mod:`mooncake_span.ops.validate`) as text through the
-   server's tokenizer and chat template;
+2. make the probes (:mod:`mooncake_span.ops.validate`) as token ids: filler
+   and code from the server's vocabulary (or, without a tokenizer, from the
+   ids its model proposes), the question through its tokenizer and chat
+   template where it has them;
 3. warm each server up with one unique prompt: sglang loads its page-hash
    code at a server's first L3 lookup, and under the default ``timeout``
    prefetch policy that lookup's prefetch is dropped;
@@ -34,7 +36,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,11 +46,16 @@ from mooncake_span.ops import validate as V
 from mooncake_span.ops.arg_types import positive_int_arg
 from mooncake_span.ops.validate_http import ServerRefused, ServerUnreachable, SglangHttp
 
-# Token ids whose text is read for the filler vocabulary; smaller spans are
-# tried when a tokenizer refuses ids past its vocabulary.
-VOCAB_SCANS = (32768, 4096, 512)
-RATIO_SAMPLE_WORDS = 512
-LENGTH_SLACK = 0.03
+# Token ids whose text is read for the token pool; smaller spans are tried when
+# a tokenizer refuses ids past its vocabulary (a byte-level one has 256 and a few).
+VOCAB_SCANS = (32768, 4096, 512, 256)
+# A server without a tokenizer: the ids sglang's own start-up request sends such
+# a server (any model has them), then greedy answers whose top candidates are
+# the pool, each answer seeding the next.
+PROPOSAL_SEED_IDS = (10, 11, 12)
+PROPOSAL_TOKENS = 64
+PROPOSAL_TOP = 20
+PROPOSAL_ROUNDS = 4
 BACKUP_SETTLE_S = 2.0
 BACKUP_POLL_S = 0.5
 # Without a backup counter there is nothing to watch: a fixed grace, said as such.
@@ -92,68 +99,87 @@ def connect(url: str) -> Server:
 
 
 # ---------------------------------------------------------------------------
-# probes through the server's tokenizer
+# probes as token ids
 
 
-def vocabulary(server: Server) -> dict[str, int]:
-    """Plain words of the server's vocabulary, each with a token id that spells it."""
+def _proposed_pool(server: Server) -> V.TokenPool:
+    """Ids the model proposes: its top candidates over greedy answers, each answer
+    seeding the next (bounded rounds)."""
+    seen: dict[int, None] = {}
+    seed = list(PROPOSAL_SEED_IDS)
+    for _round in range(PROPOSAL_ROUNDS):
+        body = server.http.generate(seed, PROPOSAL_TOKENS, PROPOSAL_TOP, ignore_eos=True)
+        answer = V.parse_answer(body)
+        for step in answer.top_logprobs:
+            seen.update((token_id, None) for token_id, _logprob in step)
+        if len(seen) >= V.MIN_POOL_TOKENS:
+            break
+        seed = list(answer.output_ids) or seed
+    try:
+        return V.pool_from_candidates(seen)
+    except ValueError as exc:
+        raise ValidateError(f"{server.url}: {exc}") from None
+
+
+def token_pool(server: Server) -> V.TokenPool:
+    """The ids probes draw from: from the server's vocabulary where it can spell its
+    tokens (``/detokenize``), else from what its model proposes."""
     for span in VOCAB_SCANS:
         try:
             texts = server.http.token_texts(range(span))
         except ServerRefused:
-            continue
-        words = V.word_pool(texts)
-        if len(words) >= V.MIN_POOL_WORDS:
-            ids = {}
-            for token_id, text in enumerate(texts):
-                ids.setdefault(text.strip(), token_id)
-            return {word: ids[word] for word in words}
-    raise ValidateError(
-        f"{server.url}: the tokenizer yields fewer than {V.MIN_POOL_WORDS} plain words "
-        "(a server started with --skip-tokenizer-init cannot be validated)"
+            continue  # ids past the vocabulary, or no tokenizer at all
+        try:
+            return V.pool_from_texts(texts)
+        except ValueError:
+            break  # a scan that fits is the whole vocabulary, or enough of it
+    return _proposed_pool(server)
+
+
+def probe_frame(server: Server) -> V.Frame:
+    """The code line and the question as the server's tokenizer writes them, inside its
+    chat template where it has one; an empty frame for a server without a tokenizer."""
+    http = server.http
+    try:
+        intro = tuple(http.tokenize_text(V.CODE_INTRO, special_tokens=False))
+        outro = tuple(http.tokenize_text(V.CODE_OUTRO, special_tokens=False))
+        question = tuple(http.tokenize_text(V.QUESTION, special_tokens=False))
+    except ServerRefused:
+        return V.Frame()
+    try:
+        framed = V.chat_frame(http.tokenize_chat(V.QUESTION), http.tokenize_chat(V.OTHER_MESSAGE))
+    except ServerRefused:
+        framed = None
+    if framed is not None:
+        head, rest = framed
+        return V.Frame(head, intro, outro, (*outro, *rest), "the chat template")
+    opening = tuple(http.tokenize_text("", special_tokens=True))
+    return V.Frame(
+        opening, intro, outro, (*outro, *question), "the tokenizer without a chat template"
     )
 
 
-def _tokenizer(server: Server) -> tuple[Callable[[str], list[int]], str]:
-    """The server's chat template when it has one, else its plain tokenizer."""
-    try:
-        server.http.tokenize_chat("hello")
-        return server.http.tokenize_chat, "the server's chat template"
-    except ServerRefused:
-        return server.http.tokenize_text, "plain text (the server has no chat template)"
-
-
 def build_probes(
-    server: Server,
-    words: Sequence[str],
+    pool: V.TokenPool,
+    frame: V.Frame,
     depths: Sequence[float],
     context_tokens: int,
     rng: random.Random,
-) -> tuple[list[V.Probe], str]:
-    tokenize, how = _tokenizer(server)
-    sample = " ".join(rng.choice(words) for _ in range(RATIO_SAMPLE_WORDS))
-    tokens_per_word = len(server.http.tokenize_text(sample)) / RATIO_SAMPLE_WORDS
-    probes = []
-    for depth in depths:
-        filler = max(int(context_tokens / tokens_per_word), 1)
-        for _attempt in range(4):
-            text = V.make_probe(depth, words, filler, random.Random(rng.random()))
-            ids = tokenize(text.content)
-            if (
-                abs(len(ids) - context_tokens) <= LENGTH_SLACK * context_tokens
-                and len(ids) <= server.facts.max_input_tokens - 1
-            ):
-                break
-            filler = max(int(filler * context_tokens / len(ids)), 1)
-        probes.append(V.Probe(depth, text.code, tuple(ids)))
-    return probes, how
+) -> list[V.Probe]:
+    try:
+        return [V.make_probe(depth, pool, frame, context_tokens, rng) for depth in depths]
+    except ValueError as exc:
+        raise ValidateError(str(exc)) from None
 
 
-def warm_up(server: Server, vocab: dict[str, int], rng: random.Random) -> None:
+def _unique_prompt(pool: V.TokenPool, tokens: int, rng: random.Random) -> list[int]:
+    return [rng.choice(pool.ids) for _ in range(tokens)]
+
+
+def warm_up(server: Server, pool: V.TokenPool, rng: random.Random) -> None:
     """One unique prompt long enough for an L3 lookup (see the module docstring)."""
-    ids = list(vocab.values())
     length = V.min_context_tokens(server.facts.page_tokens)
-    server.http.generate([rng.choice(ids) for _ in range(length)], 1, 0)
+    server.http.generate(_unique_prompt(pool, length, rng), 1, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +224,7 @@ def wait_for_backups(server: Server, before: dict[str, float], tokens: int, limi
 def evict(
     server: Server,
     options: Options,
-    vocab: dict[str, int],
+    pool: V.TokenPool,
     context_tokens: int,
     notes: dict[str, Any],
 ) -> str:
@@ -224,12 +250,11 @@ def evict(
         raise ValidateError(str(exc)) from None
     notes["churn"] = plan.to_json()
     _progress(f"churn: {plan.why}")
-    ids = list(vocab.values())
     rng = random.Random()
     started = time.monotonic()
     for i in range(plan.prompts):
         _progress(f"churn {i + 1}/{plan.prompts}")
-        server.http.generate([rng.choice(ids) for _ in range(plan.prompt_tokens)], 1, 0)
+        server.http.generate(_unique_prompt(pool, plan.prompt_tokens, rng), 1, 0)
     notes["churn"]["seconds"] = round(time.monotonic() - started, 2)
     return f"churn: {plan.why}"
 
@@ -334,7 +359,9 @@ def run(options: Options) -> Outcome:
     rng = random.Random(seed)
     notes["seed"] = seed
     l3_server = servers[-1]
-    vocab = vocabulary(l3_server)
+    pool = token_pool(servers[0])
+    notes["token_pool"] = pool.source
+    _progress(f"token pool: {pool.source}")
     setup_problems: list[str] = []
 
     if options.against is not None:
@@ -354,8 +381,8 @@ def run(options: Options) -> Outcome:
             )
         notes["against"] = str(options.against)
         _progress(f"{len(probes)} saved probes from {options.against}; L3 pass only")
-        warm_up(l3_server, vocab, rng)
-        notes["eviction"] = evict(l3_server, options, vocab, len(probes[0].input_ids), notes)
+        warm_up(l3_server, pool, rng)
+        notes["eviction"] = evict(l3_server, options, pool, len(probes[0].input_ids), notes)
         return Outcome(_l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes)
 
     facts = [s.facts for s in servers]
@@ -364,11 +391,12 @@ def run(options: Options) -> Outcome:
     except ValueError as exc:
         raise ValidateError(str(exc)) from None
     _progress(f"probes of {context} tokens: {why}")
-    probes, how = build_probes(servers[0], list(vocab), options.depths, context, rng)
-    notes.update(context_tokens=context, context_choice=why, tokenized_with=how)
-    _progress(f"{len(probes)} probes tokenized with {how}")
+    frame = probe_frame(servers[0])
+    probes = build_probes(pool, frame, options.depths, context, rng)
+    notes.update(context_tokens=context, context_choice=why, framed_with=frame.source)
+    _progress(f"{len(probes)} probes, framed with {frame.source}")
     for s in servers:
-        warm_up(s, vocab, rng)
+        warm_up(s, pool, rng)
 
     cold_server = servers[0]
     before = cold_server.counters()
@@ -393,7 +421,7 @@ def run(options: Options) -> Outcome:
         notes["saved"] = str(options.save)
         _progress(f"saved the probes and cold answers to {options.save}")
     if l3_server is cold_server:
-        notes["eviction"] = evict(l3_server, options, vocab, context, notes)
+        notes["eviction"] = evict(l3_server, options, pool, context, notes)
     else:
         notes["eviction"] = f"none: {l3_server.url} never saw the probes"
         _progress(notes["eviction"])
@@ -416,7 +444,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "validate",
         help="check a running sglang deployment's L3 restore, by counters and content",
         description=(
-            "Send probes (long contexts with a code at 10%%..95%% depth) to running sglang "
+            "Send probes (long contexts with a code at 10%..95% depth) to running sglang "
             "servers with a HiCache L3: a cold pass, a bounded wait for the backups, eviction "
             "from device and host memory, and an L3 pass (on a second server when given). Per "
             "depth: tokens served from storage, greedy tokens and top-k logprobs against the "

@@ -3,7 +3,7 @@
 Only sglang's own endpoints, nothing installed on the server:
 ``/server_info`` (``/get_server_info`` on older builds) and ``/model_info``
 for what it serves, ``/tokenize`` (with ``messages``: its chat template) and
-``/detokenize`` for text, ``/generate`` for greedy answers with top-k
+``/detokenize`` for text where it has a tokenizer, ``/generate`` for greedy answers with top-k
 logprobs and ``meta_info.cached_tokens_details``, ``/flush_cache`` to drop
 its device and host caches, ``/metrics`` for counters when it exports them.
 Every failure to reach a server or a malformed answer is a
@@ -104,8 +104,9 @@ class SglangHttp:
         answer = self._json("/tokenize", {"messages": [{"role": "user", "content": content}]})
         return [int(t) for t in answer["tokens"]]
 
-    def tokenize_text(self, text: str) -> list[int]:
-        answer = self._json("/tokenize", {"prompt": text, "add_special_tokens": True})
+    def tokenize_text(self, text: str, special_tokens: bool) -> list[int]:
+        """Token ids of ``text``, with the tokenizer's own start tokens or without."""
+        answer = self._json("/tokenize", {"prompt": text, "add_special_tokens": special_tokens})
         return [int(t) for t in answer["tokens"]]
 
     def token_texts(self, token_ids: Sequence[int]) -> list[str]:
@@ -119,13 +120,18 @@ class SglangHttp:
         return [str(t) for t in texts]
 
     def generate(
-        self, input_ids: Sequence[int], max_new_tokens: int, top_logprobs: int
+        self,
+        input_ids: Sequence[int],
+        max_new_tokens: int,
+        top_logprobs: int,
+        ignore_eos: bool = False,
     ) -> dict[str, Any]:
-        """A greedy answer with the top logprobs of its own tokens only."""
-        body: dict[str, Any] = {
-            "input_ids": list(input_ids),
-            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
-        }
+        """A greedy answer with the top logprobs of its own tokens only. A server
+        started with ``--skip-tokenizer-init`` answers ids without ``text``."""
+        sampling: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": 0}
+        if ignore_eos:
+            sampling["ignore_eos"] = True
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling}
         if top_logprobs:
             body.update(
                 return_logprob=True,

@@ -57,6 +57,7 @@ from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.native import (
     NativeBinding,
     SharedEngine,
+    mooncake_import_failure,
     native_env_defaults,
     reach_cluster,
     replicate_config,
@@ -79,11 +80,7 @@ def load_native_binding() -> NativeBinding:
     try:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
     except ImportError as exc:
-        raise SetupError(
-            "the Mooncake store client is not installed: pip install "
-            "mooncake-transfer-engine-non-cuda (CPU/TCP) or mooncake-transfer-engine (GPU hosts), "
-            "or install mooncake-span with the [cpu] or [cuda] extra"
-        ) from exc
+        raise SetupError(mooncake_import_failure(exc)) from exc
     return NativeBinding(MooncakeDistributedStore, ReplicateConfig, shares_process_env=True)
 
 

@@ -38,6 +38,85 @@ _checksum_lock = threading.Lock()
 _process_checksums: bool | None = None  # what the first setup by this package got
 
 
+# Mooncake's wheels on PyPI, one per kind of host; each installs the same
+# ``mooncake`` package (0.3.14 exists only as the CUDA 13 build).
+MOONCAKE_DISTRIBUTIONS = {
+    "mooncake-transfer-engine-non-cuda": "CPU hosts, TCP",
+    "mooncake-transfer-engine": "CUDA 12 hosts",
+    "mooncake-transfer-engine-cuda13": "CUDA 13 hosts",
+    "mooncake-transfer-engine-efa": "AWS EFA hosts",
+}
+
+
+def mooncake_install_hint() -> str:
+    """Which distribution to install, for a message that says Mooncake is missing."""
+    builds = "; ".join(f"{name} ({kind})" for name, kind in MOONCAKE_DISTRIBUTIONS.items())
+    return (
+        f"pip install the Mooncake build for this host: {builds}; or install mooncake-span "
+        "with the [cpu], [cuda] or [cuda13] extra"
+    )
+
+
+@dataclass(frozen=True)
+class MooncakeBuild:
+    """An installed distribution that provides the ``mooncake`` package."""
+
+    distribution: str
+    version: str
+    # The kind of host it is built for; None for a distribution this package does not know.
+    host_kind: str | None
+
+    def describe(self) -> str:
+        kind = self.host_kind or "not a build this package knows"
+        return f"{self.distribution} {self.version} ({kind})"
+
+
+def installed_mooncake(
+    provided: Callable[[], Mapping[str, Sequence[str]]] | None = None,
+    version: Callable[[str], str] | None = None,
+) -> list[MooncakeBuild]:
+    """Every installed distribution that provides ``mooncake`` (more than one overwrite
+    each other's files), found by what each distribution installs, not by name."""
+    from importlib import metadata
+
+    packages = (provided or metadata.packages_distributions)()
+    names = dict.fromkeys(packages.get("mooncake", ()))
+    found = []
+    for name in names:
+        canonical = name.lower().replace("_", "-").replace(".", "-")
+        found.append(
+            MooncakeBuild(
+                canonical,
+                (version or metadata.version)(name),
+                MOONCAKE_DISTRIBUTIONS.get(canonical),
+            )
+        )
+    return found
+
+
+def mooncake_import_failure(exc: ImportError, builds: Sequence[MooncakeBuild] | None = None) -> str:
+    """What to tell a user whose ``from mooncake.store import ...`` failed: nothing
+    installed, the wrong build for the host, or several builds over each other."""
+    builds = installed_mooncake() if builds is None else builds
+    if not builds:
+        return f"the Mooncake store client is not installed: {mooncake_install_hint()}"
+    said = ", ".join(b.describe() for b in builds)
+    message = f"the Mooncake store client does not import ({exc}); installed: {said}"
+    if len(builds) > 1:
+        return (
+            f"{message}: these builds install the same files over each other; uninstall "
+            f"all of them and install the one for this host ({mooncake_install_hint()})"
+        )
+    if "libcuda" in str(exc) or "libcudart" in str(exc):
+        return (
+            f"{message}: a CUDA build needs the NVIDIA driver and runtime on this host; "
+            "without a GPU install mooncake-transfer-engine-non-cuda instead"
+        )
+    return (
+        f"{message}; reinstall it, or install the build for this host ({mooncake_install_hint()})"
+    )
+
+
 def probe_tcp(endpoint: str, timeout_s: float) -> None:
     """Connect to ``host:port`` once; SetupError if it does not answer within ``timeout_s``."""
     host, _, port = endpoint.rpartition(":")

@@ -66,13 +66,13 @@ def _client(config: dict) -> Iterator[object]:
 
     store = MooncakeDistributedStore()
     rc = store.setup(
-        config["local_hostname"],
-        config["metadata_server"],
-        config["global_segment_size"],
-        16 << 20,
-        config["protocol"],
-        "",
-        config["master_server_address"],
+        local_hostname=config["local_hostname"],
+        metadata_server=config["metadata_server"],
+        global_segment_size=config["global_segment_size"],
+        local_buffer_size=16 << 20,
+        protocol=config["protocol"],
+        rdma_devices="",
+        master_server_addr=config["master_server_address"],
     )
     assert rc == 0, f"setup returned {rc} for {config}"
     try:

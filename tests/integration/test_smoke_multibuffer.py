@@ -31,13 +31,13 @@ def store(mooncake_cluster) -> Iterator[object]:
     config = mooncake_cluster.client_config()
     client = MooncakeDistributedStore()
     rc = client.setup(
-        config["local_hostname"],
-        config["metadata_server"],
-        0,
-        64 << 20,
-        config["protocol"],
-        "",
-        config["master_server_address"],
+        local_hostname=config["local_hostname"],
+        metadata_server=config["metadata_server"],
+        global_segment_size=0,
+        local_buffer_size=64 << 20,
+        protocol=config["protocol"],
+        rdma_devices="",
+        master_server_addr=config["master_server_address"],
     )
     assert rc == 0, f"setup returned {rc} for {config}"
     yield client

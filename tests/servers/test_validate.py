@@ -4,15 +4,23 @@ One module of servers shared by most cases: a cluster with one storage node,
 two servers of this backend (the second is ``FaultyRestoreStore``: the
 backend plus the test hook that can spoil one restore on purpose; without a
 fault it is the backend's own read path), one of sglang's ``MooncakeStore``,
-and the session's server without an L3. The servers use the
-``wait_complete`` prefetch policy: on this shared 2-core box sglang's default
-``timeout`` policy sometimes drops a prefetch under load, which validate
-reports as a failure ("prefetch dropped") and these tests are not about.
+and the session's server without an L3. Two of them also stand for servers
+validate once refused, at no extra start: the faulty one runs with
+``--skip-tokenizer-init`` (no tokenizer: answers are ids without text, and
+probes come from the ids its model proposes), and ``MooncakeStore`` serves
+the tiny Llama with a byte-level tokenizer (256 byte tokens, no word of two
+letters). The tokenizer is beside the point of either backend's restore.
+The servers use the ``wait_complete`` prefetch policy: on this shared 2-core
+box sglang's default ``timeout`` policy sometimes drops a prefetch under
+load, which validate reports as a failure ("prefetch dropped") and these
+tests are not about.
 
-Covered: this backend passes with two servers, with one server and a
-flush, and with one server and churn eviction (and churn too small to evict
-is no pass); ``MooncakeStore`` passes; a server without L3 fails with no storage
-hits; each restore fault fails at the one probe it spoils and only there;
+Covered: this backend passes with two servers (the second without a
+tokenizer), with one server and a flush, with one server without a
+tokenizer, and with one server and churn eviction (and churn too small to
+evict is no pass); ``MooncakeStore`` with a byte-level tokenizer passes; a
+server without L3 fails with no storage hits; each restore fault fails at
+the one probe it spoils and only there (on the server without a tokenizer);
 ``--save`` / ``--against`` across a whole-cluster restart with the SSD tier;
 GLM-5.3-Flash (``glm5_next``) restores all three pools.
 """
@@ -21,15 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from mooncake_span.lab.sglang_servers import START_TIMEOUT_S, ServerOptions
 from mooncake_span.ops import cli
 from mooncake_span.ops import validate as V
-from mooncake_span.ops.validate_http import SglangHttp
+from mooncake_span.ops.validate_http import ServerRefused, SglangHttp
 from mooncake_span.testing import restore_faults
 from mooncake_span.testing.cpu_server.models import default_spec, serving_profile
 from tests.servers.conftest import Launched, stored_keys, wait_until
@@ -56,6 +66,47 @@ def validate(capsys, *args: str) -> tuple[int, dict]:
 
 def restored_everything(doc: dict) -> bool:
     return all(r["storage_tokens"] == r["restorable_tokens"] > 0 for r in doc["results"])
+
+
+NO_TOKENIZER = ("--skip-tokenizer-init",)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The byte-level tokenizer's special tokens follow its 256 byte tokens.
+_BYTE_SPECIALS = ("<pad>", "<s>", "</s>")
+
+
+def _byte_chars() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme): printable
+    Latin-1 bytes stand for themselves, the rest for code points from 256 on."""
+    kept = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    spare = iter(range(256, 512))
+    return {b: chr(b) if b in kept else chr(next(spare)) for b in range(256)}
+
+
+def byte_level_model(model: Path, target: Path) -> Path:
+    """``model`` (the tiny Llama) with a byte-level tokenizer: ids 0-255 are the bytes,
+    then the special tokens, which config.json names (the weights are unchanged; the
+    model's 512 embedding rows cover the 259 tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(model, target, ignore=shutil.ignore_patterns(*_TOKENIZER_FILES))
+    vocab = {char: b for b, char in _byte_chars().items()}
+    vocab.update({token: 256 + i for i, token in enumerate(_BYTE_SPECIALS)})
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    pad, bos, eos = _BYTE_SPECIALS
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token=pad, bos_token=bos, eos_token=eos
+    ).save_pretrained(target)
+    for name in ("config.json", "generation_config.json"):
+        path = target / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            ids = {"pad_token_id": 256, "bos_token_id": 257, "eos_token_id": 258}
+            config.update({k: v for k, v in ids.items() if k in config or name == "config.json"})
+            path.write_text(json.dumps(config, indent=1))
+    return target
 
 
 class Deployment:
@@ -91,12 +142,14 @@ def deployment(tmp_path_factory, tiny_model, recompute_server):
                     "class_name": restore_faults.CLASS_NAME,
                 },
                 env={**cluster.client_env(), restore_faults.FAULT_FILE_ENV: str(fault_file)},
+                extra_args=(*METRICS, *NO_TOKENIZER),
             ),
         )
         mooncake_store = launched.server(
             "mooncake-store",
             dataclasses.replace(
                 base,
+                model_path=byte_level_model(tiny_model("llama"), root / "llama-bytes"),
                 storage_backend="mooncake",
                 # sglang's own MooncakeStore reads the Mooncake keys; ours are span_*.
                 storage_config={k: v for k, v in config.items() if not k.startswith("span_")},
@@ -140,6 +193,22 @@ def test_two_servers_of_this_backend_pass(deployment, capsys):
     )
     assert doc["eviction"].startswith("none")
     assert "grew by" in doc["backup_wait"]
+    # Probes from the first server's vocabulary and tokenizer, answered as ids alone.
+    assert "plain words" in doc["token_pool"] and "tokenizer" in doc["framed_with"]
+
+
+@pytest.mark.timeout(600)
+def test_one_server_without_a_tokenizer_passes(deployment, capsys):
+    """``--skip-tokenizer-init``: no /tokenize or /detokenize, answers without text.
+    The probes are ids the model proposed, with no question around them."""
+    http = SglangHttp(deployment.faulty.url)
+    with pytest.raises(ServerRefused):
+        http.token_texts(range(8))
+    code, doc = validate(capsys, "--server", deployment.faulty.url, "--depths", FEW_DEPTHS)
+    assert code == 0, doc["reasons"]
+    assert "the model proposed (no tokenizer)" in doc["token_pool"]
+    assert doc["framed_with"].startswith("token ids only")
+    assert restored_everything(doc) and doc["agreeing"] == 2
 
 
 @pytest.mark.timeout(600)
@@ -209,11 +278,14 @@ def test_churn_too_small_to_evict_is_no_pass(deployment, capsys, device_pools):
 
 
 @pytest.mark.timeout(600)
-def test_mooncake_store_passes(deployment, capsys):
+def test_mooncake_store_with_a_byte_level_tokenizer_passes(deployment, capsys):
+    """sglang's own backend; its server's tokenizer has no plain word, so the probes
+    are its printable byte tokens."""
     code, doc = validate(capsys, "--server", deployment.mooncake_store.url, "--depths", FEW_DEPTHS)
     assert code == 0, doc["reasons"]
     assert restored_everything(doc)
     assert {r["storage_backend"] for r in doc["results"]} == {"MooncakeStore"}
+    assert doc["token_pool"].startswith("94 printable tokens"), doc["token_pool"]
 
 
 @pytest.mark.timeout(600)

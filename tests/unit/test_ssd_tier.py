@@ -270,6 +270,37 @@ def test_doctor_checks_a_storage_nodes_directory(tmp_path):
     assert check.status == FAIL and "mkdir -p" in check.detail
 
 
+@pytest.mark.parametrize(
+    ("segment", "flag", "free_mib", "status"),
+    [
+        (64 * MIB, 0, 63, FAIL),  # usable space one MiB short of the node's segment
+        (64 * MIB, 0, 64, PASS),
+        (0, 64 * MIB, 63, FAIL),  # --segment-bytes names it where the config does not
+        (512 * MIB, 64 * MIB, 64, PASS),  # ... and wins over the config's
+        (0, 0, 15, FAIL),  # unknown: Mooncake's smallest segment, 16 MiB
+        (0, 0, 16, PASS),
+        (64 * MIB, 0, 0, FAIL),
+    ],
+)
+def test_doctor_fails_a_directory_that_cannot_hold_one_object(
+    tmp_path, monkeypatch, segment, flag, free_mib, status
+):
+    """What the docs say and the storage node does: usable capacity (free space plus
+    what the directory holds, less the reserve) below one object fails, naming both."""
+    monkeypatch.setattr(
+        ssd_tier, "free_bytes", lambda _d: ssd_tier.DISK_RESERVE_BYTES + free_mib * MIB
+    )
+    ctx = _ctx(str(tmp_path), global_segment_size_bytes=segment)
+    ctx.ssd_segment_bytes = flag
+    (check,) = doctor_ssd.check_ssd(ctx)
+    assert check.status == status, check.detail
+    object_bytes = flag or segment or doctor_ssd.SMALLEST_SEGMENT_BYTES
+    assert check.data["object_bytes"] == object_bytes
+    assert f"{free_mib * MIB} bytes usable" in check.detail
+    assert f"one object of up to {object_bytes} bytes" in check.detail
+    assert ("not known" in check.detail) == (not flag and not segment)
+
+
 def test_doctor_names_the_master_flag_when_the_master_refuses_offload():
     check = doctor_ssd.master_check({"setup_rc": -1300, "error": "setup returned -1300"})
     assert check.status == FAIL and "--enable_offload=true" in check.fix

@@ -16,7 +16,6 @@ import pytest
 from mooncake_span.ops import cli
 from mooncake_span.ops import validate as V
 
-WORDS = [f"w{i}" for i in range(200)]
 PAGE = 64
 
 
@@ -31,40 +30,103 @@ def test_pure_module_imports_no_io_library():
     assert not imported & {"urllib", "http", "socket", "subprocess", "os", "sglang", "torch"}
 
 
-def test_word_pool_keeps_plain_distinct_words():
-    texts = ["w1", " w1", "the", "a", "", "<unk>", "ñandu", "x" * 13, "42", " ing", "w-2"]
-    assert V.word_pool(texts) == ["w1", "the", "42", "ing"]
+def test_pool_from_texts_prefers_plain_words():
+    texts = [f"w{i}" for i in range(70)] + [" w1", "", "<unk>", "ñandu", "x" * 13, " ing", "w-2"]
+    pool = V.pool_from_texts(texts)
+    assert pool.ids[:3] == (0, 1, 2) and len(pool.ids) == 71  # w0..w69 and "ing"
+    assert 70 not in pool.ids  # " w1" repeats w1
+    assert pool.texts[75] == " ing" and "plain words" in pool.source
 
 
-def test_probe_places_the_code_at_its_depth():
+def test_pool_from_texts_takes_printable_tokens_of_a_byte_level_vocabulary():
+    """A byte-level vocabulary has no plain words of two letters or more: its
+    printable single characters are the pool; what decodes to nothing (special
+    tokens), whitespace and partial UTF-8 are not."""
+    texts = [chr(b) if 33 <= b < 127 else ("\ufffd" if b > 127 else "") for b in range(256)]
+    texts[32] = " "
+    pool = V.pool_from_texts(texts)
+    assert sorted(pool.ids) == list(range(33, 127))
+    assert "printable tokens" in pool.source
+    with pytest.raises(ValueError, match="probes need 64"):
+        V.pool_from_texts(texts[:80])
+
+
+def test_pool_from_candidates_keeps_distinct_ids():
+    pool = V.pool_from_candidates([5, 5, *range(100, 163), 7])
+    assert pool.ids[0] == 5 and pool.ids[-1] == 7 and len(pool.ids) == 65
+    assert pool.texts == {} and "proposed" in pool.source
+    with pytest.raises(ValueError, match="proposed 63 distinct"):
+        V.pool_from_candidates(range(63))
+
+
+POOL = V.pool_from_candidates(range(1000, 1200))
+FRAME = V.Frame(head=(1,), code_intro=(2, 3), code_outro=(4,), tail=(5, 6, 7), source="test")
+
+
+def test_probe_is_exactly_as_long_as_asked_with_the_code_at_its_depth():
     rng = random.Random(3)
-    probe = V.make_probe(0.3, WORDS, 1000, rng)
-    before, _, rest = probe.content.partition("\nThe secret code is: ")
-    assert len(before.split()) == 300
-    assert rest.startswith(probe.code + "\n")
-    assert len(probe.code.split()) == V.CODE_WORDS
-    assert probe.content.endswith("Answer with the code only.")
+    probe = V.make_probe(0.3, POOL, FRAME, 1000, rng)
+    ids = probe.input_ids
+    assert len(ids) == 1000 and ids[0] == 1 and ids[-3:] == (5, 6, 7)
+    filler = 1000 - FRAME.tokens - V.CODE_TOKENS
+    at = 1 + round(0.3 * filler)
+    assert ids[at : at + 2] == (2, 3)
+    assert ids[at + 2 : at + 2 + V.CODE_TOKENS] == probe.code_ids
+    assert ids[at + 2 + V.CODE_TOKENS] == 4
+    assert set(probe.code_ids) <= set(POOL.ids) and probe.code == ""
     # Two probes of one run share no opening filler.
-    other = V.make_probe(0.3, WORDS, 1000, rng)
-    assert other.content.split()[:8] != probe.content.split()[:8]
+    other = V.make_probe(0.3, POOL, FRAME, 1000, rng)
+    assert other.input_ids[1:9] != ids[1:9]
+
+
+def test_probe_without_a_tokenizer_is_filler_and_code_alone():
+    probe = V.make_probe(0.5, POOL, V.Frame(), 400, random.Random(1))
+    assert len(probe.input_ids) == 400 and set(probe.input_ids) <= set(POOL.ids)
+    assert probe.input_ids[198:201] == probe.code_ids
+
+
+def test_probe_code_text_comes_from_the_pool():
+    pool = V.pool_from_texts([f" w{i}" for i in range(100)])
+    probe = V.make_probe(0.5, pool, V.Frame(), 400, random.Random(1))
+    assert probe.code == "".join(f" w{i}" for i in probe.code_ids)
 
 
 @pytest.mark.parametrize("depth", [0.0, 1.0, -0.1, 1.5])
 def test_probe_depth_must_lie_inside_the_context(depth):
     with pytest.raises(ValueError, match="depth"):
-        V.make_probe(depth, WORDS, 100, random.Random(0))
+        V.make_probe(depth, POOL, FRAME, 100, random.Random(0))
 
 
-def test_probe_needs_enough_words():
-    with pytest.raises(ValueError, match="plain words"):
-        V.make_probe(0.5, WORDS[:10], 100, random.Random(0))
+def test_probe_needs_room_for_filler():
+    with pytest.raises(ValueError, match="no room for filler"):
+        V.make_probe(0.5, POOL, FRAME, FRAME.tokens + V.CODE_TOKENS + 1, random.Random(0))
 
 
-def test_code_found_reads_words_in_order():
-    assert V.code_found("The code: W3 w7, w9.", "w3 w7 w9")
-    assert not V.code_found("w3 w9 w7", "w3 w7 w9")
-    assert not V.code_found("xw3 w7 w9", "w3 w7 w9")
-    assert not V.code_found("", "w3")
+def test_chat_frame_parts_the_templates_opening_from_the_message():
+    # <bos> <user> | message ... | <end> <assistant>
+    assert V.chat_frame([1, 2, 30, 31, 32, 8, 9], [1, 2, 40, 8, 9]) == ((1, 2), (30, 31, 32, 8, 9))
+    # A first message token merged with the template's last: the merged token is the rest's.
+    assert V.chat_frame([1, 27, 31, 9], [1, 28, 9]) == ((1,), (27, 31, 9))
+    assert V.chat_frame([30, 31], [40]) is None  # no template: nothing shared
+    assert V.chat_frame([1, 2], [1, 2, 3]) is None  # nothing of the message left
+
+
+def _said(text="", ids=()):
+    return V.Answer(tuple(ids), (), text, 0, 0, 0, None)
+
+
+def test_code_found_reads_text_in_order_else_ids():
+    worded = V.Probe(0.5, " w3 w7 w9", (), (3, 7, 9))
+    assert V.code_found(_said("The code: W3 w7, w9."), worded)
+    assert V.code_found(_said("w3w7w9"), worded)  # spelled with other tokens
+    assert not V.code_found(_said("w3 w9 w7"), worded)
+    assert not V.code_found(_said("", (1, 2)), worded)
+    # A server without a tokenizer answers ids only: the code's ids in a row.
+    ids_only = V.Probe(0.5, "", (), (3, 7, 9))
+    assert V.code_found(_said("", (1, 3, 7, 9, 2)), ids_only)
+    assert not V.code_found(_said("", (3, 7, 2, 9)), ids_only)
+    assert V.code_found(_said("x", (3, 7, 9)), ids_only)  # punctuation-only code text
+    assert not V.code_found(_said(), V.Probe(0.5, "", (), ()))
 
 
 def test_parse_depths_accepts_percent_and_fractions():
@@ -194,7 +256,7 @@ def generate_answer(ids, top, storage=0, cached=0, text="w1 w2"):
 
 
 TOP = [[(7, -0.5), (8, -1.5)], [(9, -0.1), (3, -2.5)], [(4, -0.7), (2, -0.9)]]
-PROBE = V.Probe(0.4, "w5 w6 w7", tuple(range(2048)))
+PROBE = V.Probe(0.4, "w5 w6 w7", tuple(range(2048)), (5, 6, 7))
 
 
 def answers(l3_ids=(7, 9, 4), l3_top=TOP, storage=1984, cached=None, l3_text="x", cold_text="x"):
@@ -400,3 +462,10 @@ def test_headline_deltas_drop_per_rank_repeats():
         'sglang:storage_prefetch_unfulfilled_tokens_total{reason="deadline"}',
         'mooncake_span_keys_total{operation="get",pool="kv",result="ok"}',
     }
+
+
+def test_help_prints_single_percent_signs(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["validate", "--help"])
+    out = capsys.readouterr().out
+    assert "10%..95%" in out and "%%" not in out
