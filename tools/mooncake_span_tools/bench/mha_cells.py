@@ -5,8 +5,8 @@ The full grid takes tens of minutes; these cells take a few. Run it from a
 checkout by file path so that ``PYTHONPATH`` picks the code under test (the
 workloads and the runner are the grid's own)::
 
-    PYTHONPATH=$PWD nice -n 10 .venv/bin/python tools/mooncake_span_tools/bench/mha_cells.py \\
-        --json /tmp/after.json
+    PYTHONPATH=$PWD:$PWD/tools nice -n 10 .venv/bin/python \\
+        tools/mooncake_span_tools/bench/mha_cells.py --json /tmp/after.json
 
 Prints, per cell, span / upstream pages/s (median of per-repetition ratios,
 and best vs best) for puts and gets; exits 1 unless every get was byte-exact.
