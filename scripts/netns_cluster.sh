@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Multi-host Mooncake topology on one machine (network namespaces); a thin
-# wrapper over `python -m mooncake_span.lab.netns`.
+# wrapper over `python -m mooncake_span_tools.lab.netns`.
 set -euo pipefail
 source "$(dirname "$0")/_mooncake_common.sh"
 
@@ -33,4 +33,4 @@ TXT
 case "${1:-}" in
   ""|-h|--help) usage; exit 0 ;;
 esac
-exec "$(mc_python)" -m mooncake_span.lab.netns "$@"
+exec "$(mc_python)" -m mooncake_span_tools.lab.netns "$@"

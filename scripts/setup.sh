@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One-command development setup: Debian packages, .venv with pinned torch (CPU),
 # sglang 0.5.23 (--no-deps + explicit list, with what a real server and
-# sglang-router need), Mooncake, test tools, and this
-# package in editable mode. Re-running it is fast: pip steps are skipped while
-# the requirement files are unchanged.
+# sglang-router need), Mooncake, test tools, and this repository's two
+# distributions in editable mode: the serving one (the root) and the tooling
+# (tools/: benchmarks, lab, demos, test support). Re-running it is fast: pip
+# steps are skipped while the requirement files are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=lib/pip_quiet.sh
@@ -28,7 +29,8 @@ fi
 PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 
 stamp="$VENV/.mooncake-span-setup"
-digest=$(cat requirements/*.txt pyproject.toml scripts/setup.sh scripts/lib/pip_quiet.sh | sha256sum | cut -d' ' -f1)
+digest=$(cat requirements/*.txt pyproject.toml tools/pyproject.toml scripts/setup.sh scripts/lib/pip_quiet.sh \
+  | sha256sum | cut -d' ' -f1)
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$digest" ]]; then
   echo "setup: installing Python packages into $VENV (first run takes a few minutes)"
   # torch first and pinned, so that nothing later can pull a CUDA build in.
@@ -38,7 +40,7 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$digest" ]]; then
   # at the CPU build: some of its packages accept any torch and would upgrade it.
   pip_quiet "${PIP[@]}" -c requirements/torch-cpu-constraint.txt \
     -r requirements/sglang-cpu.txt -r requirements/server-cpu.txt -r requirements/dev.txt
-  pip_quiet "${PIP[@]}" --no-deps -e .
+  pip_quiet "${PIP[@]}" --no-deps -e . -e tools
   echo "$digest" > "$stamp"
 fi
 
@@ -59,5 +61,6 @@ import sglang_router  # noqa: F401
 import uvicorn  # noqa: F401
 import mooncake.store  # noqa: F401
 import mooncake_span  # noqa: F401
+import mooncake_span_tools  # noqa: F401
 print(f"setup: ok (torch {torch.__version__}, sglang + mooncake import)")
 PY

@@ -33,9 +33,9 @@ from typing import Any
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import EXTENSIONS_ENV, extensions_dir
 from mooncake_span.ops.cluster import ClusterSpec, ExternalCluster, LocalCluster, find_executable
 from mooncake_span.ops.launcher import tie_to_parent
+from mooncake_span_tools.lab.sglang_servers import EXTENSIONS_ENV, extensions_dir
 
 _MASTER_ENV = "MOONCAKE_SPAN_TEST_MASTER"
 _METADATA_ENV = "MOONCAKE_SPAN_TEST_METADATA"
@@ -118,7 +118,7 @@ def _child_pids() -> list[int]:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Remove the namespaces of earlier runs that died before their finalizers ran."""
-    from mooncake_span.lab.netns import remove_stale_runs
+    from mooncake_span_tools.lab.netns import remove_stale_runs
 
     # Their state files name the namespaces and the owner pid (see lab.topology).
     if os.geteuid() == 0 and shutil.which("ip") is not None:
@@ -233,7 +233,7 @@ def require_mooncake(*, need_binaries: bool = True) -> None:
 
 @functools.cache
 def _netns_reason() -> str | None:
-    from mooncake_span.lab.netns import netns_unavailable_reason
+    from mooncake_span_tools.lab.netns import netns_unavailable_reason
 
     return netns_unavailable_reason()
 

@@ -33,7 +33,7 @@ def make_storage_config(
     tp_size: int = 1,
 ) -> Any:
     """An sglang 0.5.23 HiCacheStorageConfig as the controller would build it."""
-    from mooncake_span.testing.pools import single_rank_storage_config
+    from mooncake_span_tools.testing.pools import single_rank_storage_config
 
     return single_rank_storage_config(
         extra_config, model_name=model_name, is_mla=is_mla, tp_rank=tp_rank, tp_size=tp_size
@@ -66,7 +66,7 @@ def fake_backend(
     needed; the ``make_backend`` fixture also closes the store after the test."""
     from mooncake_span.sglang_backend import MooncakeSpanStore
     from mooncake_span.store.client import NativeBinding
-    from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
+    from mooncake_span_tools.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 
     cluster = FakeCluster() if cluster is None else cluster
     native = FakeStore if native is None else native
@@ -164,7 +164,7 @@ def fake_client(
     from mooncake_span.config import SpanOptions
     from mooncake_span.mooncake_settings import MooncakeSettings
     from mooncake_span.store.client import MooncakeClient, NativeBinding
-    from mooncake_span.testing.fake_store import FakeReplicateConfig, FakeStore
+    from mooncake_span_tools.testing.fake_store import FakeReplicateConfig, FakeStore
 
     options.setdefault("master_admin_url", "http://127.0.0.1:1")
     client = MooncakeClient(
@@ -189,7 +189,7 @@ def fake_client(
 def master_replicas(cluster: Any, keys: Sequence[str]) -> dict[str, Any]:
     """What a real cluster's master says of ``keys`` (``batch_get_replica_desc``),
     asked by a client of its own that mounts nothing."""
-    from mooncake_span.bench.shared_native import raw_client
+    from mooncake_span_tools.bench.shared_native import raw_client
 
     store = raw_client(cluster.client_config())
     try:

@@ -1,7 +1,7 @@
 """The part of Mooncake's ``MooncakeDistributedStore`` that mooncake-span calls.
 
 The real class (``mooncake.store``), the in-memory test double
-:class:`~mooncake_span.testing.fake_store.FakeStore` (outside the runtime) and
+:class:`~mooncake_span_tools.testing.fake_store.FakeStore` (outside the runtime) and
 the benchmarks' do-nothing store all satisfy this protocol; the shared contract
 suite (``tests/contract``) holds the fake to the real client's
 behaviour. Native methods answer with return codes, never exceptions: ``0`` or

@@ -192,7 +192,7 @@ class SpanOracle:
     def __init__(self, store: Any, pools: Any, pages_per_key: int, log: CallLog) -> None:
         from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
-        from mooncake_span.testing import pools as P
+        from mooncake_span_tools.testing import pools as P
 
         self._P = P
         self._PoolName = PoolName
@@ -355,7 +355,7 @@ def build_dsa_pools(
     kv_lora_rank: int = 32,
     rope_dim: int = 16,
 ) -> Any:
-    from mooncake_span.testing import pools as P
+    from mooncake_span_tools.testing import pools as P
 
     return P.build_dsa_pools(
         "page_first",

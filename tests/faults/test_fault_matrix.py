@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from tests import checkout
 from tests.faults.conftest import CallLog, SpanOracle, poll
 
 pytestmark = pytest.mark.integration
@@ -740,7 +741,12 @@ def test_storage_node_partition(tmp_path, figures):
     import json
     import sys
 
-    from mooncake_span.lab.netns import NetnsCluster, NetnsClusterSpec, NetnsTopology, TopologySpec
+    from mooncake_span_tools.lab.netns import (
+        NetnsCluster,
+        NetnsClusterSpec,
+        NetnsTopology,
+        TopologySpec,
+    )
     from tests.conftest import require_netns
     from tests.faults.conftest import wait_for_file
 
@@ -777,7 +783,6 @@ def test_storage_node_partition(tmp_path, figures):
             "cut_address": topology.address("store1"),
         }
         (shared / "config.json").write_text(json.dumps(config))
-        root = str(Path(__file__).resolve().parents[2])
         worker = topology.spawn(
             "client",
             "partition-worker",
@@ -788,7 +793,7 @@ def test_storage_node_partition(tmp_path, figures):
                 "_partition_worker(sys.argv[1])",
                 str(shared / "config.json"),
             ],
-            env={"PYTHONPATH": root},
+            env={"PYTHONPATH": checkout.PYTHONPATH},
         )
         alive = worker.running
         ready = json.loads(wait_for_file(shared / "ready.json", 240, alive=alive).read_text())

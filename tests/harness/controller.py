@@ -17,7 +17,7 @@ server. Three pool sets:
   span mode: one storage key per ``64 * index_kpool``-token tree page, i.e.
   ``index_kpool`` host pages per key (see ``_SpanHybridCacheController``);
 * ``build_stock_glm_harness``: the same model as stock 0.5.23 runs it
-  (``mooncake_span.testing.stock_glm``): 256-token pages everywhere, KDA state,
+  (``mooncake_span_tools.testing.stock_glm``): 256-token pages everywhere, KDA state,
   MTP draft layers packed into KV and INDEXER, K=1; built by sglang's own
   ``build_hybrid_mamba_stack`` (controller included) where it runs.
 
@@ -72,7 +72,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
 from sglang.srt.mem_cache.pool_host import HostPoolGroup
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from mooncake_span.testing.pools import (
+from mooncake_span_tools.testing.pools import (
     DSA_PAGE_TOKENS,
     MAMBA_LAYOUTS,
     alloc_pages,
@@ -87,7 +87,7 @@ from mooncake_span.testing.pools import (
     sglang_cpu_runtime,
     wipe_pages,
 )
-from mooncake_span.testing.stock_glm import (
+from mooncake_span_tools.testing.stock_glm import (
     STOCK_INDEX_KPOOL,
     StockGlmDevice,
     build_stock_glm_group,

@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from mooncake_span.testing.pools import page_bytes
+from mooncake_span_tools.testing.pools import page_bytes
 
 logger = logging.getLogger(__name__)
 

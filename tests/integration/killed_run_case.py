@@ -52,7 +52,7 @@ def test_cluster(mooncake_cluster, tmp_path):
 
 
 def test_namespace(tmp_path):
-    from mooncake_span.lab.netns import NetnsTopology, TopologySpec
+    from mooncake_span_tools.lab.netns import NetnsTopology, TopologySpec
 
     topology = NetnsTopology(TopologySpec(hosts=("solo",)), log_dir=tmp_path / "netns").create()
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.testing import pools as P
 from tests.span_helpers import scattered_pages, slots_of
 
 pytestmark = pytest.mark.integration

@@ -65,7 +65,7 @@ def test_cli_parses_bench_options() -> None:
 
 
 def test_contender_names_and_plans() -> None:
-    from mooncake_span.bench.runner import BenchConfig, ContenderSpec, plan_workloads
+    from mooncake_span_tools.bench.runner import BenchConfig, ContenderSpec, plan_workloads
 
     spec = ContenderSpec.parse("span-K4-mb512@consec")
     assert (spec.kind, spec.pages_per_key, spec.max_buffers_per_call, spec.placement) == (
@@ -100,7 +100,7 @@ def test_contender_names_and_plans() -> None:
 @pytest.mark.integration
 @pytest.mark.slow
 def test_tiny_bench_end_to_end(tmp_path) -> None:
-    from mooncake_span.bench import runner as B
+    from mooncake_span_tools.bench import runner as B
 
     small = B.MODELS[("dsa", B.SMALL)]
     mla = B.MODELS[("mla", B.SMALL)]

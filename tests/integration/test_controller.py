@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.testing.pools import KV_LAYOUTS
+from mooncake_span_tools.testing.pools import KV_LAYOUTS
 from tests.harness.controller import (
     build_compressed_dsa_harness,
     build_dsa_harness,

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from sglang.srt.mem_cache.hicache_storage import PoolName  # noqa: E402
 
-from mooncake_span.testing.pools import KV_LAYOUTS  # noqa: E402
+from mooncake_span_tools.testing.pools import KV_LAYOUTS  # noqa: E402
 from tests.harness.controller import (  # noqa: E402
     PLACEHOLDER_KEY,
     build_compressed_dsa_harness,

@@ -24,7 +24,6 @@ import time
 import numpy as np
 import pytest
 
-from mooncake_span.bench.pressure import counting_binding
 from mooncake_span.config import SpanOptions
 from mooncake_span.mooncake_settings import load_mooncake_settings
 from mooncake_span.ops import master_http
@@ -33,7 +32,8 @@ from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store import put_cooldown
 from mooncake_span.store.client import MooncakeClient, load_native_binding
 from mooncake_span.store.put_cooldown import COOLDOWN, STREAK_TO_PAUSE
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.bench.pressure import counting_binding
+from mooncake_span_tools.testing import pools as P
 from tests.span_helpers import make_storage_config, register_pools, slots_of
 
 pytestmark = pytest.mark.integration

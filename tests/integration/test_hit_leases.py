@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.bench import leases as L
 from mooncake_span.span.hit_rounds import KV_ROUNDS_WITH_SIDECARS
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.bench import leases as L
+from mooncake_span_tools.testing import pools as P
 
 OBJECT_HAS_LEASE = -706
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.lab.namespaces import _NETNS_DIR, _process_alive
+from mooncake_span_tools.lab.namespaces import _NETNS_DIR, _process_alive
+from tests import checkout
 from tests.conftest import require_netns
 from tests.integration.killed_run_case import KILLED_RUN_FILE_ENV
 
@@ -54,7 +55,7 @@ _PYTEST = [
 def _start_run(tmp_path: Path, case: str) -> tuple[subprocess.Popen[str], dict, Path]:
     report = tmp_path / "held.json"
     log = tmp_path / "inner.log"
-    env = {**os.environ, KILLED_RUN_FILE_ENV: str(report), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, KILLED_RUN_FILE_ENV: str(report), "PYTHONPATH": checkout.PYTHONPATH}
     with open(log, "w") as out:
         run = subprocess.Popen(
             [*_PYTEST, f"--basetemp={tmp_path / 'inner'}", "-k", case, str(CASE)],
@@ -145,7 +146,7 @@ def test_namespaces_of_a_killed_run_go_when_the_next_run_starts(tmp_path):
     next_run = subprocess.run(
         [*_PYTEST, f"--basetemp={tmp_path / 'next'}", "--co", str(CASE)],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": checkout.PYTHONPATH},
         capture_output=True,
         text=True,
         timeout=EXIT_TIMEOUT_S,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mooncake_span.ops.master_http import parse_prometheus
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.testing import pools as P
 from tests.integration.test_ops_tools import inspect_json
 from tests.span_helpers import slots_of
 

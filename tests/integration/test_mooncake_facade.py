@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from mooncake_span.store.client import load_native_binding
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.testing import pools as P
 from tests.span_helpers import scattered_pages, slots_of
 
 pytestmark = pytest.mark.integration

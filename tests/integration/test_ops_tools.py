@@ -19,6 +19,7 @@ import pytest
 
 from mooncake_span.span.keys import ComponentSpec, KeySchema, RankScope, RankTags
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, namespace_key
+from tests import checkout
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +34,7 @@ def _free_port() -> int:
 
 
 def _cli(*argv: str, env: dict[str, str] | None = None, timeout_s: float = 60.0):
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": checkout.PYTHONPATH, **(env or {})}
     for name in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):
         full_env.pop(name, None)
     started = time.monotonic()

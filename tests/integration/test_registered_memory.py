@@ -19,7 +19,7 @@ from mooncake_span.config import SpanOptions
 from mooncake_span.errors import TransportError
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store.client import MooncakeClient, load_native_binding
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.testing import pools as P
 from tests.harness.registered import CheckedStore, UnregisteredMemoryError, checked_binding
 from tests.span_helpers import scattered_pages, slots_of
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.sglang_backend.plugin import OPT_IN_ENV
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.testing import pools as P
 from tests.span_helpers import make_storage_config, slots_of
 
 pytestmark = pytest.mark.integration

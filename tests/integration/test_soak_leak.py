@@ -65,8 +65,8 @@ def _rounds(traffic, rng: random.Random, count: int) -> None:
 
 
 def test_per_call_state_stays_flat_with_storage_metrics_off(small_cluster):
-    from mooncake_span.lab.soak import LatencyBook, SoakConfig, Traffic
     from mooncake_span.sglang_backend.stats import UNPOLLED_WINDOW
+    from mooncake_span_tools.lab.soak import LatencyBook, SoakConfig, Traffic
 
     config = SoakConfig(
         storage_nodes=1,

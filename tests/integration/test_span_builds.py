@@ -25,7 +25,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
 from mooncake_span.sglang_backend.plugin import OPT_IN_ENV
-from mooncake_span.testing.page_io import alloc_pages
+from mooncake_span_tools.testing.page_io import alloc_pages
 from tests.harness.controller import (
     build_compressed_dsa_harness,
     build_stock_glm_harness,
@@ -255,7 +255,7 @@ def test_without_the_plugin_the_gate_stays_closed(monkeypatch):
 
 @pytest.mark.parametrize("order", ["fork-startup", "runtime-attach", "derived"])
 def test_demo_span_runs_each_order(mooncake_cluster, order):
-    from mooncake_span.ops.span_demo import ORDERS, DemoConfig, run_demo
+    from mooncake_span_tools.lab.span_demo import ORDERS, DemoConfig, run_demo
 
     config = mooncake_cluster.client_config()
     lines: list[str] = []
@@ -276,7 +276,7 @@ def test_demo_span_runs_each_order(mooncake_cluster, order):
 
 
 def test_demo_span_refuses_an_unknown_order():
-    from mooncake_span.ops.span_demo import DemoConfig
+    from mooncake_span_tools.lab.span_demo import DemoConfig
 
     with pytest.raises(ValueError, match="order must be one of"):
         DemoConfig(order="late")

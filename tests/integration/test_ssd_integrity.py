@@ -35,7 +35,7 @@ import pytest
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.ops.launcher import ClusterStartError
 from mooncake_span.ops.master_http import get_text, iter_lines
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.testing import pools as P
 from tests.conftest import require_mooncake
 from tests.span_helpers import make_storage_config, register_pools, slots_of
 

@@ -33,7 +33,7 @@ import pytest
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.ops.master_http import iter_lines
 from mooncake_span.store.serving_ssd import OWNER_DOWN_LABEL
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.testing import pools as P
 from tests.conftest import require_mooncake
 from tests.span_helpers import make_storage_config, master_replicas, register_pools, slots_of
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_span.lab.netns import (
+from mooncake_span_tools.lab.netns import (
     NetnsCluster,
     NetnsClusterSpec,
     NetnsTopology,

@@ -1,6 +1,6 @@
 """One sglang node's L3 traffic, as a separate process: write, read, probe, failover.
 
-Run inside a host of a ``mooncake_span.lab.netns`` topology (or anywhere)::
+Run inside a host of a ``mooncake_span_tools.lab.netns`` topology (or anywhere)::
 
     python -m tests.netns.node_worker write --master HOST:PORT \\
         --metadata http://HOST:PORT/metadata --requests 0-3
@@ -57,8 +57,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mooncake_span.bench.timing import TimedProxy
 from mooncake_span.units import parse_size_bytes
+from mooncake_span_tools.bench.timing import TimedProxy
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ class Node:
         )
         from sglang.srt.mem_cache.utils import get_hash_str
 
-        from mooncake_span.testing import pools as P
+        from mooncake_span_tools.testing import pools as P
 
         self.import_s = time.time() - _STARTED_WALL_S
         self.torch = torch
@@ -453,7 +453,7 @@ class Node:
         Raises LayoutConflictError when the layout guard refuses this node.
         """
         from mooncake_span.sglang_backend.backend import MooncakeSpanStore
-        from mooncake_span.testing.pools import single_rank_storage_config
+        from mooncake_span_tools.testing.pools import single_rank_storage_config
 
         started = time.perf_counter()
         storage_config = single_rank_storage_config(

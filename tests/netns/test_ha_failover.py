@@ -31,7 +31,12 @@ from typing import Any
 
 import pytest
 
-from mooncake_span.lab.netns import NetnsCluster, NetnsClusterSpec, NetnsTopology, TopologySpec
+from mooncake_span_tools.lab.netns import (
+    NetnsCluster,
+    NetnsClusterSpec,
+    NetnsTopology,
+    TopologySpec,
+)
 from tests.conftest import require_mooncake
 from tests.netns.conftest import assert_torn_down, require_netns
 from tests.netns.workers import WORKER_TIMEOUT_S, report_of, spawn_worker, touch, wait_for_files

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import checkout
+
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,7 +26,12 @@ HOST = "decode"
 
 
 def _run_cli(topology, cluster, *argv: str, env: dict[str, str] | None = None):
-    full_env = {**os.environ, **topology.host_env(HOST), "PYTHONPATH": str(REPO), **(env or {})}
+    full_env = {
+        **os.environ,
+        **topology.host_env(HOST),
+        "PYTHONPATH": checkout.PYTHONPATH,
+        **(env or {}),
+    }
     cmd = topology.exec_argv(HOST, [sys.executable, "-m", "mooncake_span.ops.cli", *argv])
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=full_env, cwd=REPO)
 

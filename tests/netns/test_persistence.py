@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from mooncake_span.lab.netns import NetnsCluster, NetnsClusterSpec
+from mooncake_span_tools.lab.netns import NetnsCluster, NetnsClusterSpec
 from tests.netns.workers import report_of, spawn_worker, touch, wait_for_files
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]

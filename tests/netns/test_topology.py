@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mooncake_span.lab.netns import MASTER_RPC_PORT
+from mooncake_span_tools.lab.netns import MASTER_RPC_PORT
 
 pytestmark = [pytest.mark.netns, pytest.mark.integration]
 

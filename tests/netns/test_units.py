@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.lab.netns import NetnsClusterSpec, TopologySpec
+from mooncake_span_tools.lab.netns import NetnsClusterSpec, TopologySpec
 from tests.netns.node_worker import (
     Geometry,
     WorkerConfig,
@@ -189,7 +189,9 @@ def test_missing_namespaces_skip_locally_and_fail_under_ci(monkeypatch):
     import tests.conftest as root_conftest
 
     root_conftest._netns_reason.cache_clear()
-    monkeypatch.setattr("mooncake_span.lab.netns.netns_unavailable_reason", lambda: "not root")
+    monkeypatch.setattr(
+        "mooncake_span_tools.lab.netns.netns_unavailable_reason", lambda: "not root"
+    )
     try:
         monkeypatch.delenv("CI", raising=False)
         with pytest.raises(pytest.skip.Exception, match="not root"):

@@ -9,11 +9,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mooncake_span.lab.netns import NetnsCluster, NetnsProcess, NetnsTopology
+from mooncake_span_tools.lab.netns import NetnsCluster, NetnsProcess, NetnsTopology
+from tests import checkout
 
 WORKER_MODULE = "tests.netns.node_worker"
-# The worker is test support, imported from the checkout rather than the package.
-_REPO_ROOT = str(Path(__file__).resolve().parents[2])
 # sglang's import alone takes 10-20 s per process on 2 busy cores.
 WORKER_TIMEOUT_S = 240.0
 _POLL_INTERVAL_S = 0.05
@@ -44,7 +43,9 @@ def spawn_worker(
         str(segment_bytes),
         *args,
     ]
-    return topology.spawn(host, name, argv, separate_stdout=True, env={"PYTHONPATH": _REPO_ROOT})
+    return topology.spawn(
+        host, name, argv, separate_stdout=True, env={"PYTHONPATH": checkout.PYTHONPATH}
+    )
 
 
 def report_of(process: NetnsProcess, timeout_s: float = WORKER_TIMEOUT_S) -> dict[str, Any]:

@@ -17,7 +17,10 @@ from typing import Any
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import (
+from mooncake_span.ops.cluster import LocalCluster
+from mooncake_span.ops.cluster_spec import ClusterSpec
+from mooncake_span.ops.master_http import iter_lines
+from mooncake_span_tools.lab.sglang_servers import (
     Completion,
     ServerOptions,
     SglangServer,
@@ -26,10 +29,11 @@ from mooncake_span.lab.sglang_servers import (
     start_together,
     stop_together,
 )
-from mooncake_span.ops.cluster import LocalCluster
-from mooncake_span.ops.cluster_spec import ClusterSpec
-from mooncake_span.ops.master_http import iter_lines
-from mooncake_span.testing.cpu_server.models import default_spec, ensure_model, serving_profile
+from mooncake_span_tools.testing.cpu_server.models import (
+    default_spec,
+    ensure_model,
+    serving_profile,
+)
 from tests.conftest import require_mooncake
 
 PAGE_TOKENS = 64

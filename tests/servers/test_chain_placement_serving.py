@@ -22,8 +22,8 @@ import urllib.parse
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import ServerOptions
 from mooncake_span.ops.master_http import get_text
+from mooncake_span_tools.lab.sglang_servers import ServerOptions
 from tests.servers.conftest import (
     ANSWER_TOKENS,
     PAGE_TOKENS,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import extensions_dir
+from mooncake_span_tools.lab.sglang_servers import extensions_dir
 
 pytestmark = [
     pytest.mark.integration,

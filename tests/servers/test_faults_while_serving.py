@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import ServerOptions
+from mooncake_span_tools.lab.sglang_servers import ServerOptions
 from tests.servers.conftest import (
     ANSWER_TOKENS,
     PAGE_TOKENS,

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.bench.serve_stats import parse_prometheus
-from mooncake_span.lab.sglang_servers import START_TIMEOUT_S, ServerOptions
 from mooncake_span.ops import inspect_cmd
 from mooncake_span.ops.launcher import http_get
 from mooncake_span.ops.oracle import compare
-from mooncake_span.testing import restore_faults
-from mooncake_span.testing.cpu_server.models import (
+from mooncake_span_tools.bench.serve_stats import parse_prometheus
+from mooncake_span_tools.lab.sglang_servers import START_TIMEOUT_S, ServerOptions
+from mooncake_span_tools.testing import restore_faults
+from mooncake_span_tools.testing.cpu_server.models import (
     GLM_PAGE_TOKENS,
     default_spec,
     serving_profile,

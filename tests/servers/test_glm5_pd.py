@@ -21,11 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import HOST, START_TIMEOUT_S, Router, ServerOptions
 from mooncake_span.ops import inspect_cmd
 from mooncake_span.ops import launcher as L
 from mooncake_span.ops.oracle import compare
-from mooncake_span.testing.cpu_server.models import GLM_PAGE_TOKENS, default_spec, serving_profile
+from mooncake_span_tools.lab.sglang_servers import HOST, START_TIMEOUT_S, Router, ServerOptions
+from mooncake_span_tools.testing.cpu_server.models import (
+    GLM_PAGE_TOKENS,
+    default_spec,
+    serving_profile,
+)
 from tests.servers.conftest import prompt
 
 pytestmark = [pytest.mark.integration, pytest.mark.servers, pytest.mark.slow]

@@ -16,16 +16,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import (
+from mooncake_span.ops import inspect_cmd
+from mooncake_span.ops import launcher as L
+from mooncake_span.ops.cluster import LocalCluster
+from mooncake_span_tools.lab.sglang_servers import (
     HOST,
     START_TIMEOUT_S,
     Router,
     ServerOptions,
     SglangServer,
 )
-from mooncake_span.ops import inspect_cmd
-from mooncake_span.ops import launcher as L
-from mooncake_span.ops.cluster import LocalCluster
 from tests.servers.conftest import PAGE_TOKENS, PROMPT_TOKENS, prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.servers]

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from mooncake_span.lab.netns_cluster import NetnsCluster, NetnsClusterSpec
-from mooncake_span.lab.sglang_servers import ServerOptions, namespace_place
-from mooncake_span.lab.topology import NetnsTopology, TopologySpec
+from mooncake_span_tools.lab.netns_cluster import NetnsCluster, NetnsClusterSpec
+from mooncake_span_tools.lab.sglang_servers import ServerOptions, namespace_place
+from mooncake_span_tools.lab.topology import NetnsTopology, TopologySpec
 from tests.conftest import require_netns
 from tests.servers.conftest import (
     ANSWER_TOKENS,

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import ServerOptions, stop_together
 from mooncake_span.ops.cluster import LocalCluster
+from mooncake_span_tools.lab.sglang_servers import ServerOptions, stop_together
 from tests.servers.conftest import (
     ANSWER_TOKENS,
     PAGE_TOKENS,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import ServerOptions, stop_together
+from mooncake_span_tools.lab.sglang_servers import ServerOptions, stop_together
 from tests.servers.conftest import (
     ANSWER_TOKENS,
     PAGE_TOKENS,

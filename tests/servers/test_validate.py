@@ -36,12 +36,12 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.lab.sglang_servers import START_TIMEOUT_S, ServerOptions
 from mooncake_span.ops import cli
 from mooncake_span.ops import validate as V
 from mooncake_span.ops.validate_http import ServerRefused, SglangHttp
-from mooncake_span.testing import restore_faults
-from mooncake_span.testing.cpu_server.models import default_spec, serving_profile
+from mooncake_span_tools.lab.sglang_servers import START_TIMEOUT_S, ServerOptions
+from mooncake_span_tools.testing import restore_faults
+from mooncake_span_tools.testing.cpu_server.models import default_spec, serving_profile
 from tests.servers.conftest import Launched, stored_keys, wait_until
 from tests.span_helpers import master_replicas
 

@@ -4,7 +4,9 @@ Every code span of the page is classified and checked against the package as
 it is now, so renaming or deleting a module, class or function without
 updating the page fails here:
 
-- ``pkg/module.py`` (or ``mooncake_span/...``, ``tests/...``, ``docs/...``): the file exists;
+- ``pkg/module.py`` (or ``mooncake_span/...``, ``tools/...``, ``tests/...``, ``docs/...``): the
+  file exists; ``pkg`` is a package of either distribution (``mooncake_span`` at the root,
+  ``mooncake_span_tools`` under tools/);
 - ``pkg/module.Name[.attr]`` and ``module.Name[.attr]``: the module imports and the
   attribute chain resolves (``module.method``: a method of one of the module's classes);
 - ``mooncake_span_<family>``: a metric family ``metrics.py`` defines;
@@ -36,6 +38,8 @@ from mooncake_span import config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "mooncake_span"
+# Both distributions' packages: the serving one first, then the tooling.
+PACKAGES = {"mooncake_span": PACKAGE, "mooncake_span_tools": ROOT / "tools" / "mooncake_span_tools"}
 DOC = ROOT / "docs" / "architecture.md"
 METRICS_SOURCE = (PACKAGE / "metrics.py").read_text()
 
@@ -70,7 +74,7 @@ EXTERNAL = {
     "sglang_router",
 }
 
-_PATH = re.compile(r"^[\w./-]+\.py$")
+_PATH = re.compile(r"^[\w./-]+\.(?:py|toml)$")
 _DOTTED = re.compile(r"^(?:[a-z_]+/)*[a-z_]+(?:\.[A-Za-z_]\w*)+$")
 _CAMEL = re.compile(r"^[A-Z][a-z]+[A-Za-z0-9]*(?:\.[A-Za-z_]\w*)*$")
 _SNAKE = re.compile(r"^_?[a-z]+(?:_[a-z0-9]+)+$")
@@ -115,7 +119,8 @@ def _file_names(path: pathlib.Path, imported: bool) -> frozenset[str]:
 
 
 def _defined_names() -> set[str]:
-    return OPTION_KEYS | _names_of([*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py")])
+    sources = [path for base in PACKAGES.values() for path in base.rglob("*.py")]
+    return OPTION_KEYS | set(PACKAGES) | _names_of([*sources, *(ROOT / "tests").rglob("*.py")])
 
 
 def _module_for(dotted: str) -> tuple[object, list[str]] | None:
@@ -124,11 +129,16 @@ def _module_for(dotted: str) -> tuple[object, list[str]] | None:
     candidates = [head.replace("/", ".")]
     if "/" not in head:
         candidates += [
-            ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
-            for p in PACKAGE.rglob(f"{head}.py")
+            ".".join([top, *p.relative_to(base).with_suffix("").parts])
+            for top, base in PACKAGES.items()
+            for p in base.rglob(f"{head}.py")
         ]
-    for candidate in candidates:
-        name = candidate if candidate.startswith("mooncake_span") else f"mooncake_span.{candidate}"
+    names = [
+        candidate if candidate.split(".")[0] in PACKAGES else f"{top}.{candidate}"
+        for candidate in candidates
+        for top in PACKAGES
+    ]
+    for name in dict.fromkeys(names):
         try:
             return importlib.import_module(name), rest
         except ImportError:
@@ -156,7 +166,7 @@ def _problem(span: str, defined: set[str]) -> str | None:
     if _PATH.match(token):
         found = (
             (ROOT / token).exists()
-            or (PACKAGE / token).exists()
+            or any((base / token).exists() for base in PACKAGES.values())
             or any((ROOT / "tests").rglob(token))
         )
         return None if found else "no such file"
@@ -167,7 +177,7 @@ def _problem(span: str, defined: set[str]) -> str | None:
             return "no such module"
         return None if _resolves(*located) else "no such attribute"
     first = token.split(".")[0]
-    if token.startswith("mooncake_span_") and not token.endswith("*"):
+    if token.startswith("mooncake_span_") and not token.endswith("*") and token not in PACKAGES:
         family = token.removeprefix("mooncake_span_")
         return None if f'"{family}"' in METRICS_SOURCE else "no such metric family"
     if _CAMEL.match(token):
@@ -198,7 +208,10 @@ def _credit_problem(modules: list[str], span: str) -> str | None:
         return None
     paths: list[pathlib.Path] = []
     for module in modules:
-        where = PACKAGE / module
+        where = next(
+            (base / module for base in PACKAGES.values() if (base / module).exists()),
+            PACKAGE / module,
+        )
         paths += sorted(where.rglob("*.py")) if module.endswith("/") else [where]
     if first in _names_of(paths, imported=True):
         return None

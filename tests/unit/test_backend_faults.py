@@ -7,8 +7,8 @@ import time
 import pytest
 
 from mooncake_span.errors import ErrorCode
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, slots_of
 
 PAGE = 64

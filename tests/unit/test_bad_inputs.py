@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mooncake_span.errors import ConfigError, RegistrationError, SetupError
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, make_storage_config, slots_of
 
 PAGE = 64

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.bench import serve, serve_arms
-from mooncake_span.bench import serve_stats as S
-from mooncake_span.testing.cpu_server.models import TinyModelSpec
+from mooncake_span_tools.bench import serve, serve_arms
+from mooncake_span_tools.bench import serve_stats as S
+from mooncake_span_tools.testing.cpu_server.models import TinyModelSpec
 
 
 def _record(index: int, ttft_s: dict[str, float], tokens=None, warmup: bool = False) -> dict:

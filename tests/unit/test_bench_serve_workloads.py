@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.bench import serve
-from mooncake_span.bench import serve_fresh as FR
-from mooncake_span.bench import serve_multiturn as MT
-from mooncake_span.bench import serve_pd as PD
-from mooncake_span.bench import serve_stats as S
+from mooncake_span_tools.bench import serve
+from mooncake_span_tools.bench import serve_fresh as FR
+from mooncake_span_tools.bench import serve_multiturn as MT
+from mooncake_span_tools.bench import serve_pd as PD
+from mooncake_span_tools.bench import serve_stats as S
 
 
 def _request(prompt_tokens, ttft_s, device=0, host=0, storage=0, output=(1, 2)):

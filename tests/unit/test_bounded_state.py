@@ -28,8 +28,8 @@ from mooncake_span.sglang_backend.stats import (
 from mooncake_span.store.breaker import CircuitBreaker
 from mooncake_span.store.gate import _MAX_ERROR_LABELS
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_or_publish
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, make_storage_config, slots_of
 
 PAGE = 64

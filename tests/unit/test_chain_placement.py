@@ -15,8 +15,8 @@ from mooncake_span.errors import InvalidRequestError
 from mooncake_span.sglang_backend.prefix_chain import PASS_PREFIX_KEYS, PerKeyNotice, chain_of
 from mooncake_span.span.keys import KeySchema, RankTags
 from mooncake_span.store.domains import ChainSpot, put_targets, rank_segments
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, slots_of
 
 SEGMENTS = tuple(f"10.0.0.{i}:1500{i}" for i in range(1, 7))
@@ -173,7 +173,7 @@ def chain_rig(request):
 
     from mooncake_span.sglang_backend import MooncakeSpanStore
     from mooncake_span.store.client import NativeBinding
-    from mooncake_span.testing.fake_store import FakeReplicateConfig, FakeStore
+    from mooncake_span_tools.testing.fake_store import FakeReplicateConfig, FakeStore
     from tests.span_helpers import make_storage_config, register_pools, skip_probe
 
     cluster = FakeCluster(segments=SEGMENTS[:4])
@@ -311,7 +311,7 @@ def test_the_knob_reaching_our_config_is_ignored_quietly(caplog):
 def test_the_window_model_of_the_bench_follows_the_rule():
     """Chains inside one window lose exactly 1/N on average over victims; a window of
     one key spreads each chain and loses more."""
-    from mooncake_span.bench.placement import conversations, window_model
+    from mooncake_span_tools.bench.placement import conversations, window_model
 
     convs = conversations(3, 8)
     whole = window_model(convs, 4, 512)

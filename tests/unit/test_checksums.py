@@ -24,7 +24,7 @@ from mooncake_span.ops import doctor
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store import native
 from mooncake_span.store.integrity import IntegrityFailures
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FakeClock, fake_client, listening_port
 
 ENV = native.CHECKSUM_ENV
@@ -238,7 +238,7 @@ def test_doctor_reports_the_setting(monkeypatch, extra, exported, status, verify
 
 
 def test_the_checksum_bench_pairs_each_round():
-    from mooncake_span.bench.checksum import summarize
+    from mooncake_span_tools.bench.checksum import summarize
 
     def child(put: list[float], get: list[float]) -> dict:
         return {

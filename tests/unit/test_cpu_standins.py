@@ -1,4 +1,4 @@
-"""The CPU stand-ins of ``mooncake_span.testing.cpu_server.standins``, each against
+"""The CPU stand-ins of ``mooncake_span_tools.testing.cpu_server.standins``, each against
 sglang 0.5.23's own semantics: its host pools' page I/O, its triton kernels and
 the callers that pick a path from what the stand-ins provide."""
 
@@ -19,11 +19,13 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
+from tests import checkout
+
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("needs sglang 0.5.23", allow_module_level=True)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SITE_DIR = REPO_ROOT / "mooncake_span" / "testing" / "cpu_server" / "site"
+SITE_DIR = REPO_ROOT / "tools" / "mooncake_span_tools" / "testing" / "cpu_server" / "site"
 DIRECT_COPIES = (
     "transfer_kv_direct",
     "transfer_kv_per_layer_direct_pf_lf",
@@ -38,14 +40,14 @@ _E2E = """
 import json, types
 import torch
 import sgl_kernel
-from mooncake_span.testing.cpu_server import host_pools, standins
+from mooncake_span_tools.testing.cpu_server import host_pools, standins
 import sglang.srt.mem_cache.pool_host.base as base
 import sglang.srt.mem_cache.pool_host.mha as mha
 import sglang.srt.mem_cache.pool_host.mla as mla
 import sglang.srt.models.deepseek_common.attention_backend_handler as h
 import sglang.srt.disaggregation.mooncake.conn as conn
 import os
-from mooncake_span.testing.cpu_server import glm5_standins as g
+from mooncake_span_tools.testing.cpu_server import glm5_standins as g
 import sglang.srt.arg_groups.model_hook
 import sglang.srt.arg_groups.mamba_hook as mamba_hook
 import sglang.srt.mem_cache.pool_host.mamba as pool_mamba
@@ -103,7 +105,7 @@ class _EndToEnd:
         self.err = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _E2E % (DIRECT_COPIES,)],
-            env={**os.environ, "PYTHONPATH": f"{SITE_DIR}{os.pathsep}{REPO_ROOT}"},
+            env={**os.environ, "PYTHONPATH": f"{SITE_DIR}{os.pathsep}{checkout.PYTHONPATH}"},
             cwd=REPO_ROOT,
             stdout=self.out,
             stderr=self.err,
@@ -135,10 +137,10 @@ from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods
     AttnForwardMethod,
 )
 
-from mooncake_span.testing import pools  # noqa: E402
-from mooncake_span.testing.cpu_server import SITE_DIR as PACKAGE_SITE_DIR  # noqa: E402
-from mooncake_span.testing.cpu_server import glm5_standins, host_pools, standins  # noqa: E402
-from mooncake_span.testing.sglang_cpu import _host_budget  # noqa: E402
+from mooncake_span_tools.testing import pools  # noqa: E402
+from mooncake_span_tools.testing.cpu_server import SITE_DIR as PACKAGE_SITE_DIR  # noqa: E402
+from mooncake_span_tools.testing.cpu_server import glm5_standins, host_pools, standins  # noqa: E402
+from mooncake_span_tools.testing.sglang_cpu import _host_budget  # noqa: E402
 
 DIRECT_LAYOUTS = ("layer_first", "page_first_direct")
 LAYERS = 2
@@ -693,10 +695,10 @@ def test_install_end_to_end_in_a_fresh_process(end_to_end):
             "DSAIndexerPoolHost.__init__",
             [True] * 6,
             True,
-            "mooncake_span.testing.cpu_server.glm5_standins",
+            "mooncake_span_tools.testing.cpu_server.glm5_standins",
             True,
-            "mooncake_span.testing.cpu_server.glm5_standins",
-            "mooncake_span.testing.cpu_server.glm5_standins",
+            "mooncake_span_tools.testing.cpu_server.glm5_standins",
+            "mooncake_span_tools.testing.cpu_server.glm5_standins",
             True,
             True,
             [True, True],

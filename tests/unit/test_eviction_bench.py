@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.bench import eviction as E
-from mooncake_span.bench.shared_native import RecordingNative
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster, FakeStore
+from mooncake_span_tools.bench import eviction as E
+from mooncake_span_tools.bench.shared_native import RecordingNative
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster, FakeStore
 from tests.span_helpers import FAKE_CLIENT
 
 CONFIG = E.EvictionConfig(

@@ -18,7 +18,7 @@ from mooncake_span.errors import ErrorCode, SetupError, TransportError
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store.client import MooncakeClient, NativeBinding, native_env_defaults
-from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span_tools.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.contract.store_contract import StoreContract
 
 

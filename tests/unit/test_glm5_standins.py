@@ -24,9 +24,9 @@ from transformers.models.glm5_next.configuration_glm5_next import (  # noqa: E40
     Glm5NextTextConfig,
 )
 
-from mooncake_span.testing.cpu_server import dsa_index_cpu as dsa  # noqa: E402
-from mooncake_span.testing.cpu_server import glm5_standins  # noqa: E402
-from mooncake_span.testing.cpu_server import kda_cpu as kda  # noqa: E402
+from mooncake_span_tools.testing.cpu_server import dsa_index_cpu as dsa  # noqa: E402
+from mooncake_span_tools.testing.cpu_server import glm5_standins  # noqa: E402
+from mooncake_span_tools.testing.cpu_server import kda_cpu as kda  # noqa: E402
 
 CASES = 20
 FP32_ATOL = 2e-5

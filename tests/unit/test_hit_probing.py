@@ -29,8 +29,8 @@ from mooncake_span.span.hits import (
     compute_hits,
     leading_run,
 )
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster, FakeStore
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster, FakeStore
 from tests.span_helpers import FAKE_CLIENT, fake_backend, register_pools
 
 PAGE = 64

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.store.client import _EXISTS_KEYS_PER_CALL, NativeBinding
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.span_helpers import (
     FAKE_CLIENT,
     make_storage_config,

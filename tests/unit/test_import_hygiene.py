@@ -1,12 +1,21 @@
 """Layering rules per package, checked on the source and by importing with the
 heavy dependencies made unimportable.
 
+Two distributions: the serving one (``mooncake_span``: the runtime and the
+operator commands) and the tooling one (``tools/``, ``mooncake_span_tools``:
+benchmarks, lab, CPU stand-ins and test support, demos).
+
 - ``span/``: pure logic; no I/O library, no torch/sglang/Mooncake.
 - ``store/`` and the top-level modules: no sglang, no torch.
-- only ``sglang_backend/`` (the runtime), ``bench/`` and ``testing/`` (tooling
-  that builds real host pools) import sglang.
+- only ``sglang_backend/`` (the runtime) and the tooling's ``bench/`` and
+  ``testing/`` (which build real host pools) import sglang.
+- the serving distribution never imports the tooling one, by any import
+  statement (inside functions and under ``TYPE_CHECKING`` too) or by name
+  through ``importlib``; the tooling's commands reach the CLI through entry points.
 - the runtime (``span/``, ``store/``, ``sglang_backend/``, the top-level
-  modules) never imports the test support in ``testing/``.
+  modules but the storage node) never imports the operator commands (``ops/``).
+- the packages of both distributions form one-way layers: counting every import
+  statement, wherever it stands, no package reaches back to one that imports it.
 - importing the runtime backend loads no benchmark, lab, demo, cluster, CLI or
   test-support code.
 """
@@ -18,7 +27,10 @@ import pathlib
 import subprocess
 import sys
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mooncake_span"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "mooncake_span"
+TOOLS = ROOT / "tools" / "mooncake_span_tools"
+DISTRIBUTIONS = {"mooncake_span": PACKAGE, "mooncake_span_tools": TOOLS}
 IO_LIBRARIES = {
     "torch",
     "sglang",
@@ -32,12 +44,37 @@ IO_LIBRARIES = {
     "threading",
     "os",
 }
-NO_SGLANG_PACKAGES = ["span", "store", "ops", "lab"]
+NO_SGLANG_PACKAGES = [PACKAGE / "span", PACKAGE / "store", PACKAGE / "ops", TOOLS / "lab"]
 TOP_LEVEL = ["errors", "units", "config", "storage_node", "metrics"]
-SGLANG_IMPORTERS = {"sglang_backend", "bench", "testing"}
+SGLANG_IMPORTERS = [PACKAGE / "sglang_backend", TOOLS / "bench", TOOLS / "testing"]
+# the runtime reaches Mooncake only through store/client.py; the tooling may go direct
+MOONCAKE_IMPORTERS = [PACKAGE / "store" / "client.py", PACKAGE / "ops", TOOLS]
 RUNTIME_PACKAGES = ["span", "store", "sglang_backend"]
-TOOLING = ("mooncake_span.bench", "mooncake_span.lab", "mooncake_span.ops")
-TEST_SUPPORT = "mooncake_span.testing"
+OPS = "mooncake_span.ops"
+TOOLING = "mooncake_span_tools"
+
+
+def _all_modules() -> list[pathlib.Path]:
+    return sorted(PACKAGE.rglob("*.py")) + sorted(TOOLS.rglob("*.py"))
+
+
+def _under(path: pathlib.Path, places: list[pathlib.Path]) -> bool:
+    return any(path == place or place in path.parents for place in places)
+
+
+def _rel(path: pathlib.Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _module_name(path: pathlib.Path) -> str:
+    top, base = next((t, b) for t, b in DISTRIBUTIONS.items() if b in path.parents)
+    parts = [p for p in path.relative_to(base).with_suffix("").parts if p != "__init__"]
+    return ".".join([top, *parts])
+
+
+def _package_of(path: pathlib.Path) -> list[str]:
+    top, base = next((t, b) for t, b in DISTRIBUTIONS.items() if b in path.parents)
+    return [top, *path.relative_to(base).parent.parts]
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -50,11 +87,12 @@ def _imports(path: pathlib.Path) -> set[str]:
     return names
 
 
-def _absolute_imports(path: pathlib.Path) -> set[str]:
-    """Every module ``path`` imports, relative imports resolved against its package."""
-    package = ["mooncake_span", *path.relative_to(PACKAGE).parent.parts]
+def _statement_imports(tree: ast.AST, package: list[str]) -> set[str]:
+    """Every module an import statement of ``tree`` names, wherever the statement
+    stands (module level, a function, ``if TYPE_CHECKING``), relative ones resolved
+    against ``package``; ``from m import x`` counts as ``m`` and ``m.x``."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -62,6 +100,28 @@ def _absolute_imports(path: pathlib.Path) -> set[str]:
             module = ".".join([*base, *([node.module] if node.module else [])])
             names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
     return names
+
+
+_DYNAMIC_IMPORTS = {"import_module", "__import__", "find_spec"}
+
+
+def _named_imports(tree: ast.AST) -> set[str]:
+    """Modules named as a literal to ``importlib.import_module``, ``__import__`` or
+    ``find_spec``: imports all the same."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            called = node.func
+            name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", "")
+            if name in _DYNAMIC_IMPORTS and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+    return names
+
+
+def _absolute_imports(path: pathlib.Path) -> set[str]:
+    """Every module ``path`` imports, by statement or by name."""
+    tree = ast.parse(path.read_text())
+    return _statement_imports(tree, _package_of(path)) | _named_imports(tree)
 
 
 def _roots(path: pathlib.Path) -> set[str]:
@@ -72,11 +132,11 @@ def _modules(package: str) -> list[pathlib.Path]:
     return sorted((PACKAGE / package).rglob("*.py"))
 
 
-def test_only_runtime_and_bench_packages_import_sglang():
+def test_only_the_adapter_and_the_tooling_that_builds_host_pools_import_sglang():
     offenders = [
-        str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
-        if not SGLANG_IMPORTERS & set(path.relative_to(PACKAGE).parts) and "sglang" in _roots(path)
+        _rel(path)
+        for path in _all_modules()
+        if not _under(path, SGLANG_IMPORTERS) and "sglang" in _roots(path)
     ]
     assert offenders == []
 
@@ -93,47 +153,64 @@ def test_span_package_imports_no_io_library():
         assert not outside, (path.name, outside)
 
 
-def test_store_package_never_imports_sglang_or_the_tooling():
+def test_store_package_never_imports_sglang():
     for path in _modules("store"):
         assert "sglang" not in _roots(path), path.name
-        tooling = {name for name in _imports(path) if name.startswith((*TOOLING, TEST_SUPPORT))}
-        assert not tooling, (path.name, tooling)
 
 
 def _runtime_modules() -> list[pathlib.Path]:
-    top_level = sorted(PACKAGE.glob("*.py"))
+    top_level = [path for path in sorted(PACKAGE.glob("*.py")) if path.stem != "storage_node"]
     return top_level + [path for package in RUNTIME_PACKAGES for path in _modules(package)]
 
 
-def test_runtime_never_imports_the_test_support():
-    modules = _runtime_modules()
-    offenders = {
-        str(path.relative_to(PACKAGE)): sorted(
+def _importing(paths: list[pathlib.Path], prefixes: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {
+        _rel(path): sorted(
             name
             for name in _absolute_imports(path)
-            if name == TEST_SUPPORT or name.startswith(TEST_SUPPORT + ".")
+            if any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
         )
-        for path in modules
+        for path in paths
     }
+    return {path: names for path, names in found.items() if names}
+
+
+def test_runtime_never_imports_the_operator_commands_or_the_tooling():
+    modules = _runtime_modules()
     for expected in ("config.py", "store/client.py", "sglang_backend/backend.py", "span/plan.py"):
         assert PACKAGE / expected in modules, expected
-    assert {path: names for path, names in offenders.items() if names} == {}
+    assert _importing(modules, (OPS, TOOLING)) == {}
 
 
-def test_test_support_never_imports_the_tooling():
-    """bench/ builds on testing/, never the other way round."""
-    for path in _modules("testing"):
-        tooling = {name for name in _absolute_imports(path) if name.startswith(TOOLING)}
-        assert not tooling, (path.name, tooling)
+def test_serving_distribution_never_imports_the_tooling():
+    """Not at module level, not inside a function, not by name: a serving rank has
+    no tooling installed, and the CLI finds the tooling's commands by entry point."""
+    assert _importing(sorted(PACKAGE.rglob("*.py")), (TOOLING,)) == {}
+
+
+def test_imports_inside_functions_and_by_name_are_seen():
+    tree = ast.parse(
+        "import importlib\n\n\ndef later():\n"
+        "    from ..bench import runner\n"
+        "    if runner:\n"
+        "        return importlib.import_module('mooncake_span_tools.lab.soak')\n"
+    )
+    seen = _statement_imports(tree, ["mooncake_span_tools", "lab"]) | _named_imports(tree)
+    assert {"mooncake_span_tools.bench.runner", "mooncake_span_tools.lab.soak"} <= seen
+
+
+def test_test_support_never_imports_the_rest_of_the_tooling():
+    """bench/, lab/ and the commands build on testing/, never the other way round."""
+    paths = sorted((TOOLS / "testing").rglob("*.py"))
+    rest = tuple(f"{TOOLING}.{child.stem}" for child in TOOLS.iterdir() if child.name != "testing")
+    assert _importing(paths, (*rest, OPS)) == {}
 
 
 def test_only_the_store_client_imports_mooncake():
     offenders = [
-        str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
-        if "mooncake" in _roots(path)
-        and path.relative_to(PACKAGE).parts[0] not in {"bench", "ops", "lab"}
-        and path != PACKAGE / "store" / "client.py"
+        _rel(path)
+        for path in _all_modules()
+        if "mooncake" in _roots(path) and not _under(path, MOONCAKE_IMPORTERS)
     ]
     assert offenders == []
 
@@ -144,38 +221,67 @@ def _run(code: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=280,
-        cwd=PACKAGE.parent,
+        cwd=ROOT,
     )
 
 
-def _module_level_package_imports(path: pathlib.Path) -> set[str]:
-    """The other ``mooncake_span`` packages ``path`` imports in its top-level statements."""
-    own = path.relative_to(PACKAGE).parts[0]
-    names: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Import):
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-    parts = [name.split(".") for name in names if name.startswith("mooncake_span.")]
-    return {p[1] for p in parts if (PACKAGE / p[1]).is_dir() and p[1] != own}
+def _unit(module: str) -> str | None:
+    """The package or top-level module of either distribution that ``module`` lies in."""
+    top, *rest = module.split(".")
+    base = DISTRIBUTIONS.get(top)
+    if base is None:
+        return None
+    if rest and ((base / rest[0]).is_dir() or (base / f"{rest[0]}.py").is_file()):
+        return f"{top}.{rest[0]}"
+    return top
 
 
-def test_no_two_packages_import_each_other_at_module_level():
-    """A package may lean on another at import time, or be leaned on, not both:
-    the lower one's modules load without the upper one (lazy imports excepted)."""
-    leans_on: dict[str, set[str]] = {}
-    for path in PACKAGE.glob("*/**/*.py"):
-        package = path.relative_to(PACKAGE).parts[0]
-        leans_on.setdefault(package, set()).update(_module_level_package_imports(path))
-    mutual = sorted(
-        (a, b)
-        for a, others in leans_on.items()
-        for b in others
-        if a < b and a in leans_on.get(b, ())
-    )
-    assert "ops" in leans_on["lab"]  # the check sees module-level imports at all
-    assert mutual == []
+def _package_graph() -> dict[str, dict[str, list[str]]]:
+    """unit -> {unit it imports: the files that do}, counting every import statement."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in _all_modules():
+        own = _unit(_module_name(path))
+        edges = graph.setdefault(own, {})
+        for other in {_unit(name) for name in _absolute_imports(path)} - {None, own}:
+            edges.setdefault(other, []).append(_rel(path))
+    return graph
+
+
+def _cycle(graph: dict[str, dict[str, list[str]]]) -> list[str]:
+    """One cycle of ``graph`` as [a, b, ..., a], or [] when it has none."""
+    done: set[str] = set()
+
+    def visit(node: str, trail: list[str]) -> list[str]:
+        if node in trail:
+            return trail[trail.index(node) :] + [node]
+        if node in done:
+            return []
+        for nxt in sorted(graph.get(node, {})):
+            if found := visit(nxt, [*trail, node]):
+                return found
+        done.add(node)
+        return []
+
+    for start in sorted(graph):
+        if found := visit(start, []):
+            return found
+    return []
+
+
+def test_packages_form_one_way_layers():
+    """Counting every import statement, inside functions too, no package of either
+    distribution reaches back to one that reaches it: each lower one works without
+    the upper, and the tooling sits above the serving distribution."""
+    graph = _package_graph()
+    # the graph holds imports made only inside functions (the commands load the lab lazily)
+    assert "mooncake_span_tools.lab" in graph["mooncake_span_tools.commands"]
+    cycle = _cycle(graph)
+    assert cycle == [], [(a, b, graph[a][b]) for a, b in zip(cycle, cycle[1:], strict=False)]
+
+
+def test_a_cycle_between_packages_is_found():
+    assert _cycle({"a": {"b": []}, "b": {"c": []}, "c": {"a": []}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b": []}, "b": {"c": []}, "c": {}}) == []
 
 
 def test_packages_import_without_torch_sglang_or_mooncake():
@@ -183,11 +289,9 @@ def test_packages_import_without_torch_sglang_or_mooncake():
         "import sys\nfor m in ('torch', 'sglang', 'mooncake', 'etcd3gw'): sys.modules[m] = None\n"
     )
     names = [f"mooncake_span.{name}" for name in TOP_LEVEL]
-    for package in NO_SGLANG_PACKAGES:
-        for path in _modules(package):
-            rel = path.relative_to(PACKAGE).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            names.append(".".join(["mooncake_span", *parts]))
+    names += [
+        _module_name(path) for place in NO_SGLANG_PACKAGES for path in sorted(place.rglob("*.py"))
+    ]
     imports = "".join(f"import {name}\n" for name in names)
     result = _run(blocker + imports + "print('ok')")
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
@@ -199,8 +303,7 @@ def test_runtime_backend_loads_no_tooling_module():
         "from mooncake_span.sglang_backend import MooncakeSpanStore\n"
         "import mooncake_span.sglang_backend.plugin\n"
         "bad = sorted(m for m in sys.modules if m.startswith(("
-        "'mooncake_span.bench', 'mooncake_span.lab', 'mooncake_span.ops', "
-        "'mooncake_span.storage_node', 'mooncake_span.testing')))\n"
+        "'mooncake_span_tools', 'mooncake_span.ops', 'mooncake_span.storage_node')))\n"
         "print(bad)\n"
     )
     result = _run(code)
@@ -211,7 +314,7 @@ def test_runtime_backend_loads_no_tooling_module():
 def test_library_never_configures_the_root_logger():
     """Only a process entry point (a function named main) may call basicConfig."""
     offenders = []
-    for path in PACKAGE.rglob("*.py"):
+    for path in _all_modules():
         tree = ast.parse(path.read_text())
         allowed = {
             id(call)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.lab import netns
-from mooncake_span.lab import netns_cluster as lab_cluster
 from mooncake_span.ops import cluster as ops_cluster
 from mooncake_span.ops import launcher as L
+from mooncake_span_tools.lab import netns
+from mooncake_span_tools.lab import netns_cluster as lab_cluster
 
 
 def test_one_cluster_start_error_for_both_cluster_kinds():

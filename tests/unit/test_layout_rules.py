@@ -20,7 +20,7 @@ from collections import defaultdict
 import pytest
 
 from mooncake_span.store.protocol import NativeStore
-from mooncake_span.testing.fake_store import FakeStore
+from mooncake_span_tools.testing.fake_store import FakeStore
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mooncake_span"
 RUNTIME = ("span", "store", "sglang_backend")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.bench import leases as L
 from mooncake_span.span.hit_rounds import ProbePolicy
+from mooncake_span_tools.bench import leases as L
 
 
 @pytest.mark.parametrize(

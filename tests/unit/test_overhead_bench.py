@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.bench import overhead as O
 from mooncake_span.errors import ErrorCode
+from mooncake_span_tools.bench import overhead as O
 
 
 def test_null_store_answers_like_a_store_that_kept_the_objects():

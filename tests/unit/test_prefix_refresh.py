@@ -19,9 +19,9 @@ from mooncake_span.errors import InvalidRequestError
 from mooncake_span.sglang_backend.objects import prefix_objects
 from mooncake_span.sglang_backend.prefix_chain import prefix_keys_of
 from mooncake_span.store.put_cooldown import STORED, UNREACHABLE
-from mooncake_span.testing import controller as sg
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster, FakeStore
+from mooncake_span_tools.testing import controller as sg
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster, FakeStore
 from tests.span_helpers import FAKE_CLIENT, slots_of
 
 PAGE = 64

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.bench.pressure import (
+from mooncake_span.store.client import NativeBinding
+from mooncake_span_tools.bench.pressure import (
     MasterFlags,
     PressureConfig,
     build_rig,
@@ -18,8 +19,7 @@ from mooncake_span.bench.pressure import (
     native_counts,
     verify,
 )
-from mooncake_span.store.client import NativeBinding
-from mooncake_span.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
+from mooncake_span_tools.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.span_helpers import FAKE_CLIENT, FakeClock, skip_probe
 
 # 26 KiB per host page (KV 24 KiB + indexer 2 KiB), 104 KiB per key, 4 keys per call.

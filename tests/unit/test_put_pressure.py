@@ -27,8 +27,8 @@ from mooncake_span.store.put_cooldown import (
     STREAK_TO_PAUSE,
     PutPressure,
 )
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, FakeClock, fake_client, listening_port, slots_of
 
 OBJECT_BYTES = 256

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mooncake_span.errors import RegistrationError
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, slots_of
 
 PAGE = 64
@@ -116,7 +116,7 @@ def test_get_returns_none_for_a_key_never_stored(make_backend):
 def _store_listing(extra, asked):
     from mooncake_span.sglang_backend import MooncakeSpanStore
     from mooncake_span.store.client import NativeBinding
-    from mooncake_span.testing.fake_store import FakeReplicateConfig, FakeStore
+    from mooncake_span_tools.testing.fake_store import FakeReplicateConfig, FakeStore
     from tests.span_helpers import make_storage_config, skip_probe
 
     cluster = FakeCluster()

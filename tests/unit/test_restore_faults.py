@@ -13,7 +13,7 @@ if importlib.util.find_spec("sglang") is None:
 
 import torch  # noqa: E402
 
-from mooncake_span.testing import restore_faults  # noqa: E402
+from mooncake_span_tools.testing import restore_faults  # noqa: E402
 
 
 class _Pool:

@@ -19,7 +19,7 @@ from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store import seal
 from mooncake_span.store.arena import StagingArena, create_blob, read_blob
 from mooncake_span.store.layout_guard import GeometryRecord, check_layout_guard
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import fake_client, listening_port
 
 PAGE_BYTES = 512

@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E40
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
 from sglang.srt.runtime_context import get_memory  # noqa: E402
 
-from mooncake_span.testing import pools  # noqa: E402
+from mooncake_span_tools.testing import pools  # noqa: E402
 
 BF16_BYTES = 2
 FP32_BYTES = 4

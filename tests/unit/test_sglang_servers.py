@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.lab.serve_demo import (
+from mooncake_span.ops import launcher as L
+from mooncake_span.ops.master_http import parse_prometheus
+from mooncake_span.ops.oracle import PoolReads
+from mooncake_span_tools.lab.serve_demo import (
     HIT_KEYS,
     HIT_QUERIES,
     UNFULFILLED,
@@ -18,7 +21,7 @@ from mooncake_span.lab.serve_demo import (
     ServeDemoReport,
     explain_restore,
 )
-from mooncake_span.lab.sglang_servers import (
+from mooncake_span_tools.lab.sglang_servers import (
     DYNAMIC_BACKEND_KEYS,
     PLUGIN_OPT_IN_ENV,
     Completion,
@@ -32,11 +35,8 @@ from mooncake_span.lab.sglang_servers import (
     server_env,
     sum_samples,
 )
-from mooncake_span.ops import launcher as L
-from mooncake_span.ops.master_http import parse_prometheus
-from mooncake_span.ops.oracle import PoolReads
-from mooncake_span.testing.cpu_server import SITE_DIR
-from mooncake_span.testing.cpu_server.models import TinyModelSpec, prompt_text
+from mooncake_span_tools.testing.cpu_server import SITE_DIR
+from mooncake_span_tools.testing.cpu_server.models import TinyModelSpec, prompt_text
 
 MODEL = Path("/models/tiny")
 

@@ -7,8 +7,8 @@ import argparse
 import numpy as np
 import pytest
 
-from mooncake_span.lab.soak import SoakConfig, _duration_arg, percentile_s
-from mooncake_span.lab.soak_report import analyse, format_table
+from mooncake_span_tools.lab.soak import SoakConfig, _duration_arg, percentile_s
+from mooncake_span_tools.lab.soak_report import analyse, format_table
 
 
 def _samples(rss_per_100k_mb: float, *, threads=(35,), n: int = 40) -> list[dict]:

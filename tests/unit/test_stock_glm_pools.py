@@ -1,5 +1,5 @@
 """The stock sglang 0.5.23 GLM-5.3-Flash pool set built by sglang's own
-builders on CPU (mooncake_span.testing.stock_glm): page geometry, packed MTP
+builders on CPU (mooncake_span_tools.testing.stock_glm): page geometry, packed MTP
 draft layers, KDA state, and the zero-copy pointers the backend plans with."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.stock_glm import build_stock_glm_pools, stock_page_tokens
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.stock_glm import build_stock_glm_pools, stock_page_tokens
 
 
 @pytest.mark.parametrize("layout", P.KV_LAYOUTS)

@@ -18,8 +18,8 @@ import pytest
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
 from mooncake_span.errors import LayoutConflictError, RegistrationError
-from mooncake_span.testing import pools as P
-from mooncake_span.testing.fake_store import FakeCluster
+from mooncake_span_tools.testing import pools as P
+from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, make_storage_config, register_pools, slots_of
 
 PAGE = 64

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 
-from mooncake_span.testing import pools as P
+from mooncake_span_tools.testing import pools as P
 from tests.span_helpers import FAKE_CLIENT, make_storage_config
 
 LOGGER = "mooncake_span.sglang_backend.storage_page"

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from mooncake_span.bench.shared_native import NativeCounters, TimedNativeStore
-from mooncake_span.bench.timing import TimedProxy
+from mooncake_span_tools.bench.shared_native import NativeCounters, TimedNativeStore
+from mooncake_span_tools.bench.timing import TimedProxy
 
 
 class _Target:

@@ -1,4 +1,0 @@
-"""Benchmarks and the demo (the host-pool builders are in ``mooncake_span.testing``).
-
-Never imported by the runtime backend.
-"""
