@@ -512,6 +512,7 @@ class LocalCluster:
                 # With HA masters the leader moves: the node then waits the whole TTL.
                 admin_url=None if spec.ha else self.metrics_url,
                 client_ttl_s=spec.client_ttl_s,
+                check=spec.ssd_check,
             )
         return L.storage_node_argv(
             master=self.master_address,

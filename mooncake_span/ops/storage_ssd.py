@@ -54,11 +54,12 @@ def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ssd-check",
-        default="full",
+        default=None,
         choices=ssd_scan.CHECK_MODES,
         help="before registering the directory, delete objects that could only read as "
-        "misses: torn files (size) and, with full, sealed objects whose checksum fails "
-        "(reads the whole directory; default: %(default)s)",
+        "misses: size reads metadata only (torn and orphaned files); full also reads every "
+        "sealed object and deletes those whose checksum fails (the whole directory, per "
+        f"start); off trusts it (default: ${ssd_scan.CHECK_ENV}, else {ssd_scan.DEFAULT_CHECK})",
     )
     parser.add_argument(
         "--node-name",
@@ -124,6 +125,7 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
     if found is None:
         return None
     root = ssd_tier.check_root(*found)
+    check, check_source = ssd_scan.resolve_check(args.ssd_check, os.environ)
     name = args.node_name or socket.gethostname()
     cap = _size(args.ssd_size, "--ssd-size") if args.ssd_size is not None else None
     # Every value is checked before anything is created or locked.
@@ -144,7 +146,8 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
     previous = lock.acquire(f"{directory} (node {name!r})")
     if short:
         logger.warning("%s", short)
-    ssd_scan.check_directory(directory, args.ssd_check)
+    logger.info("SSD check %s (from %s)", check, check_source)
+    ssd_scan.check_directory(directory, check)
     return NodeSsd(tier, lock, previous)
 
 

@@ -8,20 +8,31 @@ from the master comes back too, since ``remove`` leaves the file (measured,
 0.3.13.post1: a removed key's bucket stays, and the next start registers it).
 
 So the storage node (and a serving rank's own tier) checks the directory
-first and deletes the objects that could only ever be misses or wrong bytes:
+first and deletes the objects that could only ever be misses:
 
-* ``size``: a bucket whose file is not as long as its ``.meta`` says (torn);
-* ``full`` (the default) also reads every object: one that carries a seal
+* ``size`` (the default) reads metadata only: each ``.meta`` and the length
+  of its bucket. A bucket shorter than its ``.meta`` says (torn), a ``.meta``
+  without its bucket, and a bucket without its ``.meta`` (an offload cut
+  between the two writes: no start can find it) are deleted. Its cost grows
+  with the number of objects, not their bytes.
+* ``full`` also reads every object: one that carries a seal
   (``store/seal.py``) and does not match it is deleted. Objects without a
   seal (``span_object_checksums`` off, small records) cannot be checked and
-  are kept. This reads the whole directory once per start.
+  are kept. This reads the whole directory once per start, so a terabyte
+  tier takes hours before the node serves: opt-in.
+
+A rotted object the ``size`` check keeps is still never served as bytes:
+every sealed read verifies its seal, and a mismatch reads as a miss and is
+removed from the master (``store/integrity.py``); its file goes at the next
+``full`` check. Seals are on wherever a namespace has an SSD tier
+(``store/ssd_marker.py``).
 
 Mooncake's layout, as the 0.3.13.post1 wheel writes it (one key per bucket,
 ``SsdTier``): ``<id>.bucket`` holds, per object, its key (``tenant`` NUL
 ``key``) then its bytes; ``<id>.meta`` is a protobuf message: field 1 the
 bucket's data bytes, then per object field 2 its key and field 3 a message
 (1: offset, 2: key bytes, 3: data bytes). A ``.meta`` this module cannot read
-is left to Mooncake, which drops unparsable and orphan pairs itself.
+is left to Mooncake, which drops unparsable pairs itself.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from mooncake_span.errors import ConfigError
@@ -39,7 +50,10 @@ from mooncake_span.store.domains import COPY_SEPARATOR
 
 logger = logging.getLogger(__name__)
 
-CHECK_MODES = ("full", "size", "off")
+CHECK_MODES = ("size", "full", "off")
+DEFAULT_CHECK = "size"
+# A serving rank's check (and a storage node's without --ssd-check).
+CHECK_ENV = "MOONCAKE_SPAN_SSD_CHECK"
 
 
 @dataclass
@@ -50,11 +64,26 @@ class ScanReport:
     torn: list[str] = field(default_factory=list)  # object keys
     corrupt: list[str] = field(default_factory=list)
     unreadable_meta: int = 0
+    orphan_buckets: int = 0  # bucket files without a .meta, deleted
     seconds: float = 0.0
 
     @property
     def removed(self) -> int:
         return len(self.torn) + len(self.corrupt)
+
+
+def resolve_check(flag: str | None, environ: Mapping[str, str]) -> tuple[str, str]:
+    """(the check mode, where it came from): the flag, else ``MOONCAKE_SPAN_SSD_CHECK``,
+    else ``size``; ConfigError names a bad value and its source."""
+    if flag is not None:
+        mode, source = flag, "--ssd-check"
+    elif environ.get(CHECK_ENV):
+        mode, source = environ[CHECK_ENV], CHECK_ENV
+    else:
+        mode, source = DEFAULT_CHECK, "the default"
+    if mode not in CHECK_MODES:
+        raise ConfigError(f"{source}: the SSD check must be one of {CHECK_MODES}, got {mode!r}")
+    return mode, source
 
 
 @dataclass(frozen=True)
@@ -152,9 +181,9 @@ def _check_bucket(path: str, entries: list[_Entry], report: ScanReport) -> list[
     return bad
 
 
-def check_directory(directory: str, mode: str = "full") -> ScanReport:
-    """Delete the torn (and, with ``full``, corrupt) objects of an SSD directory
-    before Mooncake scans it; returns what was found."""
+def check_directory(directory: str, mode: str = DEFAULT_CHECK) -> ScanReport:
+    """Delete the torn and orphaned (and, with ``full``, corrupt) objects of an SSD
+    directory before Mooncake scans it; returns what was found."""
     if mode not in CHECK_MODES:
         raise ConfigError(f"the SSD check must be one of {CHECK_MODES}, got {mode!r}")
     report = ScanReport()
@@ -166,7 +195,12 @@ def check_directory(directory: str, mode: str = "full") -> ScanReport:
             "xxhash, or check sizes only (--ssd-check size, MOONCAKE_SPAN_SSD_CHECK=size)"
         )
     started = time.monotonic()
-    for name in sorted(os.listdir(directory)):
+    names = set(os.listdir(directory))
+    for name in sorted(names):
+        if name.endswith(".bucket") and name[: -len(".bucket")] + ".meta" not in names:
+            report.orphan_buckets += 1
+            _delete(os.path.join(directory, name))
+            continue
         if not name.endswith(".meta"):
             continue
         meta_path = os.path.join(directory, name)
@@ -174,11 +208,14 @@ def check_directory(directory: str, mode: str = "full") -> ScanReport:
         try:
             with open(meta_path, "rb") as file:
                 total, entries = parse_meta(file.read())
-            size = os.path.getsize(bucket_path)
         except (OSError, ValueError):
             report.unreadable_meta += 1
             continue
         report.buckets += 1
+        try:
+            size = os.path.getsize(bucket_path)
+        except FileNotFoundError:
+            size = -1  # its bucket is gone: nothing behind the key
         ends = max(e.offset + e.key_bytes + e.data_bytes for e in entries)
         if size < total or size < ends:
             report.torn += [_object_key(e.key) for e in entries]
@@ -204,14 +241,16 @@ def _delete(*paths: str) -> None:
 
 
 def _log(directory: str, mode: str, report: ScanReport) -> None:
-    if report.removed:
+    if report.removed or report.orphan_buckets:
         logger.warning(
-            "SSD check (%s) of %s: deleted %d torn and %d corrupt object(s) before "
-            "registering it (e.g. %s); they would only ever read as misses",
+            "SSD check (%s) of %s: deleted %d torn and %d corrupt object(s) and %d bucket(s) "
+            "without a .meta before registering it (e.g. %s); they would only ever read as "
+            "misses",
             mode,
             directory,
             len(report.torn),
             len(report.corrupt),
+            report.orphan_buckets,
             (report.torn + report.corrupt)[:3],
         )
     logger.info(
