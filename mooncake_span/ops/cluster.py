@@ -279,10 +279,8 @@ class LocalCluster:
             global_segment_size_bytes,
             admin_url,
         )
-        if self.spec.ssd_dir is not None:
-            # Objects on disk outlive the master's CRCs: each carries its own
-            # (store/seal.py; the SSD default, docs/reliability.md).
-            config["span_object_checksums"] = True
+        # No span_object_checksums: with an SSD tier clients seal by default
+        # (store/ssd_marker.py).
         return config
 
     def client_env(self) -> dict[str, str]:

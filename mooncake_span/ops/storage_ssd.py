@@ -20,7 +20,8 @@ from typing import Any
 
 from mooncake_span.errors import ConfigError
 from mooncake_span.mooncake_settings import MooncakeSettings
-from mooncake_span.store import ssd_scan, ssd_tier
+from mooncake_span.store import ssd_marker, ssd_scan, ssd_tier
+from mooncake_span.store.native import replicate_config
 from mooncake_span.store.segments import fetch_segments
 from mooncake_span.units import parse_size_bytes
 
@@ -169,3 +170,17 @@ def wait_after_crash(node: NodeSsd, args: argparse.Namespace, settings: Mooncake
     )
     waited_s = ssd_tier.wait_for_owner_expiry(node.previous, args.client_ttl_s, lister)
     logger.info("waited %.1f s for the master to drop the crashed node", waited_s)
+
+
+def publish_marker(store: Any) -> None:
+    """Tell the cluster's clients it has an SSD tier (``store/ssd_marker.py``): a
+    hard-pinned marker on this node's own segment, so it lives as long as the node.
+
+    Raises:
+        ConfigError: the master refused it.
+    """
+    from mooncake.store import ReplicateConfig
+
+    segment = store.get_hostname()
+    config = replicate_config(ReplicateConfig, 1, None, True, segment)
+    ssd_marker.publish(lambda key, data: store.put(key, data, config), segment)
