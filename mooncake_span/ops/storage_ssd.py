@@ -140,15 +140,27 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
             else ssd_tier.DEFAULT_READ_BUFFER_BYTES
         ),
     )
-    usable = ssd_tier.usable_bytes(root, ssd_tier.held_bytes(tier.directory))
-    short = ssd_tier.check_room(usable, tier.cap_bytes, tier.largest_object_bytes, root)
+    # What the tier already holds counts as room. Summing it is a stat per file
+    # (minutes at a million objects), so it is done before anything changes only
+    # where free space alone cannot hold one object; else the check counts it.
+    held = None
+    if ssd_tier.usable_bytes(root) < tier.largest_object_bytes:
+        held = ssd_tier.held_bytes(tier.directory)
+        ssd_tier.check_room(
+            ssd_tier.usable_bytes(root, held), tier.cap_bytes, tier.largest_object_bytes, root
+        )
     directory = ssd_tier.process_dir(root, name, found[1])
     lock = ssd_tier.DirLock(root, name)
     previous = lock.acquire(f"{directory} (node {name!r})")
+    logger.info("SSD check %s (from %s)", check, check_source)
+    report = ssd_scan.check_directory(directory, check)
+    if held is None:
+        held = report.kept_bytes if check != "off" else ssd_tier.held_bytes(directory)
+    short = ssd_tier.check_room(
+        ssd_tier.usable_bytes(root, held), tier.cap_bytes, tier.largest_object_bytes, root
+    )
     if short:
         logger.warning("%s", short)
-    logger.info("SSD check %s (from %s)", check, check_source)
-    ssd_scan.check_directory(directory, check)
     return NodeSsd(tier, lock, previous)
 
 

@@ -70,6 +70,8 @@ class ScanReport:
     corrupt: list[str] = field(default_factory=list)
     unreadable_meta: int = 0
     orphan_buckets: int = 0  # bucket files without a .meta, deleted
+    # Bytes of the object files kept (what the tier holds, without a walk of its own).
+    kept_bytes: int = 0
     seconds: float = 0.0
 
     @property
@@ -196,26 +198,60 @@ class _Verdict:
     corrupt: list[str] = field(default_factory=list)
     checked: int = 0
     unsealed: int = 0
+    kept_bytes: int = 0
+
+
+_META_TOTAL_TAG = 0x08  # field 1, a varint: the bucket's data bytes, first in every .meta
+
+
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = [os.read(fd, 1 << 16)]
+        while len(chunks[-1]) == 1 << 16:
+            chunks.append(os.read(fd, 1 << 16))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _bucket_bytes(bucket_path: str) -> int:
+    try:
+        return os.stat(bucket_path).st_size
+    except FileNotFoundError:
+        return -1  # its bucket is gone: nothing behind the key
 
 
 def _inspect(meta_path: str, mode: str) -> _Verdict:
+    """What one ``.meta`` and its bucket hold. The size check's common case reads
+    only the bucket's length from the ``.meta`` (its first field) and one
+    ``stat``: at a million objects the start-up cost is this per object."""
     bucket_path = meta_path[: -len(".meta")] + ".bucket"
     try:
-        with open(meta_path, "rb") as file:
-            total, entries = parse_meta(file.read())
-    except (OSError, ValueError):
+        data = _read(meta_path)
+    except OSError:
         return _Verdict(readable=False)
+    if mode != "full" and data[:1] == bytes([_META_TOTAL_TAG]):
+        try:
+            size = _bucket_bytes(bucket_path)
+            if size >= _varint(data, 1)[0]:
+                return _Verdict(readable=True, kept_bytes=size + len(data))
+        except ValueError:
+            pass  # the full parse below says what it is
     try:
-        size = os.path.getsize(bucket_path)
-    except FileNotFoundError:
-        size = -1  # its bucket is gone: nothing behind the key
+        total, entries = parse_meta(data)
+    except ValueError:
+        return _Verdict(readable=False)
+    size = _bucket_bytes(bucket_path)
     ends = max(e.offset + e.key_bytes + e.data_bytes for e in entries)
     if size < total or size < ends:
         return _Verdict(readable=True, torn=[_object_key(e.key) for e in entries])
+    kept_bytes = size + len(data)
     if mode != "full":
-        return _Verdict(readable=True)
+        return _Verdict(readable=True, kept_bytes=kept_bytes)
     bad, checked, unsealed = _check_bucket(bucket_path, entries)
-    return _Verdict(readable=True, corrupt=bad, checked=checked, unsealed=unsealed)
+    kept_bytes = 0 if bad else kept_bytes
+    return _Verdict(True, [], bad, checked, unsealed, kept_bytes)
 
 
 def check_directory(directory: str, mode: str = DEFAULT_CHECK) -> ScanReport:
@@ -264,6 +300,7 @@ def _apply(meta_path: str, verdict: _Verdict, report: ScanReport) -> None:
     report.unsealed_objects += verdict.unsealed
     report.torn += verdict.torn
     report.corrupt += verdict.corrupt
+    report.kept_bytes += verdict.kept_bytes
     if verdict.torn or verdict.corrupt:
         # One key per bucket (SsdTier): the whole pair goes.
         _delete(meta_path[: -len(".meta")] + ".bucket", meta_path)

@@ -119,6 +119,8 @@ def test_size_mode_deletes_orphans_and_reads_no_object_bytes(tmp_path, monkeypat
     report = ssd_scan.check_directory(str(tmp_path))
     assert report.torn == ["no-bucket"] and report.orphan_buckets == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1.bucket", "1.meta"]
+    # What the tier holds, counted by the check (no walk of its own at start).
+    assert report.kept_bytes == sum(p.stat().st_size for p in tmp_path.iterdir())
 
 
 def test_the_check_mode_is_the_flag_then_the_environment_then_size():
