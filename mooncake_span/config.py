@@ -209,8 +209,10 @@ class SpanOptions:
     # A checksum stored with each object's bytes (store/seal.py): written at put,
     # checked on every read whatever the tier, also after a restart, which
     # Mooncake's CRC is not. Changes the object format: every node of a
-    # namespace must agree (the layout guard refuses a mix).
-    object_checksums: bool = False
+    # namespace must agree (the layout guard refuses a mix). None (not given):
+    # on where the cluster has an SSD tier, decided when the client connects
+    # (store/ssd_marker.py); False there is refused.
+    object_checksums: bool | None = None
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

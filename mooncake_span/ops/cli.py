@@ -33,6 +33,7 @@ from mooncake_span.ops.cluster_spec import (
     SSD_EVICTION_RATIO,
     SSD_LEASE_TTL_MS,
 )
+from mooncake_span.store.ssd_scan import CHECK_MODES
 from mooncake_span.units import parse_size_bytes
 
 if TYPE_CHECKING:
@@ -138,6 +139,14 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
         help="RAM each node stages SSD reads in (default: 256mb)",
     )
     up.add_argument(
+        "--ssd-check",
+        choices=CHECK_MODES,
+        default=None,
+        help="each node's check of its SSD directory at start: size (metadata only: torn and "
+        "orphaned files), full (also reads every sealed object; the whole tier, per start) or "
+        "off (default: $MOONCAKE_SPAN_SSD_CHECK as the nodes inherit it, else size)",
+    )
+    up.add_argument(
         "--lease-ttl-ms",
         type=_positive_int_arg,
         default=None,
@@ -222,6 +231,7 @@ def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         ssd_dir=args.ssd_dir,
         ssd_size_bytes=args.ssd_size,
         ssd_read_buffer_bytes=args.ssd_read_buffer,
+        ssd_check=args.ssd_check,
         log_dir=args.log_dir,
         start_timeout_s=args.start_timeout_s,
     )

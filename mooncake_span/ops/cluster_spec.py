@@ -13,6 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from mooncake_span.mooncake_settings import validate_master_address, validate_metadata_server
+from mooncake_span.store.ssd_scan import CHECK_MODES
 from mooncake_span.units import parse_size_bytes
 
 __all__ = [
@@ -84,6 +85,9 @@ class ClusterSpec:
     ssd_dir: str | Path | None = None
     ssd_size_bytes: int | None = None
     ssd_read_buffer_bytes: int | None = None
+    # Each node's check of its directory at start (store/ssd_scan.py); None:
+    # the node's own default (MOONCAKE_SPAN_SSD_CHECK, else size).
+    ssd_check: str | None = None
     log_dir: str | Path | None = None
     # Added to the environment of every child and to client_env().
     env_overrides: Mapping[str, str] = field(default_factory=dict, hash=False)
@@ -157,8 +161,12 @@ class ClusterSpec:
 
     def _check_ssd(self) -> None:
         sizes = ("ssd_size_bytes", "ssd_read_buffer_bytes")
+        if self.ssd_check is not None and self.ssd_check not in CHECK_MODES:
+            raise ValueError(
+                f"ClusterSpec.ssd_check must be one of {CHECK_MODES}, got {self.ssd_check!r}"
+            )
         if self.ssd_dir is None:
-            given = [name for name in sizes if getattr(self, name) is not None]
+            given = [name for name in (*sizes, "ssd_check") if getattr(self, name) is not None]
             if given:
                 raise ValueError(f"ClusterSpec.{given[0]} needs ssd_dir (--ssd-dir)")
             return

@@ -247,9 +247,12 @@ class NodeSsdArgs:
     read_buffer_bytes: int | None = None
     admin_url: str | None = None
     client_ttl_s: int | None = None
+    check: str | None = None  # None: the node's default (its MOONCAKE_SPAN_SSD_CHECK)
 
     def argv(self) -> list[str]:
         argv = [f"--ssd-dir={self.root}", f"--node-name={self.node_name}"]
+        if self.check is not None:
+            argv.append(f"--ssd-check={self.check}")
         if self.cap_bytes is not None:
             argv.append(f"--ssd-size={self.cap_bytes}")
         if self.read_buffer_bytes is not None:

@@ -38,6 +38,7 @@ from mooncake_span.ops.storage_ssd import (
     NodeSsd,
     add_ssd_arguments,
     prepare_node_ssd,
+    publish_marker,
     wait_after_crash,
 )
 from mooncake_span.store.native import setup_arguments
@@ -189,6 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if ssd is not None:
         ssd.lock.update(state="running", segment=store.get_hostname())
+        try:
+            publish_marker(store)
+        except ConfigError as exc:
+            logger.error("%s", exc)
+            _stop(store, ssd)
+            return 1
     print(_ready_line(store, settings, setup_s, ssd), flush=True)
     received = signal.sigwait(_STOP_SIGNALS)
     logger.info("got %s, closing the store", signal.Signals(received).name)

@@ -20,7 +20,8 @@ from typing import Any
 
 from mooncake_span.errors import ConfigError
 from mooncake_span.mooncake_settings import MooncakeSettings
-from mooncake_span.store import ssd_scan, ssd_tier
+from mooncake_span.store import ssd_marker, ssd_scan, ssd_tier
+from mooncake_span.store.native import replicate_config
 from mooncake_span.store.segments import fetch_segments
 from mooncake_span.units import parse_size_bytes
 
@@ -54,11 +55,12 @@ def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--ssd-check",
-        default="full",
+        default=None,
         choices=ssd_scan.CHECK_MODES,
         help="before registering the directory, delete objects that could only read as "
-        "misses: torn files (size) and, with full, sealed objects whose checksum fails "
-        "(reads the whole directory; default: %(default)s)",
+        "misses: size reads metadata only (torn and orphaned files); full also reads every "
+        "sealed object and deletes those whose checksum fails (the whole directory, per "
+        f"start); off trusts it (default: ${ssd_scan.CHECK_ENV}, else {ssd_scan.DEFAULT_CHECK})",
     )
     parser.add_argument(
         "--node-name",
@@ -124,6 +126,7 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
     if found is None:
         return None
     root = ssd_tier.check_root(*found)
+    check, check_source = ssd_scan.resolve_check(args.ssd_check, os.environ)
     name = args.node_name or socket.gethostname()
     cap = _size(args.ssd_size, "--ssd-size") if args.ssd_size is not None else None
     # Every value is checked before anything is created or locked.
@@ -137,14 +140,27 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
             else ssd_tier.DEFAULT_READ_BUFFER_BYTES
         ),
     )
-    usable = ssd_tier.usable_bytes(root, ssd_tier.held_bytes(tier.directory))
-    short = ssd_tier.check_room(usable, tier.cap_bytes, tier.largest_object_bytes, root)
+    # What the tier already holds counts as room. Summing it is a stat per file
+    # (minutes at a million objects), so it is done before anything changes only
+    # where free space alone cannot hold one object; else the check counts it.
+    held = None
+    if ssd_tier.usable_bytes(root) < tier.largest_object_bytes:
+        held = ssd_tier.held_bytes(tier.directory)
+        ssd_tier.check_room(
+            ssd_tier.usable_bytes(root, held), tier.cap_bytes, tier.largest_object_bytes, root
+        )
     directory = ssd_tier.process_dir(root, name, found[1])
     lock = ssd_tier.DirLock(root, name)
     previous = lock.acquire(f"{directory} (node {name!r})")
+    logger.info("SSD check %s (from %s)", check, check_source)
+    report = ssd_scan.check_directory(directory, check)
+    if held is None:
+        held = report.kept_bytes if check != "off" else ssd_tier.held_bytes(directory)
+    short = ssd_tier.check_room(
+        ssd_tier.usable_bytes(root, held), tier.cap_bytes, tier.largest_object_bytes, root
+    )
     if short:
         logger.warning("%s", short)
-    ssd_scan.check_directory(directory, args.ssd_check)
     return NodeSsd(tier, lock, previous)
 
 
@@ -166,3 +182,17 @@ def wait_after_crash(node: NodeSsd, args: argparse.Namespace, settings: Mooncake
     )
     waited_s = ssd_tier.wait_for_owner_expiry(node.previous, args.client_ttl_s, lister)
     logger.info("waited %.1f s for the master to drop the crashed node", waited_s)
+
+
+def publish_marker(store: Any) -> None:
+    """Tell the cluster's clients it has an SSD tier (``store/ssd_marker.py``): a
+    hard-pinned marker on this node's own segment, so it lives as long as the node.
+
+    Raises:
+        ConfigError: the master refused it.
+    """
+    from mooncake.store import ReplicateConfig
+
+    segment = store.get_hostname()
+    config = replicate_config(ReplicateConfig, 1, None, True, segment)
+    ssd_marker.publish(lambda key, data: store.put(key, data, config), segment)

@@ -113,6 +113,8 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.mem_pool_host = None
         self.client = MooncakeClient(self.settings, self.options, binding, shared_transfer_engine())
         self.client.connect()
+        # Whether objects are sealed is decided at connect (the cluster's SSD tier).
+        self.options = self.client.options
         metrics_on = getattr(storage_config, "enable_storage_metrics", False)
         self.recorder = CallRecorder(self.client, METRIC_WINDOW if metrics_on else UNPOLLED_WINDOW)
         arena = StagingArena(

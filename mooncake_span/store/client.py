@@ -49,6 +49,7 @@ from mooncake_span.errors import (
 )
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch
+from mooncake_span.store import ssd_marker
 from mooncake_span.store.client_stats import ClientStats
 from mooncake_span.store.domain_calls import DomainCalls, Puts
 from mooncake_span.store.failure_ledger import FailureLedger
@@ -164,6 +165,11 @@ class MooncakeClient:
         if self._ssd.owns_directory:
             self._ssd.running(segment=store.get_hostname())
         self._gate.open(store)
+        try:
+            self._choose_seals(store)
+        except BaseException:
+            self.close()
+            raise
         if self.options.object_checksums:
             self._seal = TrailerArena(self.register_buffer, float(self.options.transfer_timeout_s))
         if self.options.placement:
@@ -181,6 +187,33 @@ class MooncakeClient:
             s.global_segment_size_bytes,
             time.monotonic() - started,
         )
+
+    def _choose_seals(self, store: Any) -> None:
+        """Whether this client seals its objects (``store/ssd_marker.py``): given, or on
+        wherever the cluster keeps objects on an SSD. ``options`` carry the answer
+        from here on (the layout guard publishes it). A rank with its own tier
+        stores the cluster's marker first."""
+        if self._ssd.owns_directory:
+            segment = store.get_hostname()
+            config = self._replicate_config(None, True, segment)
+            ssd_marker.publish(
+                lambda key, data: self._gate.invoke_one("put", lambda s: s.put(key, data, config)),
+                segment,
+            )
+        sealed, why = ssd_marker.resolve_object_checksums(
+            self.options.object_checksums,
+            self._ssd.owns_directory,
+            lambda: (
+                self._gate.invoke(
+                    "batch_is_exist", lambda s: s.batch_is_exist([ssd_marker.MARKER_KEY]), 1
+                )[0]
+                > 0
+            ),
+            self.options.layout_guard,
+        )
+        sources = {**self.options.sources, "object_checksums": why}
+        self.options = dataclasses.replace(self.options, object_checksums=sealed, sources=sources)
+        logger.info("mooncake-span: object seals %s (%s)", "on" if sealed else "off", why)
 
     def segments(self) -> tuple[str, ...]:
         """The live segments placement chooses from (empty: Mooncake places objects)."""

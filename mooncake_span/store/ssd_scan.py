@@ -8,29 +8,42 @@ from the master comes back too, since ``remove`` leaves the file (measured,
 0.3.13.post1: a removed key's bucket stays, and the next start registers it).
 
 So the storage node (and a serving rank's own tier) checks the directory
-first and deletes the objects that could only ever be misses or wrong bytes:
+first and deletes the objects that could only ever be misses:
 
-* ``size``: a bucket whose file is not as long as its ``.meta`` says (torn);
-* ``full`` (the default) also reads every object: one that carries a seal
+* ``size`` (the default) reads metadata only: each ``.meta`` and the length
+  of its bucket. A bucket shorter than its ``.meta`` says (torn), a ``.meta``
+  without its bucket, and a bucket without its ``.meta`` (an offload cut
+  between the two writes: no start can find it) are deleted. Its cost grows
+  with the number of objects, not their bytes.
+* ``full`` also reads every object: one that carries a seal
   (``store/seal.py``) and does not match it is deleted. Objects without a
   seal (``span_object_checksums`` off, small records) cannot be checked and
-  are kept. This reads the whole directory once per start.
+  are kept. This reads the whole directory once per start, so a terabyte
+  tier takes hours before the node serves: opt-in.
+
+A rotted object the ``size`` check keeps is still never served as bytes:
+every sealed read verifies its seal, and a mismatch reads as a miss and is
+removed from the master (``store/integrity.py``); its file goes at the next
+``full`` check. Seals are on wherever a namespace has an SSD tier
+(``store/ssd_marker.py``).
 
 Mooncake's layout, as the 0.3.13.post1 wheel writes it (one key per bucket,
 ``SsdTier``): ``<id>.bucket`` holds, per object, its key (``tenant`` NUL
 ``key``) then its bytes; ``<id>.meta`` is a protobuf message: field 1 the
 bucket's data bytes, then per object field 2 its key and field 3 a message
 (1: offset, 2: key bytes, 3: data bytes). A ``.meta`` this module cannot read
-is left to Mooncake, which drops unparsable and orphan pairs itself.
+is left to Mooncake, which drops unparsable pairs itself.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mooncake_span.errors import ConfigError
@@ -39,7 +52,13 @@ from mooncake_span.store.domains import COPY_SEPARATOR
 
 logger = logging.getLogger(__name__)
 
-CHECK_MODES = ("full", "size", "off")
+CHECK_MODES = ("size", "full", "off")
+DEFAULT_CHECK = "size"
+# A serving rank's check (and a storage node's without --ssd-check).
+CHECK_ENV = "MOONCAKE_SPAN_SSD_CHECK"
+# Threads reading the directory's files at once (a bounded queue depth).
+READERS = 16
+_CHUNK_METAS = 4096  # metas handed to the readers at a time, bounding what is queued
 
 
 @dataclass
@@ -50,11 +69,28 @@ class ScanReport:
     torn: list[str] = field(default_factory=list)  # object keys
     corrupt: list[str] = field(default_factory=list)
     unreadable_meta: int = 0
+    orphan_buckets: int = 0  # bucket files without a .meta, deleted
+    # Bytes of the object files kept (what the tier holds, without a walk of its own).
+    kept_bytes: int = 0
     seconds: float = 0.0
 
     @property
     def removed(self) -> int:
         return len(self.torn) + len(self.corrupt)
+
+
+def resolve_check(flag: str | None, environ: Mapping[str, str]) -> tuple[str, str]:
+    """(the check mode, where it came from): the flag, else ``MOONCAKE_SPAN_SSD_CHECK``,
+    else ``size``; ConfigError names a bad value and its source."""
+    if flag is not None:
+        mode, source = flag, "--ssd-check"
+    elif environ.get(CHECK_ENV):
+        mode, source = environ[CHECK_ENV], CHECK_ENV
+    else:
+        mode, source = DEFAULT_CHECK, "the default"
+    if mode not in CHECK_MODES:
+        raise ConfigError(f"{source}: the SSD check must be one of {CHECK_MODES}, got {mode!r}")
+    return mode, source
 
 
 @dataclass(frozen=True)
@@ -132,9 +168,10 @@ def _sealed_ok(key: str, stored: memoryview) -> bool | None:
     return verdict
 
 
-def _check_bucket(path: str, entries: list[_Entry], report: ScanReport) -> list[str]:
-    """Object keys of ``path`` whose bytes fail their seal."""
-    bad = []
+def _check_bucket(path: str, entries: list[_Entry]) -> tuple[list[str], int, int]:
+    """(object keys of ``path`` whose bytes fail their seal, objects that matched,
+    objects without a seal)."""
+    bad, checked, unsealed = [], 0, 0
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)
         try:
@@ -142,19 +179,87 @@ def _check_bucket(path: str, entries: list[_Entry], report: ScanReport) -> list[
                 start = entry.offset + entry.key_bytes
                 verdict = _sealed_ok(_object_key(entry.key), view[start : start + entry.data_bytes])
                 if verdict is None:
-                    report.unsealed_objects += 1
+                    unsealed += 1
                 elif verdict:
-                    report.checked_objects += 1
+                    checked += 1
                 else:
                     bad.append(_object_key(entry.key))
         finally:
             view.release()
-    return bad
+    return bad, checked, unsealed
 
 
-def check_directory(directory: str, mode: str = "full") -> ScanReport:
-    """Delete the torn (and, with ``full``, corrupt) objects of an SSD directory
-    before Mooncake scans it; returns what was found."""
+@dataclass(frozen=True)
+class _Verdict:
+    """What one ``.meta`` and its bucket hold, read by a worker; deleted by the caller."""
+
+    readable: bool
+    torn: list[str] = field(default_factory=list)
+    corrupt: list[str] = field(default_factory=list)
+    checked: int = 0
+    unsealed: int = 0
+    kept_bytes: int = 0
+
+
+_META_TOTAL_TAG = 0x08  # field 1, a varint: the bucket's data bytes, first in every .meta
+
+
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = [os.read(fd, 1 << 16)]
+        while len(chunks[-1]) == 1 << 16:
+            chunks.append(os.read(fd, 1 << 16))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _bucket_bytes(bucket_path: str) -> int:
+    try:
+        return os.stat(bucket_path).st_size
+    except FileNotFoundError:
+        return -1  # its bucket is gone: nothing behind the key
+
+
+def _inspect(meta_path: str, mode: str) -> _Verdict:
+    """What one ``.meta`` and its bucket hold. The size check's common case reads
+    only the bucket's length from the ``.meta`` (its first field) and one
+    ``stat``: at a million objects the start-up cost is this per object."""
+    bucket_path = meta_path[: -len(".meta")] + ".bucket"
+    try:
+        data = _read(meta_path)
+    except OSError:
+        return _Verdict(readable=False)
+    if mode != "full" and data[:1] == bytes([_META_TOTAL_TAG]):
+        try:
+            size = _bucket_bytes(bucket_path)
+            if size >= _varint(data, 1)[0]:
+                return _Verdict(readable=True, kept_bytes=size + len(data))
+        except ValueError:
+            pass  # the full parse below says what it is
+    try:
+        total, entries = parse_meta(data)
+    except ValueError:
+        return _Verdict(readable=False)
+    size = _bucket_bytes(bucket_path)
+    ends = max(e.offset + e.key_bytes + e.data_bytes for e in entries)
+    if size < total or size < ends:
+        return _Verdict(readable=True, torn=[_object_key(e.key) for e in entries])
+    kept_bytes = size + len(data)
+    if mode != "full":
+        return _Verdict(readable=True, kept_bytes=kept_bytes)
+    bad, checked, unsealed = _check_bucket(bucket_path, entries)
+    kept_bytes = 0 if bad else kept_bytes
+    return _Verdict(True, [], bad, checked, unsealed, kept_bytes)
+
+
+def check_directory(directory: str, mode: str = DEFAULT_CHECK) -> ScanReport:
+    """Delete the torn and orphaned (and, with ``full``, corrupt) objects of an SSD
+    directory before Mooncake scans it; returns what was found.
+
+    Files are read by ``READERS`` threads: on a cold page cache each small
+    file costs a disk round trip, and a device answers many at once."""
     if mode not in CHECK_MODES:
         raise ConfigError(f"the SSD check must be one of {CHECK_MODES}, got {mode!r}")
     report = ScanReport()
@@ -166,33 +271,39 @@ def check_directory(directory: str, mode: str = "full") -> ScanReport:
             "xxhash, or check sizes only (--ssd-check size, MOONCAKE_SPAN_SSD_CHECK=size)"
         )
     started = time.monotonic()
-    for name in sorted(os.listdir(directory)):
-        if not name.endswith(".meta"):
-            continue
-        meta_path = os.path.join(directory, name)
-        bucket_path = meta_path[: -len(".meta")] + ".bucket"
-        try:
-            with open(meta_path, "rb") as file:
-                total, entries = parse_meta(file.read())
-            size = os.path.getsize(bucket_path)
-        except (OSError, ValueError):
-            report.unreadable_meta += 1
-            continue
-        report.buckets += 1
-        ends = max(e.offset + e.key_bytes + e.data_bytes for e in entries)
-        if size < total or size < ends:
-            report.torn += [_object_key(e.key) for e in entries]
-            _delete(bucket_path, meta_path)
-            continue
-        if mode == "full":
-            bad = _check_bucket(bucket_path, entries, report)
-            if bad:
-                # One key per bucket (SsdTier): the whole pair goes.
-                report.corrupt += bad
-                _delete(bucket_path, meta_path)
+    names = set(os.listdir(directory))
+    metas = []
+    for name in sorted(names):
+        if name.endswith(".bucket") and name[: -len(".bucket")] + ".meta" not in names:
+            report.orphan_buckets += 1
+            _delete(os.path.join(directory, name))
+        elif name.endswith(".meta"):
+            metas.append(os.path.join(directory, name))
+    with ThreadPoolExecutor(READERS, thread_name_prefix="ssd-check") as pool:
+        for at in range(0, len(metas), _CHUNK_METAS):
+            chunk = metas[at : at + _CHUNK_METAS]
+            for meta_path, verdict in zip(
+                chunk, pool.map(_inspect, chunk, itertools.repeat(mode)), strict=True
+            ):
+                _apply(meta_path, verdict, report)
     report.seconds = time.monotonic() - started
     _log(directory, mode, report)
     return report
+
+
+def _apply(meta_path: str, verdict: _Verdict, report: ScanReport) -> None:
+    if not verdict.readable:
+        report.unreadable_meta += 1
+        return
+    report.buckets += 1
+    report.checked_objects += verdict.checked
+    report.unsealed_objects += verdict.unsealed
+    report.torn += verdict.torn
+    report.corrupt += verdict.corrupt
+    report.kept_bytes += verdict.kept_bytes
+    if verdict.torn or verdict.corrupt:
+        # One key per bucket (SsdTier): the whole pair goes.
+        _delete(meta_path[: -len(".meta")] + ".bucket", meta_path)
 
 
 def _delete(*paths: str) -> None:
@@ -204,14 +315,16 @@ def _delete(*paths: str) -> None:
 
 
 def _log(directory: str, mode: str, report: ScanReport) -> None:
-    if report.removed:
+    if report.removed or report.orphan_buckets:
         logger.warning(
-            "SSD check (%s) of %s: deleted %d torn and %d corrupt object(s) before "
-            "registering it (e.g. %s); they would only ever read as misses",
+            "SSD check (%s) of %s: deleted %d torn and %d corrupt object(s) and %d bucket(s) "
+            "without a .meta before registering it (e.g. %s); they would only ever read as "
+            "misses",
             mode,
             directory,
             len(report.torn),
             len(report.corrupt),
+            report.orphan_buckets,
             (report.torn + report.corrupt)[:3],
         )
     logger.info(

@@ -63,9 +63,6 @@ CAP_ENV = "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"
 EVICTION_ENV = "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY"
 HEARTBEAT_ENV = "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS"
 READ_BUFFER_ENV = "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES"
-# A serving rank's check of its directory before setup (store/ssd_scan.py):
-# full, size or off; a storage node's is --ssd-check.
-CHECK_ENV = "MOONCAKE_SPAN_SSD_CHECK"
 # Mooncake's bucket defaults, for reading what an operator's environment leaves unset.
 _MOONCAKE_KEYS_PER_BUCKET = 500
 
@@ -395,10 +392,10 @@ def open_serving_tier(
     lock = DirLock(parent, name)
     previous = lock.acquire(tier.directory)
     # Imported here: the scan reads seals (xxhash), which only this path needs.
-    from mooncake_span.store.ssd_scan import check_directory
+    from mooncake_span.store.ssd_scan import check_directory, resolve_check
 
     try:
-        check_directory(tier.directory, environ.get(CHECK_ENV) or "full")
+        check_directory(tier.directory, resolve_check(None, environ)[0])
     except BaseException:
         lock.release()
         raise

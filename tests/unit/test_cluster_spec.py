@@ -259,3 +259,20 @@ def test_cluster_up_starts_masters_with_the_measured_eviction_flags():
     assert cluster_spec_from_args(given).master_lease_ttl_ms == 700
     args = build_parser().parse_args(["cluster", "up", "--eviction-ratio", "0.2"])
     assert args.eviction_ratio == 0.2
+
+
+def test_cluster_up_ssd_check_reaches_each_node_only_when_given():
+    from mooncake_span.ops.cli import build_parser, cluster_spec_from_args
+    from mooncake_span.ops.launcher import NodeSsdArgs
+
+    ssd = ["cluster", "up", "--ssd-dir", "/nvme/cache"]
+    assert cluster_spec_from_args(build_parser().parse_args(ssd)).ssd_check is None
+    spec = cluster_spec_from_args(build_parser().parse_args([*ssd, "--ssd-check", "full"]))
+    assert spec.ssd_check == "full"
+    # Not given: no flag, so the node reads MOONCAKE_SPAN_SSD_CHECK it inherits.
+    assert not any("ssd-check" in a for a in NodeSsdArgs(Path("/n"), "node0").argv())
+    assert "--ssd-check=full" in NodeSsdArgs(Path("/n"), "node0", check="full").argv()
+    with pytest.raises(ValueError, match="ssd_check must be one of"):
+        ClusterSpec(storage_nodes=1, ssd_dir="/n", ssd_check="quick")
+    with pytest.raises(ValueError, match="ssd_check needs ssd_dir"):
+        ClusterSpec(ssd_check="full")

@@ -26,8 +26,9 @@ PAGE_BYTES = 512
 PAGES_PER_KEY = 4
 
 
-def test_the_option_is_off_by_default_and_parsed_strictly():
-    assert load_span_options({}, {}).object_checksums is False
+def test_the_option_is_decided_at_connect_by_default_and_parsed_strictly():
+    # None: the client seals where the cluster has an SSD tier (store/ssd_marker.py).
+    assert load_span_options({}, {}).object_checksums is None
     assert load_span_options({"span_object_checksums": "true"}, {}).object_checksums is True
     env = {"MOONCAKE_SPAN_OBJECT_CHECKSUMS": "1"}
     assert load_span_options({}, env).object_checksums is True

@@ -244,6 +244,15 @@ BENCH_SECTIONS = {
         "run_ssd_command",
         ("quick", "json"),
     ),
+    "ssd-scale": BenchSection(
+        "only the SSD-scale section: a tier of 20 GB and a million objects filled in two "
+        "steps; offload rate, files per object, cold listing, and restart seconds per GB "
+        "for each --ssd-check mode with the page cache dropped (root; deletes the tier "
+        "after) (mooncake_span_tools.bench.ssd_scale)",
+        "mooncake_span_tools.bench.ssd_scale",
+        "run_ssd_scale_command",
+        ("quick", "json"),
+    ),
     "placement": BenchSection(
         "only the placement section: restorable prompt tokens after one of 2 or 4 storage "
         "nodes is SIGKILLed, bytes per node and put/get pages/s, per-key vs prefix-chain "
@@ -386,7 +395,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     # The native library reads its log level once, when it is loaded.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     for flag, section in BENCH_SECTIONS.items():
-        if getattr(args, flag):
+        if getattr(args, flag.replace("-", "_")):
             run = getattr(importlib.import_module(section.module), section.function)
             return run(*(getattr(args, name) for name in section.args))
     from mooncake_span_tools.bench.runner import (
