@@ -47,12 +47,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mooncake_span_tools.bench.shared_native import raw_client
 from mooncake_span.ops import launcher as L
 from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.ops.cluster_spec import ClusterSpec
 from mooncake_span.store import seal
 from mooncake_span.store.ssd_scan import CHECK_MODES
+from mooncake_span_tools.bench.shared_native import raw_client
 
 logger = logging.getLogger(__name__)
 
