@@ -52,6 +52,7 @@ FILL_VALUE_BYTES = 64
 # rejection", then -800 after 60 s); 2,000 did once on a loaded box.
 FILL_BATCH_OBJECTS = 1_000
 FILL_PUT_TRIES = 5
+FILL_LANES = 3
 MEMORY_WAIT_S, MEMORY_POLL_S = 900.0, 2.0
 # Mooncake's allocator holds at most max(segment / 1 KiB, 2**20) objects in a segment.
 ALLOCATOR_BYTES_PER_OBJECT = 1024
@@ -65,6 +66,7 @@ class ScaleConfig:
     hit_reps: int = 21
     get_reps: int = 9
     fill_batch_objects: int = FILL_BATCH_OBJECTS
+    fill_lanes: int = FILL_LANES
     # Stop filling below this much MemAvailable (the box is shared).
     min_available_bytes: int = 3 * _GiB
     # Kept after the run when set (the cluster's logs); else a temporary directory.
@@ -79,7 +81,7 @@ class ScaleConfig:
                 f"ScaleConfig.conversation_tokens={self.conversation_tokens}: must be a positive "
                 f"multiple of the {STORAGE_PAGE_TOKENS}-token storage page"
             )
-        for name in ("hit_reps", "get_reps", "fill_batch_objects"):
+        for name in ("hit_reps", "get_reps", "fill_batch_objects", "fill_lanes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ScaleConfig.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -135,19 +137,24 @@ def master_key_count(metrics_url: str) -> int:
 
 
 class Filler:
-    """One bare client putting small objects with the backend's object-key grammar."""
+    """Bare clients putting small objects with the backend's object-key grammar, each
+    in a thread of its own on its share of a step (``lanes``: on a loaded 2-core box
+    one client's thread is starved between its calls)."""
 
-    def __init__(self, client_config: dict[str, Any], batch_objects: int) -> None:
+    def __init__(self, client_config: dict[str, Any], batch_objects: int, lanes: int) -> None:
         from mooncake.store import ReplicateConfig
 
         from mooncake_span.bench.shared_native import raw_client
         from mooncake_span.span.keys import ComponentSpec, KeySchema, RankScope, RankTags
 
-        self.native = raw_client(client_config)
         self._value = ctypes.create_string_buffer(FILL_VALUE_BYTES)
         self._address = ctypes.addressof(self._value)
-        if self.native.register_buffer(self._address, FILL_VALUE_BYTES) != 0:
-            raise RuntimeError("the filler's value buffer did not register")
+        self.natives: list[Any] = []
+        for _ in range(lanes):
+            native = raw_client(client_config)
+            self.natives.append(native)
+            if native.register_buffer(self._address, FILL_VALUE_BYTES) != 0:
+                raise RuntimeError("the filler's value buffer did not register")
         self._config = ReplicateConfig()
         self._schema = KeySchema(
             "scale-fill", HOST_PAGE_TOKENS, PAGES_PER_KEY, "page_first", "bfloat16",
@@ -169,15 +176,35 @@ class Filler:
 
     def fill_to(self, target: int, memory_floor_bytes: int) -> bool:
         """Put objects until ``target`` are in; False if the box's available memory
-        fell below ``memory_floor_bytes`` first."""
-        while self.filled < target:
-            if not self._memory_back(memory_floor_bytes):
-                return False
-            n = min(self.batch_objects, target - self.filled)
-            keys = self._keys(self.filled, n)
+        stayed below ``memory_floor_bytes`` for ``MEMORY_WAIT_S`` first."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        total = target - self.filled
+        if total <= 0:
+            return True
+        lanes = len(self.natives)
+        bounds = [self.filled + total * i // lanes for i in range(lanes + 1)]
+        with ThreadPoolExecutor(lanes) as pool:
+            done = list(
+                pool.map(
+                    lambda i: self._fill_range(i, bounds[i], bounds[i + 1], memory_floor_bytes),
+                    range(lanes),
+                )
+            )
+        self.filled += sum(n for n, _ in done)
+        return all(whole for _, whole in done)
+
+    def _fill_range(self, lane: int, start: int, stop: int, floor_bytes: int) -> tuple[int, bool]:
+        """(objects put, whether all of them) for objects ``start``..``stop`` on one client."""
+        native, at = self.natives[lane], start
+        while at < stop:
+            if not self._memory_back(floor_bytes):
+                return at - start, False
+            n = min(self.batch_objects, stop - at)
+            keys = self._keys(at, n)
             for _ in range(FILL_PUT_TRIES):
-                codes = self.native.batch_put_from(
-                    keys, [self._address] * n, [FILL_VALUE_BYTES] * n, self._config
+                codes = native.batch_put_from(
+                    keys, [self._address] * len(keys), [FILL_VALUE_BYTES] * len(keys), self._config
                 )
                 failed = [(k, int(c)) for k, c in zip(keys, codes, strict=True) if c != 0]
                 if not failed:
@@ -187,15 +214,13 @@ class Filler:
                 # objects that failed are put again and the retries counted.
                 self.retried_objects += len(failed)
                 keys = [k for k, _ in failed]
-                n = len(keys)
             else:
                 codes = sorted({c for _, c in failed})
                 raise RuntimeError(
-                    f"the fill's put near object {self.filled} answered {codes} "
-                    f"{FILL_PUT_TRIES} times"
+                    f"the fill's put near object {at} answered {codes} {FILL_PUT_TRIES} times"
                 )
-            self.filled += min(self.batch_objects, target - self.filled)
-        return True
+            at += n
+        return at - start, True
 
     def _memory_back(self, floor_bytes: int) -> bool:
         """Wait up to ``MEMORY_WAIT_S`` for the box's available memory to be above
@@ -210,8 +235,9 @@ class Filler:
         return True
 
     def close(self) -> None:
-        self.native.unregister_buffer(self._address)
-        self.native.close()
+        for native in self.natives:
+            native.unregister_buffer(self._address)
+            native.close()
 
 
 # ---- the conversation -----------------------------------------------------------------
@@ -391,7 +417,7 @@ def run_fill(config: ScaleConfig, progress: bool = True, on_step: Any = None) ->
         client_config = dict(cluster.client_config(0))
         empty_rss = status_bytes(master_pid)
         conversation = Conversation.build(client_config, config, nonce)
-        filler = Filler(client_config, config.fill_batch_objects)
+        filler = Filler(client_config, config.fill_batch_objects, config.fill_lanes)
         key_bytes = filler.key_bytes()
         try:
             stored = conversation.backup()

@@ -9,7 +9,9 @@ objects it stored are the master's ``master_key_count`` after the backup minus
 before: exact. Contenders: this backend at K=4 and K=1, and sglang's
 ``MooncakeStore`` (one key per 64-token page). GLM's K=4 runs on the compressed
 indexer (index_kpool 4, its 256-token storage page); K=1 and sglang's store on
-index_kpool 1, as stock sglang runs a 64-token page.
+index_kpool 1, as stock sglang runs a 64-token page. The same tokens are then
+asked and read back as the controller does, and the master's data requests
+(its own counters) are counted for the backup and for the read.
 
 Master bytes per stored token = objects per token x the master's RSS per
 object measured by the fill (``scale.run_fill``), with the fill's key length
@@ -99,6 +101,52 @@ def backup(store: Any, model: str, k: int, tokens: int, root: str) -> int:
     return stored
 
 
+def read_back(store: Any, model: str, k: int, tokens: int, root: str) -> tuple[int, int]:
+    """The controller's hit query (per 128 keys, prefix keys growing) and restore of the
+    KV pool (and the indexer's pages, for GLM) into the same slots: (hit keys, restored keys)."""
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    from mooncake_span.testing import controller as sg
+
+    storage_tokens = HOST_PAGE_TOKENS * k
+    keys = sg.chained_keys(root, tokens // storage_tokens)
+    hit = restored = 0
+    for start in range(0, len(keys), CONTROLLER_BATCH_KEYS):
+        batch = keys[start : start + CONTROLLER_BATCH_KEYS]
+        extra = HiCacheStorageExtraInfo(prefix_keys=keys[:start])
+        if model == "mha":
+            found = store.batch_exists(batch, extra)
+        else:
+            found = store.batch_exists_v2(batch, sg.hit_query(), extra).kv_hit_pages
+        hit += found
+        if found < len(batch):
+            break
+    for start in range(0, hit, CONTROLLER_BATCH_KEYS):
+        batch = keys[start : min(hit, start + CONTROLLER_BATCH_KEYS)]
+        slots = torch.arange(start * storage_tokens, (start + len(batch)) * storage_tokens)
+        extra = HiCacheStorageExtraInfo(prefix_keys=keys[:start])
+        flags = store.batch_get_v1(batch, slots, extra)
+        if model != "mha":
+            side = store.batch_get_v2([sg.indexer(batch, slots, follows_kv=False)], extra)
+            flags = [a and b for a, b in zip(flags, next(iter(side.values())), strict=True)]
+        restored += sum(map(bool, flags))
+    return hit, restored
+
+
+def master_requests(metrics_url: str) -> int:
+    """The master's data requests so far (existence, puts, replica lists, removes)."""
+    from mooncake_span.bench.eviction import DATA_REQUESTS
+    from mooncake_span.ops import master_http
+
+    wanted = {f"master_{name}_requests_total" for name in DATA_REQUESTS}
+    return sum(
+        int(value)
+        for name, _, value in master_http.master_metrics(metrics_url, 10.0)
+        if name in wanted
+    )
+
+
 def _all_keys(metrics_url: str) -> set[str]:
     from mooncake_span.ops.master_http import iter_lines
 
@@ -121,13 +169,20 @@ def count_objects(model: str, tokens: int) -> dict[str, Any]:
             store = _backend(kind, model, k, pools, client_config)
             before_keys = _all_keys(c.metrics_url)
             before = master_key_count(c.metrics_url)
-            stored = backup(store, model, k, tokens, f"objects:{model}:{label}")
+            root = f"objects:{model}:{label}"
+            rpcs = [master_requests(c.metrics_url)]
+            stored = backup(store, model, k, tokens, root)
+            rpcs.append(master_requests(c.metrics_url))
             after = master_key_count(c.metrics_url)
+            hit, restored = read_back(store, model, k, tokens, root)
+            rpcs.append(master_requests(c.metrics_url))
             new = _all_keys(c.metrics_url) - before_keys
             store.close()
             keys = tokens // (HOST_PAGE_TOKENS * k)
-            if stored != keys:
-                raise RuntimeError(f"{model}/{label}: stored {stored} of {keys} keys")
+            if not stored == hit == restored == keys:
+                raise RuntimeError(
+                    f"{model}/{label}: of {keys} keys {stored} stored, {hit} hit, {restored} read"
+                )
             objects = after - before
             out[label] = {
                 "pages_per_key": k,
@@ -137,6 +192,10 @@ def count_objects(model: str, tokens: int) -> dict[str, Any]:
                 "objects_per_1000_tokens": round(1000 * objects / tokens, 3),
                 "objects_per_storage_key": round(objects / keys, 3),
                 "mean_object_key_bytes": round(sum(map(len, new)) / len(new), 1) if new else None,
+                # The master's data requests per 1,000 tokens: the backup, then the
+                # hit query and restore of the same tokens (KV, and GLM's indexer).
+                "backup_master_rpcs_per_1000_tokens": round(1000 * (rpcs[1] - rpcs[0]) / tokens, 3),
+                "read_master_rpcs_per_1000_tokens": round(1000 * (rpcs[2] - rpcs[1]) / tokens, 3),
             }
     return {"tokens": tokens, "backup_calls": calls, "contenders": out}
 
