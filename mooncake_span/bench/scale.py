@@ -402,7 +402,9 @@ def measure_step(conversation: Conversation, config: ScaleConfig) -> dict[str, A
 
 
 def run_fill(config: ScaleConfig, progress: bool = True, on_step: Any = None) -> dict[str, Any]:
-    """The fill, step by step; ``on_step(rows)`` after each (a partial record)."""
+    """The fill, step by step; ``on_step(record)`` after each step with the record so
+    far (the same shape as the result). A fill that fails after a step (the master
+    killed, a put refused) ends the run there, saying why in ``stopped_early``."""
     from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 
     nonce = str(time.time_ns())
@@ -418,19 +420,35 @@ def run_fill(config: ScaleConfig, progress: bool = True, on_step: Any = None) ->
         empty_rss = status_bytes(master_pid)
         conversation = Conversation.build(client_config, config, nonce)
         filler = Filler(client_config, config.fill_batch_objects, config.fill_lanes)
-        key_bytes = filler.key_bytes()
         try:
             stored = conversation.backup()
             if stored != len(conversation.keys):
                 raise RuntimeError(
                     f"the conversation stored {stored}/{len(conversation.keys)} keys"
                 )
-            base_keys = master_key_count(cluster.metrics_url)
-            base_rss = status_bytes(master_pid)
+            header = {
+                "config": asdict(config),
+                "segment_bytes": segment,
+                "fill_value_bytes": FILL_VALUE_BYTES,
+                "fill_key_bytes": filler.key_bytes(),
+                "conversation_keys": config.conversation_keys,
+                "conversation_tokens": config.conversation_tokens,
+                "master_rss_empty_bytes": empty_rss,
+                "master_rss_after_conversation_bytes": status_bytes(master_pid),
+                "master_keys_after_conversation": master_key_count(cluster.metrics_url),
+            }
             for i, target in enumerate(config.steps):
                 fill_started = time.perf_counter()
                 before = filler.filled
-                whole = filler.fill_to(target, config.min_available_bytes)
+                try:
+                    whole = filler.fill_to(target, config.min_available_bytes)
+                except RuntimeError as exc:
+                    if not steps:
+                        raise
+                    stopped_early = (
+                        f"the fill failed after {steps[-1]['master_keys']} objects: {exc}"
+                    )
+                    break
                 fill_s = time.perf_counter() - fill_started
                 figures = measure_step(conversation, config)
                 rss = status_bytes(master_pid)
@@ -458,46 +476,41 @@ def run_fill(config: ScaleConfig, progress: bool = True, on_step: Any = None) ->
                     }
                 )
                 if on_step is not None:
-                    on_step(steps)
+                    on_step(summarize(header, steps, None, time.perf_counter() - started))
                 if progress:
                     print(_step_line(steps[-1]), flush=True)
                 if not whole:
                     stopped_early = (
-                        f"MemAvailable fell below {config.min_available_bytes} bytes at "
-                        f"{filler.filled} objects"
+                        f"MemAvailable stayed below {config.min_available_bytes} bytes for "
+                        f"{MEMORY_WAIT_S:.0f} s at {filler.filled} objects"
                     )
                     break
         finally:
             filler.close()
             conversation.close()
-    first = steps[0]
+    return summarize(header, steps, stopped_early, time.perf_counter() - started)
+
+
+def summarize(
+    header: dict[str, Any], steps: list[dict[str, Any]], stopped_early: str | None, seconds: float
+) -> dict[str, Any]:
+    """The fill's record: each step's p50 against the first step's, and the RSS the
+    master grew by per object from the first step to the last (the figure a
+    deployment multiplies by its object count)."""
+    first, last = steps[0], steps[-1]
     for row in steps:
         row["hit_ratio_to_first"] = round(
             row["hit_query"]["p50_ms"] / first["hit_query"]["p50_ms"], 3
         )
         row["get_ratio_to_first"] = round(row["get"]["p50_ms"] / first["get"]["p50_ms"], 3)
-    last = steps[-1]
     grown = last["master_keys"] - first["master_keys"]
+    marginal = (last["master_rss_bytes"] - first["master_rss_bytes"]) / grown if grown else None
     return {
-        "config": asdict(config),
-        "segment_bytes": segment,
-        "fill_value_bytes": FILL_VALUE_BYTES,
-        "fill_key_bytes": key_bytes,
-        "conversation_keys": config.conversation_keys,
-        "conversation_tokens": config.conversation_tokens,
-        "master_rss_empty_bytes": empty_rss,
-        "master_rss_after_conversation_bytes": base_rss,
-        "master_keys_after_conversation": base_keys,
-        # RSS the master grew by per object between the first and last step:
-        # the figure a deployment multiplies by its object count.
-        "master_rss_per_object_marginal_bytes": round(
-            (last["master_rss_bytes"] - first["master_rss_bytes"]) / grown, 1
-        )
-        if grown
-        else None,
+        **header,
+        "master_rss_per_object_marginal_bytes": None if marginal is None else round(marginal, 1),
         "stopped_early": stopped_early,
         "steps": steps,
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(seconds, 1),
     }
 
 
@@ -549,10 +562,10 @@ def run_scale(
         log_dir=log_dir,
     )
 
-    def save(rows: list[dict[str, Any]]) -> None:
+    def save(record: dict[str, Any]) -> None:
         if partial_path:
             with open(partial_path, "w", encoding="utf-8") as fh:
-                json.dump({"config": asdict(config), "steps": rows}, fh, indent=1)
+                json.dump(record, fh, indent=1)
 
     result: dict[str, Any] = {"fill": run_fill(config, on_step=save)}
     result["objects"] = scale_objects.run_objects(quick)
