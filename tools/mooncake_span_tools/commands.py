@@ -261,6 +261,15 @@ BENCH_SECTIONS = {
         "run_placement_command",
         ("quick", "json"),
     ),
+    "scale": BenchSection(
+        "only the scale section: a master filled in steps to 10M small objects, this "
+        "backend's hit query and get of a 300k-token conversation at each step, the master's "
+        "RSS per object, and objects per stored token vs sglang's MooncakeStore "
+        "(mooncake_span_tools.bench.scale)",
+        "mooncake_span_tools.bench.scale",
+        "run_scale_command",
+        ("quick", "json", "plot"),
+    ),
     "eviction": BenchSection(
         "only the eviction section: 48 conversations backed up in 4 turns with prefix "
         "keys into a segment a third of their size, a quarter re-read between rounds; keys "
