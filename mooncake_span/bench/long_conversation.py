@@ -56,9 +56,10 @@ SCHEMA = "mooncake-span-long/1"
 FULL_SIZES = (4096, 32768, 131072, 300032)  # 300,032 = 1,172 keys of 256 tokens
 QUICK_SIZES = (2048, 12288)
 KEY_TOKENS = 256
-# An upper bound of the arms' bytes per token (stock: 5 x 256 B of MLA latent, its index
-# rows, the KDA states), for sizing the storage nodes before any pool exists.
-BYTES_PER_TOKEN_BOUND = 1400
+# An upper bound of the arms' bytes per token (stock: 3 x 256 B of MLA latent, its index
+# rows, the KDA states; long_worker._shapes), for sizing the storage nodes before any
+# pool exists.
+BYTES_PER_TOKEN_BOUND = 1000
 SEGMENT_HEADROOM = 1.5
 WORKER_START_TIMEOUT_S = 300.0
 COMMAND_TIMEOUT_S = 600.0
@@ -81,6 +82,7 @@ class LongConfig:
     seed: int = 46
     # repetitions of every cell (a fresh write each for the per-size cells)
     reps: int = 3
+    bandwidth_reps: int = 2
     log_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -94,8 +96,8 @@ class LongConfig:
             raise ValueError(f"unknown arm(s) {sorted(unknown)}; known: {ARMS}")
         if not self.node_counts or min(self.node_counts) < 1:
             raise ValueError(f"node counts must be >= 1, got {self.node_counts}")
-        if self.reps < 1:
-            raise ValueError(f"reps must be >= 1, got {self.reps}")
+        if self.reps < 1 or self.bandwidth_reps < 1:
+            raise ValueError(f"reps must be >= 1, got {self.reps} and {self.bandwidth_reps}")
         if not self.readers or min(self.readers) < 1:
             raise ValueError(f"reader counts must be >= 1, got {self.readers}")
 
@@ -109,7 +111,9 @@ class LongConfig:
         return max(64 << 20, -(-need // (1 << 20)) << 20)
 
 
-QUICK = LongConfig(sizes_tokens=QUICK_SIZES, node_counts=(1, 2), readers=(1, 2), reps=1)
+QUICK = LongConfig(
+    sizes_tokens=QUICK_SIZES, node_counts=(1, 2), readers=(1, 2), reps=1, bandwidth_reps=1
+)
 
 
 # ---- the worker processes ------------------------------------------------------------------
@@ -375,9 +379,8 @@ def run_nodes(config: LongConfig, nodes: int, workers: _Workers, log_dir: Path) 
         }
         phases = Phases(cluster.metrics_url)
         for arm in config.arms:
-            bandwidth = arm in config.bandwidth_arms
-            active = [workers.writer, *(workers.readers if bandwidth else workers.readers[:1])]
-            call_all(active, {"op": "open", "arm": arm, "client_config": client_config})
+            first = [workers.writer, workers.readers[0]]
+            call_all(first, {"op": "open", "arm": arm, "client_config": client_config})
             try:
                 for tokens in config.sizes_tokens:
                     logger.info("long: %d nodes, %s, %d tokens", nodes, arm, tokens)
@@ -386,19 +389,40 @@ def run_nodes(config: LongConfig, nodes: int, workers: _Workers, log_dir: Path) 
                         workers.writer, workers.readers[0], phases, arm, tokens, seed, config.reps
                     )
                     out["sizes"].append({"nodes": nodes, **row})
-                    if bandwidth and tokens == config.max_tokens:
-                        for count in config.readers:
-                            logger.info("long: %d nodes, %s, %d readers", nodes, arm, count)
-                            cells = [
-                                readers_at_once(workers.readers[:count], conv, expected)
-                                for _ in range(config.reps)
-                            ]
-                            out["bandwidth"].append(
-                                {"nodes": nodes, "arm": arm, "tokens": tokens, **_median(cells)}
-                            )
+                if arm in config.bandwidth_arms:
+                    # The longest conversation is the one still stored.
+                    out["bandwidth"] += _bandwidth(
+                        config, workers, client_config, arm, nodes, conv, expected
+                    )
             finally:
-                call_all(active, {"op": "close"})
+                call_all(first, {"op": "close"})
     return out
+
+
+def _bandwidth(
+    config: LongConfig,
+    workers: _Workers,
+    client_config: dict[str, Any],
+    arm: str,
+    nodes: int,
+    conv: dict[str, Any],
+    expected: dict[str, list[str]],
+) -> list[dict[str, Any]]:
+    """The reader counts' cells; the extra readers hold the arm's pools only meanwhile."""
+    extra = workers.readers[1 : max(config.readers)]
+    call_all(extra, {"op": "open", "arm": arm, "client_config": client_config})
+    rows = []
+    try:
+        for count in config.readers:
+            logger.info("long: %d nodes, %s, %d readers", nodes, arm, count)
+            cells = [
+                readers_at_once(workers.readers[:count], conv, expected)
+                for _ in range(config.bandwidth_reps)
+            ]
+            rows.append({"nodes": nodes, "arm": arm, "tokens": conv["tokens"], **_median(cells)})
+    finally:
+        call_all(extra, {"op": "close"})
+    return rows
 
 
 def run_long(config: LongConfig) -> dict[str, Any]:

@@ -47,6 +47,26 @@ ARMS = ("span-K4", "span-K1-stock", "upstream")
 START_WAIT_LIMIT_S = 30.0
 
 
+def _shapes() -> tuple[Any, Any]:
+    from mooncake_span.bench.workloads import STOCK_PAGE_TOKENS, ModelShape
+
+    # GLM-5.3-Flash's pools at two MLA layers (bf16 latent 112 + rope 16), so that a
+    # 300k-token conversation is a few hundred MiB and eight readers fit a small box:
+    # span shape 578 bytes a token (KV 512, index rows 66), stock 867 (a packed MTP
+    # draft layer: KV 768, index rows 99), plus a KDA state per 8,192-token chunk.
+    span = ModelShape("dsa", "long", layers=2, kv_lora_rank=112, rope_dim=16)
+    stock = ModelShape(
+        "dsa-stock",
+        "long",
+        layers=2,
+        kv_lora_rank=112,
+        rope_dim=16,
+        page_tokens=STOCK_PAGE_TOKENS,
+        draft_layers=1,
+    )
+    return span, stock
+
+
 @dataclass(frozen=True)
 class Conversation:
     """A conversation's tokens follow from its seed; ``tokens`` is a multiple of 256."""
@@ -78,14 +98,13 @@ class ArmRig:
         from mooncake_span.bench.pages import build_parts, host_pools
         from mooncake_span.bench.pressure import counting_binding
         from mooncake_span.bench.shared_native import RecordingNative, raw_client
-        from mooncake_span.bench.workloads import MODELS, SMALL, STOCK
         from mooncake_span.store.client import load_native_binding
 
         if arm not in ARMS:
             raise ValueError(f"unknown arm {arm!r}; known: {ARMS}")
         self.arm = arm
-        stock = arm != "span-K4"
-        self.model = MODELS[("dsa-stock", STOCK)] if stock else MODELS[("dsa", SMALL)]
+        span_shape, stock_shape = _shapes()
+        self.model = stock_shape if arm != "span-K4" else span_shape
         self.host_page_tokens = self.model.page_tokens
         self.key_tokens = 256
         self.k = self.key_tokens // self.host_page_tokens
@@ -150,9 +169,18 @@ class ArmRig:
         return sg.page_hashes(conv.token_ids(), self.key_tokens)
 
     def close(self) -> None:
+        import ctypes
+        import gc
+
         with contextlib.suppress(Exception):
             self.store.close()
         self.parts.clear()
+        self.kv_parts.clear()
+        self.store = self.native = self.state_part = None
+        gc.collect()
+        # Hand the pools' pages back, so the next arm's readers fit beside them.
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _extra(prefix: list[str] | None) -> Any:

@@ -131,10 +131,11 @@ def round_prompt(seed: int, architecture: str, length_tokens: int, index: int) -
 
 
 def stream_generate(
-    url: str, input_ids: Sequence[int], max_new_tokens: int
+    url: str, input_ids: Sequence[int], max_new_tokens: int, top_logprobs: int = 0
 ) -> tuple[float, Completion]:
-    """One streamed greedy generation: (seconds to the first chunk, the final answer)."""
-    body = {**generate_body(input_ids, max_new_tokens), "stream": True}
+    """One streamed greedy generation: (seconds to the first chunk, the final answer,
+    with the answer tokens' ``top_logprobs`` best candidates when asked)."""
+    body = {**generate_body(input_ids, max_new_tokens, top_logprobs), "stream": True}
     request = urllib.request.Request(
         f"{url}/generate",
         data=json.dumps(body).encode(),

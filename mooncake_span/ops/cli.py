@@ -645,8 +645,9 @@ def _register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--serve-workloads",
         default=None,
         metavar="LIST",
-        help="--serve: comma list of repeated, multiturn, pd, fresh and ssd (default the first "
-        "four; multiturn, pd, fresh and ssd use the first of --serve-models)",
+        help="--serve: comma list of repeated, multiturn, pd, fresh, ssd and long (default the "
+        "first four; multiturn, pd, fresh and ssd use the first of --serve-models; long: one "
+        "prompt of the longest --serve-lengths, default 65536, under each prefetch policy)",
     )
     bench.add_argument(
         "--serve-models",
