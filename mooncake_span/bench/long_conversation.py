@@ -7,7 +7,9 @@ it (``long_worker.ARMS``: the span fork at K=4 in its startup order, stock 0.5.2
 K=1, sglang's ``MooncakeStore`` on the stock pools). So the section runs wherever the
 store layer runs, a GPU host included.
 
-For each storage-node count (a fresh ``LocalCluster`` each), arm and conversation size:
+A ``LocalCluster`` per storage-node count is up for the whole run, and every cell is
+taken on each of them in turn (the order rotating by repetition), so the node counts'
+figures are paired in time on a shared box. For each arm and conversation size:
 
 * the writer backs the conversation up as sglang's ``HybridCacheController`` does, one
   8,192-token chunked-prefill chunk per write operation, with prefix keys;
@@ -225,29 +227,72 @@ class Phases:
         return delta
 
 
+@dataclass
+class Site:
+    """One cluster of the run, its workers' slot and its master's counters."""
+
+    nodes: int
+    client_config: dict[str, Any]
+    phases: Phases
+    segments: list[str]
+
+    @property
+    def slot(self) -> str:
+        return f"{self.nodes}-nodes"
+
+
+def _rotated(sites: list[Site], index: int) -> list[Site]:
+    shift = index % len(sites)
+    return sites[shift:] + sites[:shift]
+
+
+def one_run(writer: Worker, reader: Worker, site: Site, conv: dict[str, Any], decoy: int):
+    """Write the conversation afresh on one cluster; one reader queries and restores it."""
+    slot = site.slot
+    writer.call({"op": "clear", "slot": slot})
+    site.phases.step()
+    w = writer.call({"op": "write", "slot": slot, "conv": conv, "decoy_seed": decoy})
+    backup_rpcs = site.phases.step()
+    q = reader.call({"op": "query", "slot": slot, "conv": conv})
+    query_rpcs = site.phases.step()
+    f = reader.call(
+        {
+            "op": "fetch",
+            "slot": slot,
+            "conv": conv,
+            "hit_keys": q["hit_keys"],
+            "start_at": time.time(),
+        }
+    )
+    fetch_rpcs = site.phases.step()
+    return w, q, f, {"backup": backup_rpcs, "hit_query": query_rpcs, "restore": fetch_rpcs}
+
+
 def one_size(
-    writer: Worker, reader: Worker, phases: Phases, arm: str, tokens: int, seed: int, reps: int
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, list[str]]]:
-    """``reps`` times: write one conversation afresh, then one reader queries and restores
-    it whole. The row (times as medians over the repetitions, master RPCs and checks of
-    each), the conversation and the writer's digests."""
+    writer: Worker,
+    reader: Worker,
+    sites: list[Site],
+    arm: str,
+    tokens: int,
+    seed: int,
+    reps: int,
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, list[str]]]:
+    """``reps`` times, on every cluster in turn (the order rotating): write one
+    conversation afresh, then one reader queries and restores it whole. A row per
+    cluster (times as medians over the repetitions, master RPCs and checks of each),
+    the conversation and the writer's digests."""
     conv = {"tokens": tokens, "seed": seed}
-    runs = []
-    for _ in range(reps):
-        writer.call({"op": "clear"})
-        phases.step()
-        w = writer.call({"op": "write", "conv": conv, "decoy_seed": seed + 1})
-        backup_rpcs = phases.step()
-        q = reader.call({"op": "query", "conv": conv})
-        query_rpcs = phases.step()
-        f = reader.call(
-            {"op": "fetch", "conv": conv, "hit_keys": q["hit_keys"], "start_at": time.time()}
-        )
-        fetch_rpcs = phases.step()
-        runs.append(
-            (w, q, f, {"backup": backup_rpcs, "hit_query": query_rpcs, "restore": fetch_rpcs})
-        )
+    runs: dict[int, list[Any]] = {site.nodes: [] for site in sites}
+    for rep in range(reps):
+        for site in _rotated(sites, rep):
+            runs[site.nodes].append(one_run(writer, reader, site, conv, seed + 1))
+    rows = [{"nodes": n, **_row(arm, tokens, cell)} for n, cell in runs.items()]
+    return rows, conv, runs[sites[0].nodes][0][0]["digests"]
+
+
+def _row(arm: str, tokens: int, runs: list[Any]) -> dict[str, Any]:
     w, q, f, rpcs = runs[0]
+    reps = len(runs)
     pages = len(w["digests"]["kv"])
     wrong = [mismatched_pages(f["digests"], w["digests"]) for w, _, f, _ in runs]
     decoy = [mismatched_pages(f["digests"], w["decoy_digests"]) for w, _, f, _ in runs]
@@ -262,11 +307,13 @@ def one_size(
         "keys": w["keys"],
         "chunks": w["chunks"],
         "bytes": w["bytes"],
+        "state_bytes": w["state_bytes"],
         "objects": w["objects"],
         "objects_per_ktoken": round(1000 * w["objects"] / tokens, 2),
         "failed_objects": sum(w["failed_objects"] for w, _, _, _ in runs),
         "put_s": round(put_s, 4),
         "put_gbps": _gbps(w["bytes"], put_s),
+        "put_gbps_each": [_gbps(w["bytes"], w["put_s"]) for w, _, _, _ in runs],
         "hit_keys": min(q["hit_keys"] for _, q, _, _ in runs),
         "restored_keys": min(f["restored_keys"] for _, _, f, _ in runs),
         "state_restored": all(f["state_restored"] for _, _, f, _ in runs),
@@ -292,15 +339,25 @@ def one_size(
     )
     # Every page of the decoy differs, in every repetition: else the check is blind.
     row["negative_control_caught"] = min(decoy) >= pages > 0
-    return row, conv, w["digests"]
+    return row
 
 
-def readers_at_once(readers: list[Worker], conv: dict[str, Any], expected: dict[str, Any]):
+def readers_at_once(
+    readers: list[Worker], slot: str, conv: dict[str, Any], expected: dict[str, Any]
+) -> dict[str, Any]:
     """Every reader queries, then all restore the same conversation from one start time."""
-    queries = call_all(readers, {"op": "query", "conv": conv})
+    queries = call_all(readers, {"op": "query", "slot": slot, "conv": conv})
     start_at = time.time() + START_LEAD_S
     for r, q in zip(readers, queries, strict=True):
-        r.send({"op": "fetch", "conv": conv, "hit_keys": q["hit_keys"], "start_at": start_at})
+        r.send(
+            {
+                "op": "fetch",
+                "slot": slot,
+                "conv": conv,
+                "hit_keys": q["hit_keys"],
+                "start_at": start_at,
+            }
+        )
     fetched = [r.reply() for r in readers]
     total = sum(f["bytes"] for f in fetched)
     span_s = max(f["wall_end"] for f in fetched) - min(f["wall_start"] for f in fetched)
@@ -361,68 +418,90 @@ def _start_workers(config: LongConfig, log_dir: Path, nonce: str) -> _Workers:
     return workers
 
 
-def run_nodes(config: LongConfig, nodes: int, workers: _Workers, log_dir: Path) -> dict[str, Any]:
-    from mooncake_span.bench.placement import wait_for_segments
-    from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
-
-    spec = ClusterSpec(
-        storage_nodes=nodes,
-        storage_node_segment_bytes=config.segment_bytes(),
-        log_dir=log_dir / f"cluster-{nodes}",
-    )
-    out: dict[str, Any] = {"nodes": nodes, "sizes": [], "bandwidth": []}
-    with LocalCluster(spec) as cluster:
-        out["segments"] = wait_for_segments(cluster.metrics_url, nodes)
-        client_config = {
-            **cluster.client_config(),
-            "span_master_admin_url": cluster.metrics_url,
-        }
-        phases = Phases(cluster.metrics_url)
-        for arm in config.arms:
-            first = [workers.writer, workers.readers[0]]
-            call_all(first, {"op": "open", "arm": arm, "client_config": client_config})
-            try:
-                for tokens in config.sizes_tokens:
-                    logger.info("long: %d nodes, %s, %d tokens", nodes, arm, tokens)
-                    seed = config.seed * 1_000_003 + tokens
-                    row, conv, expected = one_size(
-                        workers.writer, workers.readers[0], phases, arm, tokens, seed, config.reps
-                    )
-                    out["sizes"].append({"nodes": nodes, **row})
-                if arm in config.bandwidth_arms:
-                    # The longest conversation is the one still stored.
-                    out["bandwidth"] += _bandwidth(
-                        config, workers, client_config, arm, nodes, conv, expected
-                    )
-            finally:
-                call_all(first, {"op": "close"})
+def run_arm(config: LongConfig, arm: str, workers: _Workers, sites: list[Site]) -> dict[str, Any]:
+    """Every size, then the bandwidth cells, of one arm on every cluster."""
+    out: dict[str, Any] = {"sizes": [], "bandwidth": []}
+    first = [workers.writer, workers.readers[0]]
+    for site in sites:
+        call_all(
+            first,
+            {"op": "open", "slot": site.slot, "arm": arm, "client_config": site.client_config},
+        )
+    try:
+        for tokens in config.sizes_tokens:
+            logger.info("long: %s, %d tokens", arm, tokens)
+            seed = config.seed * 1_000_003 + tokens
+            rows, conv, expected = one_size(
+                workers.writer, workers.readers[0], sites, arm, tokens, seed, config.reps
+            )
+            out["sizes"] += rows
+        if arm in config.bandwidth_arms:
+            # The longest conversation is the one still stored on every cluster.
+            out["bandwidth"] += _bandwidth(config, workers, sites, arm, conv, expected)
+    finally:
+        for site in sites:
+            call_all(first, {"op": "close", "slot": site.slot})
     return out
 
 
 def _bandwidth(
     config: LongConfig,
     workers: _Workers,
-    client_config: dict[str, Any],
+    sites: list[Site],
     arm: str,
-    nodes: int,
     conv: dict[str, Any],
     expected: dict[str, list[str]],
 ) -> list[dict[str, Any]]:
-    """The reader counts' cells; the extra readers hold the arm's pools only meanwhile."""
+    """The reader counts' cells, the clusters alternating within each repetition; the
+    extra readers hold the arm's pools only meanwhile."""
     extra = workers.readers[1 : max(config.readers)]
-    call_all(extra, {"op": "open", "arm": arm, "client_config": client_config})
+    for site in sites:
+        call_all(
+            extra,
+            {"op": "open", "slot": site.slot, "arm": arm, "client_config": site.client_config},
+        )
     rows = []
     try:
         for count in config.readers:
-            logger.info("long: %d nodes, %s, %d readers", nodes, arm, count)
-            cells = [
-                readers_at_once(workers.readers[:count], conv, expected)
-                for _ in range(config.bandwidth_reps)
-            ]
-            rows.append({"nodes": nodes, "arm": arm, "tokens": conv["tokens"], **_median(cells)})
+            logger.info("long: %s, %d readers", arm, count)
+            cells: dict[int, list[dict[str, Any]]] = {site.nodes: [] for site in sites}
+            for rep in range(config.bandwidth_reps):
+                for site in _rotated(sites, rep):
+                    cells[site.nodes].append(
+                        readers_at_once(workers.readers[:count], site.slot, conv, expected)
+                    )
+            for nodes, cell in cells.items():
+                rows.append({"nodes": nodes, "arm": arm, "tokens": conv["tokens"], **_median(cell)})
     finally:
-        call_all(extra, {"op": "close"})
+        for site in sites:
+            call_all(extra, {"op": "close", "slot": site.slot})
     return rows
+
+
+@contextlib.contextmanager
+def started_sites(config: LongConfig, log_dir: Path):
+    """A cluster per node count, all up for the whole run."""
+    from mooncake_span.bench.placement import wait_for_segments
+    from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
+
+    with contextlib.ExitStack() as stack:
+        sites = []
+        for nodes in config.node_counts:
+            spec = ClusterSpec(
+                storage_nodes=nodes,
+                storage_node_segment_bytes=config.segment_bytes(),
+                log_dir=log_dir / f"cluster-{nodes}",
+            )
+            cluster = stack.enter_context(LocalCluster(spec))
+            sites.append(
+                Site(
+                    nodes,
+                    {**cluster.client_config(), "span_master_admin_url": cluster.metrics_url},
+                    Phases(cluster.metrics_url),
+                    wait_for_segments(cluster.metrics_url, nodes),
+                )
+            )
+        yield sites
 
 
 def run_long(config: LongConfig) -> dict[str, Any]:
@@ -448,12 +527,17 @@ def run_long(config: LongConfig) -> dict[str, Any]:
     }
     workers = _start_workers(config, log_dir, nonce)
     try:
-        for nodes in config.node_counts:
-            part = run_nodes(config, nodes, workers, log_dir)
-            result["sizes"] += part["sizes"]
-            result["bandwidth"] += part["bandwidth"]
+        with started_sites(config, log_dir) as sites:
+            result["segments"] = {str(site.nodes): site.segments for site in sites}
+            for arm in config.arms:
+                part = run_arm(config, arm, workers, sites)
+                result["sizes"] += part["sizes"]
+                result["bandwidth"] += part["bandwidth"]
     finally:
         workers.close()
+    key = lambda row: (config.node_counts.index(row["nodes"]), config.arms.index(row["arm"]))  # noqa: E731
+    result["sizes"].sort(key=key)
+    result["bandwidth"].sort(key=key)
     window_keys = SpanOptions().chain_window_tokens // 64
     convs = conversations(config.seed)
     result["placement_model"] = {

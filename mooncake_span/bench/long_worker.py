@@ -4,8 +4,9 @@ server's rank that restores them.
 ``long_conversation`` starts these processes (``python -m mooncake_span.bench.long_worker
 SPEC``) and drives them with one JSON command per line on stdin; each answer is one line
 on stdout that starts with ``REPLY_PREFIX`` (the native library may print other lines).
-A process holds one arm at a time (``open``): real sglang host pools, sized for the
-longest conversation, and a backend built the way that arm's sglang build builds it:
+A process holds one arm per cluster (``open`` into a ``slot``): real sglang host pools,
+sized for the longest conversation, and a backend built the way that arm's sglang build
+builds it:
 
 * ``span-K4``: ``MooncakeSpanStore`` on the span fork's pool set (64-token host pages,
   256-token storage pages), in the fork's startup order: built and registered with
@@ -245,6 +246,7 @@ def write(rig: ArmRig, conv: Conversation, decoy_seed: int) -> dict[str, Any]:
         "put_s": put_s,
         "failed_objects": failed,
         "bytes": rig.bytes_of(len(pages), chunks),
+        "state_bytes": rig.bytes_of(0, 1),
         "objects": len(stored),
         "stored_bytes": sum(stored.values()),
         "native": _minus(_counters(rig), before),
@@ -379,33 +381,31 @@ def _reply(payload: dict[str, Any]) -> None:
 
 
 def serve(spec: dict[str, Any]) -> None:
-    """Answer commands until ``exit`` or the end of stdin."""
-    rig: ArmRig | None = None
+    """Answer commands until ``exit`` or the end of stdin. A process holds one rig per
+    ``slot`` (one per cluster), so the driver can alternate clusters cell by cell."""
+    rigs: dict[str, ArmRig] = {}
     _reply({"ok": True, "ready": True, "pid": os.getpid()})
     for line in sys.stdin:
         command = json.loads(line)
-        op = command["op"]
+        op, slot = command["op"], str(command.get("slot", ""))
         try:
             if op == "exit":
                 break
+            if op in ("open", "close") and slot in rigs:
+                rigs.pop(slot).close()
             if op == "open":
-                if rig is not None:
-                    rig.close()
-                    rig = None
                 started = time.perf_counter()
-                rig = ArmRig(
+                rigs[slot] = ArmRig(
                     command["arm"], command["client_config"], spec["max_tokens"], spec["nonce"]
                 )
                 _reply({"ok": True, "setup_s": time.perf_counter() - started})
                 continue
             if op == "close":
-                if rig is not None:
-                    rig.close()
-                    rig = None
                 _reply({"ok": True})
                 continue
+            rig = rigs.get(slot)
             if rig is None:
-                raise ValueError(f"{op}: no arm is open")
+                raise ValueError(f"{op}: no arm is open in slot {slot!r}")
             conv = Conversation.of(command["conv"]) if "conv" in command else None
             if op == "write":
                 _reply({"ok": True, **write(rig, conv, command["decoy_seed"])})
@@ -421,7 +421,7 @@ def serve(spec: dict[str, Any]) -> None:
         except Exception as exc:  # the driver reports it and stops the run
             logger.exception("long_worker: %s failed", op)
             _reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-    if rig is not None:
+    for rig in rigs.values():
         rig.close()
 
 

@@ -58,7 +58,6 @@ class LongServeConfig(A.ServeSetup):
     answer_tokens: int = 4
     rounds: int = 2
     policies: tuple[str, ...] = ("wait_complete", "best_effort", "timeout")
-    work_dir: Path = dataclasses.field(default_factory=lambda: Path("/tmp/mooncake-span-serve"))
 
     def __post_init__(self) -> None:
         page = self.page_size_tokens
