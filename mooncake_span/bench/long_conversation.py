@@ -253,6 +253,10 @@ def one_run(writer: Worker, reader: Worker, site: Site, conv: dict[str, Any], de
     site.phases.step()
     w = writer.call({"op": "write", "slot": slot, "conv": conv, "decoy_seed": decoy})
     backup_rpcs = site.phases.step()
+    # Where the objects are (one replica-list RPC), outside the phases' counts.
+    w["placement"] = writer.call({"op": "locate", "slot": slot})
+    del w["placement"]["ok"]
+    site.phases.step()
     q = reader.call({"op": "query", "slot": slot, "conv": conv})
     query_rpcs = site.phases.step()
     f = reader.call(

@@ -114,6 +114,7 @@ class ArmRig:
         self.parts = build_parts(self.model, "page_first", self.host_pages, self.state_slots)
         self.kv_parts = [p for p in self.parts if p.per_key]
         self.state_part = next(p for p in self.parts if not p.per_key)
+        self.last_written: tuple[list[str], dict[str, int]] | None = None
         extra = {
             **client_config,
             "span_layout_guard": "off",
@@ -168,6 +169,12 @@ class ArmRig:
         from mooncake_span.testing import controller as sg
 
         return sg.page_hashes(conv.token_ids(), self.key_tokens)
+
+    def locate(self) -> dict[str, Any]:
+        """Where the master put the objects of the last conversation written."""
+        if self.last_written is None:
+            raise ValueError("locate: nothing written yet")
+        return placement_of(self, *self.last_written)
 
     def close(self) -> None:
         import ctypes
@@ -251,8 +258,8 @@ def write(rig: ArmRig, conv: Conversation, decoy_seed: int) -> dict[str, Any]:
         "stored_bytes": sum(stored.values()),
         "native": _minus(_counters(rig), before),
         "digests": digests,
-        "placement": placement_of(rig, keys, stored),
     }
+    rig.last_written = (keys, stored)
     rig.fill(conv, pages, chunks, decoy_seed)
     out["decoy_digests"] = rig.digests(pages, chunks - 1)
     return out
@@ -413,6 +420,8 @@ def serve(spec: dict[str, Any]) -> None:
                 _reply({"ok": True, **query(rig, conv)})
             elif op == "fetch":
                 _reply({"ok": True, **fetch(rig, conv, command["hit_keys"], command["start_at"])})
+            elif op == "locate":
+                _reply({"ok": True, **rig.locate()})
             elif op == "clear":
                 rig.native.remove_all(True)
                 _reply({"ok": True})

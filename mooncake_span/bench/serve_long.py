@@ -105,6 +105,10 @@ def _start(config: LongServeConfig, log_dir: Path, stack: ExitStack):
         fields = dataclasses.replace(config, prefetch_policy=policy).model_fields(
             ARCHITECTURE, config.max_total_tokens
         )
+        # --max-total-tokens sizes the pools; a CPU server also checks the memory left after
+        # loading against this fraction of what it found at start, and seven servers
+        # starting at once on a shared box fail sglang's default (0.72) there.
+        fields["extra_args"] = (*fields.get("extra_args", ()), "--mem-fraction-static", "0.95")
         return A.arm_options(arm, model_path, clusters.get(arm), **fields)
 
     servers: dict[tuple[str, str], SglangServer] = {}
