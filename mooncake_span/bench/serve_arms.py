@@ -131,7 +131,11 @@ def round_prompt(seed: int, architecture: str, length_tokens: int, index: int) -
 
 
 def stream_generate(
-    url: str, input_ids: Sequence[int], max_new_tokens: int, top_logprobs: int = 0
+    url: str,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    top_logprobs: int = 0,
+    timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> tuple[float, Completion]:
     """One streamed greedy generation: (seconds to the first chunk, the final answer,
     with the answer tokens' ``top_logprobs`` best candidates when asked)."""
@@ -143,7 +147,7 @@ def stream_generate(
     )
     started = time.perf_counter()
     ttft_s, last = None, None
-    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
         for raw in answer:
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:") or line == "data: [DONE]":
