@@ -539,7 +539,10 @@ def run_long(config: LongConfig) -> dict[str, Any]:
                 result["bandwidth"] += part["bandwidth"]
     finally:
         workers.close()
-    key = lambda row: (config.node_counts.index(row["nodes"]), config.arms.index(row["arm"]))  # noqa: E731
+
+    def key(row: dict[str, Any]) -> tuple[int, int]:
+        return config.node_counts.index(row["nodes"]), config.arms.index(row["arm"])
+
     result["sizes"].sort(key=key)
     result["bandwidth"].sort(key=key)
     window_keys = SpanOptions().chain_window_tokens // 64

@@ -296,9 +296,8 @@ def query(rig: ArmRig, conv: Conversation) -> dict[str, Any]:
     from mooncake_span.testing import controller as sg
 
     keys = rig.keys(conv)
-    stats = getattr(rig.store, "get_stats", None)
-    if stats is not None and rig.arm != "upstream":
-        rig.store.get_stats()  # drain: the query's own RPCs below
+    if rig.arm != "upstream":
+        rig.store.get_stats()  # drain, so the next read holds this query's RPCs only
     before = _counters(rig)
     started = time.perf_counter()
     result = rig.store.batch_exists_v2(keys, sg.hit_query(), _extra(None))
