@@ -279,6 +279,16 @@ BENCH_SECTIONS = {
         "run_eviction_command",
         ("quick", "json", "eviction_lease_ms", "eviction_round_s"),
     ),
+    "long": BenchSection(
+        "only the long-conversation section: GLM-5.3-Flash-shaped conversations of 4k to "
+        "300k tokens backed up in 8,192-token chunks with prefix keys, restored whole by "
+        "other processes (1, 4 and 8 at once) from 1 and 4 storage nodes; restore time "
+        "per token, master RPCs, objects, GB/s, byte-exact, vs sglang's MooncakeStore "
+        "(mooncake_span_tools.bench.long_conversation)",
+        "mooncake_span_tools.bench.long_conversation",
+        "run_long_command",
+        ("quick", "json", "plot", "long_sizes"),
+    ),
 }
 
 
@@ -359,8 +369,9 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
         "--serve-workloads",
         default=None,
         metavar="LIST",
-        help="--serve: comma list of repeated, multiturn, pd, fresh and ssd (default the first "
-        "four; multiturn, pd, fresh and ssd use the first of --serve-models)",
+        help="--serve: comma list of repeated, multiturn, pd, fresh, ssd and long (default the "
+        "first four; multiturn, pd, fresh and ssd use the first of --serve-models; long: one "
+        "prompt of the longest --serve-lengths, default 65536, under each prefetch policy)",
     )
     bench.add_argument(
         "--serve-models",
@@ -381,6 +392,13 @@ def register_bench(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="--serve: timed rounds per prompt length (default 8) and of pd (default 6), "
         "after one warm-up round",
+    )
+    bench.add_argument(
+        "--long-sizes",
+        default=None,
+        metavar="LIST",
+        help="--long: comma list of conversation lengths in tokens, multiples of 256 "
+        "(default 4096,32768,131072,300032; --quick 2048,12288)",
     )
     bench.add_argument(
         "--eviction-lease-ms",

@@ -14,7 +14,9 @@ Five workloads, chosen with ``--serve-workloads``:
 - ``fresh`` (``serve_fresh``, L3 arms only): the first request of a server
   that has just started, with no warm-up, under sglang's default prefetch policy;
 - ``ssd`` (``serve_ssd``, only when named): the SSD tier: TTFT from SSD vs
-  DRAM, multi-turn past the cluster's DRAM, restore after a whole-cluster restart.
+  DRAM, multi-turn past the cluster's DRAM, restore after a whole-cluster restart;
+- ``long`` (``serve_long``, only when named): one 64k-token prompt (the longest of
+  ``--serve-lengths``) restored whole by a second server, under each prefetch policy.
 
 In ``repeated`` each L3 arm has one writer and every arm one reader, all five
 alive together (``--sleep-on-idle``). Each round takes a fresh random prompt:
@@ -50,6 +52,7 @@ from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span_tools.bench import serve_arms as A
 from mooncake_span_tools.bench import serve_stats as S
 from mooncake_span_tools.bench.serve_fresh import FreshConfig, check_fresh, format_fresh, run_fresh
+from mooncake_span_tools.bench.serve_long import LongServeConfig, format_long_serve, run_long_serve
 from mooncake_span_tools.bench.serve_multiturn import (
     MultiTurnConfig,
     format_multiturn,
@@ -307,9 +310,9 @@ def format_serve(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# "ssd" (bench/serve_ssd.py) runs only when named.
+# "ssd" (bench/serve_ssd.py) and "long" (bench/serve_long.py) run only when named.
 DEFAULT_WORKLOADS = ("repeated", "multiturn", "pd", "fresh")
-WORKLOADS = (*DEFAULT_WORKLOADS, "ssd")
+WORKLOADS = (*DEFAULT_WORKLOADS, "ssd", "long")
 
 
 def check_workloads(workloads: Sequence[str]) -> None:
@@ -335,6 +338,8 @@ def disagreements(result: Mapping[str, Any]) -> list[str]:
         bad += check_fresh(result["fresh"])
     if "ssd" in result:
         bad += ssd_disagreements(result["ssd"])
+    if "long" in result:
+        bad += result["long"].get("failures", [])
     return bad
 
 
@@ -346,6 +351,7 @@ def run_workloads(
     checkpoint: Callable[[dict[str, Any]], None] | None = None,
     fresh: FreshConfig | None = None,
     ssd: SsdServeConfig | None = None,
+    long: LongServeConfig | None = None,
 ) -> dict[str, Any]:
     """The chosen workloads one after another, each on servers of its own."""
     check_workloads(workloads)
@@ -375,6 +381,7 @@ def run_workloads(
         "pd": lambda save: run_pd(pd, save),
         "fresh": lambda save: run_fresh(fresh or FreshConfig(), save),
         "ssd": lambda save: run_ssd_workload(ssd or SsdServeConfig(model=multiturn.model), save),
+        "long": lambda save: run_long_serve(long or LongServeConfig(), save),
     }
     for name in workloads:
         save = progress(name)
@@ -394,6 +401,8 @@ def format_workloads(result: Mapping[str, Any]) -> str:
         parts.append(format_fresh(result["fresh"]))
     if "ssd" in result:
         parts.append(format_ssd(result["ssd"]))
+    if "long" in result:
+        parts.append(format_long_serve(result["long"]))
     parts.append("greedy tokens: " + ("all arms agree" if result["agree"] else "DISAGREE"))
     return "\n".join(parts)
 
@@ -495,6 +504,10 @@ def run_serve_command(
         multiturn = MultiTurnConfig(model=model_names[0])
         pd = PdConfig(model=model_names[0], rounds=rounds or PdConfig.rounds)
         fresh = FreshConfig(model=model_names[0], rounds=rounds or FreshConfig.rounds)
+        long = LongServeConfig(
+            prompt_tokens=max(parse_csv(lengths, (LongServeConfig.prompt_tokens,), int)),
+            rounds=rounds or LongServeConfig.rounds,
+        )
         check_workloads(chosen)
     except ValueError as exc:
         print(f"mooncake-span bench --serve: {exc}")
@@ -506,6 +519,7 @@ def run_serve_command(
         pd,
         (lambda partial: write_json(partial, json_path)) if json_path else None,
         fresh,
+        long=long,
     )
     print(format_workloads(result), flush=True)
     if json_path:

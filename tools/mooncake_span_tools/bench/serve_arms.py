@@ -131,10 +131,15 @@ def round_prompt(seed: int, architecture: str, length_tokens: int, index: int) -
 
 
 def stream_generate(
-    url: str, input_ids: Sequence[int], max_new_tokens: int
+    url: str,
+    input_ids: Sequence[int],
+    max_new_tokens: int,
+    top_logprobs: int = 0,
+    timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> tuple[float, Completion]:
-    """One streamed greedy generation: (seconds to the first chunk, the final answer)."""
-    body = {**generate_body(input_ids, max_new_tokens), "stream": True}
+    """One streamed greedy generation: (seconds to the first chunk, the final answer,
+    with the answer tokens' ``top_logprobs`` best candidates when asked)."""
+    body = {**generate_body(input_ids, max_new_tokens, top_logprobs), "stream": True}
     request = urllib.request.Request(
         f"{url}/generate",
         data=json.dumps(body).encode(),
@@ -142,7 +147,7 @@ def stream_generate(
     )
     started = time.perf_counter()
     ttft_s, last = None, None
-    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+    with urllib.request.urlopen(request, timeout=timeout_s) as answer:
         for raw in answer:
             line = raw.decode("utf-8", "replace").strip()
             if not line.startswith("data:") or line == "data: [DONE]":
