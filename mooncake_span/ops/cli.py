@@ -33,7 +33,7 @@ from mooncake_span.ops.cluster_spec import (
     SSD_EVICTION_RATIO,
     SSD_LEASE_TTL_MS,
 )
-from mooncake_span.store.ssd_scan import CHECK_MODES
+from mooncake_span.store.ssd_tier import CHECK_MODES
 from mooncake_span.units import parse_size_bytes
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from mooncake_span.mooncake_settings import validate_master_address, validate_metadata_server
-from mooncake_span.store.ssd_scan import CHECK_MODES
+from mooncake_span.store.ssd_tier import CHECK_MODES
 from mooncake_span.units import parse_size_bytes
 
 __all__ = [

@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 from mooncake_span.errors import ConfigError
 from mooncake_span.store import seal
 from mooncake_span.store.domains import COPY_SEPARATOR
+from mooncake_span.store.ssd_tier import CHECK_MODES
 
 logger = logging.getLogger(__name__)
 
-CHECK_MODES = ("size", "full", "off")
 DEFAULT_CHECK = "size"
 # A serving rank's check (and a storage node's without --ssd-check).
 CHECK_ENV = "MOONCAKE_SPAN_SSD_CHECK"

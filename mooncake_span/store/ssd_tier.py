@@ -43,6 +43,10 @@ from mooncake_span.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# The start-up checks of an SSD directory (store/ssd_scan.py), here beside the tier's
+# other settings so the operator's commands can offer them without importing the scan.
+CHECK_MODES = ("size", "full", "off")
+
 # Mooncake's defaults where ours differ: heartbeat 10 s, read buffer 1.25 GiB.
 HEARTBEAT_S = 1
 DEFAULT_READ_BUFFER_BYTES = 256 << 20
