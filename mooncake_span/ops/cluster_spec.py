@@ -92,7 +92,9 @@ class ClusterSpec:
     # Added to the environment of every child and to client_env().
     env_overrides: Mapping[str, str] = field(default_factory=dict, hash=False)
     start_timeout_s: float = 60.0
-    stop_timeout_s: float = 10.0
+    # Above the SSD nodes' own bound on a stop (--ssd-stop-wait-s, 20 s): a stop that lets
+    # its offloads finish is not cut short into a crash.
+    stop_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         try:

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             publish_marker(store)
         except ConfigError as exc:
             logger.error("%s", exc)
-            _stop(store, ssd)
+            _stop(store, ssd, finish_offloads=False)
             return 1
     print(_ready_line(store, settings, setup_s, ssd), flush=True)
     received = signal.sigwait(_STOP_SIGNALS)
@@ -235,13 +235,16 @@ def _ready_line(
     return line
 
 
-def _stop(store: object, ssd: NodeSsd | None) -> None:
-    """Release the disk segment first: a reader then misses cleanly at once, and a
-    restart right after registers every key again (the master would ignore it
-    while this owner's disk replicas stood). ``close()`` exactly once; any call
-    on the store afterwards segfaults."""
+def _stop(store: object, ssd: NodeSsd | None, finish_offloads: bool = True) -> None:
+    """Release the disk segment first, once the offloads the node accepted are
+    written (the master refuses their registration after it): a reader then misses
+    cleanly at once, and a restart right after registers every key again (the master
+    would ignore it while this owner's disk replicas stood). ``close()`` exactly
+    once; any call on the store afterwards segfaults."""
     state = "stopped"
     if ssd is not None:
+        if finish_offloads:
+            ssd.finish_offloads()
         rc = store.unmount_local_disk_segment(0)
         if rc != 0:
             state = "unmount-failed"

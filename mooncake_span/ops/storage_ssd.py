@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,15 @@ def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
         f"start); off trusts it (default: ${ssd_scan.CHECK_ENV}, else {ssd_scan.DEFAULT_CHECK})",
     )
     parser.add_argument(
+        "--ssd-stop-wait-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="on SIGTERM, wait at most this long for the objects the node holds unwritten to "
+        f"reach the disk before it stops (default: ${ssd_tier.STOP_WAIT_ENV}, else "
+        f"{ssd_tier.DEFAULT_STOP_WAIT_S:g}; 0 stops at once and loses them)",
+    )
+    parser.add_argument(
         "--node-name",
         default=None,
         help="stable name of this node: its SSD sub-directory (default: this host's name)",
@@ -90,6 +100,21 @@ class NodeSsd:
     tier: ssd_tier.SsdTier
     lock: ssd_tier.DirLock
     previous: dict[str, Any]
+    stop_wait_s: float = ssd_tier.DEFAULT_STOP_WAIT_S
+
+    def finish_offloads(self) -> None:
+        """On a graceful stop, before the disk segment is unmounted: every object the
+        node holds unwritten reaches the disk and the master's listing first."""
+        started_s = time.monotonic()
+        quiet_s = ssd_tier.offload_quiet_s(os.environ)
+        if ssd_tier.wait_offloads_written(self.tier.directory, self.stop_wait_s, quiet_s):
+            logger.info("offloads written (%.1f s)", time.monotonic() - started_s)
+        else:
+            logger.warning(
+                "still writing offloads after %.0f s (--ssd-stop-wait-s); stopping anyway: "
+                "objects put in the last heartbeat may be lost",
+                self.stop_wait_s,
+            )
 
 
 def _size(text: str, flag: str) -> int:
@@ -110,7 +135,7 @@ def _root(args: argparse.Namespace, settings: MooncakeSettings) -> tuple[str, st
             f"enable_ssd_offload is set ({settings.source}) but no directory: set "
             "ssd_offload_path, or pass --ssd-dir"
         )
-    for flag in ("ssd_size", "ssd_read_buffer", "node_name"):
+    for flag in ("ssd_size", "ssd_read_buffer", "ssd_stop_wait_s", "node_name"):
         if getattr(args, flag) is not None:
             raise ConfigError(f"--{flag.replace('_', '-')} needs --ssd-dir")
     return None
@@ -129,6 +154,7 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
     check, check_source = ssd_scan.resolve_check(args.ssd_check, os.environ)
     name = args.node_name or socket.gethostname()
     cap = _size(args.ssd_size, "--ssd-size") if args.ssd_size is not None else None
+    stop_wait = ssd_tier.resolve_stop_wait_s(args.ssd_stop_wait_s, os.environ)
     # Every value is checked before anything is created or locked.
     tier = ssd_tier.SsdTier(
         directory=os.path.join(root, name),
@@ -161,7 +187,7 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
     )
     if short:
         logger.warning("%s", short)
-    return NodeSsd(tier, lock, previous)
+    return NodeSsd(tier, lock, previous, stop_wait)
 
 
 def wait_after_crash(node: NodeSsd, args: argparse.Namespace, settings: MooncakeSettings) -> None:

@@ -228,8 +228,9 @@ class MooncakeClient:
         if store is None:
             return
         state = "stopped"
-        # The disk segment first: readers miss cleanly at once, and a restart right
-        # after registers every key again (store/ssd_tier.py).
+        # The disk segment first, once what it accepted is written: readers miss
+        # cleanly at once, and a restart right after registers every key again.
+        self._ssd.finish_offloads()
         if self._ssd.owns_directory and store.unmount_local_disk_segment(0) != 0:
             state = "unmount-failed"
         store.close()

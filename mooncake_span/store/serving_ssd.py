@@ -34,6 +34,7 @@ The client makes every native call and hands the answers in.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -43,7 +44,16 @@ from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.gate import NativeGate
-from mooncake_span.store.ssd_tier import DirLock, open_serving_tier
+from mooncake_span.store.ssd_tier import (
+    STOP_WAIT_ENV,
+    DirLock,
+    offload_quiet_s,
+    open_serving_tier,
+    resolve_stop_wait_s,
+    wait_offloads_written,
+)
+
+logger = logging.getLogger(__name__)
 
 OVERFLOW = int(ErrorCode.BUFFER_OVERFLOW)
 OWNER_RPC_FAILED = int(ErrorCode.RPC_FAIL)
@@ -116,6 +126,7 @@ class ServingSsd:
         self._gate = gate  # its counters and its "the cluster answered"
         self._ledger = ledger
         self._lock: DirLock | None = None  # this rank's SSD directory, if it has one
+        self._stop_wait_s = 0.0
         self._admin_url: str | None = None
         self._list_disk_owners: ListDiskOwners | None = None
         self.read_rpcs = 0  # Mooncake's count of reads it asked an SSD owner for
@@ -137,6 +148,12 @@ class ServingSsd:
         self._list_disk_owners = list_disk_owners
         lister = (lambda: list_segments(admin_url)) if admin_url else None
         self._lock = open_rank_directory(settings, lister)
+        if self._lock is not None:
+            try:
+                self._stop_wait_s = resolve_stop_wait_s(None, os.environ)
+            except ConfigError as exc:
+                self.release()
+                raise SetupError(f"SSD tier: {exc}") from exc
         try:
             yield
         except BaseException:
@@ -151,6 +168,21 @@ class ServingSsd:
         """``setup`` succeeded: the directory's record names this process's segment."""
         if self._lock is not None:
             self._lock.update(state="running", segment=segment)
+
+    def finish_offloads(self) -> None:
+        """Before close unmounts the disk segment: what this rank holds unwritten
+        reaches its disk first (bounded; ``ssd_tier.wait_offloads_written``)."""
+        if self._lock is None:
+            return
+        quiet_s = offload_quiet_s(os.environ)
+        if not wait_offloads_written(self._lock.directory, self._stop_wait_s, quiet_s):
+            logger.warning(
+                "mooncake-span: %s still took offloads after %.0f s (%s); closing anyway: "
+                "objects put in the last heartbeat may be lost",
+                self._lock.directory,
+                self._stop_wait_s,
+                STOP_WAIT_ENV,
+            )
 
     def release(self, state: str = "stopped") -> None:
         """Unlock the directory, recording how this process stopped."""

@@ -58,6 +58,12 @@ DISK_RESERVE_BYTES = 256 << 20
 # A restart waits this much past the master's client_ttl for the old owner to expire.
 EXPIRY_MARGIN_S = 2.0
 _EXPIRY_POLL_S = 0.5
+# A graceful stop first lets the offloads it accepted finish (wait_offloads_written):
+# a stop that unmounts the disk segment earlier loses every object not yet registered,
+# since the master refuses a registration that arrives after the unmount.
+DEFAULT_STOP_WAIT_S = 20.0
+STOP_WAIT_ENV = "MOONCAKE_SPAN_SSD_STOP_WAIT_S"
+_QUIET_POLL_S = 0.05
 
 LAYOUT_ENV = "MOONCAKE_OFFLOAD_STORAGE_BACKEND_DESCRIPTOR"
 BUCKET_LAYOUT = "bucket_storage_backend"
@@ -271,6 +277,7 @@ class DirLock:
     previous record, which tells a restart whether its predecessor crashed."""
 
     def __init__(self, root: str, name: str) -> None:
+        self.directory = os.path.join(root, name)
         self.path = os.path.join(root, f".{name}.lock")
         self._fd: int | None = None
         self._record: dict[str, Any] = {}
@@ -322,6 +329,65 @@ class DirLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+def resolve_stop_wait_s(flag: float | None, environ: Mapping[str, str]) -> float:
+    """How long a graceful stop waits for its offloads: ``--ssd-stop-wait-s``, then
+    ``MOONCAKE_SPAN_SSD_STOP_WAIT_S``, then 20 s. ConfigError names a bad value."""
+    if flag is not None:
+        text, source = str(flag), "--ssd-stop-wait-s"
+    elif environ.get(STOP_WAIT_ENV):
+        text, source = environ[STOP_WAIT_ENV], STOP_WAIT_ENV
+    else:
+        return DEFAULT_STOP_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise ConfigError(
+            f"{source} must be a number of seconds >= 0 (0 stops at once, losing what is not "
+            f"on disk yet), got {text!r}"
+        )
+    return value
+
+
+def offload_quiet_s(environ: Mapping[str, str]) -> float:
+    """Two offload heartbeats, as this process runs them: how long a directory stays
+    unchanged before a stop takes its offloads as finished."""
+    return 2.0 * _int(environ.get(HEARTBEAT_ENV), HEARTBEAT_S)
+
+
+def wait_offloads_written(
+    directory: str,
+    limit_s: float,
+    quiet_s: float,
+    *,
+    stamp: Callable[[], int] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[], None] | None = None,
+) -> bool:
+    """Before a graceful stop unmounts the disk segment: wait until the objects this
+    process holds unwritten are on disk and registered; False if ``limit_s`` ran out.
+
+    Each heartbeat hands the process every object it holds unwritten, and writing one
+    creates its ``.bucket`` and renames its ``.meta`` into ``directory``, changing the
+    directory's mtime; registration follows the rename within milliseconds. So once the
+    directory has not changed for ``quiet_s`` (``offload_quiet_s``) since the stop began, a
+    heartbeat found nothing left. The mtime is one ``stat``, whatever the file count.
+    """
+    stamp = stamp or (lambda: os.stat(directory).st_mtime_ns)
+    sleep = sleep or (lambda: time.sleep(_QUIET_POLL_S))
+    started_s = quiet_since_s = clock()
+    last = stamp()
+    while clock() - quiet_since_s < quiet_s:
+        if clock() - started_s >= limit_s:
+            return False
+        sleep()
+        current = stamp()
+        if current != last:
+            last, quiet_since_s = current, clock()
+    return True
 
 
 def _read_record(fd: int) -> dict[str, Any]:

@@ -64,7 +64,7 @@ class Keys:
     def slots(self, rows: list[int]) -> Any:
         return slots_of([r * PAGES_PER_KEY + p for r in rows for p in range(PAGES_PER_KEY)], PAGE)
 
-    def write_all(self) -> None:
+    def write_all(self, wait_on_disk: bool = True) -> None:
         """Every key, again while Mooncake refuses some (each copy stays pinned in
         DRAM until the offload heartbeat has written it)."""
         pending = list(range(KEYS))
@@ -77,7 +77,8 @@ class Keys:
             if failed:
                 pending += failed
                 time.sleep(0.5)
-        self.wait_on_disk()
+        if wait_on_disk:
+            self.wait_on_disk()
 
     def wait_on_disk(self) -> None:
         """Until the master lists an SSD replica of every key's object and its ``.bucket``

@@ -16,7 +16,9 @@ is compared with what was written for its key.
    key, and after a restart neither;
 4. a directory too small for one object is refused, naming the usable capacity;
 5. the first read after a graceful restart's READY restores every object whose SSD
-   replica the master listed before the stop (what the restart promises).
+   replica the master listed before the stop (what the restart promises);
+6. a graceful restart the moment the puts return keeps them all: the stop lets the
+   offloads it accepted finish (with ``--ssd-stop-wait-s 0``, its control, they are lost).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tests.integration.ssd_keys import (
     ROTTED,
     SEGMENT_BYTES,
     Keys,
+    missed_and_wrong,
     node_log,
     rot,
     tear,
@@ -137,6 +140,42 @@ def test_the_first_read_after_ready_restores_every_object_the_master_listed_on_s
         assert [P.page_bytes(keys.kv, s) for s in starts] == keys.expected
     finally:
         keys.store.close()
+
+
+@pytest.mark.parametrize("stop_wait_s", [None, 0.0], ids=["default", "control-no-wait"])
+def test_a_graceful_restart_the_moment_the_puts_return_keeps_every_object(
+    tmp_path: Path, stop_wait_s: float | None
+):
+    """Issue 49's loss: a node stopped before its offload heartbeat had written (or
+    registered) what it accepted lost those objects, as the master refuses a disk
+    replica registered after the stop unmounted the segment. The stop now waits for
+    them; its control stops at once and must lose some."""
+    (tmp_path / "ssd").mkdir()
+    spec = ClusterSpec(
+        storage_nodes=1,
+        storage_node_segment_bytes=SEGMENT_BYTES,
+        ssd_dir=tmp_path / "ssd",
+        ssd_size_bytes="256mb",
+        log_dir=tmp_path / "logs",
+        env_overrides={} if stop_wait_s is None else {"MOONCAKE_SPAN_SSD_STOP_WAIT_S": "0"},
+    )
+    with LocalCluster(spec) as started:
+        keys = Keys(started, "stopped")
+        try:
+            keys.write_all(wait_on_disk=False)
+            started.restart_storage_node(0)
+            keys.fresh()
+            missed, wrong = missed_and_wrong(keys)
+            assert wrong == []
+            if stop_wait_s is None:
+                assert missed == [], keys.evidence()
+                assert "offloads written" in node_log(started)
+            else:
+                assert missed, (
+                    "stopped at once, yet every object was on disk: the case proves nothing"
+                )
+        finally:
+            keys.store.close()
 
 
 def test_torn_files_are_not_offered_after_one_failed_read_nor_after_a_restart(cluster):

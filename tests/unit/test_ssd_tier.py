@@ -306,3 +306,79 @@ def test_doctor_names_the_master_flag_when_the_master_refuses_offload():
     assert check.status == FAIL and "--enable_offload=true" in check.fix
     assert doctor_ssd.master_check({"setup_rc": 0}).status == PASS
     assert doctor_ssd.master_check({"error": "no answer"}).status == SKIP
+
+
+class _Clock:
+    """A clock that one sleep moves by ``step_s``; ``changes`` are the times at which the
+    directory's stamp changes."""
+
+    def __init__(self, changes: list[float], step_s: float = 0.05) -> None:
+        self.now_s = 0.0
+        self.changes = changes
+        self.step_s = step_s
+
+    def sleep(self) -> None:
+        self.now_s += self.step_s
+
+    def stamp(self) -> int:
+        return sum(1 for at in self.changes if at <= self.now_s)
+
+
+def _wait(clock: _Clock, limit_s: float = 20.0, quiet_s: float = 2.0) -> bool:
+    return ssd_tier.wait_offloads_written(
+        "/unused", limit_s, quiet_s, stamp=clock.stamp, clock=lambda: clock.now_s, sleep=clock.sleep
+    )
+
+
+def test_a_stop_waits_two_heartbeats_even_when_nothing_changes():
+    clock = _Clock(changes=[])
+    assert _wait(clock)
+    assert 2.0 <= clock.now_s < 2.1
+
+
+def test_a_stop_waits_until_the_directory_is_quiet_after_its_last_write():
+    clock = _Clock(changes=[0.8, 1.9, 3.4])  # the heartbeats writing what the node held
+    assert _wait(clock)
+    assert 5.4 <= clock.now_s < 5.5
+
+
+def test_a_stop_gives_up_at_its_bound_while_offloads_keep_coming():
+    clock = _Clock(changes=[0.5 * i for i in range(1, 100)])
+    assert not _wait(clock, limit_s=5.0)
+    assert 5.0 <= clock.now_s < 5.1
+
+
+def test_a_stop_with_no_wait_returns_at_once():
+    clock = _Clock(changes=[])
+    assert not _wait(clock, limit_s=0.0)
+    assert clock.now_s == 0.0
+
+
+def test_the_quiet_spell_is_two_of_the_heartbeats_the_process_runs():
+    assert ssd_tier.offload_quiet_s({}) == 2.0 * ssd_tier.HEARTBEAT_S
+    assert ssd_tier.offload_quiet_s({ssd_tier.HEARTBEAT_ENV: "10"}) == 20.0
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "expected"),
+    [
+        (None, None, ssd_tier.DEFAULT_STOP_WAIT_S),
+        (None, "5", 5.0),
+        (3.0, "5", 3.0),
+        (0.0, None, 0.0),
+    ],
+)
+def test_the_stop_wait_comes_from_the_flag_then_the_environment(flag, env, expected):
+    environ = {} if env is None else {ssd_tier.STOP_WAIT_ENV: env}
+    assert ssd_tier.resolve_stop_wait_s(flag, environ) == expected
+
+
+@pytest.mark.parametrize(
+    ("flag", "env"), [(-1.0, None), (None, "soon"), (None, "inf"), (None, "-2")]
+)
+def test_a_bad_stop_wait_is_refused_naming_where_it_came_from(flag, env):
+    environ = {} if env is None else {ssd_tier.STOP_WAIT_ENV: env}
+    with pytest.raises(
+        ConfigError, match="--ssd-stop-wait-s" if flag is not None else ssd_tier.STOP_WAIT_ENV
+    ):
+        ssd_tier.resolve_stop_wait_s(flag, environ)
