@@ -148,7 +148,8 @@ class ServingSsd:
         self._list_disk_owners = list_disk_owners
         lister = (lambda: list_segments(admin_url)) if admin_url else None
         self._lock = open_rank_directory(settings, lister)
-        if self._lock is not None:
+        # A rank without a segment of its own (a pure reader) offloads nothing.
+        if self._lock is not None and settings.global_segment_size_bytes > 0:
             try:
                 self._stop_wait_s = resolve_stop_wait_s(None, os.environ)
             except ConfigError as exc:
@@ -172,7 +173,7 @@ class ServingSsd:
     def finish_offloads(self) -> None:
         """Before close unmounts the disk segment: what this rank holds unwritten
         reaches its disk first (bounded; ``ssd_tier.wait_offloads_written``)."""
-        if self._lock is None:
+        if self._lock is None or not self._stop_wait_s:
             return
         quiet_s = offload_quiet_s(os.environ)
         if not wait_offloads_written(self._lock.directory, self._stop_wait_s, quiet_s):

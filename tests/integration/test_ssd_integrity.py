@@ -18,7 +18,8 @@ is compared with what was written for its key.
 5. the first read after a graceful restart's READY restores every object whose SSD
    replica the master listed before the stop (what the restart promises);
 6. a graceful restart the moment the puts return keeps them all: the stop lets the
-   offloads it accepted finish (with ``--ssd-stop-wait-s 0``, its control, they are lost).
+   offloads it accepted finish (with ``--ssd-stop-wait-s 0``, its control, they are lost);
+   and so does a serving rank's close on its own tier (a process each, ``ssd_rank_process.py``).
 """
 
 from __future__ import annotations
@@ -176,6 +177,51 @@ def test_a_graceful_restart_the_moment_the_puts_return_keeps_every_object(
                 )
         finally:
             keys.store.close()
+
+
+@pytest.mark.parametrize("stop_wait_s", [None, "0"], ids=["default", "control-no-wait"])
+def test_a_serving_rank_closed_the_moment_its_puts_return_finds_them_on_its_own_tier(
+    tmp_path: Path, stop_wait_s: str | None
+):
+    """The same for a serving rank's own tier (sglang's ``enable_ssd_offload``): its
+    close lets the offloads finish before it unmounts, and the next rank process on
+    the same directory restores every key."""
+    import json
+    import os
+    import sys
+
+    from mooncake_span.store.ssd_tier import STOP_WAIT_ENV
+    from tests.integration import ssd_rank_process as R
+
+    spec = ClusterSpec(master_extra_args=("--enable_offload=true",), log_dir=tmp_path / "logs")
+    with LocalCluster(spec) as started:
+        env = {
+            **os.environ,
+            **started.client_env(),
+            R.CLIENT_CONFIG_ENV: json.dumps(started.client_config()),
+            R.DIRECTORY_ENV: str(tmp_path / "ssd"),
+        }
+        if stop_wait_s is not None:
+            env[STOP_WAIT_ENV] = stop_wait_s
+        runs = {
+            role: subprocess.run(
+                [sys.executable, "-m", "tests.integration.ssd_rank_process", role],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+            for role in ("write", "read")
+        }
+    for role, run in runs.items():
+        assert run.returncode == 0, f"{role}: {run.stderr[-3000:]}"
+    (line,) = [x for x in runs["read"].stdout.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["wrong"] == []
+    if stop_wait_s is None:
+        assert result["missed"] == [], runs["read"].stderr[-3000:]
+    else:
+        assert result["missed"], "closed at once, yet every object was on disk: proves nothing"
 
 
 def test_torn_files_are_not_offered_after_one_failed_read_nor_after_a_restart(cluster):
