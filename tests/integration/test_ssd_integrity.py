@@ -27,6 +27,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,19 +57,24 @@ def _needs_mooncake() -> None:
     require_mooncake()
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+def _node_with_ssd(tmp_path: Path, **fields: Any) -> ClusterSpec:
+    """One storage node with an SSD tier under ``tmp_path``."""
     (tmp_path / "ssd").mkdir()
-    spec = ClusterSpec(
+    return ClusterSpec(
         storage_nodes=1,
         storage_node_segment_bytes=SEGMENT_BYTES,
         ssd_dir=tmp_path / "ssd",
         ssd_size_bytes="256mb",
-        # The opt-in full check: the corrupt-key case needs the start-up scan that reads
-        # seals (the default size check leaves rot to the read; test_ssd_defaults.py).
-        ssd_check="full",
         log_dir=tmp_path / "logs",
+        **fields,
     )
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    # The opt-in full check: the corrupt-key case needs the start-up scan that reads
+    # seals (the default size check leaves rot to the read; test_ssd_defaults.py).
+    spec = _node_with_ssd(tmp_path, ssd_check="full")
     with LocalCluster(spec) as started:
         yield started
 
@@ -151,16 +157,8 @@ def test_a_graceful_restart_the_moment_the_puts_return_keeps_every_object(
     registered) what it accepted lost those objects, as the master refuses a disk
     replica registered after the stop unmounted the segment. The stop now waits for
     them; its control stops at once and must lose some."""
-    (tmp_path / "ssd").mkdir()
-    spec = ClusterSpec(
-        storage_nodes=1,
-        storage_node_segment_bytes=SEGMENT_BYTES,
-        ssd_dir=tmp_path / "ssd",
-        ssd_size_bytes="256mb",
-        log_dir=tmp_path / "logs",
-        env_overrides={} if stop_wait_s is None else {"MOONCAKE_SPAN_SSD_STOP_WAIT_S": "0"},
-    )
-    with LocalCluster(spec) as started:
+    waits = {} if stop_wait_s is None else {"MOONCAKE_SPAN_SSD_STOP_WAIT_S": "0"}
+    with LocalCluster(_node_with_ssd(tmp_path, env_overrides=waits)) as started:
         keys = Keys(started, "stopped")
         try:
             keys.write_all(wait_on_disk=False)
