@@ -110,8 +110,9 @@ class Registration:
         self.learned_kv_derived: frozenset[str] = frozenset()
         # A prefix chain's window and stripe (prefix_chain.ChainSpot), set with the
         # geometry: span_chain_window_tokens and span_chain_stripe_tokens in whole
-        # storage keys; one value, so a reader never sees one of them new.
-        self.chain_keys = (1, 1)
+        # storage keys (a stripe of 0: one step per window); one value, so a reader
+        # never sees one of them new.
+        self.chain_keys = (1, 0)
         # The storage page may still change until the first data call
         # (storage_page.py); the geometry, key schema and layout guard follow it.
         self.storage_page = StoragePage(declared_page(storage_config, options))
@@ -154,9 +155,10 @@ class Registration:
         # per chain window when sglang passes prefix keys (prefix_chain.py).
         self._client.place_by(self.key_schema.domain_of)
         page_tokens = geometry.storage_page_tokens
+        stripe_tokens = self._options.chain_stripe_tokens
         self.chain_keys = (
             max(1, self._options.chain_window_tokens // page_tokens),
-            max(1, self._options.chain_stripe_tokens // page_tokens),
+            max(1, stripe_tokens // page_tokens) if stripe_tokens else 0,  # 0: the window's
         )
 
     def _check_pool(self, name: str, pool: StoredPool, geometry: SpanGeometry) -> None:

@@ -224,6 +224,22 @@ def test_a_conversation_written_over_several_calls_sits_on_its_roots_segments(ch
     )
 
 
+@pytest.mark.parametrize("chain_rig", [0], indirect=True)
+def test_without_a_stripe_a_chain_moves_on_once_a_window(chain_rig):
+    """The default (no stripe): past its first window a chain keeps one segment per
+    window, so a backup call within a window is one native put."""
+    store, cluster = chain_rig
+    assert store.registration.chain_keys == (4, 0)
+    keys = _hex_chain(12, 14)
+    assert store.batch_set_v1(keys, slots_of(list(range(14)), PAGE), _info([])) == [True] * 14
+    schema = store.key_schema
+    order = rank_segments(schema.domains([keys[0]], 1)[0], cluster.live_segments())
+    placed = [
+        cluster.placement[schema.object_keys([k], store.pools["kv"].components)[0]] for k in keys
+    ]
+    assert placed == [order[(p // 4) % len(order)] for p in range(14)]
+
+
 @pytest.mark.parametrize("chain_rig", [1, 2], indirect=True)
 def test_past_its_first_window_a_chain_moves_on_every_stripe(chain_rig):
     """A long conversation's tail spreads over the root's ranking a stripe at a time,
@@ -304,8 +320,9 @@ def test_the_knob_reaching_our_config_is_ignored_quietly(caplog):
     with pytest.raises(Exception, match="span_chain_window_tokens"):
         load_span_options({"span_chain_window_tokens": 0})
     assert load_span_options({"span_chain_stripe_tokens": "512"}).chain_stripe_tokens == 512
-    with pytest.raises(Exception, match="span_chain_stripe_tokens must be in 1"):
-        load_span_options({"span_chain_stripe_tokens": 0})
+    assert load_span_options({}).chain_stripe_tokens == 0  # opt-in: one node per window
+    with pytest.raises(Exception, match="span_chain_stripe_tokens must be in 0"):
+        load_span_options({"span_chain_stripe_tokens": -1})
 
 
 def test_the_window_model_of_the_bench_follows_the_rule():
