@@ -27,6 +27,10 @@ Mooncake's setup seconds, then a sample of keys read back and compared byte
 for byte. And the directory listed cold (``os.scandir`` with a ``stat`` per
 entry). Two data sizes give restart seconds per GB and per object.
 
+``MOONCAKE_SPAN_SSD_SCALE_LARGE_GB`` sizes step 1 (default 10 GB) and
+``MOONCAKE_SPAN_SSD_SCALE_SMALL_OBJECTS=0`` leaves step 2 out, for a tier of
+production-sized objects alone.
+
 Load: the box's other work is not stopped; the load average at each
 measurement is recorded beside it.
 """
@@ -43,7 +47,8 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +84,46 @@ class SsdScaleConfig:
     keep: bool = False  # leave the directory (tens of GB) after the run
 
     def __post_init__(self) -> None:
-        if min(self.large_objects, self.small_objects, self.large_object_bytes) < 1:
-            raise ValueError("object counts and sizes must be >= 1")
-        if not 1 <= 2 * self.offloaded_objects <= self.small_objects:
+        if min(self.large_objects, self.large_object_bytes) < 1 or self.small_objects < 0:
+            raise ValueError("object counts and sizes must be >= 1 (small_objects: 0 skips step 2)")
+        if self.small_objects and not 1 <= 2 * self.offloaded_objects <= self.small_objects:
             raise ValueError("need 1 <= 2 * offloaded_objects <= small_objects")
         if self.small_object_bytes <= seal.TRAILER_BYTES:
             raise ValueError(f"objects must be larger than the {seal.TRAILER_BYTES}-byte seal")
         if not set(self.modes) <= set(CHECK_MODES):
             raise ValueError(f"modes must be among {CHECK_MODES}")
+
+
+def config_from_env(quick: bool, env: Mapping[str, str]) -> SsdScaleConfig:
+    """The run's configuration: ``--quick``'s or the default, with
+    ``MOONCAKE_SPAN_SSD_SCALE_LARGE_GB`` (step 1's tier size in GB, as whole
+    large objects) and ``MOONCAKE_SPAN_SSD_SCALE_SMALL_OBJECTS`` (0: no step 2)
+    replacing their fields where set."""
+    config = (
+        SsdScaleConfig(large_objects=64, small_objects=4_000, offloaded_objects=500)
+        if quick
+        else SsdScaleConfig()
+    )
+    changes: dict[str, int] = {}
+    large_gb = env.get("MOONCAKE_SPAN_SSD_SCALE_LARGE_GB")
+    if large_gb:
+        try:
+            gb = float(large_gb)
+        except ValueError:
+            gb = 0.0
+        if not gb > 0 or gb != gb or gb == float("inf"):
+            raise ValueError(
+                f"MOONCAKE_SPAN_SSD_SCALE_LARGE_GB={large_gb!r}: must be a size in GB > 0"
+            )
+        changes["large_objects"] = max(1, round(gb * 1e9 / config.large_object_bytes))
+    small = env.get("MOONCAKE_SPAN_SSD_SCALE_SMALL_OBJECTS")
+    if small:
+        if not small.isdigit():
+            raise ValueError(
+                f"MOONCAKE_SPAN_SSD_SCALE_SMALL_OBJECTS={small!r}: must be an object count >= 0"
+            )
+        changes["small_objects"] = int(small)
+    return replace(config, **changes)
 
 
 def _load() -> float:
@@ -394,6 +431,7 @@ def run_ssd_scale_bench(config: SsdScaleConfig) -> dict[str, Any]:
     }
     large = Objects("large", config.large_objects, config.large_object_bytes, seed=1)
     small = Objects("small", config.small_objects, config.small_object_bytes, seed=2)
+    steps = (large, small) if config.small_objects else (large,)
     try:
         with LocalCluster(_cluster_spec(config)) as cluster:
             directory = cluster.node_ssd_dir(0)
@@ -401,7 +439,7 @@ def run_ssd_scale_bench(config: SsdScaleConfig) -> dict[str, Any]:
             writer = Writer(cluster, config.large_object_bytes)
             try:
                 held: list[Objects] = []
-                for objects in (large, small):
+                for objects in steps:
                     if objects is large:
                         step = {"fill": _fill(cluster, writer, objects, 0)}
                     else:
@@ -473,12 +511,7 @@ def format_ssd_scale(result: dict[str, Any]) -> str:
 
 
 def run_ssd_scale_command(quick: bool, json_path: str | None) -> int:
-    config = (
-        SsdScaleConfig(large_objects=64, small_objects=4_000, offloaded_objects=500)
-        if quick
-        else SsdScaleConfig()
-    )
-    result = run_ssd_scale_bench(config)
+    result = run_ssd_scale_bench(config_from_env(quick, os.environ))
     print(format_ssd_scale(result), flush=True)
     if json_path:
         with open(json_path, "w", encoding="utf-8") as fh:
