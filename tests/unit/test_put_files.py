@@ -36,7 +36,7 @@ NOT_ON_THE_PATH = {
 }
 # The put's files today, and the target of issue #48 (10): missed by the
 # difference, see docs/architecture.md.
-PUT_FILES_BOUND = 23
+PUT_FILES_BOUND = 22
 PUT_FILES_TARGET = 10
 
 
