@@ -39,7 +39,7 @@ NOT_ON_THE_PATH = {
 }
 # The put's files today, and the target of issue #48 (10): missed by the
 # difference, see docs/architecture.md.
-PUT_FILES_BOUND = 19
+PUT_FILES_BOUND = 18
 PUT_FILES_TARGET = 10
 
 
