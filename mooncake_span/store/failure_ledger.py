@@ -29,11 +29,11 @@ every request).
 
 from __future__ import annotations
 
-import collections
 import enum
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from mooncake_span.config import SpanOptions
@@ -199,7 +199,7 @@ class DomainHealth:
         self._ttl_s = ttl_s
         self._max = max_segments
         self._lock = threading.Lock()
-        self._bad_until: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._bad_until: OrderedDict[str, float] = OrderedDict()
         self.times_marked = 0
 
     def mark_bad(self, segments: Iterable[str], now_s: float) -> list[str]:
@@ -247,7 +247,7 @@ class LostKeys:
         self._ttl_s = ttl_s
         self._max = max_keys
         self._lock = threading.Lock()
-        self._until: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._until: OrderedDict[str, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._until)
