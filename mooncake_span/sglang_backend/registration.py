@@ -357,7 +357,8 @@ class Registration:
         ``extra_info`` carries prefix keys, where the keys sit in their chain.
         ``kv_derived_hint``: sglang indexes this (state) pool by KV slots, so it
         is learned as KV-derived."""
-        self.begin_io(_stride(keys, host_indices))
+        # Only the first data call's stride can fix the storage page.
+        self.begin_io(None if self._io_ready else _stride(keys, host_indices))
         return self._pool_batch(name, keys, host_indices, kv_derived_hint, extra_info)
 
     def _pool_batch(
@@ -411,7 +412,7 @@ class Registration:
             is not PoolKind.STATE
             or pool_name_str(getattr(t, "indices_from_pool", None)) == KV_POOL
         )
-        self.begin_io(next((s for s in strides if s is not None), None))
+        self.begin_io(None if self._io_ready else next((s for s in strides if s is not None), None))
         out = TransferBatches(miss_per_transfer(transfers))
         for transfer in transfers:
             name = pool_name_str(getattr(transfer, "name", None))

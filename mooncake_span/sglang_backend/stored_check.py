@@ -25,15 +25,24 @@ chain's root (docs/operating.md, "Eviction").
 One query serves two sglang calls where it can: a sidecar backup
 (``batch_set_v2`` with a KV-derived pool) asks about the KV objects of its
 keys too and keeps the answer (``KvAhead``) for the KV call that follows,
-which then sends no query. Why each object is not written is counted in the
+which then sends no query: one master RPC less per backup. sglang backs up a
+hybrid model's batch as ``batch_set_v2`` (the sidecars, DSA's indexer among
+them, whose keys are the KV keys) then ``batch_set_v1`` (the KV pool) on its
+one backup thread. A kept answer is used at most once, by the thread that
+asked, for exactly the same objects and within ``FRESH_S``; otherwise the KV
+call asks as always. It is as old as the answer a put right after a query
+relies on: milliseconds. The look-ahead is this check's cache, so it lives
+here. Why each object is not written is counted in the
 client's ``PutPressure`` (``STORED``, ``UNREACHABLE``).
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from mooncake_span.sglang_backend.kv_ahead import KvAhead
 from mooncake_span.sglang_backend.objects import chain_placement, prefix_objects
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.stored_pool import PoolBatch
@@ -46,6 +55,36 @@ from mooncake_span.store.put_cooldown import STORED, UNREACHABLE, PutPressure
 class StoredAnswer:
     stored: list[bool]  # per object of the call
     prefix_head_stored: bool  # the prefix objects the query carried (True: none)
+
+
+# Longer than the sidecar put that separates the two calls, short against eviction.
+FRESH_S = 1.0
+
+
+@dataclass(frozen=True)
+class KvAnswer:
+    objects: list[str]
+    stored: list[bool]
+    reachable: bool  # the chain's prefix was wholly stored (or not checked)
+    at_s: float
+
+
+class KvAhead:
+    """One answer per thread, taken by the next KV call of that thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._local = threading.local()
+        self._clock = clock
+
+    def keep(self, objects: list[str], stored: list[bool], reachable: bool) -> None:
+        self._local.answer = KvAnswer(objects, stored, reachable, self._clock())
+
+    def take(self, objects: list[str]) -> KvAnswer | None:
+        """The kept answer if about exactly ``objects`` and fresh (used up either way)."""
+        answer = getattr(self._local, "answer", None)
+        self._local.answer = None
+        fresh = answer is not None and self._clock() - answer.at_s <= FRESH_S
+        return answer if fresh and answer.objects == objects else None
 
 
 class StoredCheck:

@@ -1,8 +1,7 @@
-"""Failure domains: where a storage key's objects go, and which segments to avoid. Pure.
+"""Failure domains: where a storage key's objects go. Pure.
 
-A *failure domain* is one Mooncake segment (one storage-node process). Three
-pieces of state, each with a size bound, and no I/O (the caller supplies the
-clock and the segment list):
+A *failure domain* is one Mooncake segment (one storage-node process). No
+state and no I/O (the caller supplies the segment list):
 
 * ``rank_segments`` orders the live segments for one domain key by rendezvous
   (highest-random-weight) hashing. Every object of a storage key carries the
@@ -16,21 +15,16 @@ clock and the segment list):
   sits on the s-th segment of the root's order (cyclically), so a chain
   shorter than the window lives or dies as a whole, and a longer one moves on
   to the root's next segment every window.
-* ``DomainHealth`` remembers segments that failed a transfer, for a bounded
-  time. Keys placed there read as misses without a transfer attempt, and
-  writes skip them, while every other segment is served as before.
-* ``LostKeys`` is the negative cache of objects whose restore failed: they are
-  not reported present again until they are written again or the TTL passes,
-  so a prefetch does not retry a lost key on every request.
+
+Which segments to avoid is decided by ``store/failure_ledger.py``, which keeps
+the marks (``DomainHealth``, ``LostKeys``) next to their rules.
 """
 
 from __future__ import annotations
 
-import collections
 import hashlib
-import threading
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -243,111 +237,3 @@ def put_targets(
                 segment = spare.pop(0) if spare else ""
             out.setdefault(segment, []).append((i, copy_key(key, r)))
     return out
-
-
-def _check_bounds(ttl_s: float, max_entries: int) -> None:
-    if ttl_s <= 0:
-        raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-    if max_entries < 1:
-        raise ValueError(f"the entry bound must be >= 1, got {max_entries}")
-
-
-class DomainHealth:
-    """Segments that failed a transfer, each bad until ``ttl_s`` after its last failure.
-
-    At most ``max_segments`` are remembered (the oldest mark is dropped first),
-    so a storm of failures cannot grow it without bound.
-    """
-
-    def __init__(self, ttl_s: float, max_segments: int = 1024) -> None:
-        _check_bounds(ttl_s, max_segments)
-        self._ttl_s = ttl_s
-        self._max = max_segments
-        self._lock = threading.Lock()
-        self._bad_until: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self.times_marked = 0
-
-    def mark_bad(self, segments: Iterable[str], now_s: float) -> list[str]:
-        """Mark segments bad; returns those that were not bad before (for logging)."""
-        fresh = []
-        with self._lock:
-            for segment in segments:
-                until = self._bad_until.pop(segment, None)
-                if until is None or until <= now_s:
-                    fresh.append(segment)
-                    self.times_marked += 1
-                self._bad_until[segment] = now_s + self._ttl_s
-                while len(self._bad_until) > self._max:
-                    self._bad_until.popitem(last=False)
-        return fresh
-
-    @property
-    def any_bad(self) -> bool:
-        """True while some mark may still be live (a cheap check without the clock)."""
-        return bool(self._bad_until)
-
-    def mark_good(self, segment: str) -> None:
-        with self._lock:
-            self._bad_until.pop(segment, None)
-
-    def bad(self, now_s: float) -> frozenset[str]:
-        """The segments bad at ``now_s`` (expired marks are dropped)."""
-        with self._lock:
-            expired = [s for s, until in self._bad_until.items() if until <= now_s]
-            for segment in expired:
-                del self._bad_until[segment]
-            return frozenset(self._bad_until)
-
-
-class LostKeys:
-    """Object keys whose restore failed: absent until re-written or ``ttl_s`` passes.
-
-    An LRU of at most ``max_keys`` entries; when full the oldest entry is
-    forgotten, which can only make a lost key look present again early (one
-    more failed restore), never hide a stored one for longer than the TTL.
-    """
-
-    def __init__(self, ttl_s: float, max_keys: int) -> None:
-        _check_bounds(ttl_s, max_keys)
-        self._ttl_s = ttl_s
-        self._max = max_keys
-        self._lock = threading.Lock()
-        self._until: collections.OrderedDict[str, float] = collections.OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._until)
-
-    def __bool__(self) -> bool:
-        return bool(self._until)
-
-    def add(self, keys: Iterable[str], now_s: float) -> None:
-        with self._lock:
-            for key in keys:
-                self._until.pop(key, None)
-                self._until[key] = now_s + self._ttl_s
-                while len(self._until) > self._max:
-                    self._until.popitem(last=False)
-
-    def discard(self, keys: Iterable[str]) -> None:
-        if not self._until:  # the common case: nothing lost, no lock
-            return
-        with self._lock:
-            for key in keys:
-                self._until.pop(key, None)
-
-    def lost_mask(self, keys: Sequence[str], now_s: float) -> list[bool]:
-        """Per key, True while it is known lost."""
-        if not self._until:
-            return [False] * len(keys)
-        with self._lock:
-            # Entries are in expiry order (one TTL, re-adds move to the end).
-            while self._until and next(iter(self._until.values())) <= now_s:
-                self._until.popitem(last=False)
-            out = []
-            for key in keys:
-                until = self._until.get(key)
-                if until is not None and until <= now_s:
-                    del self._until[key]
-                    until = None
-                out.append(until is not None)
-            return out

@@ -10,6 +10,15 @@ failure (``errors.is_cluster_failure``), an exception or a wrong-length result
 counts against it, any other answer proves the master alive. While the
 breaker is open, ``RecoveryProbe`` asks the cluster past the gate.
 
+The breaker and its probe are the gate's: ``CircuitBreaker`` is the state
+machine the gate consults on every call (pure, the caller supplies the clock).
+With the master down every Mooncake call takes ~4.3 s before returning -900,
+which would stall sglang's prefetch and backup threads for minutes; after
+``breaker_failures`` consecutive whole-call transport failures the breaker
+opens and calls are refused at once (the backend answers "miss"). Nothing on
+the request path would then see the cluster recover, so ``RecoveryProbe``'s
+thread asks it at a fixed interval and closes the breaker on the first answer.
+
 It owns the client's error counters: every non-success code by name, and what
 the client skipped or found wrong (``count``). Every increment takes one lock,
 since sglang's backup and prefetch threads call at once.
@@ -18,18 +27,18 @@ since sglang's backup and prefetch threads call at once.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import StoreClosedError, TransportError, code_name, is_cluster_failure
-from mooncake_span.store.breaker import BreakerSnapshot, CircuitBreaker
-from mooncake_span.store.recovery import RecoveryProbe
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +49,98 @@ logger = logging.getLogger(__name__)
 # counted here, four by the client through count()).
 _MAX_ERROR_LABELS = 64
 _OTHER_CODES_LABEL = "CODE_OTHER"
+
+
+class BreakerState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+
+
+@dataclass(frozen=True)
+class BreakerSnapshot:
+    state: BreakerState
+    consecutive_failures: int
+    times_opened: int
+    opened_at_s: float | None
+
+
+class CircuitBreaker:
+    def __init__(self, failure_threshold: int) -> None:
+        if failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
+        self._threshold = failure_threshold
+        self._lock = threading.Lock()
+        self._state = BreakerState.CLOSED
+        self._failures = 0
+        self._times_opened = 0
+        self._opened_at_s: float | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._state is BreakerState.OPEN
+
+    def record_success(self) -> bool:
+        """Returns True when this success closed an open breaker."""
+        with self._lock:
+            was_open = self._state is BreakerState.OPEN
+            self._state = BreakerState.CLOSED
+            self._failures = 0
+            self._opened_at_s = None
+            return was_open
+
+    def record_failure(self, now_s: float) -> bool:
+        """Returns True when this failure opened the breaker."""
+        with self._lock:
+            self._failures += 1
+            if self._state is BreakerState.CLOSED and self._failures >= self._threshold:
+                self._state = BreakerState.OPEN
+                self._times_opened += 1
+                self._opened_at_s = now_s
+                return True
+            return False
+
+    def snapshot(self) -> BreakerSnapshot:
+        with self._lock:
+            return BreakerSnapshot(
+                self._state, self._failures, self._times_opened, self._opened_at_s
+            )
+
+
+class RecoveryProbe:
+    """``probe()`` answers True (the cluster answered), False (not yet) or None
+    (the client closed: stop)."""
+
+    def __init__(
+        self, breaker: CircuitBreaker, interval_s: float, probe: Callable[[], bool | None]
+    ) -> None:
+        self._breaker = breaker
+        self._interval_s = interval_s
+        self._probe = probe
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start probing unless a probe thread is already running."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(
+                target=self._loop, name="mooncake-span-probe", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self._interval_s)
+            alive = self._probe()
+            if alive is None:
+                return
+            if alive:
+                if self._breaker.record_success():
+                    logger.warning(
+                        "mooncake-span: circuit breaker CLOSED, the cluster answers again"
+                    )
+                return
 
 
 class NativeGate:

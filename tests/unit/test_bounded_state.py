@@ -25,8 +25,7 @@ from mooncake_span.sglang_backend.stats import (
     CallCounters,
     RateLimitedLog,
 )
-from mooncake_span.store.breaker import CircuitBreaker
-from mooncake_span.store.gate import _MAX_ERROR_LABELS
+from mooncake_span.store.gate import _MAX_ERROR_LABELS, CircuitBreaker
 from mooncake_span.store.layout_guard import GeometryRecord, PoolGeometry, check_or_publish
 from mooncake_span_tools.testing import pools as P
 from mooncake_span_tools.testing.fake_store import FakeCluster

@@ -1,4 +1,4 @@
-"""Circuit breaker state machine (mooncake_span.store.breaker)."""
+"""Circuit breaker state machine (mooncake_span.store.gate)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_span.store.breaker import BreakerSnapshot, BreakerState, CircuitBreaker
+from mooncake_span.store.gate import BreakerSnapshot, BreakerState, CircuitBreaker
 
 
 def test_starts_closed():

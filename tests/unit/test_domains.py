@@ -1,4 +1,5 @@
-"""Placement and failure-domain state (mooncake_span.store.domains), pure."""
+"""Placement (mooncake_span.store.domains) and the failure marks' state
+(DomainHealth, LostKeys in mooncake_span.store.failure_ledger), pure."""
 
 from __future__ import annotations
 
@@ -9,8 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake_span.store.domains import (
-    DomainHealth,
-    LostKeys,
     copy_candidates,
     copy_key,
     live_copies,
@@ -18,6 +17,7 @@ from mooncake_span.store.domains import (
     rank_segments,
     suspect_copies,
 )
+from mooncake_span.store.failure_ledger import DomainHealth, LostKeys
 
 SEGMENTS = [f"10.0.0.{i}:1{i:04d}" for i in range(1, 5)]
 

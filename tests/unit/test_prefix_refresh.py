@@ -109,7 +109,7 @@ def test_a_kv_call_asks_itself_unless_its_sidecar_call_just_asked_for_the_same_k
 def test_a_kept_answer_is_used_once_by_its_thread_while_fresh():
     import threading
 
-    from mooncake_span.sglang_backend.kv_ahead import FRESH_S, KvAhead
+    from mooncake_span.sglang_backend.stored_check import FRESH_S, KvAhead
 
     now = [100.0]
     ahead = KvAhead(clock=lambda: now[0])

@@ -5,8 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from mooncake_span.store.breaker import CircuitBreaker
-from mooncake_span.store.recovery import RecoveryProbe
+from mooncake_span.store.gate import CircuitBreaker, RecoveryProbe
 
 
 def _wait(predicate, timeout_s: float = 5.0) -> bool:
