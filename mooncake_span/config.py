@@ -168,8 +168,8 @@ class SpanOptions:
     # many tokens (0: every window), so one prefetch call of a long conversation
     # (sglang's 128 host pages, 8,192 tokens) reads from several nodes at once
     # instead of every reader waiting on one. Opt-in: it splits each backup call
-    # over the nodes (1.8x the master's put RPCs of a long backup, and 0.6x the
-    # put rate on a 2-core host), and its read gain needs a host where one node's
+    # over the nodes (1.8x the master's put RPCs of a long backup, and 0.61-0.73x
+    # the put rate to 4 nodes on a 2-core host), and its read gain needs a host where one node's
     # rate is the limit, not measured yet (docs/reliability.md).
     chain_stripe_tokens: int = 0
     # The master's admin HTTP server (its --metrics_port) that lists segments;
