@@ -189,10 +189,9 @@ class MooncakeClient:
         )
 
     def _choose_seals(self, store: Any) -> None:
-        """Whether this client seals its objects (``store/ssd_marker.py``): given, or on
-        wherever the cluster keeps objects on an SSD. ``options`` carry the answer
-        from here on (the layout guard publishes it). A rank with its own tier
-        stores the cluster's marker first."""
+        """Whether this client seals its objects (``store/ssd_marker.py``): as given, or on
+        where the cluster has an SSD tier (a rank with its own stores the marker first);
+        ``options`` carry the answer on, and the layout guard publishes it."""
         if self._ssd.owns_directory:
             segment = store.get_hostname()
             config = self._replicate_config(None, True, segment)
@@ -203,12 +202,7 @@ class MooncakeClient:
         sealed, why = ssd_marker.resolve_object_checksums(
             self.options.object_checksums,
             self._ssd.owns_directory,
-            lambda: (
-                self._gate.invoke(
-                    "batch_is_exist", lambda s: s.batch_is_exist([ssd_marker.MARKER_KEY]), 1
-                )[0]
-                > 0
-            ),
+            lambda: self._gate.invoke("batch_is_exist", ssd_marker.ask_stored, 1)[0] > 0,
             self.options.layout_guard,
         )
         sources = {**self.options.sources, "object_checksums": why}
@@ -227,12 +221,7 @@ class MooncakeClient:
         self._domains.close()
         if store is None:
             return
-        state = "stopped"
-        # The disk segment first, once what it accepted is written: readers miss
-        # cleanly at once, and a restart right after registers every key again.
-        self._ssd.finish_offloads()
-        if self._ssd.owns_directory and store.unmount_local_disk_segment(0) != 0:
-            state = "unmount-failed"
+        state = self._ssd.unmount(store)
         store.close()
         self._ssd.release(state)
 

@@ -170,10 +170,21 @@ class ServingSsd:
         if self._lock is not None:
             self._lock.update(state="running", segment=segment)
 
-    def finish_offloads(self) -> None:
-        """Before close unmounts the disk segment: what this rank holds unwritten
-        reaches its disk first (bounded; ``ssd_tier.wait_offloads_written``)."""
-        if self._lock is None or not self._stop_wait_s:
+    def unmount(self, store: Any) -> str:
+        """At close, before the native client closes: the disk segment goes first, so
+        readers miss cleanly at once and a restart right after registers every key
+        again, but only once what this rank accepted is written. Returns the state
+        ``release`` records."""
+        if self._lock is None:
+            return "stopped"
+        self._finish_offloads()
+        return "stopped" if store.unmount_local_disk_segment(0) == 0 else "unmount-failed"
+
+    def _finish_offloads(self) -> None:
+        """What this rank holds unwritten reaches its disk (bounded;
+        ``ssd_tier.wait_offloads_written``): the master refuses a disk replica
+        registered after the unmount."""
+        if not self._stop_wait_s:
             return
         quiet_s = offload_quiet_s(os.environ)
         if not wait_offloads_written(self._lock.directory, self._stop_wait_s, quiet_s):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from mooncake_span.errors import ConfigError, ErrorCode
 from mooncake_span.span.keys import KEY_SCHEMA_VERSION
@@ -29,6 +30,11 @@ from mooncake_span.span.keys import KEY_SCHEMA_VERSION
 logger = logging.getLogger(__name__)
 
 MARKER_KEY = f"{KEY_SCHEMA_VERSION}__ssd_tier"
+
+
+def ask_stored(store: Any) -> list[int]:
+    """The native existence query of the marker (``batch_is_exist``'s codes)."""
+    return store.batch_is_exist([MARKER_KEY])
 
 
 def marker_bytes(segment: str) -> bytes:
