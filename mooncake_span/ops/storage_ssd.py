@@ -105,6 +105,9 @@ class NodeSsd:
     def finish_offloads(self) -> None:
         """On a graceful stop, before the disk segment is unmounted: every object the
         node holds unwritten reaches the disk and the master's listing first."""
+        if not self.stop_wait_s:
+            logger.warning("--ssd-stop-wait-s 0: stopping without waiting for offloads")
+            return
         started_s = time.monotonic()
         quiet_s = ssd_tier.offload_quiet_s(os.environ)
         if ssd_tier.wait_offloads_written(self.tier.directory, self.stop_wait_s, quiet_s):
