@@ -379,14 +379,18 @@ def wait_offloads_written(
     stamp = stamp or (lambda: os.stat(directory).st_mtime_ns)
     sleep = sleep or (lambda: time.sleep(_QUIET_POLL_S))
     started_s = quiet_since_s = clock()
-    last = stamp()
-    while clock() - quiet_since_s < quiet_s:
-        if clock() - started_s >= limit_s:
-            return False
-        sleep()
-        current = stamp()
-        if current != last:
-            last, quiet_since_s = current, clock()
+    try:
+        last = stamp()
+        while clock() - quiet_since_s < quiet_s:
+            if clock() - started_s >= limit_s:
+                return False
+            sleep()
+            current = stamp()
+            if current != last:
+                last, quiet_since_s = current, clock()
+    except OSError as exc:  # the directory is gone: nothing tells when offloads end
+        logger.warning("cannot watch %s for offloads (%s)", directory, exc)
+        return False
     return True
 
 

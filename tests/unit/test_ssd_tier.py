@@ -382,3 +382,7 @@ def test_a_bad_stop_wait_is_refused_naming_where_it_came_from(flag, env):
         ConfigError, match="--ssd-stop-wait-s" if flag is not None else ssd_tier.STOP_WAIT_ENV
     ):
         ssd_tier.resolve_stop_wait_s(flag, environ)
+
+
+def test_a_stop_whose_directory_is_gone_does_not_wait_or_raise(tmp_path):
+    assert not ssd_tier.wait_offloads_written(str(tmp_path / "gone"), 20.0, 2.0)
