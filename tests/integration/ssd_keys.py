@@ -11,7 +11,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from mooncake_span.ops.cluster import LocalCluster
+from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.ops.master_http import get_text, iter_lines
 from mooncake_span_tools.testing import pools as P
 from tests.span_helpers import make_storage_config, register_pools, slots_of
@@ -23,6 +23,19 @@ SEGMENT_BYTES = 16 << 20
 KEYS = 8
 OFFLOAD_WAIT_S = 60.0  # bound of the wait for the 1 s heartbeat to write every object
 MASTER_HTTP_TIMEOUT_S = 10.0
+
+
+def node_with_ssd(tmp_path: Path, **fields: Any) -> ClusterSpec:
+    """One storage node with an SSD tier under ``tmp_path``."""
+    (tmp_path / "ssd").mkdir(exist_ok=True)
+    return ClusterSpec(
+        storage_nodes=1,
+        storage_node_segment_bytes=SEGMENT_BYTES,
+        ssd_dir=tmp_path / "ssd",
+        ssd_size_bytes="256mb",
+        log_dir=tmp_path / "logs",
+        **fields,
+    )
 
 
 class Keys:

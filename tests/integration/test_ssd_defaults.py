@@ -23,15 +23,15 @@ from typing import Any
 import pytest
 
 from mooncake_span.errors import ConfigError
-from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
+from mooncake_span.ops.cluster import LocalCluster
 from mooncake_span.store.ssd_marker import MARKER_KEY
 from tests.conftest import require_mooncake
 from tests.integration.ssd_keys import (
     ROTTED,
-    SEGMENT_BYTES,
     Keys,
     missed_and_wrong,
     node_log,
+    node_with_ssd,
     rot,
     tear,
 )
@@ -47,17 +47,7 @@ def _needs_mooncake() -> None:
 
 
 def _cluster(tmp_path: Path, **spec: Any) -> LocalCluster:
-    (tmp_path / "ssd").mkdir(exist_ok=True)
-    return LocalCluster(
-        ClusterSpec(
-            storage_nodes=1,
-            storage_node_segment_bytes=SEGMENT_BYTES,
-            ssd_dir=tmp_path / "ssd",
-            ssd_size_bytes="256mb",
-            log_dir=tmp_path / "logs",
-            **spec,
-        )
-    )
+    return LocalCluster(node_with_ssd(tmp_path, **spec))
 
 
 @pytest.fixture

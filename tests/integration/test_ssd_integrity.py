@@ -27,7 +27,6 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -44,6 +43,7 @@ from tests.integration.ssd_keys import (
     Keys,
     missed_and_wrong,
     node_log,
+    node_with_ssd,
     rot,
     tear,
     wrong_rows,
@@ -57,24 +57,11 @@ def _needs_mooncake() -> None:
     require_mooncake()
 
 
-def _node_with_ssd(tmp_path: Path, **fields: Any) -> ClusterSpec:
-    """One storage node with an SSD tier under ``tmp_path``."""
-    (tmp_path / "ssd").mkdir()
-    return ClusterSpec(
-        storage_nodes=1,
-        storage_node_segment_bytes=SEGMENT_BYTES,
-        ssd_dir=tmp_path / "ssd",
-        ssd_size_bytes="256mb",
-        log_dir=tmp_path / "logs",
-        **fields,
-    )
-
-
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     # The opt-in full check: the corrupt-key case needs the start-up scan that reads
     # seals (the default size check leaves rot to the read; test_ssd_defaults.py).
-    spec = _node_with_ssd(tmp_path, ssd_check="full")
+    spec = node_with_ssd(tmp_path, ssd_check="full")
     with LocalCluster(spec) as started:
         yield started
 
@@ -158,7 +145,7 @@ def test_a_graceful_restart_the_moment_the_puts_return_keeps_every_object(
     replica registered after the stop unmounted the segment. The stop now waits for
     them; its control stops at once and must lose some."""
     waits = {} if stop_wait_s is None else {"MOONCAKE_SPAN_SSD_STOP_WAIT_S": "0"}
-    with LocalCluster(_node_with_ssd(tmp_path, env_overrides=waits)) as started:
+    with LocalCluster(node_with_ssd(tmp_path, env_overrides=waits)) as started:
         keys = Keys(started, "stopped")
         try:
             keys.write_all(wait_on_disk=False)
