@@ -22,7 +22,7 @@ from typing import Any
 from mooncake_span.errors import ConfigError
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.store import ssd_marker, ssd_scan, ssd_tier
-from mooncake_span.store.native import replicate_config
+from mooncake_span.store.gate import replicate_config
 from mooncake_span.store.segments import fetch_segments
 from mooncake_span.units import parse_size_bytes
 

@@ -1,16 +1,19 @@
-"""The only module that talks to Mooncake.
+"""The store's one entry: ``MooncakeClient``, over one ``MooncakeDistributedStore``.
 
-``MooncakeClient`` wraps one ``MooncakeDistributedStore``: it sets it up,
-makes every native call through the gate (``gate.py``: closed, breaker,
-answer shape, the error counters) and closes it. A native code is read in
-one place (``errors.py``: ``written``, ``read_whole``, ``found`` and the
-predicates); every other code is counted by name. What to do is decided
-elsewhere, and carried out here:
+The client sets the native store up (the only module that loads Mooncake),
+hands each put, get and existence query down to ``DomainCalls`` and closes
+it. Every native call passes the gate (``gate.py``: closed, breaker, answer
+shape, the error counters; its ``NativeCalls`` are the data calls). A native
+code is read in one place (``errors.py``: ``written``, ``read_whole``,
+``found`` and the predicates); every other code is counted by name. The
+calls go one way: the client calls down, and nothing below calls it back.
+What to do is decided below:
 
-* ``domain_calls.py``: which native calls a put or a get becomes (direct, as
-  its caller built it, or copy by copy, by the router's word), existence
-  queries copy by copy, and what a failed call teaches;
-* ``put_cooldown.py``: refused puts in a row pause puts (skipped ones read False);
+* ``domain_calls.py``: which native calls a put, a get or an existence query
+  becomes (direct, as its caller built it, or copy by copy, by the router's
+  word), and what a failed call teaches;
+* ``failure_ledger.py``: what failed calls taught (marked segments, lost keys,
+  and the put pause after refused puts in a row: skipped ones read False);
 * ``seal.py``: with ``span_object_checksums`` every object carries its seal:
   ``put`` and ``get`` wrap the call in the trailers' arena, and each native
   get checks what it read, a mismatch reading as a broken object;
@@ -20,40 +23,29 @@ elsewhere, and carried out here:
 * ``client_stats.py``: what ``stats()`` reports, from the owners of each count;
 * ``native.py``: the reachability checks and environment before ``setup``.
 
-The file reads top-down: lifecycle, the write path (``put`` down to the
-native call), the read path (``get`` likewise), replica descriptions,
-existence, the other operations, then statistics.
+The file reads top-down: lifecycle, the write path, the read path, replica
+descriptions, existence, the other operations, then statistics.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
-import operator
 import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake_span.config import SpanOptions
-from mooncake_span.errors import (
-    SetupError,
-    StoreClosedError,
-    TransportError,
-    code_name,
-    found,
-    is_transport_failure,
-    short_reads,
-)
+from mooncake_span.errors import SetupError, code_name, found
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch
 from mooncake_span.store import ssd_marker
 from mooncake_span.store.client_stats import ClientStats
 from mooncake_span.store.domain_calls import DomainCalls, Puts
-from mooncake_span.store.failure_ledger import FailureLedger
-from mooncake_span.store.gate import NativeGate
+from mooncake_span.store.failure_ledger import FailureLedger, PutPressure
+from mooncake_span.store.gate import EXISTS_KEYS_PER_CALL, NativeCalls, NativeGate, uncounted
 from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.native import (
     NativeBinding,
@@ -61,14 +53,12 @@ from mooncake_span.store.native import (
     mooncake_import_failure,
     native_env_defaults,
     reach_cluster,
-    replicate_config,
     setup_arguments,
     setup_store,
 )
-from mooncake_span.store.put_cooldown import PutPressure
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.seal import TrailerArena
-from mooncake_span.store.segments import SegmentDirectory, replica_segments, start_directory
+from mooncake_span.store.segments import SegmentDirectory, start_directory
 from mooncake_span.store.serving_ssd import ServingSsd
 
 logger = logging.getLogger(__name__)
@@ -85,18 +75,7 @@ def load_native_binding() -> NativeBinding:
     return NativeBinding(MooncakeDistributedStore, ReplicateConfig, shares_process_env=True)
 
 
-def _uncounted() -> None:
-    """The ``on_rpc`` of a caller that does not count RPCs."""
-
-
-def _before_connect(*_: Any) -> Any:
-    """A put's ``ReplicateConfig`` before ``connect``: refused, as the gate refuses
-    every native call then."""
-    raise StoreClosedError("batch_put_from_multi_buffers called before connect()")
-
-
 _CLOSE_DRAIN_TIMEOUT_S = 60.0
-_EXISTS_KEYS_PER_CALL = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,20 +108,17 @@ class MooncakeClient:
         # What failed calls taught, and for how long: the one owner of the failure marks.
         self.ledger = FailureLedger.from_options(options, clock)
         # Placement and routing; the backend gives the placement key (place_by).
-        self.router = DomainRouter(options, self.segments, self.ledger)
-        self._integrity = IntegrityFailures(
-            lambda k: self._gate.invoke_one("remove", lambda s: s.remove(k, True)), clock
-        )
+        self.router = DomainRouter(options, self.ledger)
         self._ssd = ServingSsd(self._gate, self.ledger)  # the SSD tier's one owner
         self._seal: TrailerArena | None = None  # span_object_checksums, set by connect()
-        # Every put's ReplicateConfig but for its group ids, pin and segment; set by connect().
-        self._replicate_config: Callable[..., Any] = _before_connect
-        # Which native calls a data call becomes, made of this client's native parts.
+        self._native = NativeCalls(self._gate, self._ssd)
+        self._integrity = IntegrityFailures(self._native.remove_one, clock)
+        # Which native calls a data call becomes; it makes them through _native.
         self._domains = DomainCalls(
-            self, self.router, self.ledger, self._gate, self._integrity, self._ssd, self.pressure
+            self._native, self.router, self.ledger, self._integrity, self._ssd, self.pressure
         )
         parts = (self._gate, self.ledger, self.pressure, self._ssd, self._integrity)
-        self._stats = ClientStats(*parts, self.segments)
+        self._stats = ClientStats(*parts, self.router.segments)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -155,8 +131,8 @@ class MooncakeClient:
         self._domains.dial = functools.partial(
             binding.segment_answers, s.metadata_server, admin_url
         )
-        self._replicate_config = functools.partial(
-            replicate_config, binding.replicate_config_factory, self.router.mooncake_replicas
+        self._native.connected(
+            binding.replicate_config_factory, self.router.mooncake_replicas, None
         )
         store = binding.store_factory()
         started = time.monotonic()
@@ -172,10 +148,14 @@ class MooncakeClient:
             raise
         if self.options.object_checksums:
             self._seal = TrailerArena(self.register_buffer, float(self.options.transfer_timeout_s))
+            self._native.connected(
+                binding.replicate_config_factory, self.router.mooncake_replicas, self._seal
+            )
         if self.options.placement:
             self._directory = start_directory(admin_url, self.options, binding.list_segments)
             if self._directory is not None:
                 self._domains.wake = self._directory.wake
+                self.router.directory = self._directory
         logger.info(
             "mooncake-span connected to master %s (metadata %s, protocol %s, device %r, "
             "tenant %r, segment %d bytes) in %.2fs",
@@ -194,11 +174,7 @@ class MooncakeClient:
         ``options`` carry the answer on, and the layout guard publishes it."""
         if self._ssd.owns_directory:
             segment = store.get_hostname()
-            config = self._replicate_config(None, True, segment)
-            ssd_marker.publish(
-                lambda key, data: self._gate.invoke_one("put", lambda s: s.put(key, data, config)),
-                segment,
-            )
+            ssd_marker.publish(functools.partial(self._native.put_one, segment=segment), segment)
         sealed, why = ssd_marker.resolve_object_checksums(
             self.options.object_checksums,
             self._ssd.owns_directory,
@@ -211,7 +187,7 @@ class MooncakeClient:
 
     def segments(self) -> tuple[str, ...]:
         """The live segments placement chooses from (empty: Mooncake places objects)."""
-        return self._directory.segments if self._directory is not None else ()
+        return self.router.segments()
 
     def close(self) -> None:
         """Idempotent. Waits (bounded) for calls in flight, then closes the native client."""
@@ -262,13 +238,6 @@ class MooncakeClient:
         with self._seal.writing(puts.keys, puts.batch) as sealed_batch:
             return self._domains.put(dataclasses.replace(puts, batch=sealed_batch))
 
-    def put_call(self, puts: Puts, segment: str) -> list[int]:
-        """One native put (objects within the buffer budget), preferring ``segment``."""
-        config = self._replicate_config(puts.group_ids, puts.hard_pin, segment)
-        args = (puts.keys, puts.batch.ptrs, puts.batch.sizes, config)
-        put = operator.methodcaller("batch_put_from_multi_buffers", *args)
-        return self._gate.invoke("batch_put_from_multi_buffers", put, len(puts.keys))
-
     # ---- the read path -----------------------------------------------------------
 
     def get(
@@ -291,58 +260,22 @@ class MooncakeClient:
                 return self._domains.get(keys, sealed_batch, domains, steps)
         return self._domains.get(keys, batch, domains, steps)
 
-    def get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
-        # What an SSD owner's read buffer could not take is asked again in halves.
-        codes = self._ssd.read(self._native_get_call, keys, batch)
-        if codes != batch.nbytes and (short := short_reads(codes, batch.nbytes)):
-            self._gate.count("SHORT_READ", short)
-        return codes
-
-    def _native_get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
-        return self._gate.invoke(
-            "batch_get_into_multi_buffers",
-            functools.partial(self._native_get, keys, batch),
-            len(keys),
-        )
-
-    def _native_get(self, keys: list[str], batch: PlanBatch, store: Any) -> list[int]:
-        codes = store.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes)
-        if self._seal is not None:
-            codes = self._seal.verify(batch, codes)
-        self._ssd.saw_owner_reads(store.get_offload_rpc_read_count())
-        return codes
-
     # ---- replica descriptions ----------------------------------------------------
 
     def locate(
         self,
         object_keys: Sequence[str],
         sizes: dict[str, int] | None = None,
-        on_rpc: Callable[[], None] = _uncounted,
+        on_rpc: Callable[[], None] = uncounted,
     ) -> dict[str, set[str]]:
-        """Where the master says objects are (one RPC), with the owners of those
-        found only on an SSD (``ServingSsd.add_disk_owners``); {} if it does not answer."""
-        if not object_keys:
-            return {}
-        replicas = self.replica_desc(list(object_keys), on_rpc=on_rpc)
-        return self._ssd.add_disk_owners(replicas, replica_segments(replicas, sizes))
+        """Where the master says objects are (``NativeCalls.locate``: one RPC, SSD
+        owners added); {} if it does not answer."""
+        return self._native.locate(object_keys, sizes, on_rpc)
 
-    def replica_desc(
-        self,
-        object_keys: list[str],
-        past_breaker: bool = False,
-        on_rpc: Callable[[], None] = _uncounted,
-    ) -> Any:
-        """The master's replica descriptions (``batch_get_replica_desc``), None if it
-        does not answer; ``past_breaker``: also while the breaker is open."""
-        suppress = contextlib.suppress(TransportError, StoreClosedError)
-        with suppress, self._gate.native("batch_get_replica_desc", past_breaker) as store:
-            on_rpc()  # past the gate: the RPC goes out
-            try:
-                return store.batch_get_replica_desc(object_keys)
-            except Exception:  # observation only: unknown means "treat as lost"
-                logger.debug("batch_get_replica_desc failed", exc_info=True)
-        return None
+    def replica_desc(self, object_keys: list[str], past_breaker: bool = False) -> Any:
+        """The master's replica descriptions, None if it does not answer;
+        ``past_breaker``: also while the breaker is open."""
+        return self._native.replica_desc(object_keys, past_breaker)
 
     # ---- existence ---------------------------------------------------------------
 
@@ -357,13 +290,13 @@ class MooncakeClient:
         keys: Sequence[str],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
-        on_rpc: Callable[[], None] = _uncounted,
+        on_rpc: Callable[[], None] = uncounted,
     ) -> list[bool]:
         """Per key, whether a readable copy is stored. Keys whose restore failed
         recently, and keys whose every copy sits in a bad failure domain, are
         absent without asking the master. ``domains``/``steps`` as for ``get``;
         ``on_rpc`` is called once per native RPC sent (existence queries of at
-        most ``_EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are)."""
+        most ``EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are)."""
         return self.exists_and_touch(keys, (), domains, steps, on_rpc).found
 
     def exists_and_touch(
@@ -372,31 +305,15 @@ class MooncakeClient:
         touch: Sequence[str],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
-        on_rpc: Callable[[], None] = _uncounted,
+        on_rpc: Callable[[], None] = uncounted,
     ) -> Existence:
         """``exists``, renewing the leases of the head of ``touch`` that fits in its last RPC
         (``Existence.touched_head``); none while troubled (``DomainCalls.exists``)."""
         if not self.router.untroubled:
             return Existence(self._domains.exists(keys, domains, steps, on_rpc), [])
-        head = list(touch[: -len(keys) % _EXISTS_KEYS_PER_CALL])
-        flags = found(self.exists_codes([*keys, *head], on_rpc))
+        head = list(touch[: -len(keys) % EXISTS_KEYS_PER_CALL])
+        flags = found(self._native.exists_codes([*keys, *head], on_rpc))
         return Existence(flags[: len(keys)], flags[len(keys) :])
-
-    def exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
-        out: list[int] = []
-        for start in range(0, len(keys), _EXISTS_KEYS_PER_CALL):
-            chunk = keys[start : start + _EXISTS_KEYS_PER_CALL]
-
-            def ask(store: Any, keys: list[str] = chunk) -> list[int]:
-                on_rpc()  # called once the gate let the call through
-                return store.batch_is_exist(keys)
-
-            codes = self._gate.invoke("batch_is_exist", ask, len(chunk))
-            if all(is_transport_failure(code) for code in codes):
-                # Not "absent": a put that followed would wait just as long.
-                raise TransportError(f"batch_is_exist: every key failed ({code_name(codes[0])})")
-            out += codes
-        return out
 
     # ---- other operations ----------------------------------------------------------
 
@@ -414,10 +331,7 @@ class MooncakeClient:
         """Force-remove objects (and their copies); returns how many keys were removed."""
         removed = 0
         for key in keys:
-            codes = [
-                self._gate.invoke_one("remove", lambda s, k=k: s.remove(k, True))
-                for k in self.router.copy_keys(key)
-            ]
+            codes = [self._native.remove_one(k) for k in self.router.copy_keys(key)]
             if 0 in codes:  # a key is removed when one of its copies was
                 removed += 1
         return removed

@@ -1,10 +1,10 @@
-"""Which native calls a put or a get becomes (and an existence query while
-failure domains matter): the router's word, carried out.
+"""Which native calls a put, a get or an existence query becomes: the router's
+word, carried out.
 
-``MooncakeClient`` hands every put and get here, and ``DomainCalls`` sends
-their parts through the client's native calls (``NativeParts``: it makes none of
-its own, and the client never calls back here). The router (``DomainRouter``)
-decides from the ledger's marks:
+``MooncakeClient`` hands every put and get here (and an existence query
+while failure domains matter), and
+``DomainCalls`` makes their parts as ``NativeCalls`` (``gate.py``); neither
+calls back up. The router (``DomainRouter``) decides from the ledger's marks:
 
 * nearly every call of a healthy cluster goes **direct**, as its caller built
   it: one copy per key, no segment marked bad or full, no key named twice.
@@ -12,7 +12,7 @@ decides from the ledger's marks:
   put reaches several storage nodes together, not one after another), each
   share in calls within the buffer budget, none while puts are paused
   (``PutPressure``); a get goes in calls cut only by the buffer budget (an
-  existence query goes direct from the client itself);
+  existence query goes direct from the client, as one ``NativeCalls`` call);
 * otherwise **copy by copy**: a put writes every copy of every unique key
   onto the segment the router places it on (a key is written when all its
   copies are); a get reads each key's live copies in turn, until one reads
@@ -41,16 +41,19 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 
 from mooncake_span.errors import ErrorCode, found, is_transfer_failure, read_whole, written
 from mooncake_span.span.plan import PlanBatch, dedup_rounds
-from mooncake_span.store.failure_ledger import FailureLedger, PutTarget
-from mooncake_span.store.gate import NativeGate
+from mooncake_span.store.failure_ledger import (
+    FULL_SKIPPED_LABEL,
+    FailureLedger,
+    PutPressure,
+    PutTarget,
+)
+from mooncake_span.store.gate import NativeCalls
 from mooncake_span.store.integrity import IntegrityFailures
-from mooncake_span.store.put_cooldown import FULL_SKIPPED_LABEL, PutPressure
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.serving_ssd import ServingSsd
 
@@ -91,29 +94,13 @@ class Puts:
         return Puts(keys, self.batch.take(rows), groups, self.hard_pin)
 
 
-class NativeParts(Protocol):
-    """The client's native calls that the paths here are made of (``store/client.py``)."""
-
-    def put_call(self, puts: Puts, segment: str) -> list[int]: ...
-    def get_call(self, keys: list[str], batch: PlanBatch) -> list[int]: ...
-    def exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]: ...
-    def locate(
-        self,
-        object_keys: Sequence[str],
-        sizes: dict[str, int] | None = None,
-        on_rpc: Callable[[], None] = ...,
-    ) -> dict[str, set[str]]: ...
-    def replica_desc(self, object_keys: list[str], past_breaker: bool = False) -> Any: ...
-
-
 @dataclass(eq=False)
 class DomainCalls:
     """Puts and gets, direct or copy by copy, and existence queries copy by copy."""
 
-    native: NativeParts
+    native: NativeCalls
     router: DomainRouter
     ledger: FailureLedger
-    gate: NativeGate  # its error counters
     integrity: IntegrityFailures
     ssd: ServingSsd
     pressure: PutPressure
@@ -175,7 +162,7 @@ class DomainCalls:
         codes: list[int] = []
         for call in self.router.calls(puts.batch, GROUPED_PUT_OBJECTS if puts.group_ids else 0):
             if not puts.hard_pin and self.pressure.cooling:
-                self.gate.count(FULL_SKIPPED_LABEL, len(call))
+                self.native.gate.count(FULL_SKIPPED_LABEL, len(call))
                 codes += self.pressure.skip(len(call))
             else:
                 codes += self.pressure.record(self.native.put_call(puts.part(call), segment))
@@ -225,7 +212,7 @@ class DomainCalls:
         unreadable = [False] * len(keys)
         pending = [i for i in range(len(keys)) if candidates[i]]
         if len(pending) < len(keys):
-            self.gate.count("DOMAIN_BAD_SKIPPED", len(keys) - len(pending))
+            self.native.gate.count("DOMAIN_BAD_SKIPPED", len(keys) - len(pending))
         for attempt in range(self.router.copies):
             pending = [i for i in pending if attempt < len(candidates[i])]
             if not pending:
@@ -270,9 +257,9 @@ class DomainCalls:
         asked = [obj for i, row in enumerate(rows) if not lost[i] for obj in row]
         skipped = sum(1 for i, row in enumerate(rows) if not row and not lost[i])
         if skipped:
-            self.gate.count("DOMAIN_BAD_SKIPPED", skipped)
+            self.native.gate.count("DOMAIN_BAD_SKIPPED", skipped)
         if any(lost):
-            self.gate.count("LOST_KEY_SKIPPED", sum(lost))
+            self.native.gate.count("LOST_KEY_SKIPPED", sum(lost))
         codes = self.native.exists_codes(asked, on_rpc) if asked else []
         stored = dict(zip(asked, found(codes), strict=True))
         return [not lost[i] and any(stored.get(o) for o in row) for i, row in enumerate(rows)]

@@ -1,4 +1,4 @@
-"""The gate every native call of one client passes through.
+"""Every native call of one client: the gate it passes, and the data calls.
 
 ``NativeGate`` holds the native store once it is set up and hands it to each
 call as the rules allow (calls of several threads run at once): never after
@@ -22,23 +22,46 @@ thread asks it at a fixed interval and closes the breaker on the first answer.
 It owns the client's error counters: every non-success code by name, and what
 the client skipped or found wrong (``count``). Every increment takes one lock,
 since sglang's backup and prefetch threads call at once.
+
+``NativeCalls`` are the data calls the store's paths are made of (one put, one
+get, existence codes, replica descriptions), each through the gate. The
+routing (``domain_calls.py``) decides which of them a put or a get becomes and
+makes them here; nothing here calls back up, so a put runs one way:
+``MooncakeClient`` -> ``DomainCalls`` -> ``NativeCalls`` -> the gate.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
+import functools
 import logging
+import operator
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncake_span.config import SpanOptions
-from mooncake_span.errors import StoreClosedError, TransportError, code_name, is_cluster_failure
+from mooncake_span.errors import (
+    StoreClosedError,
+    TransportError,
+    code_name,
+    is_cluster_failure,
+    is_transport_failure,
+    short_reads,
+)
+from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store.segments import replica_segments
+
+if TYPE_CHECKING:  # each imports this module
+    from mooncake_span.store.domain_calls import Puts
+    from mooncake_span.store.seal import TrailerArena
+    from mooncake_span.store.serving_ssd import ServingSsd
 
 logger = logging.getLogger(__name__)
 
@@ -324,3 +347,140 @@ class NativeGate:
 
     def breaker(self) -> BreakerSnapshot:
         return self._breaker.snapshot()
+
+
+# ---- the data calls ----------------------------------------------------------------
+
+EXISTS_KEYS_PER_CALL = 4096
+
+
+def uncounted() -> None:
+    """The ``on_rpc`` of a caller that does not count RPCs."""
+
+
+def replicate_config(
+    factory: Callable[[], Any],
+    replica_num: int,
+    group_ids: Sequence[str] | None,
+    hard_pin: bool,
+    segment: str,
+) -> Any:
+    """The ``ReplicateConfig`` of one put call. Fields an older wheel lacks
+    (``with_hard_pin``, ``group_ids``) are left out rather than failing the put."""
+    config = factory()
+    config.replica_num = replica_num
+    if segment:
+        config.preferred_segment = segment
+    if hard_pin and hasattr(config, "with_hard_pin"):
+        config.with_hard_pin = True
+    if group_ids is not None and hasattr(config, "group_ids"):
+        config.group_ids = list(group_ids)
+    return config
+
+
+def _before_connect(*_: Any) -> Any:
+    """A put's ``ReplicateConfig`` before ``connect``: refused, as the gate refuses
+    every native call then."""
+    raise StoreClosedError("batch_put_from_multi_buffers called before connect()")
+
+
+class NativeCalls:
+    """The data calls, each one native call through the gate (an SSD owner's read
+    buffer may split a get: ``ServingSsd.read``). ``connected`` sets what only
+    ``connect`` knows: the put's config factory and the seal arena."""
+
+    def __init__(self, gate: NativeGate, ssd: ServingSsd) -> None:
+        self.gate = gate
+        self._ssd = ssd
+        self._seal: TrailerArena | None = None
+        # Every put's ReplicateConfig but for its group ids, pin and segment.
+        self._config: Callable[..., Any] = _before_connect
+
+    def connected(
+        self, config_factory: Callable[[], Any], replica_num: int, seal: TrailerArena | None
+    ) -> None:
+        self._config = functools.partial(replicate_config, config_factory, replica_num)
+        self._seal = seal
+
+    def put_call(self, puts: Puts, segment: str) -> list[int]:
+        """One native put (objects within the buffer budget), preferring ``segment``."""
+        config = self._config(puts.group_ids, puts.hard_pin, segment)
+        args = (puts.keys, puts.batch.ptrs, puts.batch.sizes, config)
+        put = operator.methodcaller("batch_put_from_multi_buffers", *args)
+        return self.gate.invoke("batch_put_from_multi_buffers", put, len(puts.keys))
+
+    def put_one(self, key: str, data: bytes, segment: str) -> int:
+        """One pinned small object from Python bytes (``put``, not zero-copy)."""
+        config = self._config(None, True, segment)
+        return self.gate.invoke_one("put", lambda s: s.put(key, data, config))
+
+    def remove_one(self, key: str) -> int:
+        """Force-remove one object: its native code (0: removed)."""
+        return self.gate.invoke_one("remove", lambda s: s.remove(key, True))
+
+    def get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
+        # What an SSD owner's read buffer could not take is asked again in halves.
+        codes = self._ssd.read(self._native_get_call, keys, batch)
+        if codes != batch.nbytes and (short := short_reads(codes, batch.nbytes)):
+            self.gate.count("SHORT_READ", short)
+        return codes
+
+    def _native_get_call(self, keys: list[str], batch: PlanBatch) -> list[int]:
+        return self.gate.invoke(
+            "batch_get_into_multi_buffers",
+            functools.partial(self._native_get, keys, batch),
+            len(keys),
+        )
+
+    def _native_get(self, keys: list[str], batch: PlanBatch, store: Any) -> list[int]:
+        codes = store.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes)
+        if self._seal is not None:
+            codes = self._seal.verify(batch, codes)
+        self._ssd.saw_owner_reads(store.get_offload_rpc_read_count())
+        return codes
+
+    def exists_codes(self, keys: list[str], on_rpc: Callable[[], None]) -> list[int]:
+        out: list[int] = []
+        for start in range(0, len(keys), EXISTS_KEYS_PER_CALL):
+            chunk = keys[start : start + EXISTS_KEYS_PER_CALL]
+
+            def ask(store: Any, keys: list[str] = chunk) -> list[int]:
+                on_rpc()  # called once the gate let the call through
+                return store.batch_is_exist(keys)
+
+            codes = self.gate.invoke("batch_is_exist", ask, len(chunk))
+            if all(is_transport_failure(code) for code in codes):
+                # Not "absent": a put that followed would wait just as long.
+                raise TransportError(f"batch_is_exist: every key failed ({code_name(codes[0])})")
+            out += codes
+        return out
+
+    def locate(
+        self,
+        object_keys: Sequence[str],
+        sizes: dict[str, int] | None = None,
+        on_rpc: Callable[[], None] = uncounted,
+    ) -> dict[str, set[str]]:
+        """Where the master says objects are (one RPC), with the owners of those
+        found only on an SSD (``ServingSsd.add_disk_owners``); {} if it does not answer."""
+        if not object_keys:
+            return {}
+        replicas = self.replica_desc(list(object_keys), on_rpc=on_rpc)
+        return self._ssd.add_disk_owners(replicas, replica_segments(replicas, sizes))
+
+    def replica_desc(
+        self,
+        object_keys: list[str],
+        past_breaker: bool = False,
+        on_rpc: Callable[[], None] = uncounted,
+    ) -> Any:
+        """The master's replica descriptions (``batch_get_replica_desc``), None if it
+        does not answer; ``past_breaker``: also while the breaker is open."""
+        suppress = contextlib.suppress(TransportError, StoreClosedError)
+        with suppress, self.gate.native("batch_get_replica_desc", past_breaker) as store:
+            on_rpc()  # past the gate: the RPC goes out
+            try:
+                return store.batch_get_replica_desc(object_keys)
+            except Exception:  # observation only: unknown means "treat as lost"
+                logger.debug("batch_get_replica_desc failed", exc_info=True)
+        return None

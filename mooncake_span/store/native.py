@@ -328,23 +328,3 @@ def prepare_native_env(
             options.max_buffers_per_call,
             TCP_QUEUE_BUFFERS,
         )
-
-
-def replicate_config(
-    factory: Callable[[], Any],
-    replica_num: int,
-    group_ids: Sequence[str] | None,
-    hard_pin: bool,
-    segment: str,
-) -> Any:
-    """The ``ReplicateConfig`` of one put call. Fields an older wheel lacks
-    (``with_hard_pin``, ``group_ids``) are left out rather than failing the put."""
-    config = factory()
-    config.replica_num = replica_num
-    if segment:
-        config.preferred_segment = segment
-    if hard_pin and hasattr(config, "with_hard_pin"):
-        config.with_hard_pin = True
-    if group_ids is not None and hasattr(config, "group_ids"):
-        config.group_ids = list(group_ids)
-    return config

@@ -14,8 +14,9 @@ number of copies per key:
   chain: ``domains.py``);
 * which copies of a key are worth a read while some segment is bad.
 
-Where the master says a suspect object lives is an RPC; the client makes it
-and passes the answer in (``locate``).
+Where the master says a suspect object lives is an RPC; ``DomainCalls`` makes
+it and passes the answer in (``locate``). The live segments are the segment
+directory's (``segments.py``), read, never asked for.
 """
 
 from __future__ import annotations
@@ -36,25 +37,22 @@ from mooncake_span.store.domains import (
     suspect_copies,
 )
 from mooncake_span.store.failure_ledger import FailureLedger
+from mooncake_span.store.segments import SegmentDirectory
 
 # Object key -> the segments the master reports holding it.
 Locate = Callable[[list[str]], dict[str, set[str]]]
 
 
 class DomainRouter:
-    def __init__(
-        self,
-        options: SpanOptions,
-        segments: Callable[[], tuple[str, ...]],
-        ledger: FailureLedger,
-    ) -> None:
+    def __init__(self, options: SpanOptions, ledger: FailureLedger) -> None:
         # With placement, replicas are copies under their own keys (one per
         # segment) so that a read can skip a dead copy; without it, Mooncake's.
         self.copies = options.replica_num if options.placement else 1
         # The replicas Mooncake itself makes of each object a put sends.
         self.mooncake_replicas = 1 if options.placement else options.replica_num
         self.ledger = ledger
-        self.segments = segments
+        # The live segment list placement chooses from; None: Mooncake places objects.
+        self.directory: SegmentDirectory | None = None
         self._max_buffers = options.max_buffers_per_call
         # The placement key of an object key: objects with one domain share a
         # segment. Given through place_by (the client passes on the backend's
@@ -65,6 +63,10 @@ class DomainRouter:
         # are (domain_of gives the per-key answer), so while a segment is bad the
         # master is asked.
         self.chained = False
+
+    def segments(self) -> tuple[str, ...]:
+        """The live segments placement chooses from (empty: Mooncake places objects)."""
+        return self.directory.segments if self.directory is not None else ()
 
     def copy_keys(self, key: str) -> list[str]:
         """The object keys of every copy of ``key``."""

@@ -1,6 +1,6 @@
 """``hit_query_rpcs`` counts every native RPC a hit query sends, on the fake store.
 
-The store client splits an existence query at ``_EXISTS_KEYS_PER_CALL`` keys
+The store client splits an existence query at ``EXISTS_KEYS_PER_CALL`` keys
 and, while a segment is bad, first asks the master where suspect copies are
 (``batch_get_replica_desc``); both are RPCs of the hit query. The fake is
 wrapped to log every such call, and the backend's count must equal the log.
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.store.client import _EXISTS_KEYS_PER_CALL, NativeBinding
+from mooncake_span.store.client import NativeBinding
+from mooncake_span.store.gate import EXISTS_KEYS_PER_CALL
 from mooncake_span_tools.testing import pools as P
 from mooncake_span_tools.testing.fake_store import FakeCluster, FakeReplicateConfig, FakeStore
 from tests.span_helpers import (
@@ -65,7 +66,7 @@ def test_a_query_longer_than_one_existence_call_counts_each_call(make_backend):
     store = make_backend(
         config, {PoolName.KV: kv}, cluster=cluster, native=lambda c: CountingStore(c, sent)
     )
-    keys = [f"q{i}" for i in range(_EXISTS_KEYS_PER_CALL + 904)]
+    keys = [f"q{i}" for i in range(EXISTS_KEYS_PER_CALL + 904)]
     cluster.objects[_kv_objects(store, keys[:1])[0]] = b"x"  # round 1 hits: round 2 is asked
     counted, seen = _query_rpcs(store, sent, keys)
     # Round 1: key 0 (one call); round 2: the other 5,000 keys in calls of 4,096 and 904.

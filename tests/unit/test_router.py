@@ -7,6 +7,8 @@ buffers than one call may carry), because the direct path skips all of it.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from mooncake_span.config import SpanOptions
@@ -25,7 +27,9 @@ def _batch(buffers_per_object: list[int]) -> PlanBatch:
 
 def _router(segments: tuple[str, ...] = (), **options) -> DomainRouter:
     spans = SpanOptions(**options)
-    return DomainRouter(spans, lambda: segments, FailureLedger.from_options(spans))
+    router = DomainRouter(spans, FailureLedger.from_options(spans))
+    router.directory = SimpleNamespace(segments=segments)
+    return router
 
 
 def test_a_healthy_call_goes_as_built_in_one_call_when_it_fits():
@@ -141,7 +145,8 @@ def test_marks_and_lost_keys_expire_on_the_routers_clock():
     clock = FakeClock()
     options = SpanOptions(domain_bad_ttl_s=10.0, lost_key_ttl_s=30.0)
     ledger = FailureLedger.from_options(options, clock)
-    router = DomainRouter(options, lambda: ("s1", "s2"), ledger)
+    router = DomainRouter(options, ledger)
+    router.directory = SimpleNamespace(segments=("s1", "s2"))
     assert router.untroubled
     assert ledger.transfer_failed(["s2"], "get") == ["s2"]
     assert ledger.transfer_failed(["s2"], "get") == []  # already bad: not fresh
