@@ -50,7 +50,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 from mooncake_span.config import SpanOptions, load_span_options
 from mooncake_span.errors import RegistrationError
 from mooncake_span.mooncake_settings import MooncakeSettings
-from mooncake_span.sglang_backend.chain_records import ChainRecords
 from mooncake_span.sglang_backend.connection import rank_settings, shared_transfer_engine
 from mooncake_span.sglang_backend.guard import (
     miss_count,
@@ -63,15 +62,19 @@ from mooncake_span.sglang_backend.l3_layout import describe_layout
 from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.page_hash import preload_page_hash
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
-from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice, chain_of, prefix_keys_of
+from mooncake_span.sglang_backend.prefix_chain import (
+    ChainRecords,
+    PerKeyNotice,
+    chain_of,
+    prefix_keys_of,
+)
 from mooncake_span.sglang_backend.reads import ReadPath
 from mooncake_span.sglang_backend.recording import CallRecorder
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stats import METRIC_WINDOW, UNPOLLED_WINDOW, SpanStorageMetrics
-from mooncake_span.sglang_backend.stored_check import StoredCheck
 from mooncake_span.sglang_backend.stored_pool import StoredPool
-from mooncake_span.sglang_backend.writes import WritePath
+from mooncake_span.sglang_backend.writes import StoredCheck, WritePath
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
 from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.span.keys import KeySchema, check_page_keys

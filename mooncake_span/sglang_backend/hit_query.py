@@ -12,9 +12,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from mooncake_span.sglang_backend.objects import split
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
-from mooncake_span.sglang_backend.stored_pool import StoredPool
+from mooncake_span.sglang_backend.stored_pool import StoredPool, split
 from mooncake_span.span.hit_rounds import (
     KV_ROUNDS_ALONE,
     KV_ROUNDS_WITH_SIDECARS,

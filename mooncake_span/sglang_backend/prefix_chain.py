@@ -12,16 +12,32 @@ the position ``len(prefix_keys)`` are all placement needs
 placement stays per storage key. The prefix keys themselves
 (``prefix_keys_of``) are the objects whose leases a backup or a hit query
 renews (``span_refresh_prefix``), so that eviction takes the chain's tail first.
+
+Chain records (``ChainRecords``) serve ``inspect``'s reachable estimate: after a
+KV backup that named its prefix chain (``span_refresh_prefix`` keeps the prefix
+keys) and stored every key, a chain whose root is sampled
+(``span_chain_sample_every``, ``span.chains.chain_sampled``) gets a record of
+its page keys so far, one small object put through the staging arena. The
+record is an ordinary object: no pin, evicted like the rest. It costs one put
+(two master RPCs) per backup of a sampled chain; a record that cannot be
+written is left out (the client counts a refusal) and the backup's own answer
+stands.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from typing import Any
 
-from mooncake_span.errors import InvalidRequestError
+from mooncake_span.errors import InvalidRequestError, MooncakeSpanError
+from mooncake_span.sglang_backend.stored_pool import PoolBatch
+from mooncake_span.span.chains import chain_record_key, chain_sampled, record_bytes
 from mooncake_span.span.keys import KeySchema, check_page_keys
+from mooncake_span.span.plan import ObjectPlan
+from mooncake_span.store.arena import StagingArena
+from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domains import ChainSpot
 
 logger = logging.getLogger(__name__)
@@ -84,3 +100,29 @@ class PerKeyNotice:
             "cached prefixes, not nearly all of them)",
             PASS_PREFIX_KEYS,
         )
+
+
+class ChainRecords:
+    def __init__(self, client: MooncakeClient, arena: StagingArena, every: int) -> None:
+        self._client = client
+        self._arena = arena
+        self._every = every
+
+    def after_backup(self, schema: KeySchema, batch: PoolBatch, results: list[bool]) -> None:
+        if batch.chain is None or not results or not all(results):
+            return
+        chain = [*batch.prefix_keys, *batch.page_keys]
+        if len(chain) == len(batch.page_keys) and batch.chain.start:
+            return  # the prefix keys were not kept (span_refresh_prefix off)
+        if not chain_sampled(chain[0], self._every):
+            return
+        data = record_bytes(chain)
+        key = chain_record_key(schema.prefix, chain[0], len(chain))
+        try:
+            with self._arena.lease(len(data), len(data)) as lease:
+                ctypes.memmove(lease.ptr, data, len(data))
+                # Unsealed: inspect reads a record as text.
+                self._client.put([key], [ObjectPlan([lease.ptr], [len(data)])], sealed=False)
+        except MooncakeSpanError as exc:
+            # A refusal is counted by the client; the backup's own answer stands.
+            logger.debug("mooncake-span: chain record %s not written: %s", key, exc)

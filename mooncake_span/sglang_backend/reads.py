@@ -35,11 +35,17 @@ from mooncake_span.sglang_backend.guard import (
     miss_per_transfer,
     never_raise,
 )
-from mooncake_span.sglang_backend.objects import joined, move_selected, object_keys, per_key_results
 from mooncake_span.sglang_backend.recording import GET, CallRecorder, recorded
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.stager import Stager
-from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
+from mooncake_span.sglang_backend.stored_pool import (
+    PoolBatch,
+    Transfer,
+    joined,
+    move_selected,
+    object_keys,
+    per_key_results,
+)
 from mooncake_span.span.geometry import KV_POOL
 from mooncake_span.store.client import MooncakeClient
 

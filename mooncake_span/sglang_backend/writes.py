@@ -11,7 +11,7 @@ generic ``batch_set`` (flat page tensors). Each method:
    without prefix keys (``PerKeyNotice``);
 3. runs ``_put``, wrapped in ``recording.recorded``, which records what moved.
    It first asks ``StoredCheck`` which objects are stored already and whether
-   the chain's prefix is (``stored_check.py``: one existence query, which
+   the chain's prefix is (below: one existence query, which
    renews the prefix's leases so eviction takes the tail first); behind a hole
    in the chain nothing is written (``span_skip_unreachable``). Otherwise it
    puts only the missing objects (``StoredPool.write_missing``) with their
@@ -28,34 +28,40 @@ of keeps its reachable head).
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mooncake_span.errors import InvalidRequestError
-from mooncake_span.sglang_backend.chain_records import ChainRecords
 from mooncake_span.sglang_backend.guard import (
     miss_flag,
     miss_per_key,
     miss_per_transfer,
     never_raise,
 )
-from mooncake_span.sglang_backend.objects import (
+from mooncake_span.sglang_backend.prefix_chain import ChainRecords, PerKeyNotice
+from mooncake_span.sglang_backend.recording import SET, CallRecorder, recorded
+from mooncake_span.sglang_backend.registration import Registration
+from mooncake_span.sglang_backend.stager import Stager
+from mooncake_span.sglang_backend.stored_pool import (
+    PoolBatch,
+    Transfer,
+    chain_placement,
     joined,
     move_selected,
     object_keys,
     per_batch,
     per_key_results,
+    prefix_objects,
 )
-from mooncake_span.sglang_backend.prefix_chain import PerKeyNotice
-from mooncake_span.sglang_backend.recording import SET, CallRecorder, recorded
-from mooncake_span.sglang_backend.registration import Registration
-from mooncake_span.sglang_backend.stager import Stager
-from mooncake_span.sglang_backend.stored_check import StoredCheck
-from mooncake_span.sglang_backend.stored_pool import PoolBatch, Transfer
-from mooncake_span.span.geometry import KV_POOL
+from mooncake_span.span.geometry import KV_POOL, PoolKind
 from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domain_calls import Puts
+from mooncake_span.store.failure_ledger import STORED, UNREACHABLE, PutPressure
 
 
 class WritePath:
@@ -145,3 +151,132 @@ class WritePath:
                     part.keys(), part.plans(), groups, domains=domains, steps=steps
                 )
         return flags
+
+
+# ---- before a put: stored already? --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredAnswer:
+    stored: list[bool]  # per object of the call
+    prefix_head_stored: bool  # the prefix objects the query carried (True: none)
+
+
+# Longer than the sidecar put that separates the two calls, short against eviction.
+FRESH_S = 1.0
+
+
+@dataclass(frozen=True)
+class KvAnswer:
+    objects: list[str]
+    stored: list[bool]
+    reachable: bool  # the chain's prefix was wholly stored (or not checked)
+    at_s: float
+
+
+class KvAhead:
+    """One answer per thread, taken by the next KV call of that thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._local = threading.local()
+        self._clock = clock
+
+    def keep(self, objects: list[str], stored: list[bool], reachable: bool) -> None:
+        self._local.answer = KvAnswer(objects, stored, reachable, self._clock())
+
+    def take(self, objects: list[str]) -> KvAnswer | None:
+        """The kept answer if about exactly ``objects`` and fresh (used up either way)."""
+        answer = getattr(self._local, "answer", None)
+        self._local.answer = None
+        fresh = answer is not None and self._clock() - answer.at_s <= FRESH_S
+        return answer if fresh and answer.objects == objects else None
+
+
+class StoredCheck:
+    """Before a put: which of its objects are stored already, and is the chain's prefix?
+
+    ``StoredCheck`` gives a put its one answer, a ``StoredAnswer``:
+
+    * ``stored``: per object of the call, whether it is in the cluster already
+      (another rank or node wrote it). It is asked in a put cool-down too, so a
+      stored key reads True at every moment, and those objects are not written;
+    * ``prefix_head_stored``: whether the chain prefix's objects that the query
+      carried are all stored. With prefix keys, the same query names the objects
+      of the chain's prefix (``PoolBatch.prefix_keys``); Mooncake renews the lease
+      of every object it finds, so the prefix is stamped newer than the tail about
+      to be put and eviction takes the tail first. The query carries only as many
+      prefix objects as fit in its last RPC (``Existence.touched_head``), and none
+      while a segment is bad or a key lost: the answer speaks for that head only.
+      When it is False (and ``span_skip_unreachable``), nothing is written: the
+      new keys could never be reached.
+
+    Why the prefix's leases: Mooncake evicts the objects with the oldest lease
+    timestamp first; a put stamps an object with the time it lands, and a lookup
+    stamps what it finds with now + the lease TTL. Renewed just before the tail
+    is put, a conversation's prefix is newer than its tail by about the TTL, so
+    eviction takes the tail first and a stored key stays reachable from the
+    chain's root (docs/operating.md, "Eviction").
+
+    One query serves two sglang calls where it can: a sidecar backup
+    (``batch_set_v2`` with a KV-derived pool) asks about the KV objects of its
+    keys too and keeps the answer (``KvAhead``) for the KV call that follows,
+    which then sends no query: one master RPC less per backup. sglang backs up a
+    hybrid model's batch as ``batch_set_v2`` (the sidecars, DSA's indexer among
+    them, whose keys are the KV keys) then ``batch_set_v1`` (the KV pool) on its
+    one backup thread. A kept answer is used at most once, by the thread that
+    asked, for exactly the same objects and within ``FRESH_S``; otherwise the KV
+    call asks as always. It is as old as the answer a put right after a query
+    relies on: milliseconds. The look-ahead is this check's cache, so it lives
+    here. Why each object is not written is counted in the
+    client's ``PutPressure`` (``STORED``, ``UNREACHABLE``).
+    """
+
+    def __init__(
+        self,
+        client: MooncakeClient,
+        pressure: PutPressure,
+        registration: Registration,
+        skip_unreachable: bool,
+    ) -> None:
+        self._client = client
+        self._pressure = pressure
+        self._registration = registration
+        self._skip_unreachable = skip_unreachable
+        self._kv_ahead = KvAhead()  # a sidecar backup's answers for the KV call after it
+
+    def ask(self, physical: list[PoolBatch], keys: list[str]) -> StoredAnswer:
+        """For ``keys``, the object keys of ``physical`` (its stored pools) in order."""
+        if not keys:
+            return StoredAnswer([], True)
+        kept = self._kv_ahead.take(keys)
+        answer = StoredAnswer(kept.stored, kept.reachable) if kept else self._query(physical, keys)
+        if True in answer.stored:
+            self._pressure.count(STORED, answer.stored.count(True))
+        if not answer.prefix_head_stored:
+            self._pressure.count(UNREACHABLE, answer.stored.count(False))
+        return answer
+
+    def _query(self, physical: list[PoolBatch], keys: list[str]) -> StoredAnswer:
+        """One existence query: the call's, the next KV call's and the chain prefix's objects."""
+        placed, ahead, ahead_prefix = (None, None), [], []
+        if self._client.untroubled:
+            ahead, ahead_prefix = self._kv_of_sidecars(physical)
+        else:
+            # A segment bad or a key lost: where objects sit matters (a pass per object).
+            placed = chain_placement(physical)
+        touch = [*prefix_objects(physical, self._registration.key_schema), *ahead_prefix]
+        existence = self._client.exists_and_touch([*keys, *ahead], touch, *placed)
+        head_stored = not self._skip_unreachable or all(existence.touched_head)
+        if ahead:
+            self._kv_ahead.keep(ahead, existence.found[len(keys) :], head_stored)
+        return StoredAnswer(existence.found[: len(keys)], head_stored)
+
+    def _kv_of_sidecars(self, physical: list[PoolBatch]) -> tuple[list[str], list[str]]:
+        """For a sidecar call (no KV batch in it): the KV objects of its KV-derived
+        batch's keys and of their chain prefix, asked now for the KV call after it."""
+        kv = self._registration.pools.get(KV_POOL)
+        derived = next((b for b in physical if b.pool.kind is PoolKind.KV_DERIVED), None)
+        if derived is None or kv is None or kv.is_logical or any(b.pool is kv for b in physical):
+            return [], []
+        schema, objects = self._registration.key_schema, kv.object_keys
+        return objects(schema, derived.page_keys), objects(schema, derived.prefix_keys)

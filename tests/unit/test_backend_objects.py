@@ -1,19 +1,22 @@
 """A call's flat object list over its batches: sliced per batch, folded per key,
-and a subset selected to move, its results put back in their slots (objects.py)."""
+and a subset selected to move, its results put back in their slots (sglang_backend/stored_pool.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from mooncake_span.sglang_backend.objects import (
+from mooncake_span.sglang_backend.stored_pool import (
+    PoolBatch,
+    StagedPool,
+    StoredPool,
+    Transfer,
     move_selected,
     object_keys,
     per_batch,
     per_key_results,
     split,
 )
-from mooncake_span.sglang_backend.stored_pool import PoolBatch, StagedPool, StoredPool, Transfer
 from mooncake_span.span.geometry import PoolKind
 from mooncake_span.span.keys import ComponentSpec, RankScope
 from mooncake_span.span.plan import PageLayout

@@ -85,7 +85,7 @@ def test_the_page_counts_both_paths_as_the_code_stands():
 def test_the_put_reads_within_the_bound():
     names, _, _ = _rows()["put"]
     assert names[0] == "sglang_backend/writes.WritePath.batch_set_v1"
-    assert names[-1] == "store/client.MooncakeClient.put_call"
+    assert names[-1] == "store/gate.NativeCalls.put_call"
     counts = [line_counts(_function(name)) for name in names]
     assert sum(code for code, _ in counts) <= PUT_BOUND_LINES
     assert sum(whole for _, whole in counts) <= PUT_BOUND_LINES

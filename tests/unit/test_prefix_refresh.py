@@ -16,9 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from mooncake_span.errors import InvalidRequestError
-from mooncake_span.sglang_backend.objects import prefix_objects
 from mooncake_span.sglang_backend.prefix_chain import prefix_keys_of
-from mooncake_span.store.put_cooldown import STORED, UNREACHABLE
+from mooncake_span.sglang_backend.stored_pool import prefix_objects
+from mooncake_span.store.failure_ledger import STORED, UNREACHABLE
 from mooncake_span_tools.testing import controller as sg
 from mooncake_span_tools.testing import pools as P
 from mooncake_span_tools.testing.fake_store import FakeCluster, FakeStore
@@ -109,7 +109,7 @@ def test_a_kv_call_asks_itself_unless_its_sidecar_call_just_asked_for_the_same_k
 def test_a_kept_answer_is_used_once_by_its_thread_while_fresh():
     import threading
 
-    from mooncake_span.sglang_backend.stored_check import FRESH_S, KvAhead
+    from mooncake_span.sglang_backend.writes import FRESH_S, KvAhead
 
     now = [100.0]
     ahead = KvAhead(clock=lambda: now[0])
@@ -202,7 +202,7 @@ def test_prefix_objects_interleave_pools_key_by_key():
     assert prefix_objects([], schema) == []
 
 
-# ---- chain records (span/chains.py, sglang_backend/chain_records.py) ---------------------
+# ---- chain records (span/chains.py, sglang_backend/prefix_chain.py) ---------------------
 
 
 def test_chain_record_keys_round_trip_and_refuse_other_keys():
