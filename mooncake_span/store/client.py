@@ -1,7 +1,8 @@
 """The store's one entry: ``MooncakeClient``, over one ``MooncakeDistributedStore``.
 
 The client sets the native store up (the only module that loads Mooncake),
-hands each put, get and existence query down to ``DomainCalls`` and closes
+hands each put and get down to ``DomainCalls`` (an existence query too, while
+failure domains matter; otherwise it is one ``NativeCalls`` call) and closes
 it. Every native call passes the gate (``gate.py``: closed, breaker, answer
 shape, the error counters; its ``NativeCalls`` are the data calls). A native
 code is read in one place (``errors.py``: ``written``, ``read_whole``,
@@ -9,9 +10,9 @@ code is read in one place (``errors.py``: ``written``, ``read_whole``,
 calls go one way: the client calls down, and nothing below calls it back.
 What to do is decided below:
 
-* ``domain_calls.py``: which native calls a put, a get or an existence query
-  becomes (direct, as its caller built it, or copy by copy, by the router's
-  word), and what a failed call teaches;
+* ``domain_calls.py``: which native calls a put or a get becomes (direct, as
+  its caller built it, or copy by copy, by the router's word), existence
+  queries copy by copy, and what a failed call teaches;
 * ``failure_ledger.py``: what failed calls taught (marked segments, lost keys,
   and the put pause after refused puts in a row: skipped ones read False);
 * ``seal.py``: with ``span_object_checksums`` every object carries its seal:
@@ -131,9 +132,7 @@ class MooncakeClient:
         self._domains.dial = functools.partial(
             binding.segment_answers, s.metadata_server, admin_url
         )
-        self._native.connected(
-            binding.replicate_config_factory, self.router.mooncake_replicas, None
-        )
+        self._native.connected(binding.replicate_config_factory, self.router.mooncake_replicas)
         store = binding.store_factory()
         started = time.monotonic()
         with self._ssd.opened(s, admin_url, binding.list_segments, binding.list_disk_owners):
@@ -148,9 +147,7 @@ class MooncakeClient:
             raise
         if self.options.object_checksums:
             self._seal = TrailerArena(self.register_buffer, float(self.options.transfer_timeout_s))
-            self._native.connected(
-                binding.replicate_config_factory, self.router.mooncake_replicas, self._seal
-            )
+            self._native.seal = self._seal
         if self.options.placement:
             self._directory = start_directory(admin_url, self.options, binding.list_segments)
             if self._directory is not None:

@@ -1,10 +1,9 @@
-"""Which native calls a put, a get or an existence query becomes: the router's
-word, carried out.
+"""Which native calls a put or a get becomes (and an existence query while
+failure domains matter): the router's word, carried out.
 
-``MooncakeClient`` hands every put and get here (and an existence query
-while failure domains matter), and
-``DomainCalls`` makes their parts as ``NativeCalls`` (``gate.py``); neither
-calls back up. The router (``DomainRouter``) decides from the ledger's marks:
+``MooncakeClient`` hands every put and get here, and ``DomainCalls`` makes
+their parts as ``NativeCalls`` (``gate.py``); nothing here calls the client
+back. The router (``DomainRouter``) decides from the ledger's marks:
 
 * nearly every call of a healthy cluster goes **direct**, as its caller built
   it: one copy per key, no segment marked bad or full, no key named twice.

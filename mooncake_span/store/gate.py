@@ -386,21 +386,19 @@ def _before_connect(*_: Any) -> Any:
 
 class NativeCalls:
     """The data calls, each one native call through the gate (an SSD owner's read
-    buffer may split a get: ``ServingSsd.read``). ``connected`` sets what only
-    ``connect`` knows: the put's config factory and the seal arena."""
+    buffer may split a get: ``ServingSsd.read``). What only ``connect`` knows is
+    set by the client: the put's config factory (``connected``) and, with
+    ``span_object_checksums``, the seal arena each get is verified against."""
 
     def __init__(self, gate: NativeGate, ssd: ServingSsd) -> None:
         self.gate = gate
         self._ssd = ssd
-        self._seal: TrailerArena | None = None
+        self.seal: TrailerArena | None = None
         # Every put's ReplicateConfig but for its group ids, pin and segment.
         self._config: Callable[..., Any] = _before_connect
 
-    def connected(
-        self, config_factory: Callable[[], Any], replica_num: int, seal: TrailerArena | None
-    ) -> None:
+    def connected(self, config_factory: Callable[[], Any], replica_num: int) -> None:
         self._config = functools.partial(replicate_config, config_factory, replica_num)
-        self._seal = seal
 
     def put_call(self, puts: Puts, segment: str) -> list[int]:
         """One native put (objects within the buffer budget), preferring ``segment``."""
@@ -434,8 +432,8 @@ class NativeCalls:
 
     def _native_get(self, keys: list[str], batch: PlanBatch, store: Any) -> list[int]:
         codes = store.batch_get_into_multi_buffers(keys, batch.ptrs, batch.sizes)
-        if self._seal is not None:
-            codes = self._seal.verify(batch, codes)
+        if self.seal is not None:
+            codes = self.seal.verify(batch, codes)
         self._ssd.saw_owner_reads(store.get_offload_rpc_read_count())
         return codes
 
