@@ -1,5 +1,5 @@
 """A call's flat object list over its batches: sliced per batch, folded per key,
-and a subset selected to move, its results put back in their slots (sglang_backend/stored_pool.py)."""
+and a subset selected to move, its results put back in their slots (stored_pool.py)."""
 
 from __future__ import annotations
 

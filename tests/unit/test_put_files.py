@@ -17,7 +17,7 @@ from __future__ import annotations
 import pathlib
 import sys
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -51,14 +51,20 @@ def _wraps(caller: Any, code: Any) -> bool:
     return any(getattr(value, "__code__", None) is code for value in caller.f_locals.values())
 
 
-def traced_put(
-    store: Any, keys: list[str], slots: Any
-) -> tuple[list[bool], list[str], set[tuple[str, str]]]:
-    """(the put's answer, the package files on its path, in the order first reached,
-    and the calls between files on it: (caller's file, callee's file))."""
+class TracedPut(NamedTuple):
+    answer: list[bool]
+    files: list[str]  # the package files on the path, in the order first reached
+    calls: set[tuple[str, str]]  # between files on it: (caller's file, callee's file)
+    # Every function on it, "file:qualified name" -> its code; comprehensions and
+    # lambdas are read with the function around them.
+    functions: dict[str, Any]
+
+
+def traced_put(store: Any, keys: list[str], slots: Any) -> TracedPut:
     off_path: dict[int, bool] = {}  # id(frame) -> off the path, while the frame runs
     files: dict[str, None] = {}
     calls: set[tuple[str, str]] = set()
+    functions: dict[str, Any] = {}
 
     def profile(frame: Any, event: str, _arg: Any) -> None:
         if event == "return":
@@ -77,6 +83,8 @@ def traced_put(
         name = _package_file(frame.f_code)
         if not off and name is not None and name not in NOT_ON_THE_PATH:
             files.setdefault(name)
+            if not frame.f_code.co_name.startswith("<"):
+                functions.setdefault(f"{name}:{frame.f_code.co_qualname}", frame.f_code)
             if caller_file not in (None, name, *NOT_ON_THE_PATH):
                 calls.add((caller_file, name))
 
@@ -87,28 +95,33 @@ def traced_put(
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    return answer, list(files), calls
+    return TracedPut(answer, list(files), calls, functions)
 
 
-def _mla_k1() -> tuple[dict[str, Any], dict[Any, Any]]:
+def mla_k1() -> tuple[dict[str, Any], dict[Any, Any]]:
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     kv = P.build_mla_host("page_first", layers=2, host_pages=16)
     return {**FAKE_CLIENT, "storage_page_size": PAGE}, {PoolName.KV: kv}
 
 
-def _glm_dsa_k4() -> tuple[dict[str, Any], dict[Any, Any]]:
+def glm_dsa_k4() -> tuple[dict[str, Any], dict[Any, Any]]:
     pools = P.build_compressed_hybrid_dsa("page_first", host_pages=16, mamba_slots=4)
     return {**FAKE_CLIENT, "storage_page_size": 4 * PAGE}, pools.pools
 
 
-@pytest.mark.parametrize("shape", [_mla_k1, _glm_dsa_k4], ids=["mla-k1", "glm-dsa-k4"])
-def test_a_healthy_put_passes_through_few_files(make_backend, shape):
+def steady_put(make_backend: Any, shape: Any) -> TracedPut:
+    """A put traced after a first one fixed the storage page, on the fake store."""
     config, pools = shape()
     k = config["storage_page_size"] // PAGE
     store = make_backend(config, pools, cluster=FakeCluster())
     assert store.batch_set_v1(["a", "b"], slots_of(list(range(2 * k)), PAGE)) == [True, True]
-    answer, files, _ = traced_put(store, ["c", "d"], slots_of(list(range(2 * k, 4 * k)), PAGE))
+    return traced_put(store, ["c", "d"], slots_of(list(range(2 * k, 4 * k)), PAGE))
+
+
+@pytest.mark.parametrize("shape", [mla_k1, glm_dsa_k4], ids=["mla-k1", "glm-dsa-k4"])
+def test_a_healthy_put_passes_through_few_files(make_backend, shape):
+    answer, files, _, _ = steady_put(make_backend, shape)
     assert answer == [True, True]
     assert "sglang_backend/writes.py" in files and "store/client.py" in files
     assert len(files) <= PUT_FILES_BOUND, f"{len(files)} files: {files}"
@@ -133,13 +146,9 @@ def upward_calls(calls: set[tuple[str, str]]) -> list[tuple[str, str]]:
     )
 
 
-@pytest.mark.parametrize("shape", [_mla_k1, _glm_dsa_k4], ids=["mla-k1", "glm-dsa-k4"])
+@pytest.mark.parametrize("shape", [mla_k1, glm_dsa_k4], ids=["mla-k1", "glm-dsa-k4"])
 def test_a_healthy_put_runs_one_way_down_the_store(make_backend, shape):
-    config, pools = shape()
-    k = config["storage_page_size"] // PAGE
-    store = make_backend(config, pools, cluster=FakeCluster())
-    assert store.batch_set_v1(["a", "b"], slots_of(list(range(2 * k)), PAGE)) == [True, True]
-    answer, _, calls = traced_put(store, ["c", "d"], slots_of(list(range(2 * k, 4 * k)), PAGE))
+    answer, _, calls, _ = steady_put(make_backend, shape)
     assert answer == [True, True]
     # Each layer is reached from the one above it...
     assert ("store/client.py", "store/domain_calls.py") in calls
