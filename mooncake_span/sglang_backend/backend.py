@@ -108,11 +108,8 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
                 "heterogeneous-TP head splitting (page_head layout with tp_lcm_size) is not "
                 "supported by mooncake-span; use one TP size for all nodes"
             )
-        # The built-in "mooncake" path passes the host pool here; sglang still
-        # calls register_mem_pool_host() right after, so only remember it.
-        self._constructor_host_pool = (
-            None if isinstance(kwargs_or_host_pool, dict) else kwargs_or_host_pool
-        )
+        # The built-in "mooncake" path passes the host pool as kwargs_or_host_pool;
+        # sglang calls register_mem_pool_host() with it right after, so it is not kept.
         self.mem_pool_host = None
         self.client = MooncakeClient(self.settings, self.options, binding, shared_transfer_engine())
         self.client.connect()

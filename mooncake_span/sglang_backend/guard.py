@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
 
@@ -28,30 +28,15 @@ logger = logging.getLogger(__name__)
 Method = TypeVar("Method", bound=Callable[..., Any])
 
 
-class Observer(Protocol):
-    def call(self, op_name: str, failure: str | None, result: Any, elapsed_s: float) -> None: ...
-
-
-class Recorder(Protocol):
-    observer: Observer
-
-    def reject(self, op_name: str, exc: Exception) -> None: ...
-
-
-class Recorded(Protocol):
-    """A backend whose calls are recorded by its ``recorder``."""
-
-    recorder: Recorder
-
-
 def never_raise(miss: Callable[..., Any]) -> Callable[[Method], Method]:
-    """Wrap a method so that any failure returns ``miss(*args, **kwargs)`` instead."""
+    """Wrap a method of a backend with a ``recorder`` so that any failure returns
+    ``miss(*args, **kwargs)`` instead."""
 
     def decorate(method: Method) -> Method:
         op_name = method.__name__
 
         @functools.wraps(method)
-        def guarded(self: Recorded, *args: Any, **kwargs: Any) -> Any:
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             failure = None
             try:

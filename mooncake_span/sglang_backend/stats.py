@@ -139,22 +139,18 @@ class CallCounters:
                 backup_tokens=self.backup_tokens,
                 rejected_calls=dict(self.rejected_calls),
                 dropped_metric_records=self.dropped_records,
+                hit_queries=self.hit_queries,
+                hit_query_rpcs=self.hit_query_rpcs,
+                hit_query_probed_objects=self.hit_query_probed_objects,
                 **client_fields,
             )
-            self._drain_into(metrics)
+            for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
+                records = getattr(self, name)
+                getattr(metrics, name).extend(records)
+                records.clear()
+            self.prefetch_tokens = self.backup_tokens = 0
+            self.hit_queries = self.hit_query_rpcs = self.hit_query_probed_objects = 0
         return metrics
-
-    def _drain_into(self, metrics: StorageMetrics) -> None:
-        """Move the records and token totals into ``metrics``; the caller holds ``_lock``."""
-        for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
-            records = getattr(self, name)
-            getattr(metrics, name).extend(records)
-            records.clear()
-        metrics.hit_queries = self.hit_queries
-        metrics.hit_query_rpcs = self.hit_query_rpcs
-        metrics.hit_query_probed_objects = self.hit_query_probed_objects
-        self.prefetch_tokens = self.backup_tokens = 0
-        self.hit_queries = self.hit_query_rpcs = self.hit_query_probed_objects = 0
 
 
 class SpanStorageMetrics(StorageMetrics):

@@ -81,28 +81,23 @@ def warn_if_inconsistent(storage_config: Any, options: SpanOptions, host_page_to
         build_tokens = int(getattr(storage_config, STORAGE_PAGE_KEY) or 0) or host_page_tokens
         if extra_tokens != build_tokens:
             logger.warning(
-                "mooncake-span: extra-config %s=%d is overridden by this sglang build's "
-                "HiCacheStorageConfig.%s=%d (the controller's storage page); drop the "
-                "extra-config key",
-                STORAGE_PAGE_KEY,
+                "mooncake-span: extra-config storage_page_size=%d is overridden by this sglang "
+                "build's HiCacheStorageConfig.storage_page_size=%d (the controller's storage "
+                "page); drop the extra-config key",
                 extra_tokens,
-                STORAGE_PAGE_KEY,
                 build_tokens,
             )
         return
     if extra_tokens != host_page_tokens:
         logger.warning(
-            "mooncake-span: extra-config %s=%d differs from the %d-token host page, and this "
-            "sglang build's HiCacheStorageConfig has no %s field. If its controller hashes "
-            "one host page per key (stock sglang 0.5.23 does, also for GLM-5.3-Flash, whose "
-            "page is forced to 256 tokens), every backup, hit query and prefetch fails the "
-            "stride rule and L3 answers only misses. Remove %s unless this build's radix-tree "
-            "page is %d tokens.",
-            STORAGE_PAGE_KEY,
+            "mooncake-span: extra-config storage_page_size=%d differs from the %d-token host "
+            "page, and this sglang build's HiCacheStorageConfig has no storage_page_size field. "
+            "If its controller hashes one host page per key (stock sglang 0.5.23 does, also for "
+            "GLM-5.3-Flash, whose page is forced to 256 tokens), every backup, hit query and "
+            "prefetch fails the stride rule and L3 answers only misses. Remove storage_page_size "
+            "unless this build's radix-tree page is %d tokens.",
             extra_tokens,
             host_page_tokens,
-            STORAGE_PAGE_KEY,
-            STORAGE_PAGE_KEY,
             extra_tokens,
         )
 
