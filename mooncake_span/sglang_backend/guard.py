@@ -5,10 +5,8 @@ an exception there kills the thread and silently stops the L3 tier. Every
 method those threads call is wrapped in :func:`never_raise` with the value it
 answers on a miss: bad caller input and cluster failures are logged (rate
 limited, naming what is wrong) and become misses; unexpected bugs are logged
-with a traceback and become misses too. What happened is handed to the
-backend's ``recorder`` (``recording.CallRecorder``): a refusal to ``reject``
-(counted and logged), every call's duration and outcome to its Prometheus
-``observer``.
+with a traceback and become misses too. What happened goes to the backend's
+``recorder`` (``recording.py``).
 """
 
 from __future__ import annotations

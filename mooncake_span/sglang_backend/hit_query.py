@@ -1,9 +1,7 @@
 """Hit queries (``batch_exists`` / ``batch_exists_v2``) that probe only what can be read.
 
-Every existing object a hit query probes is leased by Mooncake 0.3.13 for
-about 10 s and cannot be evicted meanwhile, so the rounds follow
-``span.hit_rounds``: KV in growing chunks up to the first miss, then the sidecars on
-the KV-hit prefix in one round. The hit math itself is ``span.hits``.
+A probe leases what it finds, so the rounds follow ``span.hit_rounds`` (which
+says why and how); the hit math itself is ``span.hits``.
 """
 
 from __future__ import annotations

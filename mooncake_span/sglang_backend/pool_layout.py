@@ -21,6 +21,7 @@ says so (Mamba's ``temporal_state_elem_size`` 0), else ``PageLayout`` refuses it
 from __future__ import annotations
 
 import importlib
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,9 +153,9 @@ def fit_page_layout(
     ]
     # A packed component takes its groups whole and in order (MHA: every k
     # slot, then every v slot), the order of sglang's flat page.
-    ends = [sum(parts[: i + 1]) for i in range(len(parts))]
     components = tuple(
-        sum(groups[end - count : end], ()) for end, count in zip(ends, parts, strict=True)
+        sum(groups[end - count : end], ())
+        for end, count in zip(itertools.accumulate(parts), parts, strict=True)
     )
     return PageLayout(
         base_ptrs=tuple(base),

@@ -136,7 +136,10 @@ class StoragePage:
             )
         new = PageChoice(tokens or None, PageSource.ASSIGNED)
         with self._lock:
-            changed = self._differs(new, host_page_tokens)
+            if host_page_tokens is None:
+                changed = new.tokens != self.choice.tokens
+            else:
+                changed = new.resolved(host_page_tokens) != self.choice.resolved(host_page_tokens)
             if self.settled or self.io_started:
                 if changed:
                     current = self.choice.resolved(host_page_tokens or 0)
@@ -151,11 +154,6 @@ class StoragePage:
                 return None
             self.choice = new
             return new if changed else None
-
-    def _differs(self, new: PageChoice, host_page_tokens: int | None) -> bool:
-        if host_page_tokens is None:
-            return new.tokens != self.choice.tokens
-        return new.resolved(host_page_tokens) != self.choice.resolved(host_page_tokens)
 
     def settle(self, kv_slots_per_key: int | None, host_page_tokens: int) -> PageChoice | None:
         """Fix the page at a data call; ``kv_slots_per_key`` is the call's KV (or

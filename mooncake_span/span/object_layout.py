@@ -109,10 +109,6 @@ def _pool_pages_per_key(pool: PoolLayoutInput, storage_page_tokens: int) -> int 
     return max(1, storage_page_tokens // pool.page_tokens)
 
 
-def _suffix(rank: str | None, component: str) -> str | None:
-    return None if rank is None else f"_{rank}_{component}"
-
-
 def _describe_pool(
     pool: PoolLayoutInput, ranks: RankTags | None, storage_page_tokens: int
 ) -> dict[str, object]:
@@ -128,7 +124,7 @@ def _describe_pool(
             {
                 "name": name,
                 "rank_scope": scope,
-                "suffix": _suffix(rank, name),
+                "suffix": None if rank is None else f"_{rank}_{name}",
                 "bytes_per_pool_page": page_bytes,
                 "bytes_per_object": (
                     None
