@@ -49,8 +49,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from mooncake_span.config import SpanOptions, load_span_options
 from mooncake_span.errors import RegistrationError
-from mooncake_span.mooncake_settings import MooncakeSettings
-from mooncake_span.sglang_backend.connection import rank_settings, shared_transfer_engine
+from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo, load_mooncake_settings
+from mooncake_span.sglang_backend.connection import shared_transfer_engine
 from mooncake_span.sglang_backend.guard import (
     miss_count,
     miss_hit_result,
@@ -102,17 +102,17 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.storage_config = storage_config
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.options = options or load_span_options(extra)
-        self.settings = settings or rank_settings(extra, storage_config)
+        # The settings of the rank storage_config names (None: no rank, as upstream).
+        self.settings = settings or load_mooncake_settings(
+            extra, ranks=RankInfo.from_storage_config(storage_config)
+        )
         if getattr(storage_config, "should_split_heads", False):
             raise RegistrationError(
                 "heterogeneous-TP head splitting (page_head layout with tp_lcm_size) is not "
                 "supported by mooncake-span; use one TP size for all nodes"
             )
-        # The built-in "mooncake" path passes the host pool here; sglang still
-        # calls register_mem_pool_host() right after, so only remember it.
-        self._constructor_host_pool = (
-            None if isinstance(kwargs_or_host_pool, dict) else kwargs_or_host_pool
-        )
+        # The built-in "mooncake" path passes the host pool as kwargs_or_host_pool;
+        # sglang calls register_mem_pool_host() with it right after, so it is not kept.
         self.mem_pool_host = None
         self.client = MooncakeClient(self.settings, self.options, binding, shared_transfer_engine())
         self.client.connect()

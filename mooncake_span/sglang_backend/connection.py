@@ -1,8 +1,4 @@
-"""This rank's Mooncake connection: its settings, and the transfer engine to reuse.
-
-``rank_settings`` resolves the config for the rank sglang's
-``HiCacheStorageConfig`` names (segment split over tp x pp, the NIC of a
-device map, the per-rank SSD directory).
+"""The Mooncake transfer engine this rank can reuse.
 
 sglang's Mooncake PD disaggregation (and its other Mooncake users) start one
 shared ``MooncakeTransferEngine`` per process; 0.5.23's ``MooncakeStore`` hands
@@ -15,18 +11,10 @@ store package never imports sglang.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
 
-from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo, load_mooncake_settings
 from mooncake_span.store.native import SharedEngine
 
 logger = logging.getLogger(__name__)
-
-
-def rank_settings(extra: Mapping[str, Any], storage_config: Any) -> MooncakeSettings:
-    """The settings of the rank ``storage_config`` describes (None: no rank, as upstream)."""
-    return load_mooncake_settings(extra, ranks=RankInfo.from_storage_config(storage_config))
 
 
 def shared_transfer_engine() -> SharedEngine | None:

@@ -5,10 +5,8 @@ an exception there kills the thread and silently stops the L3 tier. Every
 method those threads call is wrapped in :func:`never_raise` with the value it
 answers on a miss: bad caller input and cluster failures are logged (rate
 limited, naming what is wrong) and become misses; unexpected bugs are logged
-with a traceback and become misses too. What happened is handed to the
-backend's ``recorder`` (``recording.CallRecorder``): a refusal to ``reject``
-(counted and logged), every call's duration and outcome to its Prometheus
-``observer``.
+with a traceback and become misses too. What happened goes to the backend's
+``recorder`` (``recording.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
 
@@ -28,30 +26,15 @@ logger = logging.getLogger(__name__)
 Method = TypeVar("Method", bound=Callable[..., Any])
 
 
-class Observer(Protocol):
-    def call(self, op_name: str, failure: str | None, result: Any, elapsed_s: float) -> None: ...
-
-
-class Recorder(Protocol):
-    observer: Observer
-
-    def reject(self, op_name: str, exc: Exception) -> None: ...
-
-
-class Recorded(Protocol):
-    """A backend whose calls are recorded by its ``recorder``."""
-
-    recorder: Recorder
-
-
 def never_raise(miss: Callable[..., Any]) -> Callable[[Method], Method]:
-    """Wrap a method so that any failure returns ``miss(*args, **kwargs)`` instead."""
+    """Wrap a method of a backend with a ``recorder`` so that any failure returns
+    ``miss(*args, **kwargs)`` instead."""
 
     def decorate(method: Method) -> Method:
         op_name = method.__name__
 
         @functools.wraps(method)
-        def guarded(self: Recorded, *args: Any, **kwargs: Any) -> Any:
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             failure = None
             try:

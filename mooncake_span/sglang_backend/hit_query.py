@@ -1,15 +1,14 @@
 """Hit queries (``batch_exists`` / ``batch_exists_v2``) that probe only what can be read.
 
-Every existing object a hit query probes is leased by Mooncake 0.3.13 for
-about 10 s and cannot be evicted meanwhile, so the rounds follow
-``span.hit_rounds``: KV in growing chunks up to the first miss, then the sidecars on
-the KV-hit prefix in one round. The hit math itself is ``span.hits``.
+A probe leases what it finds, so the rounds follow ``span.hit_rounds`` (which
+says why and how); the hit math itself is ``span.hits``.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
@@ -24,7 +23,6 @@ from mooncake_span.span.hit_rounds import (
 from mooncake_span.span.hits import (
     HitResult,
     PoolHitQuery,
-    check_policy,
     compute_hits,
     leading_run,
 )
@@ -33,7 +31,7 @@ from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domains import ChainSpot
 
 
-def _pool_query(transfer: Any, page_exists: list[bool]) -> PoolHitQuery:
+def _pool_query(transfer: Any, page_exists: Sequence[bool]) -> PoolHitQuery:
     return PoolHitQuery(
         name=pool_name_str(transfer.name),
         policy=pool_name_str(transfer.hit_policy),
@@ -122,8 +120,8 @@ class HitProber:
     ) -> HitResult:
         """``batch_exists_v2``'s answer; ``transfers`` pairs each PoolTransfer with its pool.
         ``prefix_keys``: as for ``kv_prefix``."""
-        for transfer, _ in transfers:  # a bad request is refused before anything is leased
-            check_policy(pool_name_str(transfer.name), pool_name_str(transfer.hit_policy))
+        # Each query checks its policy: a bad request is refused before anything is leased.
+        queries = [_pool_query(t, ()) for t, _ in transfers]
         if kv.is_logical:
             # A logical anchor (DeepSeek-V4) stores no KV bytes: the sidecars
             # decide, over every key asked.
@@ -133,16 +131,8 @@ class HitProber:
             kv_pages = self.kv_prefix(schema, kv, page_keys, rounds, tally, chain, prefix_keys)
         if not kv_pages or not transfers:
             return compute_hits(kv_pages, [])
-        needed = [
-            sidecar_pages(
-                pool_name_str(t.hit_policy),
-                kv_pages,
-                int(getattr(t, "block_pages", 0) or 0),
-                int(getattr(t, "group_pages", 0) or 0),
-            )
-            for t, _ in transfers
-        ]
+        needed = [sidecar_pages(q.policy, kv_pages, q.block_pages, q.group_pages) for q in queries]
         parts = [(pool, page_keys[:n], 0) for (_, pool), n in zip(transfers, needed, strict=True)]
         flags = self._round(schema, parts, tally, chain)
-        queries = [_pool_query(t, f) for (t, _), f in zip(transfers, flags, strict=True)]
+        queries = [replace(q, page_exists=f) for q, f in zip(queries, flags, strict=True)]
         return compute_hits(kv_pages, queries)

@@ -1,14 +1,10 @@
 """The backend's Prometheus metrics (``mooncake_span_*``).
 
-``CallObserver`` is the backend recorder's ``observer`` (``recording.py``),
-fed only by the wrappers around the calls: every sglang-facing call's
-duration and outcome (``guard.never_raise``), the keys, host pages and bytes a
-get or put moved (``recording.recorded``), and the hit queries (keys asked vs
-restorable, existence RPCs and objects probed: ``CallRecorder.hit_query``).
-It also folds the store client's cumulative counters (failed objects by
-Mooncake code, breaker openings and state) into the metrics after each call.
-No method that observes a call raises: metrics must not turn a served
-request into a miss.
+``CallObserver`` is the backend recorder's ``observer``, fed only by the
+wrappers around the calls (``recording.py`` lists them). It also folds the
+store client's cumulative counters (failed objects by Mooncake code, breaker
+openings and state) into the metrics after each call. No method that observes
+a call raises: metrics must not turn a served request into a miss.
 
 Outcomes: ``ok`` (every key succeeded, or the call answered), ``partial``
 (some keys), ``miss`` (none), ``rejected`` (bad input or a cluster failure the

@@ -13,12 +13,15 @@ For each registered pool this works out, once at registration:
   pointer planning needs no Python loop over sglang's per-page code;
 * the buffers to register with Mooncake.
 
-Zero-byte slots and components are dropped from both keys and pointers
-(Mooncake rejects 0-byte buffers and objects).
+Zero-byte slots are left out of the pointers (Mooncake rejects 0-byte
+buffers); a component with no bytes at all is left out of the keys where sglang
+says so (Mamba's ``temporal_state_elem_size`` 0), else ``PageLayout`` refuses it.
 """
 
 from __future__ import annotations
 
+import importlib
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,30 +54,22 @@ class PoolShape:
     staged: bool = False
 
 
-def _is_instance(pool: Any, module: str, cls: str) -> bool:
-    import importlib
+# sglang host-pool classes told apart by type, imported only when asked.
+_SGLANG_POOLS = {
+    "mla": ("sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost"),
+    "mha": ("sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost"),
+    "dsv4": ("sglang.srt.mem_cache.memory_pool_host", "DeepSeekV4PagedHostPool"),
+    # DeepSeek-V4's anchor: page slots and no KV bytes (its sidecars hold them).
+    "logical_anchor": ("sglang.srt.mem_cache.memory_pool_host", "LogicalHostPool"),
+}
 
+
+def _is(pool: Any, kind: str) -> bool:
+    module, cls = _SGLANG_POOLS[kind]
     try:
         return isinstance(pool, getattr(importlib.import_module(module), cls))
     except (ImportError, AttributeError):
         return False
-
-
-def _is_mla_pool(pool: Any) -> bool:
-    return _is_instance(pool, "sglang.srt.mem_cache.pool_host.mla", "MLATokenToKVPoolHost")
-
-
-def _is_mha_pool(pool: Any) -> bool:
-    return _is_instance(pool, "sglang.srt.mem_cache.pool_host.mha", "MHATokenToKVPoolHost")
-
-
-def _is_dsv4_pool(pool: Any) -> bool:
-    return _is_instance(pool, "sglang.srt.mem_cache.memory_pool_host", "DeepSeekV4PagedHostPool")
-
-
-def _is_logical_anchor(pool: Any) -> bool:
-    """DeepSeek-V4's anchor: page slots and no KV bytes (its sidecars hold them)."""
-    return _is_instance(pool, "sglang.srt.mem_cache.memory_pool_host", "LogicalHostPool")
 
 
 def component_specs(name: str, pool: Any, *, is_mla: bool) -> tuple[ComponentSpec, ...]:
@@ -87,13 +82,13 @@ def component_specs(name: str, pool: Any, *, is_mla: bool) -> tuple[ComponentSpe
             specs.insert(0, ComponentSpec("temporal", S))
         return tuple(specs)
     if name == "draft":
-        if _is_mla_pool(pool):
+        if _is(pool, "mla"):
             return (ComponentSpec("draft_k", R),)
         return (ComponentSpec("draft_kv", S, parts=2),)
     if name == "draft_swa":
-        if _is_mla_pool(pool) or _is_dsv4_pool(pool):
+        if _is(pool, "mla") or _is(pool, "dsv4"):
             return (ComponentSpec("draft_swa", R),)
-        if _is_mha_pool(pool):
+        if _is(pool, "mha"):
             return (ComponentSpec("draft_swa_kv", S, parts=2),)
     if name == "swa":
         if not is_mla and hasattr(pool, "v_buffer"):
@@ -158,9 +153,9 @@ def fit_page_layout(
     ]
     # A packed component takes its groups whole and in order (MHA: every k
     # slot, then every v slot), the order of sglang's flat page.
-    ends = [sum(parts[: i + 1]) for i in range(len(parts))]
     components = tuple(
-        sum(groups[end - count : end], ()) for end, count in zip(ends, parts, strict=True)
+        sum(groups[end - count : end], ())
+        for end, count in zip(itertools.accumulate(parts), parts, strict=True)
     )
     return PageLayout(
         base_ptrs=tuple(base),
@@ -212,7 +207,7 @@ def _registration_buffers(pool: Any) -> tuple[tuple[int, int], ...]:
 def describe_pool(name: str, pool: Any, *, is_mla: bool) -> PoolShape:
     page_tokens = int(getattr(pool, "page_size", 0) or 1)
     specs = component_specs(name, pool, is_mla=is_mla)
-    if name == KV_POOL and _is_logical_anchor(pool):
+    if name == KV_POOL and _is(pool, "logical_anchor"):
         return PoolShape(page_tokens, specs, None, ())
     try:
         layout = fit_page_layout(name, pool, page_tokens, tuple(s.parts for s in specs))
@@ -221,18 +216,6 @@ def describe_pool(name: str, pool: Any, *, is_mla: bool) -> PoolShape:
             raise
         layout = _flat_page_layout(name, pool, page_tokens)
         return PoolShape(page_tokens, specs, layout, (), staged=True)
-    kept = [i for i, slots in enumerate(layout.components) if slots]
-    if len(kept) != len(specs):
-        layout = PageLayout(
-            base_ptrs=layout.base_ptrs,
-            page_stride_bytes=layout.page_stride_bytes,
-            slot_bytes=layout.slot_bytes,
-            components=tuple(layout.components[i] for i in kept),
-            num_pages=layout.num_pages,
-        )
-        specs = tuple(specs[i] for i in kept)
-    if not specs:
-        raise RegistrationError(f"pool {name!r} has only 0-byte components")
     buffers = _registration_buffers(pool)
     _check_registered(name, layout, buffers)
     return PoolShape(page_tokens, specs, layout, buffers)

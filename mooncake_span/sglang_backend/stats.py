@@ -31,13 +31,11 @@ _OVERFLOW_KIND = "(other kinds)"
 # are plain counters either way.
 METRIC_WINDOW = 4096
 UNPOLLED_WINDOW = 64
+_RECORDS = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
 
 
 class RateLimitedLog:
-    """At most one line per kind every few seconds, with a count of what was dropped.
-
-    Holds at most ``_MAX_LOG_KINDS`` kinds plus one overflow kind.
-    """
+    """At most one line per kind every few seconds, with a count of what was dropped."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -97,21 +95,17 @@ class CallCounters:
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"metric window must be >= 1 record, got {self.window}")
-        self.prefetch_pgs = deque(maxlen=self.window)
-        self.backup_pgs = deque(maxlen=self.window)
-        self.prefetch_bandwidth = deque(maxlen=self.window)
-        self.backup_bandwidth = deque(maxlen=self.window)
+        for name in _RECORDS:
+            setattr(self, name, deque(maxlen=self.window))
 
     def record(self, backup: bool, keys: int, tokens: int, gib_per_s: float | None) -> None:
         """One KV call: a backup (put) or else a prefetch (get)."""
         with self._lock:
             if backup:
-                pgs = self.backup_pgs
-                bandwidth = self.backup_bandwidth
+                pgs, bandwidth = self.backup_pgs, self.backup_bandwidth
                 self.backup_tokens += tokens
             else:
-                pgs = self.prefetch_pgs
-                bandwidth = self.prefetch_bandwidth
+                pgs, bandwidth = self.prefetch_pgs, self.prefetch_bandwidth
                 self.prefetch_tokens += tokens
             if len(pgs) == self.window:
                 self.dropped_records += 1
@@ -139,22 +133,18 @@ class CallCounters:
                 backup_tokens=self.backup_tokens,
                 rejected_calls=dict(self.rejected_calls),
                 dropped_metric_records=self.dropped_records,
+                hit_queries=self.hit_queries,
+                hit_query_rpcs=self.hit_query_rpcs,
+                hit_query_probed_objects=self.hit_query_probed_objects,
                 **client_fields,
             )
-            self._drain_into(metrics)
+            for name in _RECORDS:
+                records = getattr(self, name)
+                getattr(metrics, name).extend(records)
+                records.clear()
+            self.prefetch_tokens = self.backup_tokens = 0
+            self.hit_queries = self.hit_query_rpcs = self.hit_query_probed_objects = 0
         return metrics
-
-    def _drain_into(self, metrics: StorageMetrics) -> None:
-        """Move the records and token totals into ``metrics``; the caller holds ``_lock``."""
-        for name in ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth"):
-            records = getattr(self, name)
-            getattr(metrics, name).extend(records)
-            records.clear()
-        metrics.hit_queries = self.hit_queries
-        metrics.hit_query_rpcs = self.hit_query_rpcs
-        metrics.hit_query_probed_objects = self.hit_query_probed_objects
-        self.prefetch_tokens = self.backup_tokens = 0
-        self.hit_queries = self.hit_query_rpcs = self.hit_query_probed_objects = 0
 
 
 class SpanStorageMetrics(StorageMetrics):

@@ -81,28 +81,23 @@ def warn_if_inconsistent(storage_config: Any, options: SpanOptions, host_page_to
         build_tokens = int(getattr(storage_config, STORAGE_PAGE_KEY) or 0) or host_page_tokens
         if extra_tokens != build_tokens:
             logger.warning(
-                "mooncake-span: extra-config %s=%d is overridden by this sglang build's "
-                "HiCacheStorageConfig.%s=%d (the controller's storage page); drop the "
-                "extra-config key",
-                STORAGE_PAGE_KEY,
+                "mooncake-span: extra-config storage_page_size=%d is overridden by this sglang "
+                "build's HiCacheStorageConfig.storage_page_size=%d (the controller's storage "
+                "page); drop the extra-config key",
                 extra_tokens,
-                STORAGE_PAGE_KEY,
                 build_tokens,
             )
         return
     if extra_tokens != host_page_tokens:
         logger.warning(
-            "mooncake-span: extra-config %s=%d differs from the %d-token host page, and this "
-            "sglang build's HiCacheStorageConfig has no %s field. If its controller hashes "
-            "one host page per key (stock sglang 0.5.23 does, also for GLM-5.3-Flash, whose "
-            "page is forced to 256 tokens), every backup, hit query and prefetch fails the "
-            "stride rule and L3 answers only misses. Remove %s unless this build's radix-tree "
-            "page is %d tokens.",
-            STORAGE_PAGE_KEY,
+            "mooncake-span: extra-config storage_page_size=%d differs from the %d-token host "
+            "page, and this sglang build's HiCacheStorageConfig has no storage_page_size field. "
+            "If its controller hashes one host page per key (stock sglang 0.5.23 does, also for "
+            "GLM-5.3-Flash, whose page is forced to 256 tokens), every backup, hit query and "
+            "prefetch fails the stride rule and L3 answers only misses. Remove storage_page_size "
+            "unless this build's radix-tree page is %d tokens.",
             extra_tokens,
             host_page_tokens,
-            STORAGE_PAGE_KEY,
-            STORAGE_PAGE_KEY,
             extra_tokens,
         )
 
@@ -141,7 +136,10 @@ class StoragePage:
             )
         new = PageChoice(tokens or None, PageSource.ASSIGNED)
         with self._lock:
-            changed = self._differs(new, host_page_tokens)
+            if host_page_tokens is None:
+                changed = new.tokens != self.choice.tokens
+            else:
+                changed = new.resolved(host_page_tokens) != self.choice.resolved(host_page_tokens)
             if self.settled or self.io_started:
                 if changed:
                     current = self.choice.resolved(host_page_tokens or 0)
@@ -156,11 +154,6 @@ class StoragePage:
                 return None
             self.choice = new
             return new if changed else None
-
-    def _differs(self, new: PageChoice, host_page_tokens: int | None) -> bool:
-        if host_page_tokens is None:
-            return new.tokens != self.choice.tokens
-        return new.resolved(host_page_tokens) != self.choice.resolved(host_page_tokens)
 
     def settle(self, kv_slots_per_key: int | None, host_page_tokens: int) -> PageChoice | None:
         """Fix the page at a data call; ``kv_slots_per_key`` is the call's KV (or

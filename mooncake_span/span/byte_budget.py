@@ -1,12 +1,11 @@
-"""Registered-memory bookkeeping and byte budgets. Pure (no I/O).
+"""Byte budgets of the registered staging arena. Pure (no I/O).
 
 Over RDMA every buffer of a zero-copy Mooncake call must lie inside a region
 given to ``register_buffer``. Memory sglang allocates per call (the generic
 path's tensors) or that has no affine page model (staged pools) therefore
 moves through one registered staging arena, leased per call: these helpers
 decide which free gap of the arena a lease takes and how many objects fit in
-the bytes a lease got. ``ByteRanges`` is the rule itself, shared by the fake
-store and the tests' checking wrapper.
+the bytes a lease got.
 """
 
 from __future__ import annotations
@@ -18,28 +17,6 @@ from mooncake_span.errors import InvalidRequestError
 
 # Leases start on this boundary (a cache line): neighbours never share one.
 LEASE_ALIGN_BYTES = 64
-
-
-class ByteRanges:
-    """Registered ``[ptr, ptr + size)`` regions; ``covers`` is RDMA's check."""
-
-    def __init__(self) -> None:
-        self._ranges: list[tuple[int, int]] = []
-
-    def add(self, ptr: int, size_bytes: int) -> None:
-        self._ranges.append((int(ptr), int(ptr) + int(size_bytes)))
-
-    def covers(self, ptr: int, size_bytes: int) -> bool:
-        """Is ``[ptr, ptr + size_bytes)`` inside one registered region?"""
-        end = ptr + size_bytes
-        return any(start <= ptr and end <= stop for start, stop in self._ranges)
-
-    def uncovered(self, ptrs: Iterable[int], sizes: Iterable[int]) -> list[tuple[int, int]]:
-        """The (ptr, size) buffers outside every registered region."""
-        return [(p, s) for p, s in zip(ptrs, sizes, strict=True) if not self.covers(p, s)]
-
-    def __len__(self) -> int:
-        return len(self._ranges)
 
 
 def align_up(nbytes: int, align_bytes: int = LEASE_ALIGN_BYTES) -> int:

@@ -102,21 +102,12 @@ def pool_inputs(
     ]
 
 
-def _pool_pages_per_key(pool: PoolLayoutInput, storage_page_tokens: int) -> int | None:
-    if pool.kind is PoolKind.STATE or pool.page_tokens <= 0:
-        # State pools store a window that sglang picks per transfer.
-        return None
-    return max(1, storage_page_tokens // pool.page_tokens)
-
-
-def _suffix(rank: str | None, component: str) -> str | None:
-    return None if rank is None else f"_{rank}_{component}"
-
-
 def _describe_pool(
     pool: PoolLayoutInput, ranks: RankTags | None, storage_page_tokens: int
 ) -> dict[str, object]:
-    pages_per_key = _pool_pages_per_key(pool, storage_page_tokens)
+    pages_per_key = None  # state pools store a window that sglang picks per transfer
+    if pool.kind is not PoolKind.STATE and pool.page_tokens > 0:
+        pages_per_key = max(1, storage_page_tokens // pool.page_tokens)
     components = []
     for i, name in enumerate(pool.components):
         scope = pool.scopes[i] if pool.scopes is not None else None
@@ -128,7 +119,7 @@ def _describe_pool(
             {
                 "name": name,
                 "rank_scope": scope,
-                "suffix": _suffix(rank, name),
+                "suffix": None if rank is None else f"_{rank}_{name}",
                 "bytes_per_pool_page": page_bytes,
                 "bytes_per_object": (
                     None

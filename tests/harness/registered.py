@@ -15,8 +15,8 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
-from mooncake_span.span.byte_budget import ByteRanges
 from mooncake_span.store.native import NativeBinding
+from mooncake_span_tools.testing.registered_ranges import ByteRanges
 
 
 class UnregisteredMemoryError(AssertionError):

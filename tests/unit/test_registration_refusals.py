@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mooncake_span.errors import RegistrationError
+from mooncake_span.errors import GeometryError, RegistrationError
 from mooncake_span_tools.testing import pools as P
 from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, slots_of
@@ -59,6 +59,22 @@ class StagedOnlyPool:
 
     def set_from_flat_data_page(self, index, data):
         return None
+
+
+class ZeroByteConvPool:
+    """A Mamba pool that names a conv state with no bytes in it."""
+
+    page_size = PAGE
+    size = 8 * PAGE
+    conv_buffer = [None]
+    temporal_state_elem_size = 4
+
+    def __init__(self) -> None:
+        self.memory = torch.zeros(8 * 16, dtype=torch.uint8)
+
+    def get_page_buffer_meta(self, indices):
+        page = int(indices[0]) // PAGE
+        return [self.memory.data_ptr() + page * 16, self.memory.data_ptr()], [16, 0]
 
 
 def test_kv_pool_without_kv_buffer_or_pointers_is_refused(make_backend):
@@ -143,3 +159,13 @@ def test_no_admin_url_is_guessed_and_the_cost_is_said_once(caplog):
     assert asked[0] == "http://127.0.0.1:9100" and asked[-1] == "http://m:9200"
     for store in stores:
         store.close()
+
+
+def test_a_component_without_bytes_is_refused(make_backend):
+    """A component sglang names but gives no bytes stops registration
+    (``PageLayout`` refuses an empty component); serving the pool without it
+    instead would be a deliberate change, not a silent one."""
+    store = make_backend(dict(FAKE_CLIENT))
+    store.register_mem_pool_host(P.build_mla_host("page_first", layers=1, host_pages=4))
+    with pytest.raises(GeometryError, match="component without slots"):
+        store.register_mem_host_pool_v2(ZeroByteConvPool(), "mamba")

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from mooncake_span.errors import ErrorCode, InvalidRequestError, RegistrationError
-from mooncake_span.span.byte_budget import ByteRanges, largest_gap, next_part, rows_left_bytes
+from mooncake_span.span.byte_budget import largest_gap, next_part, rows_left_bytes
 from mooncake_span.store.arena import StagingArena, StagingBusyError, create_blob, read_blob
 from mooncake_span_tools.testing import pools as P
 from mooncake_span_tools.testing.fake_store import FakeCluster, FakeStore
+from mooncake_span_tools.testing.registered_ranges import ByteRanges
 from tests.harness.registered import CheckedStore, UnregisteredMemoryError
 from tests.span_helpers import FAKE_CLIENT, fake_client, listening_port, slots_of
 

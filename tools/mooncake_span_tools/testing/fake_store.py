@@ -39,7 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_span.errors import ErrorCode
-from mooncake_span.span.byte_budget import ByteRanges
+from mooncake_span_tools.testing.registered_ranges import ByteRanges
 
 logger = logging.getLogger(__name__)
 
