@@ -303,7 +303,11 @@ def _print_ready(cluster: LocalCluster) -> None:
     ]
     if cluster.etcd_endpoint is not None:
         lines.append(f"etcd_endpoint:   {cluster.etcd_endpoint}")
-    lines += _ssd_lines(cluster)
+    # Each node's SSD directory and disk cap, as the node itself reported them.
+    lines += [
+        f"ssd node{i}:       {tier['ssd_dir']} (cap {tier['ssd_cap_bytes']} bytes)"
+        for i, tier in enumerate(cluster.ssd_tiers())
+    ]
     lines += [
         f"log_dir:         {cluster.log_dir}",
         f"pids:            {json.dumps(cluster.pids())}",
@@ -322,15 +326,6 @@ def _print_ready(cluster: LocalCluster) -> None:
         "ready; press Ctrl-C to stop",
     ]
     print("\n".join(lines), flush=True)
-
-
-def _ssd_lines(cluster: LocalCluster) -> list[str]:
-    """Each node's SSD directory and disk cap, as the node itself reported them."""
-    tiers = cluster.ssd_tiers()
-    return [
-        f"ssd node{i}:       {tier['ssd_dir']} (cap {tier['ssd_cap_bytes']} bytes)"
-        for i, tier in enumerate(tiers)
-    ]
 
 
 # ---------------------------------------------------------------------------
