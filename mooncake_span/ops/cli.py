@@ -19,12 +19,12 @@ import shlex
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
 
 from mooncake_span.ops import doctor, inspect_cmd, validate_cmd
 from mooncake_span.ops.arg_types import non_negative_int_arg as _non_negative_int_arg
 from mooncake_span.ops.arg_types import positive_int_arg as _positive_int_arg
 from mooncake_span.ops.arg_types import size_arg as _size_arg
+from mooncake_span.ops.cluster import ClusterSpec, ClusterStartError, LocalCluster
 from mooncake_span.ops.cluster_spec import (
     CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
     CLUSTER_UP_EVICTION_RATIO,
@@ -35,9 +35,6 @@ from mooncake_span.ops.cluster_spec import (
 )
 from mooncake_span.store.ssd_tier import CHECK_MODES
 from mooncake_span.units import parse_size_bytes
-
-if TYPE_CHECKING:
-    from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +205,6 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     """The ``ClusterSpec`` of ``cluster up``'s flags (ValueError on a bad combination)."""
-    from mooncake_span.ops.cluster import ClusterSpec
 
     # Master tunables not given: CLUSTER_UP_*, or ClusterSpec's SSD_* values with --ssd-dir.
     def given_or(value: float | None, default: float) -> float | None:
@@ -239,8 +235,6 @@ def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 def cluster_up(args: argparse.Namespace) -> int:
     """``mooncake-span cluster up``: run a LocalCluster until SIGINT/SIGTERM."""
-    from mooncake_span.ops.cluster import ClusterStartError, LocalCluster
-
     try:
         spec = cluster_spec_from_args(args)
     except ValueError as exc:
@@ -303,7 +297,11 @@ def _print_ready(cluster: LocalCluster) -> None:
     ]
     if cluster.etcd_endpoint is not None:
         lines.append(f"etcd_endpoint:   {cluster.etcd_endpoint}")
-    lines += _ssd_lines(cluster)
+    # Each node's SSD directory and disk cap, as the node itself reported them.
+    lines += [
+        f"ssd node{i}:       {tier['ssd_dir']} (cap {tier['ssd_cap_bytes']} bytes)"
+        for i, tier in enumerate(cluster.ssd_tiers())
+    ]
     lines += [
         f"log_dir:         {cluster.log_dir}",
         f"pids:            {json.dumps(cluster.pids())}",
@@ -322,15 +320,6 @@ def _print_ready(cluster: LocalCluster) -> None:
         "ready; press Ctrl-C to stop",
     ]
     print("\n".join(lines), flush=True)
-
-
-def _ssd_lines(cluster: LocalCluster) -> list[str]:
-    """Each node's SSD directory and disk cap, as the node itself reported them."""
-    tiers = cluster.ssd_tiers()
-    return [
-        f"ssd node{i}:       {tier['ssd_dir']} (cap {tier['ssd_cap_bytes']} bytes)"
-        for i, tier in enumerate(tiers)
-    ]
 
 
 # ---------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -276,17 +277,16 @@ class LocalCluster:
     def client_config(self, global_segment_size_bytes: int = 0) -> dict[str, object]:
         """Client settings; the keys match SGLang's Mooncake ``extra_config`` keys."""
         # With HA masters the leader moves; the default admin URL rule applies then.
+        # No span_object_checksums: with an SSD tier clients seal by default
+        # (store/ssd_marker.py).
         admin_url = None if self.spec.ha_masters > 1 else self.metrics_url
-        config = sglang_client_config(
+        return sglang_client_config(
             self.master_address,
             self.metadata_server,
             self.spec.host,
             global_segment_size_bytes,
             admin_url,
         )
-        # No span_object_checksums: with an SSD tier clients seal by default
-        # (store/ssd_marker.py).
-        return config
 
     def client_env(self) -> dict[str, str]:
         """Environment variables a client process needs to talk to this cluster."""
@@ -354,16 +354,8 @@ class LocalCluster:
 
     def restart_storage_node(self, i: int) -> None:
         """(Re)start storage node i and wait for READY; a running node is stopped first."""
-        index = self._node_index(i)
-        node = self._nodes[index]
-        if node.running():
-            L.terminate([node], signal.SIGTERM, self.spec.stop_timeout_s)
-        node.start()
-        try:
-            L.wait_ready_line(node, time.monotonic() + self.spec.start_timeout_s)
-        except BaseException:
-            L.terminate([node], signal.SIGKILL, self.spec.stop_timeout_s)
-            raise
+        node = self._nodes[self._node_index(i)]
+        self._restart(node, lambda deadline: L.wait_ready_line(node, deadline))
 
     def kill_master(self, i: int = 0, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to master i's process group and wait for it to exit."""
@@ -377,18 +369,22 @@ class LocalCluster:
         may come back as a standby). A non-HA master restarts empty; storage
         nodes re-register their segments by themselves shortly after.
         """
-        index = self._master_index(i)
-        master = self._masters[index]
-        if master.running():
-            L.terminate([master], signal.SIGTERM, self.spec.stop_timeout_s)
-        master.start()
+        master = self._masters[self._master_index(i)]
+        url, serving = self.master_metrics_url(i), not self.spec.ha
+        self._restart(
+            master, lambda end: L.wait_master(master, self._site(), url, end, serving=serving)
+        )
+
+    def _restart(self, process: L.LocalProcess, wait: Callable[[float], None]) -> None:
+        """Stop ``process`` if it runs, start it again and ``wait(deadline)`` for it;
+        killed again if the wait fails."""
+        if process.running():
+            L.terminate([process], signal.SIGTERM, self.spec.stop_timeout_s)
+        process.start()
         try:
-            deadline = time.monotonic() + self.spec.start_timeout_s
-            site = self._site()
-            url = self.master_metrics_url(index)
-            L.wait_master(master, site, url, deadline, serving=not self.spec.ha)
+            wait(time.monotonic() + self.spec.start_timeout_s)
         except BaseException:
-            L.terminate([master], signal.SIGKILL, self.spec.stop_timeout_s)
+            L.terminate([process], signal.SIGKILL, self.spec.stop_timeout_s)
             raise
 
     # -- internals -----------------------------------------------------------

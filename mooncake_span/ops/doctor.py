@@ -91,8 +91,7 @@ def _http_status(url: str) -> tuple[int | None, str]:
 def check_master(ctx: Context) -> list[Check]:
     s = ctx.settings
     if s.master_server_address.startswith("etcd://"):
-        checks = [Check("master", SKIP, "HA masters behind etcd: see the etcd check")]
-        return checks + _check_admin(ctx)
+        return [Check("master", SKIP, "HA masters behind etcd: see the etcd check"), *_admin(ctx)]
     why = _tcp(s.master_server_address)
     if why is not None:
         ctx.failed.add("master")
@@ -104,45 +103,38 @@ def check_master(ctx: Context) -> list[Check]:
                 "start mooncake_master there or correct master_server_address (HOST:RPC_PORT)",
             )
         ]
-    checks = [Check("master", PASS, f"master {s.master_server_address} accepts connections")]
-    return checks + _check_admin(ctx)
+    passed = Check("master", PASS, f"master {s.master_server_address} accepts connections")
+    return [passed, *_admin(ctx)]
 
 
-def _check_admin(ctx: Context) -> list[Check]:
+def _admin(ctx: Context) -> list[Check]:
     """The admin server's /health: role and HA state (the version is not published)."""
-    checks: list[Check] = []
     if ctx.admin_url is None:
-        return checks
+        return []
     try:
         health = master_http.health(ctx.admin_url, _NET_TIMEOUT_S)
     except master_http.AdminError as exc:
-        checks.append(
+        return [
             Check(
                 "master admin",
                 WARN,
                 f"admin server not reachable ({exc}); the master's version and role are unknown",
                 "pass --admin-url http://HOST:METRICS_PORT (mooncake_master --metrics_port)",
             )
-        )
-        return checks
+        ]
     role, state = health.get("role"), health.get("ha_state")
     status = PASS if health.get("status") == "ok" and health.get("service_ready", True) else WARN
-    checks.append(
+    client_version = ", ".join(b.describe() for b in installed_mooncake()) or None
+    return [
         Check(
             "master admin",
             status,
             f"{ctx.admin_url}/health: status={health.get('status')} role={role} state={state} "
             "(the master does not publish its version over HTTP)",
             None if status == PASS else "the master is not serving yet; wait or check its log",
-            data={"health": health, "client_version": _client_version()},
+            data={"health": health, "client_version": client_version},
         )
-    )
-    return checks
-
-
-def _client_version() -> str | None:
-    builds = installed_mooncake()
-    return ", ".join(b.describe() for b in builds) or None
+    ]
 
 
 def _import_failure(ctx: Context) -> ImportError | None:
@@ -166,27 +158,20 @@ def _import_failure(ctx: Context) -> ImportError | None:
 def check_mooncake_build(ctx: Context) -> list[Check]:
     """Which Mooncake distribution provides ``mooncake``: exactly one, one this
     package knows (CPU, CUDA 12, CUDA 13, EFA), and it imports."""
-    builds = installed_mooncake()
+    builds, name = installed_mooncake(), "mooncake build"
     data = {"builds": [asdict(b) for b in builds]}
     if not builds:
         ctx.failed.add("mooncake")
-        return [
-            Check(
-                "mooncake build",
-                FAIL,
-                "no distribution provides `mooncake`",
-                mooncake_install_hint(),
-            )
-        ]
+        return [Check(name, FAIL, "no distribution provides `mooncake`", mooncake_install_hint())]
     said = ", ".join(b.describe() for b in builds)
     failure = _import_failure(ctx)
     if failure is not None:
         ctx.failed.add("mooncake")
-        return [Check("mooncake build", FAIL, mooncake_import_failure(failure, builds), None, data)]
+        return [Check(name, FAIL, mooncake_import_failure(failure, builds), None, data)]
     if len(builds) > 1:
         return [
             Check(
-                "mooncake build",
+                name,
                 WARN,
                 f"several builds provide `mooncake`: {said}; they install the same files over "
                 "each other",
@@ -197,14 +182,14 @@ def check_mooncake_build(ctx: Context) -> list[Check]:
     if builds[0].host_kind is None:
         return [
             Check(
-                "mooncake build",
+                name,
                 WARN,
                 f"{said}: the backend is tested on {', '.join(MOONCAKE_DISTRIBUTIONS)}",
                 mooncake_install_hint(),
                 data,
             )
         ]
-    return [Check("mooncake build", PASS, said, None, data)]
+    return [Check(name, PASS, said, None, data)]
 
 
 def check_metadata(ctx: Context) -> list[Check]:

@@ -206,15 +206,21 @@ def _master_summary(samples: list[tuple[str, dict[str, str], float]]) -> dict[st
     return out
 
 
-def _guard_layout(facts: NamespaceFacts, record_text: str | None, key: str) -> Any:
-    """The object layout from a guard record; None when the record is unreadable."""
+def _guard_record(text: str | None) -> Any:
+    """A layout-guard record's content; None when absent or unreadable."""
+    # Imported here: the store's modules load numpy, which the CLI does not need to start.
     from mooncake_span.store.layout_guard import GeometryRecord
 
-    if record_text is None:
-        return None
     try:
-        record = GeometryRecord.from_json(record_text)
+        return None if text is None else GeometryRecord.from_json(text)
     except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _guard_layout(facts: NamespaceFacts, record_text: str | None, key: str) -> Any:
+    """The object layout from a guard record; None when the record is unreadable."""
+    record = _guard_record(record_text)
+    if record is None:
         return None
     kinds = {name: classify_pool(name) for name in record.pools}
     pools = pool_inputs(record.pools, kinds)
@@ -269,14 +275,8 @@ def _guard_key_for(facts: NamespaceFacts, guard: dict[str, str | None]) -> str |
 
 
 def _facts_from_record(key: str, text: str | None) -> NamespaceFacts | None:
-    from mooncake_span.store.layout_guard import GeometryRecord
-
-    owner = parse_guard_key(key)
-    if text is None or owner is None:
-        return None
-    try:
-        record = GeometryRecord.from_json(text)
-    except (ValueError, KeyError, TypeError):
+    owner, record = parse_guard_key(key), _guard_record(text)
+    if owner is None or record is None:
         return None
     tag, model = owner
     host = record.host_page_tokens

@@ -196,16 +196,14 @@ class MasterArgs:
             ]
             if self.enable_oplog:
                 argv.append("--enable_oplog=true")
-        if self.lease_ttl_ms is not None:
-            argv.append(f"--default_kv_lease_ttl={self.lease_ttl_ms}")
-        if self.client_ttl_s is not None:
-            argv.append(f"--client_ttl={self.client_ttl_s}")
-        if self.eviction_high_watermark_ratio is not None:
-            argv.append(f"--eviction_high_watermark_ratio={self.eviction_high_watermark_ratio}")
-        if self.eviction_ratio is not None:
-            argv.append(f"--eviction_ratio={self.eviction_ratio}")
-        if self.enable_offload:
-            argv.append("--enable_offload=true")
+        tunables = {
+            "default_kv_lease_ttl": self.lease_ttl_ms,
+            "client_ttl": self.client_ttl_s,
+            "eviction_high_watermark_ratio": self.eviction_high_watermark_ratio,
+            "eviction_ratio": self.eviction_ratio,
+            "enable_offload": "true" if self.enable_offload else None,
+        }
+        argv += [f"--{flag}={value}" for flag, value in tunables.items() if value is not None]
         return argv + list(self.extra_args)
 
     @property
@@ -250,18 +248,15 @@ class NodeSsdArgs:
     check: str | None = None  # None: the node's default (its MOONCAKE_SPAN_SSD_CHECK)
 
     def argv(self) -> list[str]:
-        argv = [f"--ssd-dir={self.root}", f"--node-name={self.node_name}"]
-        if self.check is not None:
-            argv.append(f"--ssd-check={self.check}")
-        if self.cap_bytes is not None:
-            argv.append(f"--ssd-size={self.cap_bytes}")
-        if self.read_buffer_bytes is not None:
-            argv.append(f"--ssd-read-buffer={self.read_buffer_bytes}")
-        if self.admin_url is not None:
-            argv.append(f"--admin-url={self.admin_url}")
-        if self.client_ttl_s is not None:
-            argv.append(f"--client-ttl-s={self.client_ttl_s}")
-        return argv
+        optional = {
+            "ssd-check": self.check,
+            "ssd-size": self.cap_bytes,
+            "ssd-read-buffer": self.read_buffer_bytes,
+            "admin-url": self.admin_url,
+            "client-ttl-s": self.client_ttl_s,
+        }
+        given = [f"--{flag}={value}" for flag, value in optional.items() if value is not None]
+        return [f"--ssd-dir={self.root}", f"--node-name={self.node_name}", *given]
 
 
 def storage_node_argv(

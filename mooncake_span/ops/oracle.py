@@ -13,7 +13,6 @@ Pure: it reads two answers, it starts nothing.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,45 +78,3 @@ def compare(
         compared_tokens=compared,
         tolerance=tolerance,
     )
-
-
-# ---------------------------------------------------------------------------
-# what a server's backend read, per host pool (its Prometheus families)
-
-_SAMPLE = re.compile(r"^(mooncake_span_[a-z_]+)(\{[^}]*\})?\s+(\S+)$")
-_KEYS = 'mooncake_span_keys_total{{operation="get",pool="{pool}",result="ok"}}'
-_BYTES = 'mooncake_span_bytes_total{{operation="get",pool="{pool}"}}'
-
-
-@dataclass(frozen=True)
-class PoolReads:
-    keys: float
-    bytes: float
-
-
-def pool_reads(metrics_text: str, pools: Sequence[str]) -> dict[str, PoolReads]:
-    """Keys and bytes this backend has read per pool, from a server's ``/metrics`` text
-    (counters since the server started; subtract an earlier scrape for one request)."""
-    samples = {}
-    for line in metrics_text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if match is not None:
-            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
-    return {
-        pool: PoolReads(
-            keys=samples.get(_KEYS.format(pool=pool), 0.0),
-            bytes=samples.get(_BYTES.format(pool=pool), 0.0),
-        )
-        for pool in pools
-    }
-
-
-def reads_between(
-    before: dict[str, PoolReads], after: dict[str, PoolReads]
-) -> dict[str, PoolReads]:
-    return {
-        pool: PoolReads(
-            after[pool].keys - before[pool].keys, after[pool].bytes - before[pool].bytes
-        )
-        for pool in after
-    }

@@ -39,10 +39,10 @@ from mooncake_span.ops.storage_ssd import (
     add_ssd_arguments,
     prepare_node_ssd,
     publish_marker,
+    size_flag,
     wait_after_crash,
 )
 from mooncake_span.store.native import setup_arguments
-from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -115,21 +115,15 @@ def settings_from_args(
         )
     else:
         settings = load_mooncake_settings(None, environ)
-    overrides: dict[str, object] = {}
-    if args.metadata is not None:
-        overrides["metadata_server"] = args.metadata
-    if args.segment_bytes is not None:
-        overrides["global_segment_size_bytes"] = _size(args.segment_bytes, "--segment-bytes")
-    if args.local_buffer_bytes is not None:
-        overrides["local_buffer_size_bytes"] = _size(
-            args.local_buffer_bytes, "--local-buffer-bytes"
-        )
-    if args.host is not None:
-        overrides["local_hostname"] = args.host
-    if args.protocol is not None:
-        overrides["protocol"] = args.protocol
-    if args.device is not None:
-        overrides["device_name"] = args.device
+    given = {
+        "metadata_server": args.metadata,
+        "global_segment_size_bytes": size_flag(args.segment_bytes, "--segment-bytes"),
+        "local_buffer_size_bytes": size_flag(args.local_buffer_bytes, "--local-buffer-bytes"),
+        "local_hostname": args.host,
+        "protocol": args.protocol,
+        "device_name": args.device,
+    }
+    overrides = {name: value for name, value in given.items() if value is not None}
     settings = dataclasses.replace(settings, **overrides)  # validated again
     if settings.global_segment_size_bytes <= 0:
         raise ConfigError(
@@ -138,13 +132,6 @@ def settings_from_args(
             f"pass --segment-bytes"
         )
     return settings
-
-
-def _size(text: str, flag: str) -> int:
-    try:
-        return parse_size_bytes(text)
-    except ValueError as exc:
-        raise ConfigError(f"{flag}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

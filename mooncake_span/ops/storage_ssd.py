@@ -24,6 +24,7 @@ from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.store import ssd_marker, ssd_scan, ssd_tier
 from mooncake_span.store.gate import replicate_config
 from mooncake_span.store.segments import fetch_segments
+from mooncake_span.store.ssd_tier import DEFAULT_READ_BUFFER_BYTES
 from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help=f"RAM staging objects read from the SSD for a reader (default: "
-        f"{ssd_tier.DEFAULT_READ_BUFFER_BYTES >> 20}mb; a larger batch is read in parts)",
+        f"{DEFAULT_READ_BUFFER_BYTES >> 20}mb; a larger batch is read in parts)",
     )
     parser.add_argument(
         "--ssd-check",
@@ -120,9 +121,10 @@ class NodeSsd:
             )
 
 
-def _size(text: str, flag: str) -> int:
+def size_flag(text: str | None, flag: str) -> int | None:
+    """A size flag's bytes (None when not given); ConfigError naming the flag."""
     try:
-        return parse_size_bytes(text)
+        return None if text is None else parse_size_bytes(text)
     except ValueError as exc:
         raise ConfigError(f"{flag}: {exc}") from None
 
@@ -156,18 +158,15 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
     root = ssd_tier.check_root(*found)
     check, check_source = ssd_scan.resolve_check(args.ssd_check, os.environ)
     name = args.node_name or socket.gethostname()
-    cap = _size(args.ssd_size, "--ssd-size") if args.ssd_size is not None else None
+    cap = size_flag(args.ssd_size, "--ssd-size")
+    read_buffer = size_flag(args.ssd_read_buffer, "--ssd-read-buffer")
     stop_wait = ssd_tier.resolve_stop_wait_s(args.ssd_stop_wait_s, os.environ)
     # Every value is checked before anything is created or locked.
     tier = ssd_tier.SsdTier(
         directory=os.path.join(root, name),
         cap_bytes=cap if cap is not None else ssd_tier.default_cap_bytes(root),
         largest_object_bytes=settings.global_segment_size_bytes,
-        read_buffer_bytes=(
-            _size(args.ssd_read_buffer, "--ssd-read-buffer")
-            if args.ssd_read_buffer is not None
-            else ssd_tier.DEFAULT_READ_BUFFER_BYTES
-        ),
+        read_buffer_bytes=read_buffer if read_buffer is not None else DEFAULT_READ_BUFFER_BYTES,
     )
     # What the tier already holds counts as room. Summing it is a stat per file
     # (minutes at a million objects), so it is done before anything changes only

@@ -28,7 +28,8 @@ import math
 import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from itertools import takewhile
 from typing import Any
 
 from mooncake_span.ops import oracle
@@ -355,6 +356,11 @@ class Frame:
         return len(self.head) + len(self.code_intro) + len(self.code_outro) + len(self.tail)
 
 
+def _common_prefix(sequences: Sequence[Sequence[int]]) -> int:
+    """How many leading ids all ``sequences`` share."""
+    return sum(1 for _ in takewhile(lambda ids: len(set(ids)) == 1, zip(*sequences, strict=False)))
+
+
 def chat_frame(
     chat_ids: Sequence[int], other_chat_ids: Sequence[int]
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -362,11 +368,7 @@ def chat_frame(
     prompt of the same template with another message: the opening is what both start
     with, the rest the message as the template tokenized it and the template's
     closing. None where the two share no opening (no template around the message)."""
-    shared = 0
-    for mine, other in zip(chat_ids, other_chat_ids, strict=False):
-        if mine != other:
-            break
-        shared += 1
+    shared = _common_prefix([chat_ids, other_chat_ids])
     if shared == 0 or shared == len(chat_ids):
         return None
     return tuple(chat_ids[:shared]), tuple(chat_ids[shared:])
@@ -425,14 +427,7 @@ def shared_prefix_tokens(prompts: Sequence[Sequence[int]]) -> int:
     prompt would otherwise count as an opening that memory may hold."""
     if len(prompts) < 2:
         return 0
-    first, shared = prompts[0], len(prompts[0])
-    for other in prompts[1:]:
-        shared = min(shared, len(other))
-        for i in range(shared):
-            if first[i] != other[i]:
-                shared = i
-                break
-    return shared
+    return _common_prefix(prompts)
 
 
 def parse_depths(text: str) -> tuple[float, ...]:
@@ -489,17 +484,7 @@ class Answer:
         return said
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "output_ids": list(self.output_ids),
-            "top_logprobs": [[list(c) for c in token] for token in self.top_logprobs],
-            "text": self.text,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "storage_tokens": self.storage_tokens,
-            "storage_backend": self.storage_backend,
-            "device_tokens": self.device_tokens,
-            "host_tokens": self.host_tokens,
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Answer:
@@ -550,12 +535,7 @@ class Probe:
     code_ids: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "depth": self.depth,
-            "code": self.code,
-            "code_ids": list(self.code_ids),
-            "input_ids": list(self.input_ids),
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Probe:

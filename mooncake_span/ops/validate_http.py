@@ -79,24 +79,23 @@ class SglangHttp:
                 f"{self.url}{path} did not answer JSON (is this an sglang server?): {raw[:200]!r}"
             ) from None
 
-    def server_info(self) -> dict[str, Any]:
+    def _info(self, name: str) -> Any:
+        """``/{name}``, or ``/get_{name}`` where an older build has only that."""
         try:
-            info = self._json("/server_info")
+            return self._json(f"/{name}")
         except ServerRefused as exc:
             if exc.status != 404:
                 raise
-            info = self._json("/get_server_info")
+            return self._json(f"/get_{name}")
+
+    def server_info(self) -> dict[str, Any]:
+        info = self._info("server_info")
         if not isinstance(info, dict) or "page_size" not in info:
             raise ServerUnreachable(f"{self.url}/server_info is not sglang's server info")
         return info
 
     def model_info(self) -> dict[str, Any]:
-        try:
-            info = self._json("/model_info")
-        except ServerRefused as exc:
-            if exc.status != 404:
-                raise
-            info = self._json("/get_model_info")
+        info = self._info("model_info")
         return info if isinstance(info, dict) else {}
 
     def tokenize_chat(self, content: str) -> list[int]:

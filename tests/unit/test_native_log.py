@@ -1,4 +1,4 @@
-"""ops.native_log: fd 2 goes to the file, Python's stderr and logging stay visible."""
+"""native_stderr: fd 2 goes to the file, Python's stderr and logging stay visible."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_native_lines_go_to_the_file_and_python_lines_stay(tmp_path):
     result = _run(
         f"""
         import logging, os, sys
-        from mooncake_span.ops.native_log import native_stderr_to
+        from mooncake_span_tools.native_stderr import native_stderr_to
         logging.basicConfig(level=logging.WARNING)
         with native_stderr_to({str(log)!r}):
             os.write(2, b"I1130 native glog line\\n")

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from mooncake_span.ops import oracle
+from mooncake_span_tools.lab.serve_demo import PoolReads, pool_reads, reads_between
 
 
 def _top(*rows):
@@ -62,7 +63,7 @@ def test_pool_reads_parse_a_scrape_and_subtract():
             'mooncake_span_bytes_total{operation="get",pool="kv"} 1024.0',
         ]
     )
-    before = oracle.pool_reads("", ("kv", "mamba"))
-    after = oracle.pool_reads(text, ("kv", "mamba"))
-    assert after == {"kv": oracle.PoolReads(9.0, 1024.0), "mamba": oracle.PoolReads(0.0, 0.0)}
-    assert oracle.reads_between(before, after)["kv"].keys == 9.0
+    before = pool_reads("", ("kv", "mamba"))
+    after = pool_reads(text, ("kv", "mamba"))
+    assert after == {"kv": PoolReads(9.0, 1024.0), "mamba": PoolReads(0.0, 0.0)}
+    assert reads_between(before, after)["kv"].keys == 9.0

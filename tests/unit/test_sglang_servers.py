@@ -11,11 +11,11 @@ import pytest
 
 from mooncake_span.ops import launcher as L
 from mooncake_span.ops.master_http import parse_prometheus
-from mooncake_span.ops.oracle import PoolReads
 from mooncake_span_tools.lab.serve_demo import (
     HIT_KEYS,
     HIT_QUERIES,
     UNFULFILLED,
+    PoolReads,
     RestoreEvidence,
     ServeDemoConfig,
     ServeDemoReport,

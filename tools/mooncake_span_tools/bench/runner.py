@@ -60,7 +60,6 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from mooncake_span.ops.native_log import native_stderr_to
 from mooncake_span_tools.bench.contenders import WorkloadRunner
 from mooncake_span_tools.bench.measure import RunRecord, run_contender, summarize
 from mooncake_span_tools.bench.plot import write_plot
@@ -79,6 +78,7 @@ from mooncake_span_tools.bench.workloads import (
     Workload,
     plan_workloads,
 )
+from mooncake_span_tools.native_stderr import native_stderr_to
 
 logger = logging.getLogger(__name__)
 

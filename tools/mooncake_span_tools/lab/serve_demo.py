@@ -20,9 +20,10 @@ servers run with the CPU stand-ins of :mod:`mooncake_span_tools.testing.cpu_serv
 from __future__ import annotations
 
 import random
+import re
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,48 @@ SHOWN_WORDS = 8
 TOP_LOGPROBS = 5
 # The host pools a server of each model registers with the backend.
 POOLS = {"glm5_next": ("kv", "indexer", "mamba")}
+
+
+# ---------------------------------------------------------------------------
+# what a server's backend read, per host pool (its Prometheus families)
+
+_SAMPLE = re.compile(r"^(mooncake_span_[a-z_]+)(\{[^}]*\})?\s+(\S+)$")
+_KEYS = 'mooncake_span_keys_total{{operation="get",pool="{pool}",result="ok"}}'
+_BYTES = 'mooncake_span_bytes_total{{operation="get",pool="{pool}"}}'
+
+
+@dataclass(frozen=True)
+class PoolReads:
+    keys: float
+    bytes: float
+
+
+def pool_reads(metrics_text: str, pools: Sequence[str]) -> dict[str, PoolReads]:
+    """Keys and bytes this backend has read per pool, from a server's ``/metrics`` text
+    (counters since the server started; subtract an earlier scrape for one request)."""
+    samples = {}
+    for line in metrics_text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match is not None:
+            samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return {
+        pool: PoolReads(
+            keys=samples.get(_KEYS.format(pool=pool), 0.0),
+            bytes=samples.get(_BYTES.format(pool=pool), 0.0),
+        )
+        for pool in pools
+    }
+
+
+def reads_between(
+    before: dict[str, PoolReads], after: dict[str, PoolReads]
+) -> dict[str, PoolReads]:
+    return {
+        pool: PoolReads(
+            after[pool].keys - before[pool].keys, after[pool].bytes - before[pool].bytes
+        )
+        for pool in after
+    }
 
 
 @dataclass(frozen=True)
@@ -157,7 +200,7 @@ class ServeDemoReport:
     startup_s: float
     evidence: RestoreEvidence
     # What B's backend read from L3 for its request, per host pool.
-    reads: dict[str, oracle.PoolReads] = field(default_factory=dict)
+    reads: dict[str, PoolReads] = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -196,9 +239,9 @@ def _wait_for_backup(cluster: LocalCluster, min_pages: int) -> int:
     return count
 
 
-def _reads(server: SglangServer, pools: tuple[str, ...]) -> dict[str, oracle.PoolReads]:
+def _reads(server: SglangServer, pools: tuple[str, ...]) -> dict[str, PoolReads]:
     answer = http_get(f"{server.url}/metrics", timeout_s=10.0)
-    return oracle.pool_reads(answer[1] if answer and answer[0] == 200 else "", pools)
+    return pool_reads(answer[1] if answer and answer[0] == 200 else "", pools)
 
 
 def _words(token_ids: tuple[int, ...]) -> str:
@@ -280,7 +323,7 @@ def _ask_both(
         expected_keys=expected_keys,
         metrics_delta={k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k)},
     )
-    reads = oracle.reads_between(reads_before, reads_after)
+    reads = reads_between(reads_before, reads_after)
     return ServeDemoReport(first, second, startup_s, evidence, reads)
 
 

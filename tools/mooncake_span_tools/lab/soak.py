@@ -537,7 +537,7 @@ def run_soak_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"mooncake-span soak: {exc}", file=sys.stderr)
         return 2
-    from mooncake_span.ops.native_log import native_stderr_to
+    from mooncake_span_tools.native_stderr import native_stderr_to
 
     os.makedirs(args.out, exist_ok=True)
     native_log = os.path.join(args.out, "native.log")
