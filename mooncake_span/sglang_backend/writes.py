@@ -60,8 +60,8 @@ from mooncake_span.sglang_backend.stored_pool import (
 )
 from mooncake_span.span.geometry import KV_POOL, PoolKind
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.domain_calls import Puts
 from mooncake_span.store.failure_ledger import STORED, UNREACHABLE, PutPressure
+from mooncake_span.store.gate import Puts
 
 
 class WritePath:

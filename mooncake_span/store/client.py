@@ -44,9 +44,9 @@ from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch
 from mooncake_span.store import ssd_marker
 from mooncake_span.store.client_stats import ClientStats
-from mooncake_span.store.domain_calls import DomainCalls, Puts
+from mooncake_span.store.domain_calls import DomainCalls
 from mooncake_span.store.failure_ledger import FailureLedger, PutPressure
-from mooncake_span.store.gate import EXISTS_KEYS_PER_CALL, NativeCalls, NativeGate, uncounted
+from mooncake_span.store.gate import EXISTS_KEYS_PER_CALL, NativeCalls, NativeGate, Puts, uncounted
 from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.native import (
     NativeBinding,

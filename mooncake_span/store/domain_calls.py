@@ -51,7 +51,7 @@ from mooncake_span.store.failure_ledger import (
     PutPressure,
     PutTarget,
 )
-from mooncake_span.store.gate import NativeCalls
+from mooncake_span.store.gate import NativeCalls, Puts
 from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.serving_ssd import ServingSsd
@@ -66,31 +66,6 @@ Steps = Sequence[int] | None
 GROUPED_PUT_OBJECTS = 64
 # Segments one put writes to at once; more shares wait for a free thread.
 MAX_SEGMENTS_AT_ONCE = 8
-
-
-@dataclass(frozen=True)
-class Puts:
-    """Objects to put: their keys, plans and eviction group ids (None: none sent),
-    whether they are pinned, and where the caller placed them (``domains``,
-    ``steps``: None when it does not say)."""
-
-    keys: list[str]
-    batch: PlanBatch
-    group_ids: Sequence[str] | None = None
-    hard_pin: bool = False
-    domains: Domains = None
-    steps: Steps = None
-
-    def part(self, call: range) -> Puts:
-        """Consecutive objects, one native call's (the placement is spent by then)."""
-        groups = self.group_ids[call.start : call.stop] if self.group_ids else None
-        return Puts(self.keys[call.start : call.stop], self.batch.part(call), groups, self.hard_pin)
-
-    def take(self, rows: Sequence[int], keys: list[str] | None = None) -> Puts:
-        """The objects at ``rows``, under ``keys`` when given (their copies' keys)."""
-        groups = [self.group_ids[i] for i in rows] if self.group_ids else None
-        keys = [self.keys[i] for i in rows] if keys is None else keys
-        return Puts(keys, self.batch.take(rows), groups, self.hard_pin)
 
 
 @dataclass(eq=False)

@@ -23,8 +23,9 @@ It owns the client's error counters: every non-success code by name, and what
 the client skipped or found wrong (``count``). Every increment takes one lock,
 since sglang's backup and prefetch threads call at once.
 
-``NativeCalls`` are the data calls the store's paths are made of (one put, one
-get, existence codes, replica descriptions), each through the gate. The
+``NativeCalls`` are the data calls the store's paths are made of (one put of
+a ``Puts``, one get, existence codes, replica descriptions), each through the
+gate; what they need of the SSD tier is ``SsdReads``. The
 routing (``domain_calls.py``) decides which of them a put or a get becomes and
 makes them here; nothing here calls back up, so a put runs one way:
 ``MooncakeClient`` -> ``DomainCalls`` -> ``NativeCalls`` -> the gate.
@@ -44,7 +45,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import (
@@ -58,10 +59,8 @@ from mooncake_span.errors import (
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.segments import replica_segments
 
-if TYPE_CHECKING:  # each imports this module
-    from mooncake_span.store.domain_calls import Puts
+if TYPE_CHECKING:
     from mooncake_span.store.seal import TrailerArena
-    from mooncake_span.store.serving_ssd import ServingSsd
 
 logger = logging.getLogger(__name__)
 
@@ -378,6 +377,44 @@ def replicate_config(
     return config
 
 
+@dataclass(frozen=True)
+class Puts:
+    """Objects to put: their keys, plans and eviction group ids (None: none sent),
+    whether they are pinned, and where the caller placed them (``domains``,
+    ``steps``: None when it does not say)."""
+
+    keys: list[str]
+    batch: PlanBatch
+    group_ids: Sequence[str] | None = None
+    hard_pin: bool = False
+    domains: Sequence[str] | None = None
+    steps: Sequence[int] | None = None
+
+    def part(self, call: range) -> Puts:
+        """Consecutive objects, one native call's (the placement is spent by then)."""
+        groups = self.group_ids[call.start : call.stop] if self.group_ids else None
+        return Puts(self.keys[call.start : call.stop], self.batch.part(call), groups, self.hard_pin)
+
+    def take(self, rows: Sequence[int], keys: list[str] | None = None) -> Puts:
+        """The objects at ``rows``, under ``keys`` when given (their copies' keys)."""
+        groups = [self.group_ids[i] for i in rows] if self.group_ids else None
+        keys = [self.keys[i] for i in rows] if keys is None else keys
+        return Puts(keys, self.batch.take(rows), groups, self.hard_pin)
+
+
+class SsdReads(Protocol):
+    """What a get asks of the SSD tier (``ServingSsd``, which makes its calls here)."""
+
+    def read(
+        self,
+        get_call: Callable[[list[str], PlanBatch], list[int]],
+        keys: list[str],
+        batch: PlanBatch,
+    ) -> list[int]: ...
+    def saw_owner_reads(self, cumulative: int) -> None: ...
+    def add_disk_owners(self, found: Any, located: dict[str, set[str]]) -> dict[str, set[str]]: ...
+
+
 def _before_connect(*_: Any) -> Any:
     """A put's ``ReplicateConfig`` before ``connect``: refused, as the gate refuses
     every native call then."""
@@ -390,7 +427,7 @@ class NativeCalls:
     set by the client: the put's config factory (``connected``) and, with
     ``span_object_checksums``, the seal arena each get is verified against."""
 
-    def __init__(self, gate: NativeGate, ssd: ServingSsd) -> None:
+    def __init__(self, gate: NativeGate, ssd: SsdReads) -> None:
         self.gate = gate
         self._ssd = ssd
         self.seal: TrailerArena | None = None
