@@ -97,7 +97,7 @@ def test_breaker_state_gauge_and_node_failures():
     registry = prom.CollectorRegistry()
     m = M.get_metrics(registry)
     m.set_breaker_state("open")
-    m.add_node_failures("198.18.0.2:12345", 3)
+    m.add("node_failures_total", 3, "198.18.0.2:12345")
     assert _value(registry, "mooncake_span_breaker_state") == 1
     assert _value(registry, "mooncake_span_node_failures_total", {"node": "198.18.0.2:12345"}) == 3
 
