@@ -55,8 +55,6 @@ from mooncake_span.store.ssd_tier import (
 
 logger = logging.getLogger(__name__)
 
-OVERFLOW = int(ErrorCode.BUFFER_OVERFLOW)
-OWNER_RPC_FAILED = int(ErrorCode.RPC_FAIL)
 # The client's counter (failed_objects_total{code=...}) of reads from an SSD owner that was down.
 OWNER_DOWN_LABEL = "SSD_OWNER_DOWN"
 
@@ -67,21 +65,6 @@ GetCall = Callable[[list[str], PlanBatch], list[int]]
 # The master's replica descriptions of objects (None: no answer), even while the
 # breaker is open with past_breaker=True (``MooncakeClient.replica_desc``).
 ReplicaDesc = Callable[..., Any]
-
-
-def overflowed(codes: Sequence[int]) -> list[int]:
-    """Positions of objects an owner's read buffer could not take in this call."""
-    return [i for i, code in enumerate(codes) if code == OVERFLOW]
-
-
-def halves(positions: Sequence[int]) -> list[list[int]]:
-    middle = len(positions) // 2
-    return [list(positions[:middle]), list(positions[middle:])]
-
-
-def owner_failures(codes: Sequence[int]) -> list[int]:
-    """Positions of objects whose read failed at the RPC layer (a dead master, or a dead owner)."""
-    return [i for i, code in enumerate(codes) if code == OWNER_RPC_FAILED]
 
 
 def disk_only(found: Mapping[str, Sequence[Any]] | None) -> set[str]:
@@ -177,17 +160,12 @@ class ServingSsd:
         ``release`` records."""
         if self._lock is None:
             return "stopped"
-        self._finish_offloads()
-        return "stopped" if store.unmount_local_disk_segment(0) == 0 else "unmount-failed"
-
-    def _finish_offloads(self) -> None:
-        """What this rank holds unwritten reaches its disk (bounded;
-        ``ssd_tier.wait_offloads_written``): the master refuses a disk replica
-        registered after the unmount."""
-        if not self._stop_wait_s:
-            return
+        # What this rank holds unwritten reaches its disk first (bounded): the master
+        # refuses a disk replica registered after the unmount.
         quiet_s = offload_quiet_s(os.environ)
-        if not wait_offloads_written(self._lock.directory, self._stop_wait_s, quiet_s):
+        if self._stop_wait_s and not wait_offloads_written(
+            self._lock.directory, self._stop_wait_s, quiet_s
+        ):
             logger.warning(
                 "mooncake-span: %s still took offloads after %.0f s (%s); closing anyway: "
                 "objects put in the last heartbeat may be lost",
@@ -195,6 +173,7 @@ class ServingSsd:
                 self._stop_wait_s,
                 STOP_WAIT_ENV,
             )
+        return "stopped" if store.unmount_local_disk_segment(0) == 0 else "unmount-failed"
 
     def release(self, state: str = "stopped") -> None:
         """Unlock the directory, recording how this process stopped."""
@@ -207,9 +186,10 @@ class ServingSsd:
         """``get_call``'s codes; objects an owner's read buffer could not take are asked
         again in halves."""
         codes = get_call(keys, batch)
-        overflow = overflowed(codes)
+        overflow = [i for i, code in enumerate(codes) if code == ErrorCode.BUFFER_OVERFLOW]
         if overflow and len(keys) > 1:
-            for half in halves(overflow):
+            middle = len(overflow) // 2
+            for half in (overflow[:middle], overflow[middle:]):
                 again = self.read(get_call, [keys[i] for i in half], batch.take(half))
                 for i, code in zip(half, again, strict=True):
                     codes[i] = code
@@ -233,7 +213,8 @@ class ServingSsd:
         The master is asked past the breaker: the failed read may just have
         opened it, and this one RPC is what tells a dead master from a dead SSD
         owner."""
-        positions = owner_failures(codes)
+        # Failed at the RPC layer: a dead master, or a dead owner.
+        positions = [i for i, code in enumerate(codes) if code == ErrorCode.RPC_FAIL]
         if not positions:
             return []
         keys = [object_keys[i] for i in positions]
