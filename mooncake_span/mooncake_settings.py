@@ -329,10 +329,7 @@ def _refuse_standalone(values: Mapping[str, Any], source: str) -> None:
 
 
 def _settings_from_mapping(
-    values: Mapping[str, Any],
-    environ: Mapping[str, str],
-    source: str,
-    ranks: RankInfo | None,
+    values: Mapping[str, Any], environ: Mapping[str, str], source: str, ranks: RankInfo | None
 ) -> MooncakeSettings:
     # A null value means "not set" for every key.
     values = {k: v for k, v in values.items() if v is not None}

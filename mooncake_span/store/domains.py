@@ -166,9 +166,7 @@ def suspect_copies(rows: Sequence[Sequence[tuple[str, str]]], bad: frozenset[str
 
 
 def live_copies(
-    rows: Sequence[Sequence[tuple[str, str]]],
-    bad: frozenset[str],
-    located: Mapping[str, set[str]],
+    rows: Sequence[Sequence[tuple[str, str]]], bad: frozenset[str], located: Mapping[str, set[str]]
 ) -> list[list[str]]:
     """Per key, the copies worth a transfer, in copy order.
 

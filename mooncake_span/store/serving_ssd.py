@@ -200,10 +200,7 @@ class ServingSsd:
         self.read_rpcs = max(self.read_rpcs, cumulative)
 
     def owners_down(
-        self,
-        object_keys: Sequence[str],
-        codes: Sequence[int],
-        replica_desc: ReplicaDesc,
+        self, object_keys: Sequence[str], codes: Sequence[int], replica_desc: ReplicaDesc
     ) -> list[str]:
         """Reads that failed at the RPC layer: if the master answers (``replica_desc``)
         and the objects had only disk replicas, their owner is down. The master's
