@@ -251,9 +251,9 @@ def _resolve_local_hostname(environ: Mapping[str, str], source: Mapping[str, Any
     return str(source.get("local_hostname") or _DEFAULT_LOCAL_HOSTNAME)
 
 
-def _port(value: Any, key: str, source: str) -> int:
+def _port(value: Any, source: str) -> int | None:
     try:
-        return parse_int(value, key)
+        return None if value is None else parse_int(value, "master_metrics_port")
     except ConfigError as exc:
         raise ConfigError(f"{exc} ({source})") from exc
 
@@ -372,11 +372,7 @@ def _settings_from_mapping(
         enable_ssd_offload=ssd,
         ssd_offload_path=ssd_path,
         check_server=parse_sglang_flag(values.get("check_server", False), "check_server", source),
-        master_metrics_port=(
-            None
-            if values.get("master_metrics_port") is None
-            else _port(values["master_metrics_port"], "master_metrics_port", source)
-        ),
+        master_metrics_port=_port(values.get("master_metrics_port"), source),
         source=source,
     )
 

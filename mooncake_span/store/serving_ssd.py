@@ -3,30 +3,23 @@
 An object whose DRAM copy was evicted keeps a ``LOCAL_DISK`` replica on the
 process that held it; a reader asks that owner over RPC, the owner loads the
 object into its registered read buffer and the reader pulls it
-(``store/ssd_tier.py`` sets the tier up). ``ServingSsd`` owns what a client
-does about it:
+(``store/ssd_tier.py`` sets the tier up). What a client meets there:
 
-* this rank's own tier (sglang's ``enable_ssd_offload``): its directory
-  checked and locked before ``setup`` (``ssd_tier.open_serving_tier``), its
-  segment recorded once set up, the lock released at close with whether the
-  disk segment was unmounted;
-* reads an owner's read buffer could not take (``BUFFER_OVERFLOW``, every
-  object of that owner in the call, at once): asked again in halves, down to
-  one object per call (``read``);
+* this rank's own tier (sglang's ``enable_ssd_offload``): its directory is
+  checked and locked before ``setup`` and released at close;
+* an owner's read buffer takes all of a call's objects of that owner or none
+  (``BUFFER_OVERFLOW``): ``read`` asks again in halves, down to one object;
 * an owner that is down but not yet expired at the master (up to its
   ``client_ttl``): existence queries still answer yes and each read blocks
   about 4.3 s in Mooncake's RPC retries before ``RPC_FAIL``. The master still
-  answers, which tells this apart from a dead master; ``disk_only`` says which
-  of the failed objects had nothing but a disk replica. The owner's segment
-  (its DRAM segment, still listed) is then marked down in the client's
+  answers, which tells this apart from a dead master; ``owners_down`` marks
+  the owner's segment (its DRAM segment, still listed) in the client's
   ``FailureLedger``, so reads and hit queries skip that owner's keys at once
-  instead of paying 4.3 s per call, until the mark's TTL runs out;
-* which segment holds an object on disk (``owners``): a replica descriptor
-  does not name a disk replica's owner (``query_key`` and
+  until the mark's TTL runs out;
+* a replica descriptor does not name a disk replica's owner (``query_key`` and
   ``batch_get_replica_desc`` leave it out in 0.3.13.post1), and placement
   cannot tell it (a put lands on another segment when the preferred one is
-  full); the master's admin server can (``segments.fetch_disk_owners``);
-* the count of reads Mooncake asked an SSD owner for (``read_rpcs``).
+  full); the master's admin server can (``owners``, ``segments.fetch_disk_owners``).
 
 The client makes every native call and hands the answers in.
 """
