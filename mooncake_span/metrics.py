@@ -129,11 +129,6 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
-def metric_names() -> list[str]:
-    """Every exported family name, as a scrape shows it (counters with ``_total``)."""
-    return [f"{PREFIX}_{name}" for name in FAMILIES]
-
-
 class SpanMetrics:
     """The ``mooncake_span_*`` collectors of one registry. Use ``get_metrics()``."""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from mooncake_span.errors import ErrorCode, InvalidRequestError
 from mooncake_span.span.plan import PlanBatch
@@ -131,26 +131,22 @@ class TrailerArena:
         self._base = self._arena.base_ptr
         self._end = self._base + size_bytes
 
-    @contextmanager
-    def writing(self, keys: Sequence[str], batch: PlanBatch) -> Iterator[PlanBatch]:
+    def writing(self, keys: Sequence[str], batch: PlanBatch) -> AbstractContextManager[PlanBatch]:
         """``batch`` with each object's trailer appended, for one put."""
-        need = len(batch) * _SLOT_BYTES
-        if not need:
-            yield batch
-            return
-        with self._arena.lease(need, need) as lease:
-            ctypes.memmove(lease.ptr, _slots(batch, keys, put=True), need)
-            yield _with_trailers(batch, lease.ptr)
+        return self._with_slots(keys, batch, put=True)
+
+    def reading(self, keys: Sequence[str], batch: PlanBatch) -> AbstractContextManager[PlanBatch]:
+        """``batch`` with a receiving slot per object, for one get; ``verify`` checks it."""
+        return self._with_slots(keys, batch, put=False)
 
     @contextmanager
-    def reading(self, keys: Sequence[str], batch: PlanBatch) -> Iterator[PlanBatch]:
-        """``batch`` with a receiving slot per object, for one get; ``verify`` checks it."""
+    def _with_slots(self, keys: Sequence[str], batch: PlanBatch, put: bool) -> Iterator[PlanBatch]:
         need = len(batch) * _SLOT_BYTES
         if not need:
             yield batch
             return
         with self._arena.lease(need, need) as lease:
-            ctypes.memmove(lease.ptr, _slots(batch, keys, put=False), need)
+            ctypes.memmove(lease.ptr, _slots(batch, keys, put), need)
             yield _with_trailers(batch, lease.ptr)
 
     def verify(self, batch: PlanBatch, codes: list[int]) -> list[int]:

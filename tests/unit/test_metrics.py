@@ -22,9 +22,8 @@ def test_every_family_is_registered_with_the_prefix():
     registry = prom.CollectorRegistry()
     M.get_metrics(registry)
     text = prom.generate_latest(registry).decode()
-    for name in M.metric_names():
+    for name in (f"mooncake_span_{family}" for family in M.FAMILIES):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
-    assert all(name.startswith("mooncake_span_") for name in M.metric_names())
 
 
 def test_constructing_twice_in_one_registry_shares_the_collectors():
