@@ -305,13 +305,6 @@ def _ssd_path(value: Any, ranks: RankInfo | None, source: str) -> str | None:
     return path if ranks is None else os.path.join(path, ranks.ssd_subdir)
 
 
-def _tenant(value: Any, source: str) -> str:
-    # Upstream: missing, null or blank means the default tenant.
-    if value is None:
-        return DEFAULT_TENANT_ID
-    return _text(value, "tenant_id", source).strip() or DEFAULT_TENANT_ID
-
-
 def _refuse_standalone(values: Mapping[str, Any], source: str) -> None:
     if values.get("standalone_storage") is not None and parse_sglang_flag(
         values["standalone_storage"], "standalone_storage", source
@@ -368,7 +361,9 @@ def _settings_from_mapping(
         device_name=resolve_device(
             _text(values.get("device_name", ""), "device_name", source), ranks, source
         ),
-        tenant_id=_tenant(values.get("tenant_id"), source),
+        # Upstream: missing, null or blank means the default tenant.
+        tenant_id=_text(values.get("tenant_id", ""), "tenant_id", source).strip()
+        or DEFAULT_TENANT_ID,
         enable_ssd_offload=ssd,
         ssd_offload_path=ssd_path,
         check_server=parse_sglang_flag(values.get("check_server", False), "check_server", source),

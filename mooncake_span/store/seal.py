@@ -34,7 +34,7 @@ from mooncake_span.store.arena import StagingArena
 
 try:
     import xxhash
-except ImportError:  # reported when the option is used (require_xxhash)
+except ImportError:  # reported when the option is used (TrailerArena)
     xxhash = None
 
 SEAL_FORMAT = "xxh3-64-trailer-v1"
@@ -53,14 +53,6 @@ _GET_SLOT = struct.Struct("<16xQ8x")
 DEFAULT_ARENA_BYTES = 8 << 20
 # What a get whose bytes failed their seal reads as (store/integrity.py removes it).
 MISMATCH = int(ErrorCode.SEAL_MISMATCH)
-
-
-def require_xxhash() -> None:
-    if xxhash is None:
-        raise InvalidRequestError(
-            "span_object_checksums needs the xxhash package: pip install xxhash "
-            "(or mooncake-span[cpu] / [cuda], which include it)"
-        )
 
 
 def object_format(enabled: bool) -> str:
@@ -126,7 +118,11 @@ class TrailerArena:
         timeout_s: float,
         size_bytes: int = DEFAULT_ARENA_BYTES,
     ) -> None:
-        require_xxhash()
+        if xxhash is None:
+            raise InvalidRequestError(
+                "span_object_checksums needs the xxhash package: pip install xxhash "
+                "(or mooncake-span[cpu] / [cuda], which include it)"
+            )
         self._arena = StagingArena(size_bytes, register, timeout_s)
         self._base = self._arena.base_ptr
         self._end = self._base + size_bytes
