@@ -177,20 +177,29 @@ class SpanMetrics:
         moved_bytes: int,
     ) -> None:
         """What one pool's part of a get or set moved."""
-        self.add("keys_total", ok_keys, operation, pool, "ok")
-        self.add("keys_total", failed_keys, operation, pool, "failed")
-        self.add("pages_total", pages, operation, pool)
-        self.add("bytes_total", moved_bytes, operation, pool)
+        # Explicit, not through add(): this runs on every call (add() costs 1 us more).
+        if ok_keys:
+            self._child("keys_total", operation, pool, "ok").inc(ok_keys)
+        if failed_keys:
+            self._child("keys_total", operation, pool, "failed").inc(failed_keys)
+        if pages:
+            self._child("pages_total", operation, pool).inc(pages)
+        if moved_bytes:
+            self._child("bytes_total", operation, pool).inc(moved_bytes)
 
     def observe_hit_query(
         self, queried_keys: int, hit_keys: int, *, rpcs: int = 0, probed_objects: int = 0
     ) -> None:
         self._collectors["hit_queries_total"].inc()
-        self.add("hit_query_rpcs_total", rpcs)
-        self.add("hit_query_probed_objects_total", probed_objects)
+        if rpcs:
+            self._collectors["hit_query_rpcs_total"].inc(rpcs)
+        if probed_objects:
+            self._collectors["hit_query_probed_objects_total"].inc(probed_objects)
         hit_keys = max(0, min(hit_keys, queried_keys))
-        self.add("hit_query_keys_total", hit_keys, "hit")
-        self.add("hit_query_keys_total", queried_keys - hit_keys, "miss")
+        if hit_keys:
+            self._child("hit_query_keys_total", "hit").inc(hit_keys)
+        if queried_keys > hit_keys:
+            self._child("hit_query_keys_total", "miss").inc(queried_keys - hit_keys)
 
     def add(self, family: str, count: int, *labels: str) -> None:
         """``count`` more of counter ``family`` (nothing when it is not positive)."""

@@ -48,6 +48,9 @@ from mooncake_span.store.ssd_tier import (
 
 logger = logging.getLogger(__name__)
 
+# Plain ints: a get's codes are scanned per object, and an enum member costs 3x there.
+OVERFLOW = int(ErrorCode.BUFFER_OVERFLOW)
+OWNER_RPC_FAILED = int(ErrorCode.RPC_FAIL)
 # The client's counter (failed_objects_total{code=...}) of reads from an SSD owner that was down.
 OWNER_DOWN_LABEL = "SSD_OWNER_DOWN"
 
@@ -179,7 +182,7 @@ class ServingSsd:
         """``get_call``'s codes; objects an owner's read buffer could not take are asked
         again in halves."""
         codes = get_call(keys, batch)
-        overflow = [i for i, code in enumerate(codes) if code == ErrorCode.BUFFER_OVERFLOW]
+        overflow = [i for i, code in enumerate(codes) if code == OVERFLOW]
         if overflow and len(keys) > 1:
             middle = len(overflow) // 2
             for half in (overflow[:middle], overflow[middle:]):
@@ -204,7 +207,7 @@ class ServingSsd:
         opened it, and this one RPC is what tells a dead master from a dead SSD
         owner."""
         # Failed at the RPC layer: a dead master, or a dead owner.
-        positions = [i for i, code in enumerate(codes) if code == ErrorCode.RPC_FAIL]
+        positions = [i for i, code in enumerate(codes) if code == OWNER_RPC_FAILED]
         if not positions:
             return []
         keys = [object_keys[i] for i in positions]
