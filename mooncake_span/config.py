@@ -131,7 +131,6 @@ def parse_sglang_flag(value: Any, key: str, source: str) -> bool:
 
 
 LAYOUT_GUARD_MODES = ("off", "store", "etcd")
-_DEFAULT_STAGING_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +183,7 @@ class SpanOptions:
     lost_keys_max: int = 100_000
     # The registered arena that staged pools, the generic path and the layout
     # guard move bytes through (store/arena.py); a call larger than it is cut.
-    staging_buffer_size_bytes: int = _DEFAULT_STAGING_BYTES
+    staging_buffer_size_bytes: int = 64 << 20
     # The longest pause of puts on a cluster that keeps refusing them: pauses
     # start after 3 refused put calls in a row at 10 ms and double while
     # probes are refused; a stored object ends them (store/failure_ledger.py).
@@ -218,27 +217,15 @@ class SpanOptions:
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.storage_page_size is not None and self.storage_page_size < 0:
+        for key, (ok, bounds) in _LIMITS.items():
+            value = getattr(self, _SPAN_KEYS[key][0])
+            if value is not None and not ok(value):
+                raise ConfigError(f"{key} must be {bounds}, got {value}")
+        if not 1 << 12 <= self.staging_buffer_size_bytes <= 1 << 40:
             raise ConfigError(
-                "storage_page_size must be >= 0 tokens (0 = host page size), "
-                f"got {self.storage_page_size}"
+                "span_staging_buffer_size must be in 4kb..1tb, got "
+                f"{self.staging_buffer_size_bytes} bytes"
             )
-        if not 1 <= self.max_buffers_per_call <= 1 << 20:
-            raise ConfigError(
-                f"span_max_buffers_per_call must be in 1..1048576, got {self.max_buffers_per_call}"
-            )
-        if self.breaker_failures < 1:
-            raise ConfigError(f"span_breaker_failures must be >= 1, got {self.breaker_failures}")
-        if self.breaker_probe_interval_s <= 0:
-            raise ConfigError(
-                f"span_breaker_probe_interval_s must be > 0, got {self.breaker_probe_interval_s}"
-            )
-        if not 1 <= self.transfer_timeout_s <= 3600:
-            raise ConfigError(
-                f"span_transfer_timeout_s must be in 1..3600 seconds, got {self.transfer_timeout_s}"
-            )
-        if self.replica_num < 1:
-            raise ConfigError(f"span_replica_num must be >= 1, got {self.replica_num}")
         if self.layout_guard not in LAYOUT_GUARD_MODES:
             raise ConfigError(
                 f"span_layout_guard must be one of {LAYOUT_GUARD_MODES}, got {self.layout_guard!r}"
@@ -247,51 +234,39 @@ class SpanOptions:
             raise ConfigError("span_layout_guard='etcd' needs span_layout_guard_etcd=host:port")
         if self.layout_guard_etcd:
             check_host_port(self.layout_guard_etcd, "etcd endpoint (span_layout_guard_etcd)")
-        self._check_domain_options()
-        if not 1 << 12 <= self.staging_buffer_size_bytes <= 1 << 40:
-            raise ConfigError(
-                "span_staging_buffer_size must be in 4kb..1tb, got "
-                f"{self.staging_buffer_size_bytes} bytes"
-            )
-
-    def _check_domain_options(self) -> None:
         url = self.master_admin_url
         if url is not None and not re.fullmatch(r"https?://[^/\s]+", url.rstrip("/")):
             raise ConfigError(
                 "span_master_admin_url must be http://HOST:PORT (the master's --metrics_port), "
                 f"got {url!r}"
             )
-        for name, value in (
-            ("span_segment_refresh_s", self.segment_refresh_s),
-            ("span_domain_bad_ttl_s", self.domain_bad_ttl_s),
-            ("span_lost_key_ttl_s", self.lost_key_ttl_s),
-        ):
-            if not 0 < value <= 86_400:
-                raise ConfigError(f"{name} must be in (0, 86400] seconds, got {value}")
-        if not 0 <= self.full_cooldown_s <= 3600:
-            raise ConfigError(
-                f"span_full_cooldown_s must be in [0, 3600] seconds (0 disables), "
-                f"got {self.full_cooldown_s}"
-            )
-        if not 1 <= self.chain_window_tokens <= 1 << 30:
-            raise ConfigError(
-                f"span_chain_window_tokens must be in 1..{1 << 30} tokens, "
-                f"got {self.chain_window_tokens}"
-            )
-        if not 0 <= self.chain_stripe_tokens <= 1 << 30:
-            raise ConfigError(
-                f"span_chain_stripe_tokens must be in 0..{1 << 30} tokens (0: one node per "
-                f"window), got {self.chain_stripe_tokens}"
-            )
-        if not 0 <= self.chain_sample_every <= 1_000_000:
-            raise ConfigError(
-                f"span_chain_sample_every must be in 0..1000000 (0: no chain records), "
-                f"got {self.chain_sample_every}"
-            )
-        if not 1 <= self.lost_keys_max <= 10_000_000:
-            raise ConfigError(
-                f"span_lost_keys_max must be in 1..10000000, got {self.lost_keys_max}"
-            )
+
+
+def _within(low: float, high: float = float("inf")) -> Any:
+    return lambda value: low <= value <= high
+
+
+_TTL = (lambda value: 0 < value <= 86_400, "in (0, 86400] seconds")
+# extra-config key -> (check of its value, the range as its error states it)
+_LIMITS: dict[str, tuple[Any, str]] = {
+    "storage_page_size": (_within(0), ">= 0 tokens (0 = host page size)"),
+    "span_max_buffers_per_call": (_within(1, 1 << 20), "in 1..1048576"),
+    "span_breaker_failures": (_within(1), ">= 1"),
+    "span_breaker_probe_interval_s": (lambda value: value > 0, "> 0"),
+    "span_transfer_timeout_s": (_within(1, 3600), "in 1..3600 seconds"),
+    "span_replica_num": (_within(1), ">= 1"),
+    "span_segment_refresh_s": _TTL,
+    "span_domain_bad_ttl_s": _TTL,
+    "span_lost_key_ttl_s": _TTL,
+    "span_full_cooldown_s": (_within(0, 3600), "in [0, 3600] seconds (0 disables)"),
+    "span_chain_window_tokens": (_within(1, 1 << 30), f"in 1..{1 << 30} tokens"),
+    "span_chain_stripe_tokens": (
+        _within(0, 1 << 30),
+        f"in 0..{1 << 30} tokens (0: one node per window)",
+    ),
+    "span_chain_sample_every": (_within(0, 1_000_000), "in 0..1000000 (0: no chain records)"),
+    "span_lost_keys_max": (_within(1, 10_000_000), "in 1..10000000"),
+}
 
 
 # extra-config key -> (dataclass field, parser)
@@ -322,6 +297,7 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_object_checksums": ("object_checksums", parse_bool),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
+assert set(_LIMITS) <= set(_SPAN_KEYS)
 
 
 def _is_our_key(key: str) -> bool:

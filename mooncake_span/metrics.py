@@ -129,11 +129,6 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 }
 
 
-def metric_names() -> list[str]:
-    """Every exported family name, as a scrape shows it (counters with ``_total``)."""
-    return [f"{PREFIX}_{name}" for name in FAMILIES]
-
-
 class SpanMetrics:
     """The ``mooncake_span_*`` collectors of one registry. Use ``get_metrics()``."""
 
@@ -141,12 +136,10 @@ class SpanMetrics:
         import prometheus_client as prom
 
         self.registry = registry if registry is not None else prom.REGISTRY
-        self._collectors: dict[str, Any] = {}
+        self._collectors = {name: self._make(prom, name, *spec) for name, spec in FAMILIES.items()}
         # prometheus_client's labels() takes a lock and builds keys on every
         # call; the backend's hot path asks for the same few children again.
         self._children: dict[tuple[str, ...], Any] = {}
-        for name, (kind, help_text, labels) in FAMILIES.items():
-            self._collectors[name] = self._make(prom, name, kind, help_text, labels)
 
     def _make(self, prom: Any, name: str, kind: str, help_text: str, labels: tuple[str, ...]):
         full = f"{PREFIX}_{name}"
@@ -184,6 +177,7 @@ class SpanMetrics:
         moved_bytes: int,
     ) -> None:
         """What one pool's part of a get or set moved."""
+        # Explicit, not through add(): this runs on every call (add() costs 1 us more).
         if ok_keys:
             self._child("keys_total", operation, pool, "ok").inc(ok_keys)
         if failed_keys:
@@ -207,32 +201,13 @@ class SpanMetrics:
         if queried_keys > hit_keys:
             self._child("hit_query_keys_total", "miss").inc(queried_keys - hit_keys)
 
-    def add_failed_objects(self, code: str, count: int) -> None:
+    def add(self, family: str, count: int, *labels: str) -> None:
+        """``count`` more of counter ``family`` (nothing when it is not positive)."""
         if count > 0:
-            self._child("failed_objects_total", code).inc(count)
-
-    def add_skipped_backup_objects(self, reason: str, count: int) -> None:
-        if count > 0:
-            self._child("backup_objects_skipped_total", reason).inc(count)
-
-    def add_integrity_failures(self, code: str, count: int) -> None:
-        if count > 0:
-            self._child("integrity_failures_total", code).inc(count)
-
-    def add_breaker_opens(self, count: int) -> None:
-        if count > 0:
-            self._collectors["breaker_opens_total"].inc(count)
+            (self._child(family, *labels) if labels else self._collectors[family]).inc(count)
 
     def set_breaker_state(self, state: str) -> None:
         self._collectors["breaker_state"].set(BREAKER_STATE_VALUES.get(state, 1))
-
-    def add_node_failures(self, node: str, count: int = 1) -> None:
-        if count > 0:
-            self._child("node_failures_total", node).inc(count)
-
-    def add_ssd_reads(self, count: int) -> None:
-        if count > 0:
-            self._collectors["ssd_reads_total"].inc(count)
 
 
 _lock = threading.Lock()
@@ -282,57 +257,45 @@ def _advance(seen: dict[str, int], now: Mapping[str, int]) -> dict[str, int]:
     return grown
 
 
+# The client's ``stats()`` entries that count by label (code name, reason) and those
+# that are one total, each with the counter family its growth feeds.
+_BY_LABEL = {
+    "error_counts": "failed_objects_total",
+    "integrity_failures": "integrity_failures_total",
+    "skipped_backups": "backup_objects_skipped_total",
+}
+_TOTALS = {"breaker_times_opened": "breaker_opens_total", "ssd_read_rpcs": "ssd_reads_total"}
+
+
 class ClientStatsSync:
     """Turns one client's cumulative ``stats()`` into counter increments."""
 
     def __init__(self, metrics: SpanMetrics) -> None:
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._seen_codes: dict[str, int] = {}
-        self._seen_opens = 0
+        self._seen: dict[str, dict[str, int]] = {key: {} for key in _BY_LABEL}
+        self._seen |= {key: {"": 0} for key in _TOTALS}
         self._state: str | None = None  # None: the gauge was never set
         self._seen_bad: frozenset[str] = frozenset()
-        self._seen_corrupt: dict[str, int] = {}
-        self._seen_skipped: dict[str, int] = {}
-        self._seen_ssd_reads = 0
 
     def sync(self, stats: Mapping[str, Any]) -> None:
-        codes = stats.get("error_counts", {})
-        opens = int(stats.get("breaker_times_opened", 0))
+        counts = {key: stats.get(key, {}) for key in _BY_LABEL}
+        counts |= {key: {"": int(stats.get(key, 0))} for key in _TOTALS}
         state = str(stats.get("breaker_state", "closed"))
         bad = frozenset(stats.get("bad_segments", ()))
-        corrupt = stats.get("integrity_failures", {})
-        skipped = stats.get("skipped_backups", {})
-        ssd_reads = int(stats.get("ssd_read_rpcs", 0))
         with self._lock:
-            if (codes, opens, state, bad, corrupt, skipped, ssd_reads) == (
-                self._seen_codes,
-                self._seen_opens,
-                self._state,
-                self._seen_bad,
-                self._seen_corrupt,
-                self._seen_skipped,
-                self._seen_ssd_reads,
-            ):
+            if (counts, state, bad) == (self._seen, self._state, self._seen_bad):
                 return  # the common case: nothing failed since the last call
-            deltas = _advance(self._seen_codes, codes)
-            corrupted = _advance(self._seen_corrupt, corrupt)
-            not_written = _advance(self._seen_skipped, skipped)
+            grown = {key: _advance(self._seen[key], now) for key, now in counts.items()}
             newly_bad = bad - self._seen_bad
-            opened = max(0, opens - self._seen_opens)
-            self._seen_opens = max(opens, self._seen_opens)
-            from_ssd = max(0, ssd_reads - self._seen_ssd_reads)
-            self._seen_ssd_reads = max(ssd_reads, self._seen_ssd_reads)
             self._state, self._seen_bad = state, bad
-        for code, delta in deltas.items():
-            self._metrics.add_failed_objects(code, delta)
-        for code, delta in corrupted.items():
-            self._metrics.add_integrity_failures(code, delta)
-        for reason, delta in not_written.items():
-            self._metrics.add_skipped_backup_objects(reason, delta)
-        self._metrics.add_breaker_opens(opened)
-        self._metrics.add_ssd_reads(from_ssd)
+        for key, deltas in grown.items():
+            for label, delta in deltas.items():
+                if key in _TOTALS:
+                    self._metrics.add(_TOTALS[key], delta)
+                else:
+                    self._metrics.add(_BY_LABEL[key], delta, label)
         self._metrics.set_breaker_state(state)
         # A storage node (segment) the client marked bad after a failed transfer.
         for segment in newly_bad:
-            self._metrics.add_node_failures(segment)
+            self._metrics.add("node_failures_total", 1, segment)

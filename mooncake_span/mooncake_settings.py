@@ -251,9 +251,9 @@ def _resolve_local_hostname(environ: Mapping[str, str], source: Mapping[str, Any
     return str(source.get("local_hostname") or _DEFAULT_LOCAL_HOSTNAME)
 
 
-def _port(value: Any, key: str, source: str) -> int:
+def _port(value: Any, source: str) -> int | None:
     try:
-        return parse_int(value, key)
+        return None if value is None else parse_int(value, "master_metrics_port")
     except ConfigError as exc:
         raise ConfigError(f"{exc} ({source})") from exc
 
@@ -305,13 +305,6 @@ def _ssd_path(value: Any, ranks: RankInfo | None, source: str) -> str | None:
     return path if ranks is None else os.path.join(path, ranks.ssd_subdir)
 
 
-def _tenant(value: Any, source: str) -> str:
-    # Upstream: missing, null or blank means the default tenant.
-    if value is None:
-        return DEFAULT_TENANT_ID
-    return _text(value, "tenant_id", source).strip() or DEFAULT_TENANT_ID
-
-
 def _refuse_standalone(values: Mapping[str, Any], source: str) -> None:
     if values.get("standalone_storage") is not None and parse_sglang_flag(
         values["standalone_storage"], "standalone_storage", source
@@ -329,10 +322,7 @@ def _refuse_standalone(values: Mapping[str, Any], source: str) -> None:
 
 
 def _settings_from_mapping(
-    values: Mapping[str, Any],
-    environ: Mapping[str, str],
-    source: str,
-    ranks: RankInfo | None,
+    values: Mapping[str, Any], environ: Mapping[str, str], source: str, ranks: RankInfo | None
 ) -> MooncakeSettings:
     # A null value means "not set" for every key.
     values = {k: v for k, v in values.items() if v is not None}
@@ -371,15 +361,13 @@ def _settings_from_mapping(
         device_name=resolve_device(
             _text(values.get("device_name", ""), "device_name", source), ranks, source
         ),
-        tenant_id=_tenant(values.get("tenant_id"), source),
+        # Upstream: missing, null or blank means the default tenant.
+        tenant_id=_text(values.get("tenant_id", ""), "tenant_id", source).strip()
+        or DEFAULT_TENANT_ID,
         enable_ssd_offload=ssd,
         ssd_offload_path=ssd_path,
         check_server=parse_sglang_flag(values.get("check_server", False), "check_server", source),
-        master_metrics_port=(
-            None
-            if values.get("master_metrics_port") is None
-            else _port(values["master_metrics_port"], "master_metrics_port", source)
-        ),
+        master_metrics_port=_port(values.get("master_metrics_port"), source),
         source=source,
     )
 

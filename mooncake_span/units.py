@@ -12,21 +12,11 @@ __all__ = ["parse_size_bytes"]
 
 # Binary multiples: Mooncake's own config treats "1GB" as 1 << 30, and segment
 # sizes are compared against page sizes that are powers of two.
-_UNIT_BYTES = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 1 << 40,
-    "tib": 1 << 40,
+# "k", "kb" and "kib" alike; likewise m, g and t.
+_UNIT_BYTES = {"": 1, "b": 1} | {
+    prefix + suffix: 1 << 10 * power
+    for power, prefix in enumerate("kmgt", start=1)
+    for suffix in ("", "b", "ib")
 }
 
 _SIZE_RE = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)$")

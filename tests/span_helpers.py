@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mooncake_span.store.domains import copy_candidates
+
 # Client settings for a backend on the fake store: the master address is only
 # ever probed (tests patch the probe or listen there), never dialled.
 FAKE_CLIENT = {
@@ -196,3 +198,15 @@ def master_replicas(cluster: Any, keys: Sequence[str]) -> dict[str, Any]:
         return store.batch_get_replica_desc(list(keys))
     finally:
         store.close()
+
+
+def rank_segments(
+    domain_key: str, segments: Sequence[str], bad: frozenset[str] = frozenset(), step: int = 0
+) -> list[str]:
+    """``segments`` in the order placement prefers them for ``domain_key`` at chain step
+    ``step`` (the root's order rotated left by ``step``), those in ``bad`` last."""
+    if not segments:
+        return []
+    (row,) = copy_candidates([domain_key], None, segments, len(segments), [step])
+    ranked = [segment for _, segment in row]
+    return [s for s in ranked if s not in bad] + [s for s in ranked if s in bad]

@@ -3,7 +3,7 @@
 A *failure domain* is one Mooncake segment (one storage-node process). No
 state and no I/O (the caller supplies the segment list):
 
-* ``rank_segments`` orders the live segments for one domain key by rendezvous
+* The live segments are ordered for each domain key by rendezvous
   (highest-random-weight) hashing. Every object of a storage key carries the
   same domain key, so every process and rank that writes one of them prefers
   the same segment, and the key lives or dies as a whole. Adding or removing a
@@ -130,22 +130,6 @@ class ChainSpot:
         return [self.domain] * len(steps), steps
 
 
-def rank_segments(
-    domain_key: str, segments: Sequence[str], bad: frozenset[str] = frozenset(), step: int = 0
-) -> list[str]:
-    """``segments`` ordered by preference for ``domain_key`` at chain step ``step``
-    (the root's order rotated left by ``step``); segments in ``bad`` go last.
-
-    Deterministic across processes: it depends only on the strings and the step.
-    """
-    if not segments:
-        return []
-    ranked = [segments[i] for i in _rankings([domain_key], segments, [step])[0].tolist()]
-    if bad:
-        ranked = [s for s in ranked if s not in bad] + [s for s in ranked if s in bad]
-    return ranked
-
-
 # Copy r >= 1 of an object (span_replica_num > 1 with placement) is stored under
 # its own key, so that a reader can pick the copy on a live segment.
 COPY_SEPARATOR = "~c"
@@ -182,9 +166,7 @@ def suspect_copies(rows: Sequence[Sequence[tuple[str, str]]], bad: frozenset[str
 
 
 def live_copies(
-    rows: Sequence[Sequence[tuple[str, str]]],
-    bad: frozenset[str],
-    located: Mapping[str, set[str]],
+    rows: Sequence[Sequence[tuple[str, str]]], bad: frozenset[str], located: Mapping[str, set[str]]
 ) -> list[list[str]]:
     """Per key, the copies worth a transfer, in copy order.
 

@@ -85,13 +85,8 @@ class GeometryRecord:
     def differences(self, other: GeometryRecord) -> list[str]:
         """Human-readable 'field: ours vs theirs' lines (empty when compatible)."""
         lines = []
-        for name in (
-            "host_page_tokens",
-            "storage_page_tokens",
-            "layout",
-            "kv_dtype",
-            "object_format",
-        ):
+        names = ("host_page_tokens", "storage_page_tokens", "layout", "kv_dtype", "object_format")
+        for name in names:
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 lines.append(f"{name}: this node {mine!r} vs published {theirs!r}")
@@ -171,17 +166,29 @@ def check_layout_guard(
     arena: StagingArena,
     *,
     page_open: bool = False,
+    previous: GeometryRecord | None = None,
 ) -> str:
     """Run the guard ``span_layout_guard`` selects: "off", "published", "matched"
     or, with ``page_open``, "deferred" (see ``check_or_publish``).
     The ``store`` record moves through the registered staging ``arena``. The
-    record's ``object_format`` is this node's (``span_object_checksums``)."""
+    record's ``object_format`` is this node's (``span_object_checksums``).
+    ``previous``: see ``recheck_layout_guard``."""
     mode = options.layout_guard
     if mode == "off":
         return "off"
-    record = replace(record, object_format=object_format(options.object_checksums))
+    fmt = object_format(options.object_checksums)
+    record = replace(record, object_format=fmt)
     key = namespace_key(schema.model, schema.tag)
-    read, create, _ = _registry(mode, options, client, arena)
+    read, create, remove = _registry(mode, options, client, arena)
+    if previous is not None and read(key) == replace(previous, object_format=fmt).to_json():
+        remove(key)
+        logger.info(
+            "mooncake-span layout guard: withdrew the start-up record under %s (storage page "
+            "%d tokens) for the page the build assigned (%d tokens)",
+            key,
+            previous.storage_page_tokens,
+            record.storage_page_tokens,
+        )
     return check_or_publish(record, key, read, create, page_open=page_open)
 
 
@@ -198,23 +205,7 @@ def recheck_layout_guard(
     checked at registration, ``previous``, is withdrawn if it is still the
     published one: this node or a peer in the same start-up published it before
     the page was known. Any other published geometry is checked as usual."""
-    mode = options.layout_guard
-    if mode == "off":
-        return "off"
-    fmt = object_format(options.object_checksums)
-    record = replace(record, object_format=fmt)
-    key = namespace_key(schema.model, schema.tag)
-    read, create, remove = _registry(mode, options, client, arena)
-    if read(key) == replace(previous, object_format=fmt).to_json():
-        remove(key)
-        logger.info(
-            "mooncake-span layout guard: withdrew the start-up record under %s (storage page "
-            "%d tokens) for the page the build assigned (%d tokens)",
-            key,
-            previous.storage_page_tokens,
-            record.storage_page_tokens,
-        )
-    return check_or_publish(record, key, read, create)
+    return check_layout_guard(options, schema, record, client, arena, previous=previous)
 
 
 def _registry(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from mooncake_span.errors import ErrorCode, InvalidRequestError
 from mooncake_span.span.plan import PlanBatch
@@ -34,7 +34,7 @@ from mooncake_span.store.arena import StagingArena
 
 try:
     import xxhash
-except ImportError:  # reported when the option is used (require_xxhash)
+except ImportError:  # reported when the option is used (TrailerArena)
     xxhash = None
 
 SEAL_FORMAT = "xxh3-64-trailer-v1"
@@ -53,14 +53,6 @@ _GET_SLOT = struct.Struct("<16xQ8x")
 DEFAULT_ARENA_BYTES = 8 << 20
 # What a get whose bytes failed their seal reads as (store/integrity.py removes it).
 MISMATCH = int(ErrorCode.SEAL_MISMATCH)
-
-
-def require_xxhash() -> None:
-    if xxhash is None:
-        raise InvalidRequestError(
-            "span_object_checksums needs the xxhash package: pip install xxhash "
-            "(or mooncake-span[cpu] / [cuda], which include it)"
-        )
 
 
 def object_format(enabled: bool) -> str:
@@ -126,31 +118,31 @@ class TrailerArena:
         timeout_s: float,
         size_bytes: int = DEFAULT_ARENA_BYTES,
     ) -> None:
-        require_xxhash()
+        if xxhash is None:
+            raise InvalidRequestError(
+                "span_object_checksums needs the xxhash package: pip install xxhash "
+                "(or mooncake-span[cpu] / [cuda], which include it)"
+            )
         self._arena = StagingArena(size_bytes, register, timeout_s)
         self._base = self._arena.base_ptr
         self._end = self._base + size_bytes
 
-    @contextmanager
-    def writing(self, keys: Sequence[str], batch: PlanBatch) -> Iterator[PlanBatch]:
+    def writing(self, keys: Sequence[str], batch: PlanBatch) -> AbstractContextManager[PlanBatch]:
         """``batch`` with each object's trailer appended, for one put."""
-        need = len(batch) * _SLOT_BYTES
-        if not need:
-            yield batch
-            return
-        with self._arena.lease(need, need) as lease:
-            ctypes.memmove(lease.ptr, _slots(batch, keys, put=True), need)
-            yield _with_trailers(batch, lease.ptr)
+        return self._with_slots(keys, batch, put=True)
+
+    def reading(self, keys: Sequence[str], batch: PlanBatch) -> AbstractContextManager[PlanBatch]:
+        """``batch`` with a receiving slot per object, for one get; ``verify`` checks it."""
+        return self._with_slots(keys, batch, put=False)
 
     @contextmanager
-    def reading(self, keys: Sequence[str], batch: PlanBatch) -> Iterator[PlanBatch]:
-        """``batch`` with a receiving slot per object, for one get; ``verify`` checks it."""
+    def _with_slots(self, keys: Sequence[str], batch: PlanBatch, put: bool) -> Iterator[PlanBatch]:
         need = len(batch) * _SLOT_BYTES
         if not need:
             yield batch
             return
         with self._arena.lease(need, need) as lease:
-            ctypes.memmove(lease.ptr, _slots(batch, keys, put=False), need)
+            ctypes.memmove(lease.ptr, _slots(batch, keys, put), need)
             yield _with_trailers(batch, lease.ptr)
 
     def verify(self, batch: PlanBatch, codes: list[int]) -> list[int]:

@@ -18,7 +18,6 @@ import json
 import logging
 import socket
 import threading
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +37,7 @@ def fetch_segments(admin_url: str) -> list[str] | None:
             admin_url.rstrip("/") + "/get_all_segments", timeout=_FETCH_TIMEOUT_S
         ) as response:
             text = response.read().decode("utf-8", "replace")
-    except (OSError, urllib.error.URLError, ValueError):
+    except (OSError, ValueError):  # URLError is an OSError
         return None
     return [line.strip() for line in text.splitlines() if line.strip()]
 
@@ -51,7 +50,7 @@ def _get_json(url: str) -> Any:
     try:
         with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:
             return json.loads(response.read().decode("utf-8", "replace"))
-    except (OSError, urllib.error.URLError, ValueError):
+    except (OSError, ValueError):  # URLError is an OSError
         return None
 
 
@@ -152,7 +151,6 @@ class SegmentDirectory:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
-        self.refreshes = 0
 
     @property
     def segments(self) -> tuple[str, ...]:
@@ -176,7 +174,6 @@ class SegmentDirectory:
         if new != self._segments:
             logger.info("mooncake-span: live segments %s", list(new))
         self._segments = new
-        self.refreshes += 1
         return True
 
     def start(self) -> None:
@@ -214,9 +211,7 @@ def _warn_no_admin_url() -> None:
 
 
 def start_directory(
-    admin_url: str | None,
-    options: SpanOptions,
-    list_segments: Callable[[str], list[str] | None],
+    admin_url: str | None, options: SpanOptions, list_segments: Callable[[str], list[str] | None]
 ) -> SegmentDirectory | None:
     """A running directory for the master's admin server, or None when no URL is known."""
     if admin_url is None:

@@ -3,30 +3,23 @@
 An object whose DRAM copy was evicted keeps a ``LOCAL_DISK`` replica on the
 process that held it; a reader asks that owner over RPC, the owner loads the
 object into its registered read buffer and the reader pulls it
-(``store/ssd_tier.py`` sets the tier up). ``ServingSsd`` owns what a client
-does about it:
+(``store/ssd_tier.py`` sets the tier up). What a client meets there:
 
-* this rank's own tier (sglang's ``enable_ssd_offload``): its directory
-  checked and locked before ``setup`` (``ssd_tier.open_serving_tier``), its
-  segment recorded once set up, the lock released at close with whether the
-  disk segment was unmounted;
-* reads an owner's read buffer could not take (``BUFFER_OVERFLOW``, every
-  object of that owner in the call, at once): asked again in halves, down to
-  one object per call (``read``);
+* this rank's own tier (sglang's ``enable_ssd_offload``): its directory is
+  checked and locked before ``setup`` and released at close;
+* an owner's read buffer takes all of a call's objects of that owner or none
+  (``BUFFER_OVERFLOW``): ``read`` asks again in halves, down to one object;
 * an owner that is down but not yet expired at the master (up to its
   ``client_ttl``): existence queries still answer yes and each read blocks
   about 4.3 s in Mooncake's RPC retries before ``RPC_FAIL``. The master still
-  answers, which tells this apart from a dead master; ``disk_only`` says which
-  of the failed objects had nothing but a disk replica. The owner's segment
-  (its DRAM segment, still listed) is then marked down in the client's
+  answers, which tells this apart from a dead master; ``owners_down`` marks
+  the owner's segment (its DRAM segment, still listed) in the client's
   ``FailureLedger``, so reads and hit queries skip that owner's keys at once
-  instead of paying 4.3 s per call, until the mark's TTL runs out;
-* which segment holds an object on disk (``owners``): a replica descriptor
-  does not name a disk replica's owner (``query_key`` and
+  until the mark's TTL runs out;
+* a replica descriptor does not name a disk replica's owner (``query_key`` and
   ``batch_get_replica_desc`` leave it out in 0.3.13.post1), and placement
   cannot tell it (a put lands on another segment when the preferred one is
-  full); the master's admin server can (``segments.fetch_disk_owners``);
-* the count of reads Mooncake asked an SSD owner for (``read_rpcs``).
+  full); the master's admin server can (``owners``, ``segments.fetch_disk_owners``).
 
 The client makes every native call and hands the answers in.
 """
@@ -55,6 +48,7 @@ from mooncake_span.store.ssd_tier import (
 
 logger = logging.getLogger(__name__)
 
+# Plain ints: a get's codes are scanned per object, and an enum member costs 3x there.
 OVERFLOW = int(ErrorCode.BUFFER_OVERFLOW)
 OWNER_RPC_FAILED = int(ErrorCode.RPC_FAIL)
 # The client's counter (failed_objects_total{code=...}) of reads from an SSD owner that was down.
@@ -67,21 +61,6 @@ GetCall = Callable[[list[str], PlanBatch], list[int]]
 # The master's replica descriptions of objects (None: no answer), even while the
 # breaker is open with past_breaker=True (``MooncakeClient.replica_desc``).
 ReplicaDesc = Callable[..., Any]
-
-
-def overflowed(codes: Sequence[int]) -> list[int]:
-    """Positions of objects an owner's read buffer could not take in this call."""
-    return [i for i, code in enumerate(codes) if code == OVERFLOW]
-
-
-def halves(positions: Sequence[int]) -> list[list[int]]:
-    middle = len(positions) // 2
-    return [list(positions[:middle]), list(positions[middle:])]
-
-
-def owner_failures(codes: Sequence[int]) -> list[int]:
-    """Positions of objects whose read failed at the RPC layer (a dead master, or a dead owner)."""
-    return [i for i, code in enumerate(codes) if code == OWNER_RPC_FAILED]
 
 
 def disk_only(found: Mapping[str, Sequence[Any]] | None) -> set[str]:
@@ -177,17 +156,12 @@ class ServingSsd:
         ``release`` records."""
         if self._lock is None:
             return "stopped"
-        self._finish_offloads()
-        return "stopped" if store.unmount_local_disk_segment(0) == 0 else "unmount-failed"
-
-    def _finish_offloads(self) -> None:
-        """What this rank holds unwritten reaches its disk (bounded;
-        ``ssd_tier.wait_offloads_written``): the master refuses a disk replica
-        registered after the unmount."""
-        if not self._stop_wait_s:
-            return
+        # What this rank holds unwritten reaches its disk first (bounded): the master
+        # refuses a disk replica registered after the unmount.
         quiet_s = offload_quiet_s(os.environ)
-        if not wait_offloads_written(self._lock.directory, self._stop_wait_s, quiet_s):
+        if self._stop_wait_s and not wait_offloads_written(
+            self._lock.directory, self._stop_wait_s, quiet_s
+        ):
             logger.warning(
                 "mooncake-span: %s still took offloads after %.0f s (%s); closing anyway: "
                 "objects put in the last heartbeat may be lost",
@@ -195,6 +169,7 @@ class ServingSsd:
                 self._stop_wait_s,
                 STOP_WAIT_ENV,
             )
+        return "stopped" if store.unmount_local_disk_segment(0) == 0 else "unmount-failed"
 
     def release(self, state: str = "stopped") -> None:
         """Unlock the directory, recording how this process stopped."""
@@ -207,9 +182,10 @@ class ServingSsd:
         """``get_call``'s codes; objects an owner's read buffer could not take are asked
         again in halves."""
         codes = get_call(keys, batch)
-        overflow = overflowed(codes)
+        overflow = [i for i, code in enumerate(codes) if code == OVERFLOW]
         if overflow and len(keys) > 1:
-            for half in halves(overflow):
+            middle = len(overflow) // 2
+            for half in (overflow[:middle], overflow[middle:]):
                 again = self.read(get_call, [keys[i] for i in half], batch.take(half))
                 for i, code in zip(half, again, strict=True):
                     codes[i] = code
@@ -220,10 +196,7 @@ class ServingSsd:
         self.read_rpcs = max(self.read_rpcs, cumulative)
 
     def owners_down(
-        self,
-        object_keys: Sequence[str],
-        codes: Sequence[int],
-        replica_desc: ReplicaDesc,
+        self, object_keys: Sequence[str], codes: Sequence[int], replica_desc: ReplicaDesc
     ) -> list[str]:
         """Reads that failed at the RPC layer: if the master answers (``replica_desc``)
         and the objects had only disk replicas, their owner is down. The master's
@@ -233,7 +206,8 @@ class ServingSsd:
         The master is asked past the breaker: the failed read may just have
         opened it, and this one RPC is what tells a dead master from a dead SSD
         owner."""
-        positions = owner_failures(codes)
+        # Failed at the RPC layer: a dead master, or a dead owner.
+        positions = [i for i, code in enumerate(codes) if code == OWNER_RPC_FAILED]
         if not positions:
             return []
         keys = [object_keys[i] for i in positions]

@@ -37,11 +37,6 @@ def ask_stored(store: Any) -> list[int]:
     return store.batch_is_exist([MARKER_KEY])
 
 
-def marker_bytes(segment: str) -> bytes:
-    """What the marker holds: who published it (for an operator reading it)."""
-    return json.dumps({"ssd_tier": True, "published_by": segment}).encode()
-
-
 def publish(put: Callable[[str, bytes], int], segment: str) -> None:
     """Store the marker through ``put`` (a native put of ``MARKER_KEY`` onto this
     process's own segment, hard-pinned; answers its code).
@@ -50,7 +45,8 @@ def publish(put: Callable[[str, bytes], int], segment: str) -> None:
         ConfigError: the master refused it: clients could not tell the cluster
             has an SSD tier, and rot there would be served.
     """
-    code = put(MARKER_KEY, marker_bytes(segment))
+    # Who published it, for an operator reading the marker.
+    code = put(MARKER_KEY, json.dumps({"ssd_tier": True, "published_by": segment}).encode())
     if code not in (0, ErrorCode.OBJECT_ALREADY_EXISTS):
         raise ConfigError(
             f"could not store the SSD-tier marker {MARKER_KEY} (code {code}); without it "

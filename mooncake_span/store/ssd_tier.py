@@ -94,7 +94,14 @@ class SsdTier:
             raise ConfigError(
                 f"the largest object must be > 0 bytes, got {self.largest_object_bytes}"
             )
-        check_cap(self.cap_bytes, self.largest_object_bytes)
+        if self.cap_bytes < self.largest_object_bytes:
+            raise ConfigError(
+                f"the SSD cap ({self.cap_bytes} bytes) is smaller than one object this process "
+                f"may hold (up to {self.largest_object_bytes} bytes, its DRAM segment): such an "
+                f"object could never be written; give --ssd-size at least "
+                f"{self.largest_object_bytes} bytes (several times the segment, or the tier "
+                "holds less than DRAM)"
+            )
         if self.read_buffer_bytes < 1 << 20:
             raise ConfigError(
                 f"the SSD read buffer must be at least 1mb, got {self.read_buffer_bytes} bytes; "
@@ -112,17 +119,6 @@ class SsdTier:
             HEARTBEAT_ENV: str(HEARTBEAT_S),
             READ_BUFFER_ENV: str(self.read_buffer_bytes),
         }
-
-
-def check_cap(cap_bytes: int, largest_object_bytes: int) -> None:
-    """A cap must hold the largest object the process may write; ConfigError names the fix."""
-    if cap_bytes < largest_object_bytes:
-        raise ConfigError(
-            f"the SSD cap ({cap_bytes} bytes) is smaller than one object this process may hold "
-            f"(up to {largest_object_bytes} bytes, its DRAM segment): such an object could never "
-            f"be written; give --ssd-size at least {largest_object_bytes} bytes (several times "
-            "the segment, or the tier holds less than DRAM)"
-        )
 
 
 def default_cap_bytes(directory: str) -> int:
@@ -285,9 +281,8 @@ class DirLock:
     def acquire(self, what: str) -> dict[str, Any]:
         """Lock; the previous owner's record ({} if none). ConfigError when another
         running process holds it."""
-        fd = self._lock(what)
-        self._fd = fd
-        previous = _read_record(fd)
+        self._fd = self._lock(what)
+        previous = _read_record(self._fd)
         self.update(pid=os.getpid(), state="starting", segment=None, started=time.time())
         return previous
 

@@ -22,11 +22,10 @@ import pytest
 import torch
 
 from mooncake_span.sglang_backend import MooncakeSpanStore
-from mooncake_span.store.domains import rank_segments
 from mooncake_span.store.segments import fetch_segments
 from mooncake_span_tools.testing import pools as P
 from tests.faults.conftest import HOST_PAGE_TOKENS, CallLog
-from tests.span_helpers import make_storage_config, register_pools
+from tests.span_helpers import make_storage_config, rank_segments, register_pools
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from mooncake_span.errors import InvalidRequestError
 from mooncake_span.sglang_backend.prefix_chain import PASS_PREFIX_KEYS, PerKeyNotice, chain_of
 from mooncake_span.span.keys import KeySchema, RankTags
-from mooncake_span.store.domains import ChainSpot, put_targets, rank_segments
+from mooncake_span.store.domains import ChainSpot, put_targets
 from mooncake_span_tools.testing import pools as P
 from mooncake_span_tools.testing.fake_store import FakeCluster
-from tests.span_helpers import FAKE_CLIENT, slots_of
+from tests.span_helpers import FAKE_CLIENT, rank_segments, slots_of
 
 SEGMENTS = tuple(f"10.0.0.{i}:1500{i}" for i in range(1, 7))
 PAGE = 64

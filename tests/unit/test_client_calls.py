@@ -14,9 +14,8 @@ import pytest
 from mooncake_span.errors import ErrorCode
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.domains import rank_segments
 from mooncake_span_tools.testing.fake_store import FakeCluster
-from tests.span_helpers import fake_client, listening_port
+from tests.span_helpers import fake_client, listening_port, rank_segments
 
 OBJECT_BYTES = 256
 BUFFERS = 4

@@ -17,9 +17,9 @@ import pytest
 from mooncake_span.errors import ErrorCode
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.domains import copy_key, rank_segments
+from mooncake_span.store.domains import copy_key
 from mooncake_span_tools.testing.fake_store import FakeCluster, FakeStore
-from tests.span_helpers import FakeClock, fake_client, listening_port
+from tests.span_helpers import FakeClock, fake_client, listening_port, rank_segments
 
 SEGMENTS = ("127.0.0.1:12001", "127.0.0.1:12002")
 COMPONENTS = ("kv", "indexer", "conv")

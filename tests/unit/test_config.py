@@ -549,6 +549,52 @@ def test_bad_span_values(extra, fragment):
     assert fragment in str(excinfo.value)
 
 
+# Every range an option has: the first value outside it, the whole message (held
+# verbatim: operators grep for these), and the boundary value it accepts.
+RANGE_ERRORS = [
+    ("storage_page_size", -1, ">= 0 tokens (0 = host page size), got -1", 0),
+    ("span_max_buffers_per_call", 0, "in 1..1048576, got 0", 1),
+    ("span_max_buffers_per_call", (1 << 20) + 1, "in 1..1048576, got 1048577", 1 << 20),
+    ("span_breaker_failures", 0, ">= 1, got 0", 1),
+    ("span_breaker_probe_interval_s", 0, "> 0, got 0.0", 0.001),
+    ("span_transfer_timeout_s", 0, "in 1..3600 seconds, got 0", 1),
+    ("span_transfer_timeout_s", 3601, "in 1..3600 seconds, got 3601", 3600),
+    ("span_replica_num", 0, ">= 1, got 0", 1),
+    ("span_segment_refresh_s", 0, "in (0, 86400] seconds, got 0.0", 0.001),
+    ("span_domain_bad_ttl_s", 86401, "in (0, 86400] seconds, got 86401.0", 86400),
+    ("span_lost_key_ttl_s", -1, "in (0, 86400] seconds, got -1.0", 86400),
+    ("span_full_cooldown_s", -1, "in [0, 3600] seconds (0 disables), got -1.0", 0),
+    ("span_full_cooldown_s", 3601, "in [0, 3600] seconds (0 disables), got 3601.0", 3600),
+    ("span_chain_window_tokens", 0, "in 1..1073741824 tokens, got 0", 1),
+    ("span_chain_window_tokens", (1 << 30) + 1, "in 1..1073741824 tokens, got 1073741825", 1 << 30),
+    (
+        "span_chain_stripe_tokens",
+        -1,
+        "in 0..1073741824 tokens (0: one node per window), got -1",
+        0,
+    ),
+    ("span_chain_sample_every", -1, "in 0..1000000 (0: no chain records), got -1", 0),
+    (
+        "span_chain_sample_every",
+        1_000_001,
+        "in 0..1000000 (0: no chain records), got 1000001",
+        1_000_000,
+    ),
+    ("span_lost_keys_max", 0, "in 1..10000000, got 0", 1),
+    ("span_lost_keys_max", 10_000_001, "in 1..10000000, got 10000001", 10_000_000),
+    ("span_staging_buffer_size", 4095, "in 4kb..1tb, got 4095 bytes", 4096),
+    ("span_staging_buffer_size", (1 << 40) + 1, "in 4kb..1tb, got 1099511627777 bytes", 1 << 40),
+]
+
+
+@pytest.mark.parametrize(("key", "bad", "message", "boundary"), RANGE_ERRORS)
+def test_every_range_names_its_key_and_bounds(key, bad, message, boundary):
+    with pytest.raises(ConfigError) as excinfo:
+        load_span_options({key: bad}, environ={})
+    assert str(excinfo.value) == f"{key} must be {message}"
+    load_span_options({key: boundary}, environ={})
+
+
 def test_bad_env_value_names_the_variable():
     with pytest.raises(ConfigError, match="MOONCAKE_SPAN_REPLICA_NUM"):
         load_span_options({}, environ={"MOONCAKE_SPAN_REPLICA_NUM": "two"})

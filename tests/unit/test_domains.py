@@ -14,10 +14,10 @@ from mooncake_span.store.domains import (
     copy_key,
     live_copies,
     put_targets,
-    rank_segments,
     suspect_copies,
 )
 from mooncake_span.store.failure_ledger import DomainHealth, LostKeys
+from tests.span_helpers import rank_segments
 
 SEGMENTS = [f"10.0.0.{i}:1{i:04d}" for i in range(1, 5)]
 

@@ -13,10 +13,9 @@ import pytest
 
 from mooncake_span.config import SpanOptions
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store.domains import rank_segments
 from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.router import DomainRouter
-from tests.span_helpers import FakeClock
+from tests.span_helpers import FakeClock, rank_segments
 
 
 def _batch(buffers_per_object: list[int]) -> PlanBatch:

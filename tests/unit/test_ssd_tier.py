@@ -67,8 +67,8 @@ def test_layouts_that_keep_objects_off_the_disk_are_named(env, fix):
 
 def test_a_cap_below_one_object_is_refused():
     with pytest.raises(ConfigError, match="at least 16777216 bytes"):
-        ssd_tier.check_cap(MIB, 16 * MIB)
-    ssd_tier.check_cap(16 * MIB, 16 * MIB)
+        ssd_tier.SsdTier("/ssd", cap_bytes=MIB, largest_object_bytes=16 * MIB)
+    ssd_tier.SsdTier("/ssd", cap_bytes=16 * MIB, largest_object_bytes=16 * MIB)
 
 
 # ---- the directory -------------------------------------------------------------------
