@@ -19,6 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 60
+# The wheel's Python today, in lines; issue #48's target is 13,000, missed by the
+# difference (docs/architecture.md says what fills it). A change that grows the
+# wheel past this says so here.
+WHEEL_PYTHON_LINES_BOUND = 16_376
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +66,13 @@ def test_the_serving_wheel_holds_the_serving_package_alone(serving_wheel):
     assert tooling == []
     for expected in ("ops/cli.py", "ops/doctor.py", "ops/validate.py", "storage_node.py"):
         assert f"mooncake_span/{expected}" in names, expected
+
+
+def test_the_serving_wheels_python_stays_within_its_bound(serving_wheel):
+    with zipfile.ZipFile(serving_wheel) as archive:
+        python = [n for n in archive.namelist() if n.endswith(".py")]
+        lines = sum(archive.read(n).count(b"\n") for n in python)
+    assert python and lines <= WHEEL_PYTHON_LINES_BOUND, f"{lines} lines in {len(python)} files"
 
 
 def test_the_serving_wheel_declares_the_cli_and_the_sglang_plugin_only(unpacked):
