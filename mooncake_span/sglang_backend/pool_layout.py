@@ -15,7 +15,7 @@ For each registered pool this works out, once at registration:
 
 Zero-byte slots are left out of the pointers (Mooncake rejects 0-byte
 buffers); a component with no bytes at all is left out of the keys where sglang
-says so (Mamba's ``temporal_state_elem_size`` 0), else ``PageLayout`` refuses it.
+says so (Mamba's ``temporal_state_elem_size`` 0), else registration refuses the pool.
 """
 
 from __future__ import annotations
@@ -157,6 +157,11 @@ def fit_page_layout(
         sum(groups[end - count : end], ())
         for end, count in zip(itertools.accumulate(parts), parts, strict=True)
     )
+    if empty := [c for c, slots in enumerate(components) if not slots]:
+        raise RegistrationError(
+            f"pool {name!r}: component(s) {empty} have no bytes per page (every buffer "
+            "get_page_buffer_meta gives for them is 0 bytes); Mooncake stores no 0-byte object"
+        )
     return PageLayout(
         base_ptrs=tuple(base),
         page_stride_bytes=tuple(strides),

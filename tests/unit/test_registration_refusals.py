@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mooncake_span.errors import GeometryError, RegistrationError
+from mooncake_span.errors import RegistrationError
 from mooncake_span_tools.testing import pools as P
 from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import FAKE_CLIENT, slots_of
@@ -162,10 +162,12 @@ def test_no_admin_url_is_guessed_and_the_cost_is_said_once(caplog):
 
 
 def test_a_component_without_bytes_is_refused(make_backend):
-    """A component sglang names but gives no bytes stops registration
-    (``PageLayout`` refuses an empty component); serving the pool without it
-    instead would be a deliberate change, not a silent one."""
+    """A component sglang names but gives no bytes stops registration with the
+    pool's name; serving the pool without it instead would be a deliberate
+    change, not a silent one."""
     store = make_backend(dict(FAKE_CLIENT))
     store.register_mem_pool_host(P.build_mla_host("page_first", layers=1, host_pages=4))
-    with pytest.raises(GeometryError, match="component without slots"):
+    with pytest.raises(
+        RegistrationError, match=r"pool 'mamba': component\(s\) \[1\] have no bytes"
+    ):
         store.register_mem_host_pool_v2(ZeroByteConvPool(), "mamba")
