@@ -269,11 +269,6 @@ class MooncakeClient:
         owners added); {} if it does not answer."""
         return self._native.locate(object_keys, sizes, on_rpc)
 
-    def replica_desc(self, object_keys: list[str], past_breaker: bool = False) -> Any:
-        """The master's replica descriptions, None if it does not answer;
-        ``past_breaker``: also while the breaker is open."""
-        return self._native.replica_desc(object_keys, past_breaker)
-
     # ---- existence ---------------------------------------------------------------
 
     @property

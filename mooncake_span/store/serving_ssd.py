@@ -21,7 +21,7 @@ object into its registered read buffer and the reader pulls it
   cannot tell it (a put lands on another segment when the preferred one is
   full); the master's admin server can (``owners``, ``segments.fetch_disk_owners``).
 
-The client makes every native call and hands the answers in.
+The native calls are made in ``gate.py`` (``NativeCalls``), which hands the answers in.
 """
 
 from __future__ import annotations
@@ -182,13 +182,14 @@ class ServingSsd:
         """``get_call``'s codes; objects an owner's read buffer could not take are asked
         again in halves."""
         codes = get_call(keys, batch)
+        if OVERFLOW not in codes or len(keys) < 2:  # every get: one C-level scan
+            return codes
         overflow = [i for i, code in enumerate(codes) if code == OVERFLOW]
-        if overflow and len(keys) > 1:
-            middle = len(overflow) // 2
-            for half in (overflow[:middle], overflow[middle:]):
-                again = self.read(get_call, [keys[i] for i in half], batch.take(half))
-                for i, code in zip(half, again, strict=True):
-                    codes[i] = code
+        middle = len(overflow) // 2
+        for half in filter(None, (overflow[:middle], overflow[middle:])):
+            again = self.read(get_call, [keys[i] for i in half], batch.take(half))
+            for i, code in zip(half, again, strict=True):
+                codes[i] = code
         return codes
 
     def saw_owner_reads(self, cumulative: int) -> None:
