@@ -186,7 +186,7 @@ class SpanOptions:
     staging_buffer_size_bytes: int = 64 << 20
     # The longest pause of puts on a cluster that keeps refusing them: pauses
     # start after 3 refused put calls in a row at 10 ms and double while
-    # probes are refused; a stored object ends them (store/failure_ledger.py).
+    # probes are refused; a stored object ends them (store/router.py, PutPressure).
     # 0: never pause (every put is sent).
     full_cooldown_s: float = 1.0
     # Backups and hit queries that name their prefix chain (sglang's prefix

@@ -129,7 +129,7 @@ INTEGRITY_CODES = frozenset(
 )
 
 # Mooncake's answers to a put that mean "no space for this object now"
-# (store/failure_ledger.py pauses puts on them).
+# (store/router.py, PutPressure, pauses puts on them).
 NO_SPACE_CODES = frozenset({ErrorCode.NO_AVAILABLE_HANDLE, ErrorCode.TENANT_QUOTA_EXCEEDED})
 
 

@@ -62,19 +62,13 @@ from mooncake_span.sglang_backend.l3_layout import describe_layout
 from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.page_hash import preload_page_hash
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
-from mooncake_span.sglang_backend.prefix_chain import (
-    ChainRecords,
-    PerKeyNotice,
-    chain_of,
-    prefix_keys_of,
-)
 from mooncake_span.sglang_backend.reads import ReadPath
 from mooncake_span.sglang_backend.recording import CallRecorder
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.stats import METRIC_WINDOW, UNPOLLED_WINDOW, SpanStorageMetrics
-from mooncake_span.sglang_backend.stored_pool import StoredPool
-from mooncake_span.sglang_backend.writes import StoredCheck, WritePath
+from mooncake_span.sglang_backend.stored_pool import StoredPool, chain_of, prefix_keys_of
+from mooncake_span.sglang_backend.writes import ChainRecords, PerKeyNotice, StoredCheck, WritePath
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
 from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.span.keys import KeySchema, check_page_keys
@@ -207,7 +201,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
     # ---- hits (the data calls: gets in reads.py, puts in writes.py) ------------------------
     # sglang's extra_info (HiCacheStorageExtraInfo) matters for its prefix_keys
     # only (hicache_storage_pass_prefix_keys): they place a conversation's keys
-    # by its chain (prefix_chain.py); everything else in it is ignored.
+    # by its chain (stored_pool.chain_of); everything else in it is ignored.
 
     @never_raise(miss_count)
     def batch_exists(

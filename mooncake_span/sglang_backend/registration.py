@@ -27,7 +27,6 @@ from mooncake_span.config import SpanOptions
 from mooncake_span.errors import InvalidRequestError, MooncakeSpanError, RegistrationError
 from mooncake_span.sglang_backend.guard import miss_per_transfer
 from mooncake_span.sglang_backend.pool_layout import describe_pool, pool_name_str
-from mooncake_span.sglang_backend.prefix_chain import chain_of, prefix_keys_of
 from mooncake_span.sglang_backend.stager import Stager
 from mooncake_span.sglang_backend.storage_page import (
     PageChoice,
@@ -41,7 +40,9 @@ from mooncake_span.sglang_backend.stored_pool import (
     PoolBatch,
     StagedPool,
     StoredPool,
+    chain_of,
     check_host_indices,
+    prefix_keys_of,
 )
 from mooncake_span.span.geometry import KV_POOL, PoolKind, SpanGeometry, classify_pool
 from mooncake_span.span.keys import KeySchema, RankTags, check_page_keys
@@ -108,7 +109,7 @@ class Registration:
         self.group_ids = False
         # Rebound, never mutated: worker threads read it without a lock.
         self.learned_kv_derived: frozenset[str] = frozenset()
-        # A prefix chain's window and stripe (prefix_chain.ChainSpot), set with the
+        # A prefix chain's window and stripe (domains.ChainSpot), set with the
         # geometry: span_chain_window_tokens and span_chain_stripe_tokens in whole
         # storage keys (a stripe of 0: one step per window); one value, so a reader
         # never sees one of them new.
@@ -152,7 +153,7 @@ class Registration:
             tag=self._extra_tag,
         )
         # Failure domains (store/domains.py): one segment per storage key, or
-        # per chain window when sglang passes prefix keys (prefix_chain.py).
+        # per chain window when sglang passes prefix keys (stored_pool.chain_of).
         self._client.place_by(self.key_schema.domain_of)
         page_tokens = geometry.storage_page_tokens
         stripe_tokens = self._options.chain_stripe_tokens

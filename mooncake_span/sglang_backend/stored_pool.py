@@ -22,6 +22,20 @@ per-key results, and selecting a subset of the objects to move (a put skipping
 what is stored, staged batches beside zero-copy ones) with the slots their
 results are put back in. They move nothing themselves: the read and write
 paths do, top-down.
+
+Where a call's keys sit in their prefix chain comes from sglang's
+``extra_info`` (``chain_of``, ``prefix_keys_of``). With
+``hicache_storage_pass_prefix_keys: true`` in the storage extra-config, sglang
+0.5.23's controllers pop the knob (it never reaches the backend's config) and
+hand every backup, hit query and prefetch batch an ``HiCacheStorageExtraInfo``
+whose ``prefix_keys`` are the page hashes from the start of the sequence up to
+the call's first key: ``prefix_keys + keys`` is one chain, whichever batch of
+the conversation the call carries. The chain root (the first prefix key, or the
+call's first key when there is none) and the position ``len(prefix_keys)`` are
+all placement needs (``store/domains.ChainSpot``). ``prefix_keys`` None: the
+knob is off, and placement stays per storage key. The prefix keys themselves
+are the objects whose leases a backup or a hit query renews
+(``span_refresh_prefix``), so that eviction takes the chain's tail first.
 """
 
 from __future__ import annotations
@@ -36,8 +50,7 @@ import torch
 
 from mooncake_span.errors import InvalidRequestError
 from mooncake_span.span.geometry import PoolKind, SpanGeometry, derive_slots_per_key
-from mooncake_span.span.hits import clamp_after_first_failure
-from mooncake_span.span.keys import ComponentSpec, KeySchema
+from mooncake_span.span.keys import ComponentSpec, KeySchema, check_page_keys
 from mooncake_span.span.plan import (
     PageLayout,
     PlanBatch,
@@ -47,6 +60,47 @@ from mooncake_span.span.plan import (
 from mooncake_span.store.domains import ChainSpot
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def chain_of(
+    extra_info: Any,
+    page_keys: list[str],
+    schema: KeySchema,
+    window_keys: int,
+    stripe_keys: int = 0,
+) -> ChainSpot | None:
+    """The chain spot of ``page_keys`` (validated, non-empty), or None without prefix keys."""
+    prefix = getattr(extra_info, "prefix_keys", None)
+    if prefix is None:
+        return None
+    if not isinstance(prefix, (list, tuple)):
+        raise InvalidRequestError(
+            f"extra_info.prefix_keys must be a list of str, got {type(prefix).__name__}"
+        )
+    root = prefix[0] if prefix else page_keys[0]
+    if not isinstance(root, str) or not root:
+        raise InvalidRequestError(f"extra_info.prefix_keys[0] must be a non-empty str: {root!r}")
+    # The root's own per-key domain: a chain and its first key share a segment.
+    (domain,) = schema.domains([root], 1)
+    return ChainSpot(domain, len(prefix), window_keys, stripe_keys)
+
+
+def prefix_keys_of(extra_info: Any) -> list[str]:
+    """The prefix keys sglang passed, validated; [] without them."""
+    prefix = getattr(extra_info, "prefix_keys", None)
+    if not prefix:
+        return []
+    try:
+        return check_page_keys(prefix)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"extra_info.prefix_keys: {exc}") from None
+
+
+def clamp_after_first_failure(flags: Sequence[bool]) -> list[bool]:
+    """A pool's per-key results as sglang reads them, a prefix: never True after a
+    False (truthy native codes come back as real bools)."""
+    run = len(flags) if all(flags) else next(i for i, flag in enumerate(flags) if not flag)
+    return [True] * run + [False] * (len(flags) - run)
 
 
 def check_host_indices(pool_name: str, host_indices: Any) -> None:

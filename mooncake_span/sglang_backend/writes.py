@@ -23,11 +23,23 @@ generic ``batch_set`` (flat page tensors). Each method:
 
 A put's own objects keep the chain's order (a call the cluster refuses part
 of keeps its reachable head).
+
+Chain records (``ChainRecords``) serve ``inspect``'s reachable estimate: after a
+KV backup that named its prefix chain (``span_refresh_prefix`` keeps the prefix
+keys) and stored every key, a chain whose root is sampled
+(``span_chain_sample_every``, ``span.chains.chain_sampled``) gets a record of
+its page keys so far, one small object put through the staging arena. The
+record is an ordinary object: no pin, evicted like the rest. It costs one put
+(two master RPCs) per backup of a sampled chain; a record that cannot be
+written is left out (the client counts a refusal) and the backup's own answer
+stands.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -36,14 +48,13 @@ from typing import Any
 
 import torch
 
-from mooncake_span.errors import InvalidRequestError
+from mooncake_span.errors import InvalidRequestError, MooncakeSpanError
 from mooncake_span.sglang_backend.guard import (
     miss_flag,
     miss_per_key,
     miss_per_transfer,
     never_raise,
 )
-from mooncake_span.sglang_backend.prefix_chain import ChainRecords, PerKeyNotice
 from mooncake_span.sglang_backend.recording import SET, CallRecorder, recorded
 from mooncake_span.sglang_backend.registration import Registration
 from mooncake_span.sglang_backend.stager import Stager
@@ -58,10 +69,19 @@ from mooncake_span.sglang_backend.stored_pool import (
     per_key_results,
     prefix_objects,
 )
+from mooncake_span.span.chains import chain_record_key, chain_sampled, record_bytes
 from mooncake_span.span.geometry import KV_POOL, PoolKind
+from mooncake_span.span.keys import KeySchema
+from mooncake_span.span.plan import ObjectPlan
+from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.failure_ledger import STORED, UNREACHABLE, PutPressure
+from mooncake_span.store.domains import ChainSpot
 from mooncake_span.store.gate import Puts
+from mooncake_span.store.router import STORED, UNREACHABLE, PutPressure
+
+logger = logging.getLogger(__name__)
+
+PASS_PREFIX_KEYS = "hicache_storage_pass_prefix_keys"
 
 
 class WritePath:
@@ -280,3 +300,52 @@ class StoredCheck:
             return [], []
         schema, objects = self._registration.key_schema, kv.object_keys
         return objects(schema, derived.page_keys), objects(schema, derived.prefix_keys)
+
+
+class PerKeyNotice:
+    """One log line, at the first backup that arrives without prefix keys."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said = False
+
+    def backup(self, chain: ChainSpot | None) -> None:
+        if chain is not None or self._said:
+            return
+        with self._lock:
+            if self._said:
+                return
+            self._said = True
+        logger.info(
+            "mooncake-span: backups arrive without prefix keys, so each storage key is placed "
+            "on its own segment; set %s: true in the storage extra-config to keep a "
+            "conversation's keys on one node (losing 1 of N nodes then costs about 1/N of the "
+            "cached prefixes, not nearly all of them)",
+            PASS_PREFIX_KEYS,
+        )
+
+
+class ChainRecords:
+    def __init__(self, client: MooncakeClient, arena: StagingArena, every: int) -> None:
+        self._client = client
+        self._arena = arena
+        self._every = every
+
+    def after_backup(self, schema: KeySchema, batch: PoolBatch, results: list[bool]) -> None:
+        if batch.chain is None or not results or not all(results):
+            return
+        chain = [*batch.prefix_keys, *batch.page_keys]
+        if len(chain) == len(batch.page_keys) and batch.chain.start:
+            return  # the prefix keys were not kept (span_refresh_prefix off)
+        if not chain_sampled(chain[0], self._every):
+            return
+        data = record_bytes(chain)
+        key = chain_record_key(schema.prefix, chain[0], len(chain))
+        try:
+            with self._arena.lease(len(data), len(data)) as lease:
+                ctypes.memmove(lease.ptr, data, len(data))
+                # Unsealed: inspect reads a record as text.
+                self._client.put([key], [ObjectPlan([lease.ptr], [len(data)])], sealed=False)
+        except MooncakeSpanError as exc:
+            # A refusal is counted by the client; the backup's own answer stands.
+            logger.debug("mooncake-span: chain record %s not written: %s", key, exc)

@@ -44,12 +44,6 @@ def leading_run(flags: Sequence[bool]) -> int:
     return len(flags)
 
 
-def clamp_after_first_failure(flags: Sequence[bool]) -> list[bool]:
-    """Per-key results never report True after a failure of the same pool."""
-    run = leading_run(flags)
-    return [True] * run + [False] * (len(flags) - run)
-
-
 def check_policy(pool_name: str, policy: str) -> None:
     if policy not in HIT_POLICIES:
         raise InvalidRequestError(f"pool {pool_name!r}: unsupported hit policy {policy!r}")

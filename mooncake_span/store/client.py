@@ -13,8 +13,10 @@ What to do is decided below:
 * ``domain_calls.py``: which native calls a put or a get becomes (direct, as
   its caller built it, or copy by copy, by the router's word), existence
   queries copy by copy, and what a failed call teaches;
-* ``failure_ledger.py``: what failed calls taught (marked segments, lost keys,
-  and the put pause after refused puts in a row: skipped ones read False);
+* ``router.py``: what failed calls taught (``FailureLedger``: marked segments,
+  lost keys, and the put pause after refused puts in a row: skipped ones read
+  False) and what the router decides from it (which objects a call touches,
+  and on which segment);
 * ``seal.py``: with ``span_object_checksums`` every object carries its seal:
   ``put`` and ``get`` wrap the call in the trailers' arena, and each native
   get checks what it read, a mismatch reading as a broken object;
@@ -45,7 +47,6 @@ from mooncake_span.span.plan import ObjectPlan, PlanBatch
 from mooncake_span.store import ssd_marker
 from mooncake_span.store.client_stats import ClientStats
 from mooncake_span.store.domain_calls import DomainCalls
-from mooncake_span.store.failure_ledger import FailureLedger, PutPressure
 from mooncake_span.store.gate import EXISTS_KEYS_PER_CALL, NativeCalls, NativeGate, Puts, uncounted
 from mooncake_span.store.integrity import IntegrityFailures
 from mooncake_span.store.native import (
@@ -57,7 +58,7 @@ from mooncake_span.store.native import (
     setup_arguments,
     setup_store,
 )
-from mooncake_span.store.router import DomainRouter
+from mooncake_span.store.router import DomainRouter, FailureLedger, PutPressure
 from mooncake_span.store.seal import TrailerArena
 from mooncake_span.store.segments import SegmentDirectory, start_directory
 from mooncake_span.store.serving_ssd import ServingSsd

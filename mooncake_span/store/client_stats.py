@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_span.store.failure_ledger import FailureLedger, PutPressure
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.integrity import IntegrityFailures
+from mooncake_span.store.router import FailureLedger, PutPressure
 from mooncake_span.store.serving_ssd import ServingSsd
 
 

@@ -45,15 +45,15 @@ import numpy as np
 
 from mooncake_span.errors import ErrorCode, found, is_transfer_failure, read_whole, written
 from mooncake_span.span.plan import PlanBatch, dedup_rounds
-from mooncake_span.store.failure_ledger import (
+from mooncake_span.store.gate import NativeCalls, Puts
+from mooncake_span.store.integrity import IntegrityFailures
+from mooncake_span.store.router import (
     FULL_SKIPPED_LABEL,
+    DomainRouter,
     FailureLedger,
     PutPressure,
     PutTarget,
 )
-from mooncake_span.store.gate import NativeCalls, Puts
-from mooncake_span.store.integrity import IntegrityFailures
-from mooncake_span.store.router import DomainRouter
 from mooncake_span.store.serving_ssd import ServingSsd
 
 # Where a caller placed its keys, if it knows: their domains, their chain steps.

@@ -16,7 +16,7 @@ state and no I/O (the caller supplies the segment list):
   shorter than the window lives or dies as a whole, and a longer one moves on
   to the root's next segment every window.
 
-Which segments to avoid is decided by ``store/failure_ledger.py``, which keeps
+Which segments to avoid is decided by ``store/router.py`` (``FailureLedger``), which keeps
 the marks (``DomainHealth``, ``LostKeys``) next to their rules.
 """
 

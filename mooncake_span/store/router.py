@@ -1,8 +1,8 @@
-"""Which objects a store call touches, and on which segment. No I/O.
+"""Which objects a store call touches, and on which segment, from what failed
+calls taught. Pure: state and decisions on the caller's clock, no I/O.
 
-``DomainRouter`` decides, per call, from the client's ``FailureLedger``
-(``failure_ledger.py``: bad, full and owner-down segments, lost keys) and the
-number of copies per key:
+``DomainRouter`` decides, per call, from the client's ``FailureLedger`` (below:
+bad, full and owner-down segments, lost keys) and the number of copies per key:
 
 * whether the call can go to Mooncake as the caller built it: one copy per
   key, no segment marked bad, no key named twice. That is nearly every call
@@ -17,15 +17,82 @@ number of copies per key:
 Where the master says a suspect object lives is an RPC; ``DomainCalls`` makes
 it and passes the answer in (``locate``). The live segments are the segment
 directory's (``segments.py``), read, never asked for.
+
+What failed calls taught one client, and for how long.
+
+``FailureLedger`` is the one owner of a client's failure marks. Each mark has
+its rule here, next to its state; the client makes the calls, hands in what
+they answered, and carries out what the ledger decided (the router reads the
+marks to route):
+
+* **bad segments** (``transfer_failed``): a transfer failed on objects the
+  master locates there. Their keys read as misses and puts avoid them for
+  ``span_domain_bad_ttl_s``.
+* **full segments** (``put_target_failed``, ``PutTarget``): Mooncake moves a
+  put off a full preferred segment onto any listed one, a dead one included,
+  so a failed put does not name its segment. The client dials the preferred
+  one; the answer decides between bad and full. A full segment keeps serving
+  reads; new puts go to the next segment for the same TTL.
+* **owners down** (``owners_down``): an SSD owner that stopped answering reads
+  (``store/serving_ssd.py``). Its segment is bad, and until the mark ends
+  every read asks the master where its keys are: placement cannot tell which
+  keys an owner holds on disk.
+* **lost keys** (``remember_lost``): keys whose restore failed read as absent
+  until re-written or ``span_lost_key_ttl_s`` passes.
+* **the put pause** (``PutPressure``): refused puts in a row pause this
+  client's puts (below).
+
+The marks' state is kept here too, each bounded: ``DomainHealth`` (segments
+bad or full until a TTL after their last failure; keys placed there read as
+misses without a transfer attempt, writes skip them) and ``LostKeys`` (the
+negative cache of failed restores, so a prefetch does not retry a lost key on
+every request).
+
+The put pause is backpressure on a full cluster, decided by its answers.
+Mooncake answers a put that finds no space with a no-space code
+(``NO_AVAILABLE_HANDLE``, or ``TENANT_QUOTA_EXCEEDED`` for a tenant over its
+quota). What comes next is the master's doing: a failed allocation sets its
+``need_mem_eviction`` flag and its eviction thread, which wakes every 10 ms,
+frees the least recently used objects that no lease or pin holds. On a
+cluster that evicts, the very next put usually finds room; on one whose
+objects are all leased or pinned, nothing is freed until leases end.
+
+So one refusal pauses nothing: the next put asks again, and every backup the
+cluster would accept is sent. Only ``STREAK_TO_PAUSE`` refused calls in a row
+(calls that stored nothing and got a no-space answer) are taken as a cluster
+that stays full. Puts then pause for ``FIRST_PAUSE_S`` (about one eviction
+period), and each refused probe (the first put after a pause) doubles the
+pause, up to ``max_pause_s`` (``span_full_cooldown_s``). Any call that stores
+an object ends it. A cluster that stays full thereby gets a handful of
+refused calls and then about one per ``max_pause_s``, not one per backup.
+
+Why the answers and not the master's usage: the master publishes usage only on
+its admin HTTP server (``master_allocated_bytes``), never to a client over its
+RPCs, so watching it costs requests of its own; and usage cannot say whether
+anything is evictable (a full segment of unleased objects takes the next put
+after one eviction pass, one full of leased objects takes none). A refused put
+costs one allocation RPC and moves no bytes, and its answer is exactly the
+question asked.
+
+``PutPressure`` also owns the counts of backup objects that were not written,
+by reason (``SKIP_REASONS``): already stored, skipped in a pause (without
+asking the cluster), refused by it, or not sent because the chain's prefix is
+not in the cluster (``span_skip_unreachable``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import collections
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from mooncake_span.config import SpanOptions
+from mooncake_span.errors import ErrorCode, is_no_space
 from mooncake_span.span.plan import PlanBatch, split_calls
 from mooncake_span.store.domains import (
     copy_candidates,
@@ -36,8 +103,371 @@ from mooncake_span.store.domains import (
     segment_weights,
     suspect_copies,
 )
-from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.segments import SegmentDirectory
+
+logger = logging.getLogger(__name__)
+
+
+class PutTarget(enum.Enum):
+    """What a put's failed transfers say about the segment the put preferred."""
+
+    BAD = "bad"  # it refuses a dial, or failed a whole call and cannot be dialled
+    FULL = "full"  # it answers (or another segment is bad): Mooncake moved the rest away
+    UNKNOWN = "unknown"  # no dial, part of the call stored: nothing is marked
+
+
+def judge_put_target(answers: bool | None, whole_call: bool, others_bad: bool) -> PutTarget:
+    """The rule for a preferred segment a put failed on. ``answers``: whether its
+    transfer endpoint accepted a dial (None: it cannot be dialled, e.g. etcd
+    metadata); ``whole_call``: every object of the call failed; ``others_bad``:
+    another segment is marked bad, which explains a failure on its own."""
+    if answers is False or (answers is None and whole_call and not others_bad):
+        return PutTarget.BAD
+    if answers or others_bad:
+        return PutTarget.FULL
+    return PutTarget.UNKNOWN
+
+
+class FailureLedger:
+    """Bad, full and owner-down segment marks and lost keys, on one clock. Thread-safe."""
+
+    def __init__(
+        self,
+        bad_ttl_s: float,
+        lost_key_ttl_s: float,
+        lost_keys_max: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._bad_ttl_s = bad_ttl_s
+        self._bad = DomainHealth(bad_ttl_s)
+        self._full = DomainHealth(bad_ttl_s)
+        self._owners_down_until = 0.0
+        self._lost = LostKeys(lost_key_ttl_s, lost_keys_max)
+        self._clock = clock
+
+    @classmethod
+    def from_options(
+        cls, options: SpanOptions, clock: Callable[[], float] = time.monotonic
+    ) -> FailureLedger:
+        """With ``span_domain_bad_ttl_s``, ``span_lost_key_ttl_s`` and ``span_lost_keys_max``."""
+        return cls(options.domain_bad_ttl_s, options.lost_key_ttl_s, options.lost_keys_max, clock)
+
+    # ---- segment marks ---------------------------------------------------------------
+
+    def transfer_failed(self, segments: Iterable[str], op: str) -> list[str]:
+        """Segments a transfer (``op``) just failed on are bad. Returns those not bad before."""
+        fresh = self._bad.mark_bad(segments, self._clock())
+        if fresh:
+            logger.warning(
+                "mooncake-span: %s failed on segment(s) %s; avoiding them and reading their "
+                "keys as misses for %.0fs",
+                op,
+                fresh,
+                self._bad_ttl_s,
+            )
+        return fresh
+
+    def put_target_failed(self, segment: str, answers: bool | None, whole_call: bool) -> PutTarget:
+        """Marks the preferred segment of a failed put as ``judge_put_target`` decides."""
+        verdict = judge_put_target(answers, whole_call, bool(self.bad_segments()))
+        if verdict is PutTarget.BAD:
+            self.transfer_failed([segment], "batch_put_from_multi_buffers")
+        elif verdict is PutTarget.FULL and self._full.mark_bad([segment], self._clock()):
+            logger.info(
+                "mooncake-span: segment %s took only part of a put (Mooncake moved the "
+                "rest elsewhere, where the transfer failed); new puts go to the next "
+                "segment for %.0fs, its keys read as before",
+                segment,
+                self._bad_ttl_s,
+            )
+        return verdict
+
+    def owners_down(self, segments: Iterable[str]) -> list[str]:
+        """Segments whose SSD tier failed a read: bad as after a failed transfer, and
+        until the mark ends every read locates its keys. Returns those not bad before."""
+        now = self._clock()
+        self._owners_down_until = now + self._bad_ttl_s
+        fresh = self._bad.mark_bad(segments, now)
+        if fresh:
+            logger.warning(
+                "mooncake-span: the SSD tier of segment(s) %s does not answer reads; "
+                "reading their keys as misses for %.0fs",
+                fresh,
+                self._bad_ttl_s,
+            )
+        return fresh
+
+    @property
+    def any_bad(self) -> bool:
+        """True while some bad mark may still be live (no clock read)."""
+        return self._bad.any_bad
+
+    def bad_segments(self) -> frozenset[str]:
+        return self._bad.bad(self._clock())
+
+    @property
+    def any_full(self) -> bool:
+        """True while some full mark may still be live (no clock read)."""
+        return self._full.any_bad
+
+    def full_segments(self) -> frozenset[str]:
+        return self._full.bad(self._clock())
+
+    @property
+    def owners_down_now(self) -> bool:
+        """True while an owner-down mark holds: placement cannot say where keys are."""
+        return self._clock() < self._owners_down_until
+
+    @property
+    def times_marked(self) -> int:
+        """How many times a healthy segment was marked bad."""
+        return self._bad.times_marked
+
+    # ---- lost keys -------------------------------------------------------------------
+
+    def remember_lost(self, keys: Iterable[str]) -> None:
+        """Keys whose restore failed: absent until re-written or the lost-key TTL passes."""
+        self._lost.add(keys, self._clock())
+
+    def forget_lost(self, keys: Iterable[str]) -> None:
+        """Keys just written: readable again."""
+        self._lost.discard(keys)
+
+    def lost_mask(self, keys: Sequence[str]) -> list[bool]:
+        """Per key, True while it is known lost."""
+        return self._lost.lost_mask(keys, self._clock())
+
+    @property
+    def lost_count(self) -> int:
+        return len(self._lost)
+
+    @property
+    def quiet(self) -> bool:
+        """No key known lost and no segment marked bad (no clock read)."""
+        return not self._lost and not self._bad.any_bad
+
+
+def _check_bounds(ttl_s: float, max_entries: int) -> None:
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+    if max_entries < 1:
+        raise ValueError(f"the entry bound must be >= 1, got {max_entries}")
+
+
+class DomainHealth:
+    """Segments that failed a transfer, each bad until ``ttl_s`` after its last failure.
+
+    At most ``max_segments`` are remembered (the oldest mark is dropped first),
+    so a storm of failures cannot grow it without bound.
+    """
+
+    def __init__(self, ttl_s: float, max_segments: int = 1024) -> None:
+        _check_bounds(ttl_s, max_segments)
+        self._ttl_s = ttl_s
+        self._max = max_segments
+        self._lock = threading.Lock()
+        self._bad_until: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.times_marked = 0
+
+    def mark_bad(self, segments: Iterable[str], now_s: float) -> list[str]:
+        """Mark segments bad; returns those that were not bad before (for logging)."""
+        fresh = []
+        with self._lock:
+            for segment in segments:
+                until = self._bad_until.pop(segment, None)
+                if until is None or until <= now_s:
+                    fresh.append(segment)
+                    self.times_marked += 1
+                self._bad_until[segment] = now_s + self._ttl_s
+                while len(self._bad_until) > self._max:
+                    self._bad_until.popitem(last=False)
+        return fresh
+
+    @property
+    def any_bad(self) -> bool:
+        """True while some mark may still be live (a cheap check without the clock)."""
+        return bool(self._bad_until)
+
+    def mark_good(self, segment: str) -> None:
+        with self._lock:
+            self._bad_until.pop(segment, None)
+
+    def bad(self, now_s: float) -> frozenset[str]:
+        """The segments bad at ``now_s`` (expired marks are dropped)."""
+        with self._lock:
+            expired = [s for s, until in self._bad_until.items() if until <= now_s]
+            for segment in expired:
+                del self._bad_until[segment]
+            return frozenset(self._bad_until)
+
+
+class LostKeys:
+    """Object keys whose restore failed: absent until re-written or ``ttl_s`` passes.
+
+    An LRU of at most ``max_keys`` entries; when full the oldest entry is
+    forgotten, which can only make a lost key look present again early (one
+    more failed restore), never hide a stored one for longer than the TTL.
+    """
+
+    def __init__(self, ttl_s: float, max_keys: int) -> None:
+        _check_bounds(ttl_s, max_keys)
+        self._ttl_s = ttl_s
+        self._max = max_keys
+        self._lock = threading.Lock()
+        self._until: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
+    def add(self, keys: Iterable[str], now_s: float) -> None:
+        with self._lock:
+            for key in keys:
+                self._until.pop(key, None)
+                self._until[key] = now_s + self._ttl_s
+                while len(self._until) > self._max:
+                    self._until.popitem(last=False)
+
+    def discard(self, keys: Iterable[str]) -> None:
+        if not self._until:  # the common case: nothing lost, no lock
+            return
+        with self._lock:
+            for key in keys:
+                self._until.pop(key, None)
+
+    def lost_mask(self, keys: Sequence[str], now_s: float) -> list[bool]:
+        """Per key, True while it is known lost."""
+        if not self._until:
+            return [False] * len(keys)
+        with self._lock:
+            # Entries are in expiry order (one TTL, re-adds move to the end).
+            while self._until and next(iter(self._until.values())) <= now_s:
+                self._until.popitem(last=False)
+            out = []
+            for key in keys:
+                until = self._until.get(key)
+                if until is not None and until <= now_s:
+                    del self._until[key]
+                    until = None
+                out.append(until is not None)
+            return out
+
+
+# ---- the put pause ---------------------------------------------------------------
+
+# The client's counter (failed_objects_total{code=...}) of puts not sent in a pause.
+FULL_SKIPPED_LABEL = "FULL_COOLDOWN_SKIPPED"
+# What a put skipped in a pause reads as: the answer that started it.
+SKIPPED_CODE = int(ErrorCode.NO_AVAILABLE_HANDLE)
+# One log line per this many seconds at most, however often the cluster fills.
+LOG_INTERVAL_S = 60.0
+# Refused calls in a row (nothing stored, a no-space answer) before puts pause:
+# eviction runs within ~10 ms of a refusal, so one or two refusals say little.
+STREAK_TO_PAUSE = 3
+# The first pause: about one period of Mooncake's eviction thread (10 ms).
+FIRST_PAUSE_S = 0.01
+
+# Why a backup's object was not written.
+STORED = "stored"  # already in the cluster (the existence query before the put)
+COOLDOWN = "cooldown"  # not sent: a pause after refused puts (the cluster was not asked)
+REFUSED = "refused"  # sent; the cluster answered no space
+UNREACHABLE = "unreachable"  # not sent: the chain's prefix is not in the cluster
+SKIP_REASONS = (STORED, COOLDOWN, REFUSED, UNREACHABLE)
+
+
+class PutPressure:
+    """Whether puts pause, how many pauses began, and why backup objects were
+    not written. Thread-safe."""
+
+    def __init__(self, max_pause_s: float, now_s: Callable[[], float] = time.monotonic) -> None:
+        if max_pause_s < 0:
+            raise ValueError(f"max_pause_s must be >= 0, got {max_pause_s}")
+        self._max_pause_s = max_pause_s
+        self._now_s = now_s
+        self._lock = threading.Lock()
+        self._streak = 0  # refused calls in a row
+        self._pause_s = 0.0  # length of the current pause (0: none yet)
+        self._until_s: float | None = None  # end of the current pause
+        self._last_log_s: float | None = None
+        self._unlogged = 0  # pauses started since the last log line
+        self._skipped: collections.Counter[str] = collections.Counter()
+        self.skipped_total = 0  # every count() adds to it: the metrics' cue to look
+        self.cooldowns_started = 0
+
+    @property
+    def cooling(self) -> bool:
+        """True while puts should be skipped (never with ``max_pause_s`` 0). Only
+        reads: once the pause is over the next put is the probe, and its answer
+        (``record``) ends the pause or starts a longer one."""
+        until_s = self._until_s  # read once, without the lock: record() rebinds it
+        return until_s is not None and self._now_s() < until_s
+
+    def record(self, codes: list[int]) -> list[int]:
+        """Take note of the answers of one native put call, and pass them on. A
+        call that stored an object ends the pause and the streak; one that
+        stored nothing and got a no-space answer extends the streak."""
+        refused = sum(1 for c in codes if is_no_space(c))
+        stored = 0 in codes
+        if refused:
+            self.count(REFUSED, refused)
+        if stored:
+            if self._streak or self._until_s is not None:
+                with self._lock:
+                    self._streak, self._pause_s, self._until_s = 0, 0.0, None
+        elif refused and self._max_pause_s:
+            self._refused(codes[next(i for i, c in enumerate(codes) if is_no_space(c))])
+        return codes
+
+    def count(self, reason: str, n: int) -> None:
+        """Count ``n`` backup objects not written, for ``reason`` (``SKIP_REASONS``)."""
+        if reason not in SKIP_REASONS:
+            raise ValueError(f"unknown skip reason {reason!r}; one of {SKIP_REASONS}")
+        with self._lock:
+            self._skipped[reason] += n
+            self.skipped_total += n
+
+    def skip(self, n: int) -> list[int]:
+        """``n`` objects not sent in a pause: counted (``COOLDOWN``), and each answered
+        as the refusal that started the pause (``SKIPPED_CODE``)."""
+        self.count(COOLDOWN, n)
+        return [SKIPPED_CODE] * n
+
+    def skipped(self) -> dict[str, int]:
+        """A copy of the counts of backup objects not written, by reason."""
+        with self._lock:
+            return dict(self._skipped)
+
+    def _refused(self, code: int) -> None:
+        with self._lock:
+            self._streak += 1
+            now = self._now_s()
+            if self._streak < STREAK_TO_PAUSE:
+                return
+            if self._until_s is not None and now < self._until_s:
+                return  # a call sent before this pause began: the pause stands
+            # No pause yet, or this call was the probe after one: (re)start, doubled.
+            self._pause_s = min(2 * self._pause_s or FIRST_PAUSE_S, self._max_pause_s)
+            self._until_s = now + self._pause_s
+            self.cooldowns_started += 1
+            self._unlogged += 1
+            if self._last_log_s is not None and now - self._last_log_s < LOG_INTERVAL_S:
+                return
+            started, streak, pause_s = self._unlogged, self._streak, self._pause_s
+            self._unlogged = 0
+            self._last_log_s = now
+        logger.warning(
+            "mooncake-span: cluster full (%d put calls in a row refused with %s); pausing "
+            "backups of new keys for %.3fs, doubling while probes are refused, at most %.1fs "
+            "(%d pause(s) since the last such line)",
+            streak,
+            ErrorCode(code).name,
+            pause_s,
+            self._max_pause_s,
+            started,
+        )
+
 
 # Object key -> the segments the master reports holding it.
 Locate = Callable[[list[str]], dict[str, set[str]]]

@@ -35,8 +35,8 @@ from typing import Any
 from mooncake_span.errors import ConfigError, ErrorCode, SetupError
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store.failure_ledger import FailureLedger
 from mooncake_span.store.gate import NativeGate
+from mooncake_span.store.router import FailureLedger
 from mooncake_span.store.ssd_tier import (
     STOP_WAIT_ENV,
     DirLock,

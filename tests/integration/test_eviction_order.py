@@ -29,9 +29,9 @@ from mooncake_span.mooncake_settings import load_mooncake_settings
 from mooncake_span.ops import master_http
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store import failure_ledger
+from mooncake_span.store import router
 from mooncake_span.store.client import MooncakeClient, load_native_binding
-from mooncake_span.store.failure_ledger import COOLDOWN, STREAK_TO_PAUSE
+from mooncake_span.store.router import COOLDOWN, STREAK_TO_PAUSE
 from mooncake_span_tools.bench.pressure import counting_binding
 from mooncake_span_tools.testing import pools as P
 from tests.span_helpers import make_storage_config, register_pools, slots_of
@@ -168,7 +168,7 @@ def backend(cluster):
 def test_stored_keys_read_true_during_a_pause(backend, monkeypatch):
     # A first pause of a minute, not 10 ms: a loaded box may take longer than 10 ms
     # between the refusal that starts the pause and the backup made during it.
-    monkeypatch.setattr(failure_ledger, "FIRST_PAUSE_S", PAUSE_S)
+    monkeypatch.setattr(router, "FIRST_PAUSE_S", PAUSE_S)
     store, counted = backend("evict-pause", span_full_cooldown_s=PAUSE_S)
     store.client.remove_all()
     stored = ["kept-a", "kept-b"]

@@ -20,7 +20,7 @@ from mooncake_span.mooncake_settings import load_mooncake_settings
 from mooncake_span.ops.cluster import ClusterSpec, LocalCluster
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.client import MooncakeClient, load_native_binding
-from mooncake_span.store.failure_ledger import FIRST_PAUSE_S, FULL_SKIPPED_LABEL, STREAK_TO_PAUSE
+from mooncake_span.store.router import FIRST_PAUSE_S, FULL_SKIPPED_LABEL, STREAK_TO_PAUSE
 from mooncake_span_tools.bench.pressure import counting_binding
 
 pytestmark = pytest.mark.integration

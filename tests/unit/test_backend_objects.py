@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mooncake_span.sglang_backend.stored_pool import (
     PoolBatch,
     StagedPool,
     StoredPool,
     Transfer,
+    clamp_after_first_failure,
     move_selected,
     object_keys,
     per_batch,
@@ -86,3 +89,34 @@ def test_move_selected_moves_only_the_named_objects_and_keeps_the_rest(staged_se
         assert calls == [("staged", "y"), ("direct", tuple(moved_direct))]
     else:
         assert calls == [("direct", (*moved_direct, *second.object_keys))]
+
+
+# A pool's per-key results as a prefix (``clamp_after_first_failure``).
+
+
+def flags(text: str) -> list[bool]:
+    return [c == "T" for c in text]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.booleans(), max_size=30))
+def test_clamp_after_first_failure(values):
+    clamped = clamp_after_first_failure(values)
+    assert len(clamped) == len(values)
+    assert all(type(v) is bool for v in clamped)
+    # Never True after a False.
+    for i, value in enumerate(clamped):
+        if not value:
+            assert not any(clamped[i:])
+            break
+    # Only ever removes successes, and keeps every success before the first failure.
+    assert all(values[i] or not clamped[i] for i in range(len(values)))
+    first_false = values.index(False) if False in values else len(values)
+    assert clamped == [True] * first_false + [False] * (len(values) - first_false)
+
+
+def test_clamp_examples():
+    assert clamp_after_first_failure(flags("TTFTT")) == flags("TTFFF")
+    assert clamp_after_first_failure([]) == []
+    # Truthy non-bools (native 1/0 codes) come back as real bools.
+    assert clamp_after_first_failure([1, 1, 0, 1]) == [True, True, False, False]

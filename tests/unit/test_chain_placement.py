@@ -1,5 +1,5 @@
 """Prefix-chain placement: the pure rule (store/domains.py) and the backend's use of
-sglang's ``extra_info.prefix_keys`` (sglang_backend/prefix_chain.py), on the fake store."""
+sglang's ``extra_info.prefix_keys`` (sglang_backend/stored_pool.py), on the fake store."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mooncake_span.errors import InvalidRequestError
-from mooncake_span.sglang_backend.prefix_chain import PASS_PREFIX_KEYS, PerKeyNotice, chain_of
+from mooncake_span.sglang_backend.stored_pool import chain_of
+from mooncake_span.sglang_backend.writes import PASS_PREFIX_KEYS, PerKeyNotice
 from mooncake_span.span.keys import KeySchema, RankTags
 from mooncake_span.store.domains import ChainSpot, put_targets
 from mooncake_span_tools.testing import pools as P
@@ -154,7 +155,7 @@ def test_chain_of_follows_sglangs_prefix_keys():
 
 def test_the_first_backup_without_prefix_keys_logs_one_line_naming_the_knob(caplog):
     notice = PerKeyNotice()
-    with caplog.at_level(logging.INFO, logger="mooncake_span.sglang_backend.prefix_chain"):
+    with caplog.at_level(logging.INFO, logger="mooncake_span.sglang_backend.writes"):
         notice.backup(ChainSpot("d", 0, 1))
         notice.backup(None)
         notice.backup(None)
@@ -298,7 +299,7 @@ def test_reads_of_a_chain_skip_only_the_dead_window(chain_rig):
 def test_without_prefix_keys_placement_stays_per_key(chain_rig, caplog):
     store, cluster = chain_rig
     keys = _hex_chain(11, 12)
-    with caplog.at_level(logging.INFO, logger="mooncake_span.sglang_backend.prefix_chain"):
+    with caplog.at_level(logging.INFO, logger="mooncake_span.sglang_backend.writes"):
         assert store.batch_set_v1(keys, slots_of(list(range(12)), PAGE)) == [True] * 12
         assert store.batch_set_v1(_hex_chain(12, 1), slots_of([20], PAGE), None) == [True]
     schema = store.key_schema

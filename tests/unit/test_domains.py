@@ -1,5 +1,5 @@
 """Placement (mooncake_span.store.domains) and the failure marks' state
-(DomainHealth, LostKeys in mooncake_span.store.failure_ledger), pure."""
+(DomainHealth, LostKeys in mooncake_span.store.router), pure."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mooncake_span.store.domains import (
     put_targets,
     suspect_copies,
 )
-from mooncake_span.store.failure_ledger import DomainHealth, LostKeys
+from mooncake_span.store.router import DomainHealth, LostKeys
 from tests.span_helpers import rank_segments
 
 SEGMENTS = [f"10.0.0.{i}:1{i:04d}" for i in range(1, 5)]

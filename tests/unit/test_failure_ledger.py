@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_span.store.failure_ledger import FailureLedger, PutTarget, judge_put_target
+from mooncake_span.store.router import FailureLedger, PutTarget, judge_put_target
 from tests.span_helpers import FakeClock
 
 TTL_S = 10.0

@@ -18,7 +18,6 @@ from mooncake_span.span.hits import (
     TRAILING_PAGES,
     PoolHitQuery,
     block_group_pages,
-    clamp_after_first_failure,
     compute_hits,
     leading_run,
     trailing_restorable,
@@ -371,7 +370,7 @@ def test_block_groups_verdict_is_reported_under_the_pool_name():
 
 
 # ---------------------------------------------------------------------------
-# leading_run / clamp_after_first_failure
+# leading_run
 
 
 @settings(max_examples=100, deadline=None)
@@ -388,27 +387,3 @@ def test_leading_run_matches_naive(values):
 )
 def test_leading_run_examples(text, expected):
     assert leading_run(flags(text)) == expected
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.booleans(), max_size=30))
-def test_clamp_after_first_failure(values):
-    clamped = clamp_after_first_failure(values)
-    assert len(clamped) == len(values)
-    assert all(type(v) is bool for v in clamped)
-    # Never True after a False.
-    for i, value in enumerate(clamped):
-        if not value:
-            assert not any(clamped[i:])
-            break
-    # Only ever removes successes, and keeps every success before the first failure.
-    assert all(values[i] or not clamped[i] for i in range(len(values)))
-    first_false = values.index(False) if False in values else len(values)
-    assert clamped == [True] * first_false + [False] * (len(values) - first_false)
-
-
-def test_clamp_examples():
-    assert clamp_after_first_failure(flags("TTFTT")) == flags("TTFFF")
-    assert clamp_after_first_failure([]) == []
-    # Truthy non-bools (native 1/0 codes) come back as real bools.
-    assert clamp_after_first_failure([1, 1, 0, 1]) == [True, True, False, False]

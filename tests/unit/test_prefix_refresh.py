@@ -16,9 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from mooncake_span.errors import InvalidRequestError
-from mooncake_span.sglang_backend.prefix_chain import prefix_keys_of
-from mooncake_span.sglang_backend.stored_pool import prefix_objects
-from mooncake_span.store.failure_ledger import STORED, UNREACHABLE
+from mooncake_span.sglang_backend.stored_pool import prefix_keys_of, prefix_objects
+from mooncake_span.store.router import STORED, UNREACHABLE
 from mooncake_span_tools.testing import controller as sg
 from mooncake_span_tools.testing import pools as P
 from mooncake_span_tools.testing.fake_store import FakeCluster, FakeStore
@@ -202,7 +201,7 @@ def test_prefix_objects_interleave_pools_key_by_key():
     assert prefix_objects([], schema) == []
 
 
-# ---- chain records (span/chains.py, sglang_backend/prefix_chain.py) ---------------------
+# ---- chain records (span/chains.py, sglang_backend/writes.py) ---------------------
 
 
 def test_chain_record_keys_round_trip_and_refuse_other_keys():

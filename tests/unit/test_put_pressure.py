@@ -1,4 +1,4 @@
-"""The put cool-down (store/failure_ledger.py): pure state on an injected clock, then the
+"""The put cool-down (store/router.py): pure state on an injected clock, then the
 client and the backend on the contract-checked fake.
 
 The fake answers ``NO_AVAILABLE_HANDLE`` once its capacity is used up, as a
@@ -18,7 +18,7 @@ from mooncake_span.errors import ConfigError, ErrorCode
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.arena import StagingArena, create_blob, read_blob
 from mooncake_span.store.client import MooncakeClient
-from mooncake_span.store.failure_ledger import (
+from mooncake_span.store.router import (
     COOLDOWN,
     FIRST_PAUSE_S,
     FULL_SKIPPED_LABEL,
@@ -146,7 +146,7 @@ def test_a_cluster_that_stays_full_gets_a_bounded_number_of_puts():
 def test_one_log_line_per_interval(caplog):
     clock = FakeClock()
     pressure = PutPressure(1.0, now_s=clock)
-    with caplog.at_level(logging.WARNING, logger="mooncake_span.store.failure_ledger"):
+    with caplog.at_level(logging.WARNING, logger="mooncake_span.store.router"):
         for _ in range(5):
             _refuse(pressure, STREAK_TO_PAUSE)
             pressure.record([0])  # space came back

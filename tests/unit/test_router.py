@@ -13,8 +13,7 @@ import pytest
 
 from mooncake_span.config import SpanOptions
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store.failure_ledger import FailureLedger
-from mooncake_span.store.router import DomainRouter
+from mooncake_span.store.router import DomainRouter, FailureLedger
 from tests.span_helpers import FakeClock, rank_segments
 
 
