@@ -1,25 +1,10 @@
 """``mooncake-span validate``'s pure half: probes, what a server reports, the verdict.
 
-A probe is token ids: a long context of high-entropy filler drawn from the
-model's own tokens with a short code placed at a given depth, and, where the
-server has a tokenizer, a question that asks only for the code. Built as ids,
-a probe fits any tokenizer (byte-level ones too) and servers without one
-(``--skip-tokenizer-init``). The
-cold pass answers every probe from scratch; the L3 pass answers them again
-after the probes left device and host memory, so that everything sglang can
-restore comes from storage. A probe passes when the L3 pass took every
-restorable token from storage and its answer is the cold pass's: the same
-greedy tokens, the top-k logprobs of the first answer tokens within a
-tolerance (:mod:`mooncake_span.ops.oracle`), and the code back wherever the
-cold pass found it. A wrong restore raises no error, it gives a fluent wrong
-answer, hence the content check.
-
-Worked example: a 2,048-token probe on 64-token pages can take at most
-``(2048 - 1) // 64 * 64 = 1984`` tokens from storage (sglang computes the
-last page itself), so ``restored 1984 of 1984`` is a full restore.
-
-No I/O here: :mod:`mooncake_span.ops.validate_http` talks to the servers and
-:mod:`mooncake_span.ops.validate_cmd` runs the passes.
+The method (probes as token ids, the cold and L3 passes, when a probe passes)
+is in docs/operating.md, "Validating a deployment". A wrong restore raises no
+error, it gives a fluent wrong answer: hence the content check, through
+:mod:`mooncake_span.ops.oracle`. No I/O here: :mod:`mooncake_span.ops.validate_http`
+talks to the servers and :mod:`mooncake_span.ops.validate_cmd` runs the passes.
 """
 
 from __future__ import annotations
@@ -28,11 +13,13 @@ import math
 import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from itertools import takewhile
-from typing import Any
+from typing import Any, TypeVar
 
 from mooncake_span.ops import oracle
+
+Saved = TypeVar("Saved")
 
 DEFAULT_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 # The default probe length: at most this, and at most half the smallest
@@ -61,10 +48,7 @@ QUESTION = "What is the secret code? Answer with the code only."
 # the template's opening ends.
 OTHER_MESSAGE = "0"
 # Churn eviction sends unique prompts worth this many times the device and
-# host pools together. sglang frees a host page only when a backup finds its
-# host pool full, and frees the least recently used first, so once unique
-# traffic has passed through more tokens than both pools hold, nothing older
-# is left in memory; the margin covers page rounding and in-flight requests.
+# host pools together; why that evicts: docs/operating.md, "Validating a deployment".
 CHURN_FACTOR = 1.5
 HOST_TOTAL_GAUGE = "sglang:hicache_host_total_tokens"
 # sglang's and this backend's counters worth a delta, by name prefix.
@@ -226,21 +210,10 @@ class ChurnPlan:
 
     prompts: int
     prompt_tokens: int
+    tokens: int
     # What the server's device and host pools hold together.
     pool_tokens: int
     why: str
-
-    @property
-    def tokens(self) -> int:
-        return self.prompts * self.prompt_tokens
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "prompts": self.prompts,
-            "prompt_tokens": self.prompt_tokens,
-            "tokens": self.tokens,
-            "pool_tokens": self.pool_tokens,
-        }
 
 
 def churn_plan(
@@ -275,7 +248,7 @@ def churn_plan(
     prompts = max(math.ceil(total / prompt_tokens), 1)
     sent = prompts * prompt_tokens
     why = f"{prompts} unique {prompt_tokens}-token prompts ({sent} tokens): {sized}"
-    return ChurnPlan(prompts, prompt_tokens, pools, why)
+    return ChurnPlan(prompts, prompt_tokens, sent, pools, why)
 
 
 # ---------------------------------------------------------------------------
@@ -292,10 +265,6 @@ class TokenPool:
     source: str
 
 
-def _spelled(text: str) -> bool:
-    return bool(text.strip()) and text.isprintable() and "\ufffd" not in text
-
-
 def pool_from_texts(token_texts: Sequence[str]) -> TokenPool:
     """Tokens of a vocabulary scan (``token_texts[i]`` is id ``i``'s text alone): its plain
     words (ASCII letters and digits) when there are enough, which a model reads as words;
@@ -308,7 +277,7 @@ def pool_from_texts(token_texts: Sequence[str]) -> TokenPool:
         word = text.strip()
         if 2 <= len(word) <= MAX_WORD_CHARS and word.isascii() and word.isalnum():
             words.setdefault(word, token_id)
-        if _spelled(text):
+        if text.strip() and text.isprintable() and "\ufffd" not in text:
             spelled.setdefault(text, token_id)
     if len(words) >= MIN_POOL_TOKENS:
         chosen, source = words, f"{len(words)} plain words of the server's vocabulary"
@@ -477,31 +446,6 @@ class Answer:
         """Cached tokens that came from device or host memory, not storage."""
         return max(self.cached_tokens - self.storage_tokens, 0)
 
-    def memory_said(self) -> str:
-        said = f"{self.memory_tokens} tokens"
-        if self.device_tokens or self.host_tokens:
-            said += f" (device {self.device_tokens}, host {self.host_tokens})"
-        return said
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Answer:
-        return cls(
-            output_ids=tuple(int(t) for t in doc["output_ids"]),
-            top_logprobs=tuple(
-                tuple((int(c[0]), float(c[1])) for c in token) for token in doc["top_logprobs"]
-            ),
-            text=str(doc.get("text", "")),
-            prompt_tokens=int(doc["prompt_tokens"]),
-            cached_tokens=int(doc.get("cached_tokens", 0)),
-            storage_tokens=int(doc.get("storage_tokens", 0)),
-            storage_backend=doc.get("storage_backend"),
-            device_tokens=int(doc.get("device_tokens", 0)),
-            host_tokens=int(doc.get("host_tokens", 0)),
-        )
-
 
 def parse_answer(doc: Mapping[str, Any]) -> Answer:
     """An sglang ``/generate`` answer (``meta_info.cached_tokens_details`` for the source)."""
@@ -533,18 +477,6 @@ class Probe:
     code: str
     input_ids: tuple[int, ...]
     code_ids: tuple[int, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Probe:
-        return cls(
-            float(doc["depth"]),
-            str(doc["code"]),
-            tuple(int(t) for t in doc["input_ids"]),
-            tuple(int(t) for t in doc.get("code_ids", ())),
-        )
 
 
 @dataclass(frozen=True)
@@ -593,9 +525,12 @@ class ProbeResult:
         """Why this probe failed, in one phrase (None when it passed)."""
         label = depth_label(self.probe.depth)
         if not self.evicted:
+            l3 = self.l3
+            split = f" (device {l3.device_tokens}, host {l3.host_tokens})"
             return (
-                f"not evicted at depth {label}: {self.l3.memory_said()} came from memory, "
-                f"{self.l3.storage_tokens} from storage"
+                f"not evicted at depth {label}: {l3.memory_tokens} tokens"
+                f"{split if l3.device_tokens or l3.host_tokens else ''} came from memory, "
+                f"{l3.storage_tokens} from storage"
             )
         if not self.agrees:
             what = self.verdict.describe()
@@ -754,8 +689,8 @@ TABLE_HEADER = (
 )
 
 
-def table_rows(report: Report) -> list[tuple[str, ...]]:
-    rows = []
+def format_table(report: Report) -> str:
+    rows = [TABLE_HEADER]
     for r in report.results:
         delta = r.verdict.max_logprob_delta
         rows.append(
@@ -771,11 +706,6 @@ def table_rows(report: Report) -> list[tuple[str, ...]]:
                 "ok" if r.ok else "FAIL",
             )
         )
-    return rows
-
-
-def format_table(report: Report) -> str:
-    rows = [TABLE_HEADER, *table_rows(report)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
     return "\n".join(
         "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
@@ -836,8 +766,19 @@ def saved_run(
         "model": facts.model,
         "page_tokens": facts.page_tokens,
         **meta,
-        "probes": [{**p.to_json(), "cold": a.to_json()} for p, a in zip(probes, cold, strict=True)],
+        "probes": [{**asdict(p), "cold": asdict(a)} for p, a in zip(probes, cold, strict=True)],
     }
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _from_json(cls: type[Saved], doc: Mapping[str, Any]) -> Saved:
+    """A dataclass that ``asdict`` wrote, back from JSON: its lists as the tuples it
+    holds; a field the document lacks (a save from before it existed) at its default."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: _tuples(v) for k, v in doc.items() if k in names})
 
 
 def load_saved_run(doc: Mapping[str, Any]) -> tuple[list[Probe], list[Answer], dict[str, Any]]:
@@ -845,8 +786,8 @@ def load_saved_run(doc: Mapping[str, Any]) -> tuple[list[Probe], list[Answer], d
     if doc.get("format") != SAVE_FORMAT:
         raise ValueError(f"not a validate --save file (format {doc.get('format')!r})")
     try:
-        probes = [Probe.from_json(p) for p in doc["probes"]]
-        answers = [Answer.from_json(p["cold"]) for p in doc["probes"]]
+        probes = [_from_json(Probe, p) for p in doc["probes"]]
+        answers = [_from_json(Answer, p["cold"]) for p in doc["probes"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed validate --save file: {exc!r}") from exc
     if not probes:

@@ -1,32 +1,9 @@
 """``mooncake-span validate``: does a running deployment's L3 restore correctly, at every depth?
 
-Against servers that are already running (this backend, sglang's
-``MooncakeStore``, any sglang with a HiCache L3), installing nothing on them:
-
-1. read what each server reports (page size, context length, pool sizes,
-   storage backend) and choose the probe length (or ``--context-tokens``);
-2. make the probes (:mod:`mooncake_span.ops.validate`) as token ids: filler
-   and code from the server's vocabulary (or, without a tokenizer, from the
-   ids its model proposes), the question through its tokenizer and chat
-   template where it has them;
-3. warm each server up with one unique prompt: sglang loads its page-hash
-   code at a server's first L3 lookup, and under the default ``timeout``
-   prefetch policy that lookup's prefetch is dropped;
-4. cold pass on the first server, then wait, bounded, until its
-   ``sglang:backuped_tokens_total`` has grown by the probes' pages and
-   stopped moving;
-5. evict the probes from device and host memory (``/flush_cache``, or
-   ``--evict churn``: unique prompts sized from the pools the server
-   reports, :func:`mooncake_span.ops.validate.churn_plan`, or
-   ``--churn-tokens``), unless the L3 pass runs on a second server that
-   never saw them;
-6. L3 pass, per probe: tokens from storage, greedy tokens, top-k logprobs
-   and the code against the cold pass; counter deltas from ``/metrics``.
-
-``--save FILE`` keeps the probes and the cold answers; ``--against FILE``
-runs steps 3, 5 and 6 only, after a restart. Progress goes to stderr; the
-table and the verdict to stdout (``--json``: one JSON document). Exit 0 only
-when every probe was served from L3 and agreed.
+Runs the passes against servers that are already running, installing nothing
+on them; the steps, the output and the exit codes are in docs/operating.md,
+"Validating a deployment". Progress goes to stderr, the table and the verdict
+(``--json``: one JSON document) to stdout.
 """
 
 from __future__ import annotations
@@ -37,7 +14,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +38,17 @@ BACKUP_POLL_S = 0.5
 # Without a backup counter there is nothing to watch: a fixed grace, said as such.
 UNMEASURED_BACKUP_WAIT_S = 5.0
 FLUSH_TIMEOUT_S = 60.0
+# What ``--json`` says of each server, in this order.
+SERVER_NOTES = (
+    "url",
+    "model",
+    "page_tokens",
+    "storage_backend",
+    "prefetch_policy",
+    "device_pool_tokens",
+    "host_pool_tokens",
+    "host_pool_source",
+)
 
 
 class ValidateError(RuntimeError):
@@ -80,19 +68,12 @@ class Server:
     def url(self) -> str:
         return self.http.url
 
-    def answer(self, input_ids: Sequence[int], answer_tokens: int, top: int) -> V.Answer:
-        return V.parse_answer(self.http.generate(input_ids, answer_tokens, top))
-
-    def counters(self) -> dict[str, float]:
-        return self.http.metrics() or {}
-
 
 def connect(url: str) -> Server:
     http = SglangHttp(url)
     info, model = http.server_info(), http.model_info()
-    counters = http.metrics() or {}
     try:
-        facts = V.server_facts(http.url, info, model, counters)
+        facts = V.server_facts(http.url, info, model, http.metrics())
     except ValueError as exc:
         raise ValidateError(str(exc)) from None
     return Server(http, facts)
@@ -159,25 +140,14 @@ def probe_frame(server: Server) -> V.Frame:
     )
 
 
-def build_probes(
-    pool: V.TokenPool,
-    frame: V.Frame,
-    depths: Sequence[float],
-    context_tokens: int,
-    rng: random.Random,
-) -> list[V.Probe]:
-    try:
-        return [V.make_probe(depth, pool, frame, context_tokens, rng) for depth in depths]
-    except ValueError as exc:
-        raise ValidateError(str(exc)) from None
-
-
 def _unique_prompt(pool: V.TokenPool, tokens: int, rng: random.Random) -> list[int]:
     return [rng.choice(pool.ids) for _ in range(tokens)]
 
 
 def warm_up(server: Server, pool: V.TokenPool, rng: random.Random) -> None:
-    """One unique prompt long enough for an L3 lookup (see the module docstring)."""
+    """One unique prompt long enough for an L3 lookup: sglang loads its page-hash code at
+    a server's first one, and under the ``timeout`` prefetch policy that lookup's
+    prefetch is dropped, which must not happen to a probe."""
     length = V.min_context_tokens(server.facts.page_tokens)
     server.http.generate(_unique_prompt(pool, length, rng), 1, 0)
 
@@ -203,7 +173,7 @@ def wait_for_backups(server: Server, before: dict[str, float], tokens: int, limi
     base = before.get(V.BACKUP_COUNTER, 0.0)
     last, since = base, started
     while True:
-        now = server.counters().get(V.BACKUP_COUNTER, base)
+        now = server.http.metrics().get(V.BACKUP_COUNTER, base)
         if now != last:
             last, since = now, time.monotonic()
         grown = last - base
@@ -248,7 +218,7 @@ def evict(
         plan = V.churn_plan(fresh.facts, context_tokens, options.churn_tokens)
     except ValueError as exc:
         raise ValidateError(str(exc)) from None
-    notes["churn"] = plan.to_json()
+    notes["churn"] = {k: v for k, v in asdict(plan).items() if k != "why"}
     _progress(f"churn: {plan.why}")
     rng = random.Random()
     started = time.monotonic()
@@ -265,24 +235,19 @@ def evict(
 
 @dataclass(frozen=True)
 class Options:
+    # The command's flags, each named as on the command line (``urls``: ``--server``).
     urls: tuple[str, ...]
     depths: tuple[float, ...]
     context_tokens: int | None
     answer_tokens: int
     top_logprobs: int
-    tolerance: float | None
+    logprob_tolerance: float | None
     evict: str
     churn_tokens: int | None
     backup_wait_s: float
     save: Path | None
     against: Path | None
     seed: int | None
-
-
-@dataclass
-class Outcome:
-    report: V.Report
-    notes: dict[str, Any]
 
 
 def _check_same_model(servers: Sequence[Server]) -> None:
@@ -298,16 +263,35 @@ def _check_same_model(servers: Sequence[Server]) -> None:
         )
 
 
+def _ask(
+    server: Server,
+    phase: str,
+    probes: Sequence[V.Probe],
+    answer_tokens: Sequence[int],
+    options: Options,
+    notes: dict[str, Any],
+) -> list[V.Answer]:
+    """Each probe's answer of its length from ``server``; the pass's time into ``notes``."""
+    answers = []
+    started = time.monotonic()
+    for i, (probe, tokens) in enumerate(zip(probes, answer_tokens, strict=True)):
+        _progress(f"{phase} pass {i + 1}/{len(probes)} (depth {V.depth_label(probe.depth)})")
+        body = server.http.generate(probe.input_ids, tokens, options.top_logprobs)
+        answers.append(V.parse_answer(body))
+    notes[f"{phase.lower()}_pass_s"] = round(time.monotonic() - started, 2)
+    return answers
+
+
 def _l3_pass(
     server: Server,
     probes: Sequence[V.Probe],
     cold: Sequence[V.Answer],
     options: Options,
     notes: dict[str, Any],
-    setup_problems: list[str],
+    setup_problems: Sequence[str] = (),
 ) -> V.Report:
     shared = V.shared_prefix_tokens([p.input_ids for p in probes])
-    tolerance = options.tolerance
+    tolerance = options.logprob_tolerance
     if tolerance is None:
         tolerance = (
             oracle.LOGPROB_TOLERANCE
@@ -315,39 +299,22 @@ def _l3_pass(
             else V.HALF_PRECISION_LOGPROB_TOLERANCE
         )
     notes["tolerance"] = tolerance
-    before = server.counters()
-    results = []
-    started = time.monotonic()
-    for i, (probe, reference) in enumerate(zip(probes, cold, strict=True)):
-        _progress(f"L3 pass {i + 1}/{len(probes)} (depth {V.depth_label(probe.depth)})")
-        answer = server.answer(
-            probe.input_ids, len(reference.output_ids) or 1, options.top_logprobs
-        )
-        results.append(
-            V.judge_probe(probe, reference, answer, server.facts.page_tokens, shared, tolerance)
-        )
-    notes["l3_pass_s"] = round(time.monotonic() - started, 2)
-    deltas = V.counter_deltas(before, server.counters())
+    before = server.http.metrics()
+    answers = _ask(server, "L3", probes, [len(c.output_ids) or 1 for c in cold], options, notes)
+    results = [
+        V.judge_probe(probe, reference, answer, server.facts.page_tokens, shared, tolerance)
+        for probe, reference, answer in zip(probes, cold, answers, strict=True)
+    ]
+    deltas = V.counter_deltas(before, server.http.metrics())
     return V.Report(tuple(results), deltas, tuple(setup_problems))
 
 
-def run(options: Options) -> Outcome:
+def run(options: Options) -> tuple[V.Report, dict[str, Any]]:
+    """The report and what the run did (``--json`` prints both)."""
     servers = [connect(url) for url in options.urls]
     _check_same_model(servers)
     notes: dict[str, Any] = {
-        "servers": [
-            {
-                "url": s.url,
-                "model": s.facts.model,
-                "page_tokens": s.facts.page_tokens,
-                "storage_backend": s.facts.storage_backend,
-                "prefetch_policy": s.facts.prefetch_policy,
-                "device_pool_tokens": s.facts.device_pool_tokens,
-                "host_pool_tokens": s.facts.host_pool_tokens,
-                "host_pool_source": s.facts.host_pool_source,
-            }
-            for s in servers
-        ]
+        "servers": [{k: getattr(s.facts, k) for k in SERVER_NOTES} for s in servers]
     }
     for s in servers:
         _progress(
@@ -362,7 +329,6 @@ def run(options: Options) -> Outcome:
     pool = token_pool(servers[0])
     notes["token_pool"] = pool.source
     _progress(f"token pool: {pool.source}")
-    setup_problems: list[str] = []
 
     if options.against is not None:
         try:
@@ -383,7 +349,7 @@ def run(options: Options) -> Outcome:
         _progress(f"{len(probes)} saved probes from {options.against}; L3 pass only")
         warm_up(l3_server, pool, rng)
         notes["eviction"] = evict(l3_server, options, pool, len(probes[0].input_ids), notes)
-        return Outcome(_l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes)
+        return _l3_pass(l3_server, probes, cold, options, notes), notes
 
     facts = [s.facts for s in servers]
     try:
@@ -392,24 +358,21 @@ def run(options: Options) -> Outcome:
         raise ValidateError(str(exc)) from None
     _progress(f"probes of {context} tokens: {why}")
     frame = probe_frame(servers[0])
-    probes = build_probes(pool, frame, options.depths, context, rng)
+    try:
+        probes = [V.make_probe(depth, pool, frame, context, rng) for depth in options.depths]
+    except ValueError as exc:
+        raise ValidateError(str(exc)) from None
     notes.update(context_tokens=context, context_choice=why, framed_with=frame.source)
     _progress(f"{len(probes)} probes, framed with {frame.source}")
     for s in servers:
         warm_up(s, pool, rng)
 
     cold_server = servers[0]
-    before = cold_server.counters()
+    before = cold_server.http.metrics()
     shared = V.shared_prefix_tokens([p.input_ids for p in probes])
-    cold = []
-    started = time.monotonic()
-    for i, probe in enumerate(probes):
-        _progress(f"cold pass {i + 1}/{len(probes)} (depth {V.depth_label(probe.depth)})")
-        answer = cold_server.answer(probe.input_ids, options.answer_tokens, options.top_logprobs)
-        cold.append(answer)
-        if (problem := V.cold_problem(probe, answer, shared)) is not None:
-            setup_problems.append(problem)
-    notes["cold_pass_s"] = round(time.monotonic() - started, 2)
+    cold = _ask(cold_server, "cold", probes, [options.answer_tokens] * len(probes), options, notes)
+    problems = [V.cold_problem(p, answer, shared) for p, answer in zip(probes, cold, strict=True)]
+    setup_problems = [problem for problem in problems if problem is not None]
     expected = sum(
         V.restorable_tokens(len(p.input_ids), cold_server.facts.page_tokens) for p in probes
     )
@@ -425,7 +388,7 @@ def run(options: Options) -> Outcome:
     else:
         notes["eviction"] = f"none: {l3_server.url} never saw the probes"
         _progress(notes["eviction"])
-    return Outcome(_l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes)
+    return _l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes
 
 
 # ---------------------------------------------------------------------------
@@ -469,7 +432,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--context-tokens",
         type=positive_int_arg,
-        default=None,
         metavar="N",
         help="probe length in tokens (default: half the smallest pool the servers report, "
         f"at most {V.DEFAULT_MAX_CONTEXT_TOKENS})",
@@ -491,7 +453,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--logprob-tolerance",
         type=float,
-        default=None,
         metavar="X",
         help=f"largest |logprob difference| that agrees (default {oracle.LOGPROB_TOLERANCE:g} "
         f"for float32 servers, {V.HALF_PRECISION_LOGPROB_TOLERANCE:g} otherwise)",
@@ -506,7 +467,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--churn-tokens",
         type=positive_int_arg,
-        default=None,
         metavar="N",
         help=f"unique tokens --evict churn sends (default {V.CHURN_FACTOR}x the device and "
         "host pools the server reports; needed when it does not report its host pool)",
@@ -518,17 +478,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="S",
         help="longest wait for the cold pass's backups to land (default 60)",
     )
-    parser.add_argument(
-        "--save", type=Path, default=None, metavar="FILE", help="keep probes and cold answers"
-    )
+    parser.add_argument("--save", type=Path, metavar="FILE", help="keep probes and cold answers")
     parser.add_argument(
         "--against",
         type=Path,
-        default=None,
         metavar="FILE",
         help="run only the L3 pass against a --save file (after a restart)",
     )
-    parser.add_argument("--seed", type=int, default=None, help="probe seed (default: random)")
+    parser.add_argument("--seed", type=int, help="probe seed (default: random)")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.set_defaults(func=run_validate_command)
 
@@ -542,20 +499,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
         raise ValidateError("--churn-tokens sizes --evict churn; add --evict churn")
     if args.logprob_tolerance is not None and args.logprob_tolerance < 0:
         raise ValidateError("--logprob-tolerance must be >= 0")
-    return Options(
-        urls=tuple(args.server),
-        depths=args.depths,
-        context_tokens=args.context_tokens,
-        answer_tokens=args.answer_tokens,
-        top_logprobs=args.top_logprobs,
-        tolerance=args.logprob_tolerance,
-        evict=args.evict,
-        churn_tokens=args.churn_tokens,
-        backup_wait_s=args.backup_wait_s,
-        save=args.save,
-        against=args.against,
-        seed=args.seed,
-    )
+    named_alike = {f.name: getattr(args, f.name) for f in fields(Options) if f.name != "urls"}
+    return Options(urls=tuple(args.server), **named_alike)
 
 
 def _fail(args: argparse.Namespace, message: str) -> int:
@@ -567,12 +512,11 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 def run_validate_command(args: argparse.Namespace) -> int:
     try:
-        outcome = run(options_from_args(args))
+        report, notes = run(options_from_args(args))
     except (ValidateError, ServerUnreachable, OSError) as exc:
         return _fail(args, str(exc))
-    report = outcome.report
     if args.json:
-        print(json.dumps({**V.report_json(report), **outcome.notes}, indent=1))
+        print(json.dumps({**V.report_json(report), **notes}, indent=1))
     else:
         print(V.format_table(report))
         for name, delta in V.headline_deltas(report.l3_deltas).items():

@@ -1,11 +1,6 @@
 """``mooncake-span validate``'s HTTP half: one running sglang server, by its URL.
 
-Only sglang's own endpoints, nothing installed on the server:
-``/server_info`` (``/get_server_info`` on older builds) and ``/model_info``
-for what it serves, ``/tokenize`` (with ``messages``: its chat template) and
-``/detokenize`` for text where it has a tokenizer, ``/generate`` for greedy answers with top-k
-logprobs and ``meta_info.cached_tokens_details``, ``/flush_cache`` to drop
-its device and host caches, ``/metrics`` for counters when it exports them.
+Only sglang's own endpoints, one method each, nothing installed on the server.
 Every failure to reach a server or a malformed answer is a
 :class:`ServerUnreachable` naming the URL and what went wrong.
 """
@@ -48,7 +43,7 @@ class SglangHttp:
 
     def _request(
         self, path: str, body: Mapping[str, Any] | None, timeout_s: float, method: str = "GET"
-    ) -> tuple[int, bytes]:
+    ) -> bytes:
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(
             self.url + path,
@@ -58,7 +53,7 @@ class SglangHttp:
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as answer:  # noqa: S310
-                return answer.status, answer.read()
+                return answer.read()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace").strip()[:500]
             raise ServerRefused(
@@ -71,7 +66,7 @@ class SglangHttp:
     def _json(
         self, path: str, body: Mapping[str, Any] | None = None, timeout_s: float = INFO_TIMEOUT_S
     ) -> Any:
-        _status, raw = self._request(path, body, timeout_s)
+        raw = self._request(path, body, timeout_s)
         try:
             return json.loads(raw)
         except ValueError:
@@ -143,13 +138,13 @@ class SglangHttp:
             raise ServerUnreachable(f"{self.url}/generate answered {str(answer)[:200]}")
         return answer
 
-    def metrics(self) -> dict[str, float] | None:
+    def metrics(self) -> dict[str, float]:
         """Samples summed per family, per family with each label, and per full label
-        set; None when the server exports no metrics (served without --enable-metrics)."""
+        set; empty when the server exports no metrics (served without --enable-metrics)."""
         try:
-            _status, raw = self._request("/metrics", None, INFO_TIMEOUT_S)
+            raw = self._request("/metrics", None, INFO_TIMEOUT_S)
         except ServerRefused:
-            return None
+            return {}
         sums: dict[str, float] = {}
         for name, labels, value in parse_prometheus(raw.decode(errors="replace")):
             full = ",".join(f'{k}="{v}"' for k, v in labels.items())
