@@ -48,19 +48,6 @@ class Verdict:
         return f"{tokens}, max top-logprob delta over {self.compared_tokens} tokens: {delta}"
 
 
-def logprob_delta(restored: TopLogprobs, reference: TopLogprobs, tokens: int) -> tuple[float, int]:
-    """(largest |difference|, tokens compared) over the first ``tokens`` answer tokens."""
-    worst, compared = float("nan"), 0
-    for mine, theirs in list(zip(restored, reference, strict=False))[:tokens]:
-        mine_map, their_map = dict(mine), dict(theirs)
-        if not mine_map or set(mine_map) != set(their_map):
-            return float("inf"), compared + 1
-        delta = max(abs(mine_map[t] - their_map[t]) for t in mine_map)
-        worst = delta if math.isnan(worst) else max(worst, delta)
-        compared += 1
-    return worst, compared
-
-
 def compare(
     restored_ids: Sequence[int],
     restored_top: TopLogprobs,
@@ -69,7 +56,16 @@ def compare(
     tokens: int = COMPARED_TOKENS,
     tolerance: float = LOGPROB_TOLERANCE,
 ) -> Verdict:
-    delta, compared = logprob_delta(restored_top, reference_top, tokens)
+    """The greedy tokens, and the top candidates of the first ``tokens`` answer tokens."""
+    delta, compared = float("nan"), 0
+    for mine, theirs in list(zip(restored_top, reference_top, strict=False))[:tokens]:
+        mine_map, their_map = dict(mine), dict(theirs)
+        compared += 1
+        if not mine_map or set(mine_map) != set(their_map):
+            delta = float("inf")
+            break
+        worst = max(abs(mine_map[t] - their_map[t]) for t in mine_map)
+        delta = worst if math.isnan(delta) else max(delta, worst)
     if not math.isinf(delta) and compared < min(tokens, len(reference_top)):
         delta = float("nan")  # an answer without logprobs agrees with nothing
     return Verdict(

@@ -72,11 +72,7 @@ class Server:
 def connect(url: str) -> Server:
     http = SglangHttp(url)
     info, model = http.server_info(), http.model_info()
-    try:
-        facts = V.server_facts(http.url, info, model, http.metrics())
-    except ValueError as exc:
-        raise ValidateError(str(exc)) from None
-    return Server(http, facts)
+    return Server(http, V.server_facts(http.url, info, model, http.metrics()))
 
 
 # ---------------------------------------------------------------------------
@@ -213,11 +209,7 @@ def evict(
         return said
     # Read the pools again: sglang sets its host pool gauge at its first
     # prefill, which came after connect().
-    fresh = connect(server.url)
-    try:
-        plan = V.churn_plan(fresh.facts, context_tokens, options.churn_tokens)
-    except ValueError as exc:
-        raise ValidateError(str(exc)) from None
+    plan = V.churn_plan(connect(server.url).facts, context_tokens, options.churn_tokens)
     notes["churn"] = {k: v for k, v in asdict(plan).items() if k != "why"}
     _progress(f"churn: {plan.why}")
     rng = random.Random()
@@ -310,7 +302,8 @@ def _l3_pass(
 
 
 def run(options: Options) -> tuple[V.Report, dict[str, Any]]:
-    """The report and what the run did (``--json`` prints both)."""
+    """The report and what the run did (``--json`` prints both). A run that cannot be
+    set up raises ValidateError, or the pure half's ValueError naming the bad input."""
     servers = [connect(url) for url in options.urls]
     _check_same_model(servers)
     notes: dict[str, Any] = {
@@ -352,16 +345,10 @@ def run(options: Options) -> tuple[V.Report, dict[str, Any]]:
         return _l3_pass(l3_server, probes, cold, options, notes), notes
 
     facts = [s.facts for s in servers]
-    try:
-        context, why = V.choose_context_tokens(facts, options.context_tokens, options.answer_tokens)
-    except ValueError as exc:
-        raise ValidateError(str(exc)) from None
+    context, why = V.choose_context_tokens(facts, options.context_tokens, options.answer_tokens)
     _progress(f"probes of {context} tokens: {why}")
     frame = probe_frame(servers[0])
-    try:
-        probes = [V.make_probe(depth, pool, frame, context, rng) for depth in options.depths]
-    except ValueError as exc:
-        raise ValidateError(str(exc)) from None
+    probes = [V.make_probe(depth, pool, frame, context, rng) for depth in options.depths]
     notes.update(context_tokens=context, context_choice=why, framed_with=frame.source)
     _progress(f"{len(probes)} probes, framed with {frame.source}")
     for s in servers:
@@ -513,7 +500,7 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 def run_validate_command(args: argparse.Namespace) -> int:
     try:
         report, notes = run(options_from_args(args))
-    except (ValidateError, ServerUnreachable, OSError) as exc:
+    except (ValidateError, ValueError, ServerUnreachable, OSError) as exc:
         return _fail(args, str(exc))
     if args.json:
         print(json.dumps({**V.report_json(report), **notes}, indent=1))
