@@ -6,9 +6,11 @@ The real-server cases are in ``tests/servers/test_validate.py``.
 from __future__ import annotations
 
 import ast
+import http.server
 import json
 import random
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -433,6 +435,45 @@ def test_unreachable_server_is_a_clear_error(capsys):
     assert cli.main(["validate", "--server", url, "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] is False and "unreachable" in doc["error"]
+
+
+class _TinyPoolServer(http.server.BaseHTTPRequestHandler):
+    """An sglang API whose KV pool is too small for any probe."""
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        answers = {
+            "/server_info": {"page_size": PAGE, "max_total_num_tokens": 100},
+            "/model_info": {"served_model_name": "tiny"},
+        }
+        self._answer(answers.get(self.path))
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self._answer({"text": [f"w{i}" for i, _ in enumerate(body["tokens"])]})
+
+    def _answer(self, doc):
+        raw = json.dumps(doc).encode()
+        self.send_response(404 if doc is None else 200)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_too_small_for_probes_is_a_clear_error(capsys):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _TinyPoolServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        code = cli.main(["validate", "--server", f"127.0.0.1:{server.server_address[1]}"])
+    finally:
+        server.shutdown()
+        thread.join(timeout=10)
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "mooncake-span validate: the servers leave room for 50-token probes" in err
 
 
 def test_churn_tokens_go_with_churn_eviction(capsys):
