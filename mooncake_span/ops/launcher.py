@@ -1,22 +1,11 @@
 """One launcher for the Mooncake server processes: etcd, masters, metadata server, storage nodes.
 
-``LocalCluster`` (all processes on this host, free loopback ports) and the
-namespace lab's ``NetnsCluster`` (one process per network namespace, fixed
-ports) build the same command lines, wait for the same readiness signals and
-raise the same ``ClusterStartError``; only *where* a process runs differs.
-That difference is a ``Site``: something that starts an argv under a name and
-can send an HTTP GET from the place the process's peers see it from.
-
-Readiness, per kind of process:
-
-* etcd: ``/health`` answers 200 with ``"health":"true"``;
-* metadata server: any HTTP answer (a 404 for an unknown key included);
-* master: ``/health`` answers 200; with ``serving=True`` it must also say
-  ``service_ready: true``, because ``/health`` comes up before the RPC port is
-  bound;
-* storage node: a line starting with ``READY `` on its output.
-
-This module needs only the standard library; it never imports ``mooncake``.
+``LocalCluster`` and the namespace lab's ``NetnsCluster`` share the command
+lines, readiness checks and errors here; a ``Site`` says where a process runs
+(docs/architecture.md, "Processes around the backend"). A master's ``/health``
+answers before its RPC port is bound, so a master that must serve is waited
+for until it also says ``service_ready: true``. Standard library only: this
+module never imports ``mooncake``.
 """
 
 from __future__ import annotations
@@ -42,32 +31,6 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "ClusterStartError",
-    "EarlyExitError",
-    "LocalProcess",
-    "LocalSite",
-    "MasterArgs",
-    "NodeSsdArgs",
-    "Process",
-    "Site",
-    "etcd_argv",
-    "find_executable",
-    "http_get",
-    "metadata_server_argv",
-    "parse_health",
-    "pick_free_ports",
-    "popen_tied",
-    "read_text_from",
-    "start_masters",
-    "storage_node_argv",
-    "terminate",
-    "wait_for_leader",
-    "wait_http",
-    "wait_master",
-    "wait_ready_line",
-]
 
 POLL_INTERVAL_S = 0.05
 HTTP_PROBE_TIMEOUT_S = 1.0
