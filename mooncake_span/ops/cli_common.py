@@ -26,25 +26,20 @@ FLAG_ONLY_PROTOCOL = "tcp"
 
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--master", default=None, metavar="HOST:PORT", help="master RPC address (or etcd://...)"
-    )
+    parser.add_argument("--master", metavar="HOST:PORT", help="master RPC address (or etcd://...)")
     parser.add_argument(
         "--metadata",
-        default=None,
         metavar="URL",
         help="metadata server, e.g. http://HOST:PORT/metadata, etcd://HOST:PORT, P2PHANDSHAKE",
     )
-    parser.add_argument("--protocol", default=None, help="transfer protocol (tcp, rdma, ...)")
+    parser.add_argument("--protocol", help="transfer protocol (tcp, rdma, ...)")
     parser.add_argument(
         "--extra-config",
-        default=None,
         metavar="JSON|@FILE",
         help="the backend's --hicache-storage-backend-extra-config (JSON text or @path)",
     )
     parser.add_argument(
         "--admin-url",
-        default=None,
         metavar="URL",
         help="the master's HTTP admin server (its --metrics_port), e.g. http://HOST:9003 "
         "(default: span_master_admin_url from the extra-config, else the master host on "

@@ -17,7 +17,6 @@ from typing import Any
 def add_native_log_arg(parser: Any) -> None:
     parser.add_argument(
         "--native-log",
-        default=None,
         metavar="PATH",
         help="file for Mooncake's native log lines (default: a new temporary file, printed at "
         "the end; '-' shows them on stderr)",

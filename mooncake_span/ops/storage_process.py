@@ -60,33 +60,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--master",
-        default=None,
         help="master address, HOST:PORT or etcd://HOST:PORT for HA masters",
     )
     parser.add_argument(
         "--metadata",
-        default=None,
         help="metadata server: http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE",
     )
     parser.add_argument(
         "--segment-bytes",
-        default=None,
         help="size of the global segment this node contributes, e.g. 512mb or 1073741824",
     )
     parser.add_argument(
         "--local-buffer-bytes",
-        default=None,
         help="size of the client's local transfer buffer (default: 16mb)",
     )
     parser.add_argument(
         "--host",
-        default=None,
         help="local hostname/IP this node advertises (default: 127.0.0.1 with --master)",
     )
-    parser.add_argument(
-        "--protocol", default=None, help="transfer protocol (default: tcp with --master)"
-    )
-    parser.add_argument("--device", default=None, help="RDMA device name; empty for tcp")
+    parser.add_argument("--protocol", help="transfer protocol (default: tcp with --master)")
+    parser.add_argument("--device", help="RDMA device name; empty for tcp")
     add_ssd_arguments(parser)
     return parser
 

@@ -36,28 +36,24 @@ MOONCAKE_CLIENT_TTL_S = 10
 def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ssd-dir",
-        default=None,
         metavar="DIR",
         help="keep every object on this SSD directory too (it must exist); the node uses "
         "DIR/<node name>, which a restart with the same name finds again",
     )
     parser.add_argument(
         "--ssd-size",
-        default=None,
         metavar="SIZE",
         help="disk cap of the SSD tier, oldest objects evicted first (default: 90%% of the "
         "disk, Mooncake's default); at least the segment size",
     )
     parser.add_argument(
         "--ssd-read-buffer",
-        default=None,
         metavar="SIZE",
         help=f"RAM staging objects read from the SSD for a reader (default: "
         f"{DEFAULT_READ_BUFFER_BYTES >> 20}mb; a larger batch is read in parts)",
     )
     parser.add_argument(
         "--ssd-check",
-        default=None,
         choices=ssd_scan.CHECK_MODES,
         help="before registering the directory, delete objects that could only read as "
         "misses: size reads metadata only (torn and orphaned files); full also reads every "
@@ -67,7 +63,6 @@ def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ssd-stop-wait-s",
         type=float,
-        default=None,
         metavar="S",
         help="on SIGTERM, wait at most this long for the objects the node holds unwritten to "
         f"reach the disk before it stops (default: ${ssd_tier.STOP_WAIT_ENV}, else "
@@ -75,12 +70,10 @@ def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--node-name",
-        default=None,
         help="stable name of this node: its SSD sub-directory (default: this host's name)",
     )
     parser.add_argument(
         "--admin-url",
-        default=None,
         metavar="URL",
         help="the master's admin server http://HOST:PORT (its --metrics_port): after a crash "
         "the node waits there until the master has dropped its predecessor",
