@@ -26,10 +26,6 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------
-# spec
-
-
 # The master flags ``mooncake-span cluster up`` starts with (ClusterSpec itself
 # keeps Mooncake's defaults). With the default 10 s lease every looked-up object
 # stays leased and eviction finds nothing to free; the figures are in
@@ -99,12 +95,7 @@ class ClusterSpec:
             raise ValueError(f"ClusterSpec.host={self.host!r}: only IPv4 addresses are supported")
         _require_int(self.storage_nodes, "storage_nodes", minimum=0)
         _require_int(self.ha_masters, "ha_masters", minimum=1)
-        for name in ("storage_node_segment_bytes", "storage_node_local_buffer_bytes"):
-            try:
-                size_bytes = parse_size_bytes(getattr(self, name))
-            except ValueError as exc:
-                raise ValueError(f"ClusterSpec.{name}: {exc}") from None
-            object.__setattr__(self, name, size_bytes)
+        self._parse_sizes("storage_node_segment_bytes", "storage_node_local_buffer_bytes")
         if self.storage_nodes and self.storage_node_segment_bytes <= 0:
             raise ValueError(
                 f"ClusterSpec.storage_node_segment_bytes must be > 0 when storage_nodes="
@@ -120,11 +111,10 @@ class ClusterSpec:
                 "ClusterSpec.enable_oplog replicates metadata between HA masters; "
                 "set ha_masters >= 2 (and etcd=True), or drop enable_oplog"
             )
-        if self.lease_ttl_ms is not None:
-            _require_int(self.lease_ttl_ms, "lease_ttl_ms", minimum=1)
+        for name in ("lease_ttl_ms", "client_ttl_s"):
+            if getattr(self, name) is not None:
+                _require_int(getattr(self, name), name, minimum=1)
         self._check_ssd()
-        if self.client_ttl_s is not None:
-            _require_int(self.client_ttl_s, "client_ttl_s", minimum=1)
         for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
             ratio = getattr(self, name)
             if ratio is not None and (
@@ -168,12 +158,7 @@ class ClusterSpec:
                 "ClusterSpec.ssd_dir gives storage nodes an SSD tier; set storage_nodes >= 1"
             )
         object.__setattr__(self, "ssd_dir", Path(self.ssd_dir))
-        for name in sizes:
-            if getattr(self, name) is not None:
-                try:
-                    object.__setattr__(self, name, parse_size_bytes(getattr(self, name)))
-                except ValueError as exc:
-                    raise ValueError(f"ClusterSpec.{name}: {exc}") from None
+        self._parse_sizes(*(name for name in sizes if getattr(self, name) is not None))
         if (
             self.ssd_size_bytes is not None
             and self.ssd_size_bytes < self.storage_node_segment_bytes
@@ -184,6 +169,14 @@ class ClusterSpec:
                 f"--ssd-size at least the segment size (several times it, or the SSD tier holds "
                 f"less than DRAM)"
             )
+
+    def _parse_sizes(self, *names: str) -> None:
+        """Store each size field as its bytes; a bad one names its field."""
+        for name in names:
+            try:
+                object.__setattr__(self, name, parse_size_bytes(getattr(self, name)))
+            except ValueError as exc:
+                raise ValueError(f"ClusterSpec.{name}: {exc}") from None
 
     @property
     def master_lease_ttl_ms(self) -> int | None:
