@@ -371,17 +371,15 @@ class LocalCluster:
         return self._ports
 
     def _master_index(self, i: int) -> int:
-        self._require_ports()
-        if not 0 <= i < self.spec.ha_masters:
-            raise IndexError(f"master index {i} out of range (ha_masters={self.spec.ha_masters})")
-        return i
+        return self._index(i, self.spec.ha_masters, "master", "ha_masters")
 
     def _node_index(self, i: int) -> int:
+        return self._index(i, len(self._nodes), "storage node", "storage_nodes")
+
+    def _index(self, i: int, count: int, what: str, field: str) -> int:
         self._require_ports()
-        if not 0 <= i < len(self._nodes):
-            raise IndexError(
-                f"storage node index {i} out of range (storage_nodes={self.spec.storage_nodes})"
-            )
+        if not 0 <= i < count:
+            raise IndexError(f"{what} index {i} out of range ({field}={getattr(self.spec, field)})")
         return i
 
     def _prepare_log_dir(self) -> Path:
