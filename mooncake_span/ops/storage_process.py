@@ -1,20 +1,13 @@
 """A storage-only Mooncake process: it contributes memory and holds data.
 
 Run as ``python -m mooncake_span.storage_node --master HOST:PORT --metadata URL
---segment-bytes 512mb``. Without ``--master`` the connection comes from the same
-places a serving node reads it from (``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``,
-else ``MOONCAKE_MASTER`` and the other ``MOONCAKE_*`` variables), through the
-same loader and validators (:func:`mooncake_span.mooncake_settings.load_mooncake_settings`);
-flags given override single fields. The process mounts a global segment of that size,
-prints exactly one line starting with ``READY`` to stdout, then waits for
-SIGTERM or SIGINT, closes the store once and exits 0. Setup failures print an
-error to stderr and exit 1; bad arguments exit 2.
-
-Objects written by any client land in such segments, so data outlives the
-writer process. With ``--ssd-dir DIR`` (``ops/storage_ssd.py``) the node also
-keeps every object on ``DIR/<node name>``, and the data outlives this process
-and the master too: a stop releases the disk segment before the store closes,
-and a node restarted on the same directory registers its keys again.
+--segment-bytes 512mb``; without ``--master`` the connection comes from the
+serving node's sources and loader (``load_mooncake_settings``), flags overriding
+single fields (docs/architecture.md, "Processes around the backend"). The process
+mounts its global segment, prints exactly one line starting with ``READY`` to
+stdout, waits for SIGTERM or SIGINT, closes the store once and exits 0. Setup
+failures print an error to stderr and exit 1; bad arguments exit 2. The SSD tier
+(``--ssd-dir``) is ``ops/storage_ssd.py``.
 """
 
 from __future__ import annotations
@@ -47,6 +40,19 @@ from mooncake_span.store.native import setup_arguments
 logger = logging.getLogger(__name__)
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+# Each overrides one field of the node's settings (settings_from_args).
+_CONNECTION_FLAGS = (
+    ("--master", "master address, HOST:PORT or etcd://HOST:PORT for HA masters"),
+    ("--metadata", "metadata server: http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE"),
+    (
+        "--segment-bytes",
+        "size of the global segment this node contributes, e.g. 512mb or 1073741824",
+    ),
+    ("--local-buffer-bytes", "size of the client's local transfer buffer (default: 16mb)"),
+    ("--host", "local hostname/IP this node advertises (default: 127.0.0.1 with --master)"),
+    ("--protocol", "transfer protocol (default: tcp with --master)"),
+    ("--device", "RDMA device name; empty for tcp"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,28 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
             "MOONCAKE_* environment, like a serving node's; flags override single fields."
         ),
     )
-    parser.add_argument(
-        "--master",
-        help="master address, HOST:PORT or etcd://HOST:PORT for HA masters",
-    )
-    parser.add_argument(
-        "--metadata",
-        help="metadata server: http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE",
-    )
-    parser.add_argument(
-        "--segment-bytes",
-        help="size of the global segment this node contributes, e.g. 512mb or 1073741824",
-    )
-    parser.add_argument(
-        "--local-buffer-bytes",
-        help="size of the client's local transfer buffer (default: 16mb)",
-    )
-    parser.add_argument(
-        "--host",
-        help="local hostname/IP this node advertises (default: 127.0.0.1 with --master)",
-    )
-    parser.add_argument("--protocol", help="transfer protocol (default: tcp with --master)")
-    parser.add_argument("--device", help="RDMA device name; empty for tcp")
+    for flag, text in _CONNECTION_FLAGS:
+        parser.add_argument(flag, help=text)
     add_ssd_arguments(parser)
     return parser
 
