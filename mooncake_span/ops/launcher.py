@@ -26,9 +26,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +387,6 @@ def read_text_from(path: Path, offset: int) -> str:
 
 _LOG_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
-_T = TypeVar("_T")
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
@@ -414,39 +414,22 @@ def tie_to_parent() -> None:
     _die_with_parent(os.getppid())()
 
 
-class _Forker:
-    """One daemon thread that forks the children asked for from other threads.
-
-    The kernel's parent-death signal follows the *thread* that forked, so a
-    child started from a short-lived worker thread (a thread pool's) would be
-    killed when that thread ends. This thread lives as long as the process.
-    """
-
-    def __init__(self) -> None:
-        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue]] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(target=self._serve, name="mooncake-span-forker", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            fn, answer = self._requests.get()
-            try:
-                answer.put((True, fn()))
-            except BaseException as exc:  # handed back to the caller's thread
-                answer.put((False, exc))
-
-    def call(self, fn: Callable[[], _T]) -> _T:
-        answer: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-        self._requests.put((fn, answer))
-        ok, value = answer.get()
-        if not ok:
-            raise value
-        return value
-
-
-_forker: _Forker | None = None
+# Requests for the forker thread: the kernel's parent-death signal follows the
+# *thread* that forked, so a child started from a short-lived worker thread (a
+# thread pool's) would be killed when that thread ends. One daemon thread, as
+# long-lived as the process, forks for every thread but the main one.
+_fork_requests: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
 _forker_lock = threading.Lock()
+_forker: threading.Thread | None = None
+
+
+def _fork_loop() -> None:
+    while True:
+        fn, future = _fork_requests.get()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed back to the caller's thread
+            future.set_exception(exc)
 
 
 def popen_tied(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
@@ -462,8 +445,11 @@ def popen_tied(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         return start()
     with _forker_lock:
         if _forker is None:
-            _forker = _Forker()
-    return _forker.call(start)
+            _forker = threading.Thread(target=_fork_loop, name="mooncake-span-forker", daemon=True)
+            _forker.start()
+    future: Future[subprocess.Popen[bytes]] = Future()
+    _fork_requests.put((start, future))
+    return future.result()
 
 
 class LocalProcess:
