@@ -167,11 +167,10 @@ class LocalCluster:
         return self
 
     def _check_disk_room(self, root: str) -> None:
-        """The nodes share the disk of ``root``: refused when it cannot hold one object
-        (ConfigError naming the usable capacity), a warning when their caps exceed it.
-        What the directories hold is summed (a stat per file: minutes at a million
-        objects) only where free space alone cannot hold one object; else each node
-        counts its own in its check and warns itself (ops/storage_ssd.py)."""
+        """The nodes share the disk of ``root``: refused (ConfigError) when it cannot hold
+        one object, a warning when their caps exceed it; what the directories hold is
+        summed only where free space alone cannot hold one object, else each node counts
+        its own (docs/operating.md, "The SSD tier")."""
         spec = self.spec
         if usable_bytes(root) >= spec.storage_node_segment_bytes:
             return

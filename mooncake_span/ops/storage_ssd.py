@@ -1,12 +1,8 @@
 """The SSD tier of a storage node: its flags, the checks at start, the restart after a crash.
 
-``python -m mooncake_span.storage_node ... --ssd-dir DIR [--ssd-size SIZE]``
-keeps every object it holds on ``DIR/<node name>`` as well (the settings are
-``store/ssd_tier.SsdTier``'s). Everything is checked before the native client
-starts, and a bad value is refused with the fix in the message; nothing in
-``DIR`` is deleted or rewritten by a refusal. sglang's own keys mean the same
-on a storage node: ``enable_ssd_offload`` with ``ssd_offload_path`` (from
-``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or ``MOONCAKE_*``) is ``--ssd-dir``.
+Everything is checked before the native client starts, and nothing in the
+directory is deleted or rewritten by a refusal; docs/operating.md, "The SSD
+tier", says what each flag and check means.
 """
 
 from __future__ import annotations
@@ -161,9 +157,8 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
         largest_object_bytes=settings.global_segment_size_bytes,
         read_buffer_bytes=read_buffer if read_buffer is not None else DEFAULT_READ_BUFFER_BYTES,
     )
-    # What the tier already holds counts as room. Summing it is a stat per file
-    # (minutes at a million objects), so it is done before anything changes only
-    # where free space alone cannot hold one object; else the check counts it.
+    # What the tier holds counts as room; summed up front (a stat per file) only
+    # where free space alone cannot hold one object, else the check counts it.
     held = None
     if ssd_tier.usable_bytes(root) < tier.largest_object_bytes:
         held = ssd_tier.held_bytes(tier.directory)
