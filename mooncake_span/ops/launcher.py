@@ -389,7 +389,7 @@ _LOG_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn``: the child gets SIGKILL when the thread that forked it ends.
 
     A test run killed partway (SIGKILL, or a SIGTERM with no time for
@@ -405,13 +405,6 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
             os._exit(1)
 
     return preexec
-
-
-def tie_to_parent() -> None:
-    """Give this process the parent-death SIGKILL that ``popen_tied`` gives its
-    children: for a process some other tool forked (a pytest-xdist worker),
-    so that it and then its own children die with the run."""
-    _die_with_parent(os.getppid())()
 
 
 # Requests for the forker thread: the kernel's parent-death signal follows the
@@ -434,12 +427,12 @@ def _fork_loop() -> None:
 
 def popen_tied(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(argv, **kwargs)`` for a child that dies with this process
-    (see ``_die_with_parent``): forked by the main thread directly, or for any
+    (see ``die_with_parent``): forked by the main thread directly, or for any
     other thread by the forker thread."""
     global _forker
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(list(argv), preexec_fn=_die_with_parent(os.getpid()), **kwargs)
+        return subprocess.Popen(list(argv), preexec_fn=die_with_parent(os.getpid()), **kwargs)
 
     if threading.current_thread() is threading.main_thread():
         return start()
