@@ -2,11 +2,8 @@
 
 Each subcommand is a ``register(subparsers)`` function that adds its parser and
 sets ``func``; ``main()`` only parses and dispatches via ``args.func(args)``.
-This distribution registers the operator's commands (``cluster``, ``doctor``,
-``inspect``, ``validate``); the tooling distribution (``tools/``,
-``mooncake-span-tools``) adds its own (``bench``, ``demo``, ...) through the
-``mooncake_span.commands`` entry points, so this module never imports it. A
-tooling command asked for where it is not installed says how to install it.
+The tooling distribution adds its commands through the ``COMMANDS_GROUP`` entry
+points, so this module never imports it.
 """
 
 from __future__ import annotations

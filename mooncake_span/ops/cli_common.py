@@ -1,10 +1,8 @@
 """Arguments shared by ``doctor`` and ``inspect``: where the cluster is.
 
-The connection is resolved exactly as the backend resolves it
-(``mooncake_settings.load_mooncake_settings``: extra-config, then
-``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, then ``MOONCAKE_*``), with
-``--master`` / ``--metadata`` / ``--protocol`` laid over the result: flags on
-a command line are the most explicit source there is.
+The backend's own loader (``load_mooncake_settings``) resolves the connection,
+with the flags laid over it: flags on a command line are the most explicit
+source there is (docs/operating.md, "Where the cluster is").
 """
 
 from __future__ import annotations
