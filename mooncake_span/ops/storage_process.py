@@ -162,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("%s", exc)
             _stop(store, ssd, finish_offloads=False)
             return 1
-    print(_ready_line(store, settings, setup_s, ssd), flush=True)
+    ready = (
+        f"READY pid={os.getpid()} segment={store.get_hostname()} "
+        f"segment_bytes={settings.global_segment_size_bytes} setup_s={setup_s:.3f}"
+    )
+    if ssd is not None:
+        ready += f" ssd_dir={ssd.tier.directory} ssd_cap_bytes={ssd.tier.cap_bytes}"
+    print(ready, flush=True)
     received = signal.sigwait(_STOP_SIGNALS)
     logger.info("got %s, closing the store", signal.Signals(received).name)
     _stop(store, ssd)
@@ -187,18 +193,6 @@ def _log_setup_failure(rc: int, setup_s: float, settings: MooncakeSettings) -> N
         settings.global_segment_size_bytes,
         hint,
     )
-
-
-def _ready_line(
-    store: object, settings: MooncakeSettings, setup_s: float, ssd: NodeSsd | None
-) -> str:
-    line = (
-        f"READY pid={os.getpid()} segment={store.get_hostname()} "
-        f"segment_bytes={settings.global_segment_size_bytes} setup_s={setup_s:.3f}"
-    )
-    if ssd is not None:
-        line += f" ssd_dir={ssd.tier.directory} ssd_cap_bytes={ssd.tier.cap_bytes}"
-    return line
 
 
 def _stop(store: object, ssd: NodeSsd | None, finish_offloads: bool = True) -> None:
