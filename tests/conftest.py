@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 
 from mooncake_span.ops.cluster import ClusterSpec, ExternalCluster, LocalCluster, find_executable
-from mooncake_span.ops.launcher import tie_to_parent
+from mooncake_span.ops.launcher import die_with_parent
 from mooncake_span_tools.lab.sglang_servers import EXTENSIONS_ENV, extensions_dir
 
 _MASTER_ENV = "MOONCAKE_SPAN_TEST_MASTER"
@@ -73,8 +73,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # with a usage error instead of erroring every integration test.
     config.stash[_EXTERNAL_KEY] = _external_cluster(config)
     if hasattr(config, "workerinput"):
-        # An xdist worker dies with the controller, and its children with it.
-        tie_to_parent()
+        # An xdist worker dies with the controller, and its children with it: the
+        # parent-death SIGKILL that popen_tied gives the processes it starts.
+        die_with_parent(os.getppid())()
     if _is_xdist_controller(config):
         signal.signal(signal.SIGTERM, _forward_sigterm_to_workers)
     else:

@@ -2,11 +2,8 @@
 
 Each subcommand is a ``register(subparsers)`` function that adds its parser and
 sets ``func``; ``main()`` only parses and dispatches via ``args.func(args)``.
-This distribution registers the operator's commands (``cluster``, ``doctor``,
-``inspect``, ``validate``); the tooling distribution (``tools/``,
-``mooncake-span-tools``) adds its own (``bench``, ``demo``, ...) through the
-``mooncake_span.commands`` entry points, so this module never imports it. A
-tooling command asked for where it is not installed says how to install it.
+The tooling distribution adds its commands through the ``COMMANDS_GROUP`` entry
+points, so this module never imports it.
 """
 
 from __future__ import annotations
@@ -115,7 +112,6 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--ssd-dir",
-        default=None,
         metavar="DIR",
         help="give every storage node an SSD tier on DIR/node<i> (DIR must exist); a new "
         "cluster on the same DIR finds the cache again (docs/operating.md, 'The SSD tier')",
@@ -123,7 +119,6 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--ssd-size",
         type=_size_arg,
-        default=None,
         metavar="SIZE",
         help="disk cap of each node's SSD tier, oldest objects evicted first (default: 90%% of "
         "the disk); at least --segment-size",
@@ -131,14 +126,12 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--ssd-read-buffer",
         type=_size_arg,
-        default=None,
         metavar="SIZE",
         help="RAM each node stages SSD reads in (default: 256mb)",
     )
     up.add_argument(
         "--ssd-check",
         choices=CHECK_MODES,
-        default=None,
         help="each node's check of its SSD directory at start: size (metadata only: torn and "
         "orphaned files), full (also reads every sealed object; the whole tier, per start) or "
         "off (default: $MOONCAKE_SPAN_SSD_CHECK as the nodes inherit it, else size)",
@@ -146,7 +139,6 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--lease-ttl-ms",
         type=_positive_int_arg,
-        default=None,
         metavar="MS",
         help=f"master's default_kv_lease_ttl in milliseconds (default: {CLUSTER_UP_LEASE_TTL_MS}, "
         f"{SSD_LEASE_TTL_MS} with --ssd-dir; Mooncake's 10000 keeps every looked-up object "
@@ -155,14 +147,12 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--client-ttl-s",
         type=_positive_int_arg,
-        default=None,
         metavar="S",
         help="seconds before the master drops a silent client's segments (default: Mooncake's, 10)",
     )
     up.add_argument(
         "--eviction-high-watermark-ratio",
         type=float,
-        default=None,
         metavar="RATIO",
         help=f"memory usage ratio in (0, 1] that triggers eviction (default: "
         f"{CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO}, {SSD_EVICTION_HIGH_WATERMARK_RATIO} with "
@@ -171,14 +161,12 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--eviction-ratio",
         type=float,
-        default=None,
         metavar="RATIO",
         help=f"share of objects one eviction pass frees, in (0, 1] (default: "
         f"{CLUSTER_UP_EVICTION_RATIO}, {SSD_EVICTION_RATIO} with --ssd-dir)",
     )
     up.add_argument(
         "--log-dir",
-        default=None,
         metavar="DIR",
         help="directory for the processes' logs (default: a new temporary directory)",
     )

@@ -1,10 +1,8 @@
 """Arguments shared by ``doctor`` and ``inspect``: where the cluster is.
 
-The connection is resolved exactly as the backend resolves it
-(``mooncake_settings.load_mooncake_settings``: extra-config, then
-``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``, then ``MOONCAKE_*``), with
-``--master`` / ``--metadata`` / ``--protocol`` laid over the result: flags on
-a command line are the most explicit source there is.
+The backend's own loader (``load_mooncake_settings``) resolves the connection,
+with the flags laid over it: flags on a command line are the most explicit
+source there is (docs/operating.md, "Where the cluster is").
 """
 
 from __future__ import annotations
@@ -26,25 +24,20 @@ FLAG_ONLY_PROTOCOL = "tcp"
 
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--master", default=None, metavar="HOST:PORT", help="master RPC address (or etcd://...)"
-    )
+    parser.add_argument("--master", metavar="HOST:PORT", help="master RPC address (or etcd://...)")
     parser.add_argument(
         "--metadata",
-        default=None,
         metavar="URL",
         help="metadata server, e.g. http://HOST:PORT/metadata, etcd://HOST:PORT, P2PHANDSHAKE",
     )
-    parser.add_argument("--protocol", default=None, help="transfer protocol (tcp, rdma, ...)")
+    parser.add_argument("--protocol", help="transfer protocol (tcp, rdma, ...)")
     parser.add_argument(
         "--extra-config",
-        default=None,
         metavar="JSON|@FILE",
         help="the backend's --hicache-storage-backend-extra-config (JSON text or @path)",
     )
     parser.add_argument(
         "--admin-url",
-        default=None,
         metavar="URL",
         help="the master's HTTP admin server (its --metrics_port), e.g. http://HOST:9003 "
         "(default: span_master_admin_url from the extra-config, else the master host on "

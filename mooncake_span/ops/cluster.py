@@ -1,34 +1,14 @@
 """Start and stop a local Mooncake cluster from Python (tests, demos, benches).
 
-A cluster is a set of child processes on one host, all bound to ``spec.host``
-on ports picked fresh at each start:
-
-* optionally one ``etcd`` (HA election, and metadata in HA mode);
-* optionally a standalone ``mooncake_http_metadata_server``;
-* ``ha_masters`` x ``mooncake_master``;
-* ``storage_nodes`` x ``python -m mooncake_span.storage_node``: processes
-  that only contribute memory, so stored data outlives the writing client;
-  with ``spec.ssd_dir`` each also keeps every object on ``ssd_dir/node<i>``,
-  so a node restarted with the same index, or a new cluster on the same
-  ``ssd_dir``, finds the keys again.
-
-Where the transfer metadata lives:
-
-* ``standalone_metadata=True``: the standalone HTTP metadata server;
-* otherwise, with ``ha_masters > 1``: etcd (it must not live inside one master,
-  or a failover would lose it);
-* otherwise: the HTTP metadata server embedded in the master.
-
-Command lines, readiness checks and process handling come from
-:mod:`mooncake_span.ops.launcher`, shared with the namespace lab. Every child
-runs in its own session with stdout and stderr appended to
-``<log_dir>/<name>.log``. ``stop()`` sends SIGTERM to each process group,
-waits, then SIGKILLs; it is idempotent and also runs at interpreter exit.
-
-This module needs only the standard library and the Mooncake executables; it
-never imports ``mooncake``, so it loads on machines without the wheel.
-
-Not thread-safe: drive one ``LocalCluster`` from one thread.
+Child processes on one host, bound to ``spec.host`` on ports picked fresh at
+each start (docs/operating.md, "A local cluster"): optionally etcd and a
+standalone metadata server, ``ha_masters`` masters, ``storage_nodes`` storage
+nodes (with ``spec.ssd_dir`` each keeps its objects on ``ssd_dir/node<i>``,
+found again by a node of the same index). With ``ha_masters > 1`` the
+transfer metadata lives in etcd: inside one master a failover would lose it.
+``stop()`` is idempotent and also runs at interpreter exit. Standard library
+and the Mooncake executables only, never ``mooncake``. Not thread-safe: drive
+one ``LocalCluster`` from one thread.
 """
 
 from __future__ import annotations
@@ -74,10 +54,6 @@ __all__ = [
 # Attempts at a whole start when a server dies during startup. The master
 # exits silently when its RPC port was taken between our probe and its bind.
 _START_ATTEMPTS = 3
-
-
-# ---------------------------------------------------------------------------
-# the cluster
 
 
 @dataclass(frozen=True)
@@ -191,11 +167,10 @@ class LocalCluster:
         return self
 
     def _check_disk_room(self, root: str) -> None:
-        """The nodes share the disk of ``root``: refused when it cannot hold one object
-        (ConfigError naming the usable capacity), a warning when their caps exceed it.
-        What the directories hold is summed (a stat per file: minutes at a million
-        objects) only where free space alone cannot hold one object; else each node
-        counts its own in its check and warns itself (ops/storage_ssd.py)."""
+        """The nodes share the disk of ``root``: refused (ConfigError) when it cannot hold
+        one object, a warning when their caps exceed it; what the directories hold is
+        summed only where free space alone cannot hold one object, else each node counts
+        its own (docs/operating.md, "The SSD tier")."""
         spec = self.spec
         if usable_bytes(root) >= spec.storage_node_segment_bytes:
             return
@@ -395,17 +370,15 @@ class LocalCluster:
         return self._ports
 
     def _master_index(self, i: int) -> int:
-        self._require_ports()
-        if not 0 <= i < self.spec.ha_masters:
-            raise IndexError(f"master index {i} out of range (ha_masters={self.spec.ha_masters})")
-        return i
+        return self._index(i, self.spec.ha_masters, "master", "ha_masters")
 
     def _node_index(self, i: int) -> int:
+        return self._index(i, len(self._nodes), "storage node", "storage_nodes")
+
+    def _index(self, i: int, count: int, what: str, field: str) -> int:
         self._require_ports()
-        if not 0 <= i < len(self._nodes):
-            raise IndexError(
-                f"storage node index {i} out of range (storage_nodes={self.spec.storage_nodes})"
-            )
+        if not 0 <= i < count:
+            raise IndexError(f"{what} index {i} out of range ({field}={getattr(self.spec, field)})")
         return i
 
     def _prepare_log_dir(self) -> Path:
@@ -428,15 +401,10 @@ class LocalCluster:
         etcd_peer = next(ports) if spec.etcd else None
         return _Ports(rpc, metrics, metadata_http, etcd_client, etcd_peer)
 
-    def _child_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.client_env())
-        # Children print through Python's stdout; unbuffered so READY lands at once.
-        env["PYTHONUNBUFFERED"] = "1"
-        return env
-
     def _site(self) -> L.LocalSite:
-        return L.LocalSite(self.log_dir, self._child_env())
+        # Children print through Python's stdout; unbuffered so READY lands at once.
+        env = {**os.environ, **self.client_env(), "PYTHONUNBUFFERED": "1"}
+        return L.LocalSite(self.log_dir, env)
 
     def _start_servers(
         self,

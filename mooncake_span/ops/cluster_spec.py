@@ -26,30 +26,17 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------
-# spec
-
-
 # The master flags ``mooncake-span cluster up`` starts with (ClusterSpec itself
-# keeps Mooncake's defaults). Backups at 5x a 32 MiB segment with hit queries on
-# the newest keys (docs/benchmarks.md, "2026-12-01: a full cluster"): with the
-# default 10 s lease every looked-up object stays leased, eviction finds nothing
-# to free, 79% of the put objects are refused and none of the newest requests
-# hit; a 2 s lease let 3x as many keys in and 31-57% of the newest requests hit.
-# Eviction ratio 0.1 did no better than Mooncake's 0.05 (pooled over 4 runs
-# each), so the watermark and ratio stay Mooncake's, passed explicitly.
+# keeps Mooncake's defaults). With the default 10 s lease every looked-up object
+# stays leased and eviction finds nothing to free; the figures are in
+# docs/benchmarks.md, "2026-12-01: a full cluster". Eviction ratio 0.1 did no
+# better than Mooncake's 0.05, so the watermark and ratio stay Mooncake's,
+# passed explicitly.
 CLUSTER_UP_LEASE_TTL_MS = 2000
-# With an SSD tier every put pins its DRAM copy until the next offload
-# heartbeat (1 s) writes it, and eviction can free only unleased copies: with
-# 10 s leases 256 puts of 1 MiB into a 64 MB segment took 34 s (320 refusals),
-# with 2 s 10.3 s, with 500 ms 4.7-6.2 s (docs/operating.md, "The SSD tier").
+# With an SSD tier: a shorter lease, because every put pins its DRAM copy until
+# the next offload heartbeat writes it; more DRAM headroom, because an evicted
+# copy is still on disk. Measured in docs/operating.md, "What the launcher sets".
 SSD_LEASE_TTL_MS = 500
-# With an SSD tier an evicted DRAM copy is still on disk, so DRAM can keep more
-# headroom for write bursts: a put larger than the free DRAM is refused (-200)
-# until eviction runs, and Mooncake's 0.9 / 0.05 left ~10% free. 96 puts of
-# 1 MiB into a 16 MiB segment, retried after 1.1 s like the put cool-down:
-# 0.9 / 0.05 took 36.6 s with 182 refusals, 0.7 / 0.2 17.8 s with 52, 0.5 / 0.3
-# 10.1 s with 47 (every key byte-exact in each).
 SSD_EVICTION_HIGH_WATERMARK_RATIO = 0.7
 SSD_EVICTION_RATIO = 0.2
 CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO = 0.9
@@ -108,12 +95,7 @@ class ClusterSpec:
             raise ValueError(f"ClusterSpec.host={self.host!r}: only IPv4 addresses are supported")
         _require_int(self.storage_nodes, "storage_nodes", minimum=0)
         _require_int(self.ha_masters, "ha_masters", minimum=1)
-        for name in ("storage_node_segment_bytes", "storage_node_local_buffer_bytes"):
-            try:
-                size_bytes = parse_size_bytes(getattr(self, name))
-            except ValueError as exc:
-                raise ValueError(f"ClusterSpec.{name}: {exc}") from None
-            object.__setattr__(self, name, size_bytes)
+        self._parse_sizes("storage_node_segment_bytes", "storage_node_local_buffer_bytes")
         if self.storage_nodes and self.storage_node_segment_bytes <= 0:
             raise ValueError(
                 f"ClusterSpec.storage_node_segment_bytes must be > 0 when storage_nodes="
@@ -129,11 +111,10 @@ class ClusterSpec:
                 "ClusterSpec.enable_oplog replicates metadata between HA masters; "
                 "set ha_masters >= 2 (and etcd=True), or drop enable_oplog"
             )
-        if self.lease_ttl_ms is not None:
-            _require_int(self.lease_ttl_ms, "lease_ttl_ms", minimum=1)
+        for name in ("lease_ttl_ms", "client_ttl_s"):
+            if getattr(self, name) is not None:
+                _require_int(getattr(self, name), name, minimum=1)
         self._check_ssd()
-        if self.client_ttl_s is not None:
-            _require_int(self.client_ttl_s, "client_ttl_s", minimum=1)
         for name in ("eviction_high_watermark_ratio", "eviction_ratio"):
             ratio = getattr(self, name)
             if ratio is not None and (
@@ -177,12 +158,7 @@ class ClusterSpec:
                 "ClusterSpec.ssd_dir gives storage nodes an SSD tier; set storage_nodes >= 1"
             )
         object.__setattr__(self, "ssd_dir", Path(self.ssd_dir))
-        for name in sizes:
-            if getattr(self, name) is not None:
-                try:
-                    object.__setattr__(self, name, parse_size_bytes(getattr(self, name)))
-                except ValueError as exc:
-                    raise ValueError(f"ClusterSpec.{name}: {exc}") from None
+        self._parse_sizes(*(name for name in sizes if getattr(self, name) is not None))
         if (
             self.ssd_size_bytes is not None
             and self.ssd_size_bytes < self.storage_node_segment_bytes
@@ -193,6 +169,14 @@ class ClusterSpec:
                 f"--ssd-size at least the segment size (several times it, or the SSD tier holds "
                 f"less than DRAM)"
             )
+
+    def _parse_sizes(self, *names: str) -> None:
+        """Store each size field as its bytes; a bad one names its field."""
+        for name in names:
+            try:
+                object.__setattr__(self, name, parse_size_bytes(getattr(self, name)))
+            except ValueError as exc:
+                raise ValueError(f"ClusterSpec.{name}: {exc}") from None
 
     @property
     def master_lease_ttl_ms(self) -> int | None:

@@ -1,22 +1,11 @@
 """One launcher for the Mooncake server processes: etcd, masters, metadata server, storage nodes.
 
-``LocalCluster`` (all processes on this host, free loopback ports) and the
-namespace lab's ``NetnsCluster`` (one process per network namespace, fixed
-ports) build the same command lines, wait for the same readiness signals and
-raise the same ``ClusterStartError``; only *where* a process runs differs.
-That difference is a ``Site``: something that starts an argv under a name and
-can send an HTTP GET from the place the process's peers see it from.
-
-Readiness, per kind of process:
-
-* etcd: ``/health`` answers 200 with ``"health":"true"``;
-* metadata server: any HTTP answer (a 404 for an unknown key included);
-* master: ``/health`` answers 200; with ``serving=True`` it must also say
-  ``service_ready: true``, because ``/health`` comes up before the RPC port is
-  bound;
-* storage node: a line starting with ``READY `` on its output.
-
-This module needs only the standard library; it never imports ``mooncake``.
+``LocalCluster`` and the namespace lab's ``NetnsCluster`` share the command
+lines, readiness checks and errors here; a ``Site`` says where a process runs
+(docs/architecture.md, "Processes around the backend"). A master's ``/health``
+answers before its RPC port is bound, so a master that must serve is waited
+for until it also says ``service_ready: true``. Standard library only: this
+module never imports ``mooncake``.
 """
 
 from __future__ import annotations
@@ -37,37 +26,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "ClusterStartError",
-    "EarlyExitError",
-    "LocalProcess",
-    "LocalSite",
-    "MasterArgs",
-    "NodeSsdArgs",
-    "Process",
-    "Site",
-    "etcd_argv",
-    "find_executable",
-    "http_get",
-    "metadata_server_argv",
-    "parse_health",
-    "pick_free_ports",
-    "popen_tied",
-    "read_text_from",
-    "start_masters",
-    "storage_node_argv",
-    "terminate",
-    "wait_for_leader",
-    "wait_http",
-    "wait_master",
-    "wait_ready_line",
-]
 
 POLL_INTERVAL_S = 0.05
 HTTP_PROBE_TIMEOUT_S = 1.0
@@ -423,10 +387,9 @@ def read_text_from(path: Path, offset: int) -> str:
 
 _LOG_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
-_T = TypeVar("_T")
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
     """A ``preexec_fn``: the child gets SIGKILL when the thread that forked it ends.
 
     A test run killed partway (SIGKILL, or a SIGTERM with no time for
@@ -444,63 +407,42 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def tie_to_parent() -> None:
-    """Give this process the parent-death SIGKILL that ``popen_tied`` gives its
-    children: for a process some other tool forked (a pytest-xdist worker),
-    so that it and then its own children die with the run."""
-    _die_with_parent(os.getppid())()
-
-
-class _Forker:
-    """One daemon thread that forks the children asked for from other threads.
-
-    The kernel's parent-death signal follows the *thread* that forked, so a
-    child started from a short-lived worker thread (a thread pool's) would be
-    killed when that thread ends. This thread lives as long as the process.
-    """
-
-    def __init__(self) -> None:
-        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], queue.SimpleQueue]] = (
-            queue.SimpleQueue()
-        )
-        threading.Thread(target=self._serve, name="mooncake-span-forker", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            fn, answer = self._requests.get()
-            try:
-                answer.put((True, fn()))
-            except BaseException as exc:  # handed back to the caller's thread
-                answer.put((False, exc))
-
-    def call(self, fn: Callable[[], _T]) -> _T:
-        answer: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
-        self._requests.put((fn, answer))
-        ok, value = answer.get()
-        if not ok:
-            raise value
-        return value
-
-
-_forker: _Forker | None = None
+# Requests for the forker thread: the kernel's parent-death signal follows the
+# *thread* that forked, so a child started from a short-lived worker thread (a
+# thread pool's) would be killed when that thread ends. One daemon thread, as
+# long-lived as the process, forks for every thread but the main one.
+_fork_requests: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
 _forker_lock = threading.Lock()
+_forker: threading.Thread | None = None
+
+
+def _fork_loop() -> None:
+    while True:
+        fn, future = _fork_requests.get()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed back to the caller's thread
+            future.set_exception(exc)
 
 
 def popen_tied(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(argv, **kwargs)`` for a child that dies with this process
-    (see ``_die_with_parent``): forked by the main thread directly, or for any
+    (see ``die_with_parent``): forked by the main thread directly, or for any
     other thread by the forker thread."""
     global _forker
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(list(argv), preexec_fn=_die_with_parent(os.getpid()), **kwargs)
+        return subprocess.Popen(list(argv), preexec_fn=die_with_parent(os.getpid()), **kwargs)
 
     if threading.current_thread() is threading.main_thread():
         return start()
     with _forker_lock:
         if _forker is None:
-            _forker = _Forker()
-    return _forker.call(start)
+            _forker = threading.Thread(target=_fork_loop, name="mooncake-span-forker", daemon=True)
+            _forker.start()
+    future: Future[subprocess.Popen[bytes]] = Future()
+    _fork_requests.put((start, future))
+    return future.result()
 
 
 class LocalProcess:

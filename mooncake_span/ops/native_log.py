@@ -1,10 +1,7 @@
 """Keep Mooncake's native (glog) lines off the terminal of the CLI commands.
 
 The native client logs every setup, connection and segment mount to fd 2 at
-INFO. The commands send those lines to a log file instead (``--native-log PATH``;
-``-`` keeps them on stderr) and say where it is: ``doctor`` and ``inspect`` point
-their probe child's stderr there; the tooling's in-process commands redirect
-their own fd 2 (``mooncake_span_tools.native_stderr``).
+INFO; the commands send those lines to a file (docs/operating.md, "Native logs").
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ from typing import Any
 def add_native_log_arg(parser: Any) -> None:
     parser.add_argument(
         "--native-log",
-        default=None,
         metavar="PATH",
         help="file for Mooncake's native log lines (default: a new temporary file, printed at "
         "the end; '-' shows them on stderr)",

@@ -1,20 +1,13 @@
 """A storage-only Mooncake process: it contributes memory and holds data.
 
 Run as ``python -m mooncake_span.storage_node --master HOST:PORT --metadata URL
---segment-bytes 512mb``. Without ``--master`` the connection comes from the same
-places a serving node reads it from (``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``,
-else ``MOONCAKE_MASTER`` and the other ``MOONCAKE_*`` variables), through the
-same loader and validators (:func:`mooncake_span.mooncake_settings.load_mooncake_settings`);
-flags given override single fields. The process mounts a global segment of that size,
-prints exactly one line starting with ``READY`` to stdout, then waits for
-SIGTERM or SIGINT, closes the store once and exits 0. Setup failures print an
-error to stderr and exit 1; bad arguments exit 2.
-
-Objects written by any client land in such segments, so data outlives the
-writer process. With ``--ssd-dir DIR`` (``ops/storage_ssd.py``) the node also
-keeps every object on ``DIR/<node name>``, and the data outlives this process
-and the master too: a stop releases the disk segment before the store closes,
-and a node restarted on the same directory registers its keys again.
+--segment-bytes 512mb``; without ``--master`` the connection comes from the
+serving node's sources and loader (``load_mooncake_settings``), flags overriding
+single fields (docs/architecture.md, "Processes around the backend"). The process
+mounts its global segment, prints exactly one line starting with ``READY`` to
+stdout, waits for SIGTERM or SIGINT, closes the store once and exits 0. Setup
+failures print an error to stderr and exit 1; bad arguments exit 2. The SSD tier
+(``--ssd-dir``) is ``ops/storage_ssd.py``.
 """
 
 from __future__ import annotations
@@ -47,6 +40,19 @@ from mooncake_span.store.native import setup_arguments
 logger = logging.getLogger(__name__)
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+# Each overrides one field of the node's settings (settings_from_args).
+_CONNECTION_FLAGS = (
+    ("--master", "master address, HOST:PORT or etcd://HOST:PORT for HA masters"),
+    ("--metadata", "metadata server: http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE"),
+    (
+        "--segment-bytes",
+        "size of the global segment this node contributes, e.g. 512mb or 1073741824",
+    ),
+    ("--local-buffer-bytes", "size of the client's local transfer buffer (default: 16mb)"),
+    ("--host", "local hostname/IP this node advertises (default: 127.0.0.1 with --master)"),
+    ("--protocol", "transfer protocol (default: tcp with --master)"),
+    ("--device", "RDMA device name; empty for tcp"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,35 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
             "MOONCAKE_* environment, like a serving node's; flags override single fields."
         ),
     )
-    parser.add_argument(
-        "--master",
-        default=None,
-        help="master address, HOST:PORT or etcd://HOST:PORT for HA masters",
-    )
-    parser.add_argument(
-        "--metadata",
-        default=None,
-        help="metadata server: http://HOST:PORT/metadata, etcd://HOST:PORT or P2PHANDSHAKE",
-    )
-    parser.add_argument(
-        "--segment-bytes",
-        default=None,
-        help="size of the global segment this node contributes, e.g. 512mb or 1073741824",
-    )
-    parser.add_argument(
-        "--local-buffer-bytes",
-        default=None,
-        help="size of the client's local transfer buffer (default: 16mb)",
-    )
-    parser.add_argument(
-        "--host",
-        default=None,
-        help="local hostname/IP this node advertises (default: 127.0.0.1 with --master)",
-    )
-    parser.add_argument(
-        "--protocol", default=None, help="transfer protocol (default: tcp with --master)"
-    )
-    parser.add_argument("--device", default=None, help="RDMA device name; empty for tcp")
+    for flag, text in _CONNECTION_FLAGS:
+        parser.add_argument(flag, help=text)
     add_ssd_arguments(parser)
     return parser
 
@@ -183,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             logger.error("%s", exc)
             _stop(store, ssd, finish_offloads=False)
             return 1
-    print(_ready_line(store, settings, setup_s, ssd), flush=True)
+    ready = (
+        f"READY pid={os.getpid()} segment={store.get_hostname()} "
+        f"segment_bytes={settings.global_segment_size_bytes} setup_s={setup_s:.3f}"
+    )
+    if ssd is not None:
+        ready += f" ssd_dir={ssd.tier.directory} ssd_cap_bytes={ssd.tier.cap_bytes}"
+    print(ready, flush=True)
     received = signal.sigwait(_STOP_SIGNALS)
     logger.info("got %s, closing the store", signal.Signals(received).name)
     _stop(store, ssd)
@@ -208,18 +193,6 @@ def _log_setup_failure(rc: int, setup_s: float, settings: MooncakeSettings) -> N
         settings.global_segment_size_bytes,
         hint,
     )
-
-
-def _ready_line(
-    store: object, settings: MooncakeSettings, setup_s: float, ssd: NodeSsd | None
-) -> str:
-    line = (
-        f"READY pid={os.getpid()} segment={store.get_hostname()} "
-        f"segment_bytes={settings.global_segment_size_bytes} setup_s={setup_s:.3f}"
-    )
-    if ssd is not None:
-        line += f" ssd_dir={ssd.tier.directory} ssd_cap_bytes={ssd.tier.cap_bytes}"
-    return line
 
 
 def _stop(store: object, ssd: NodeSsd | None, finish_offloads: bool = True) -> None:

@@ -1,12 +1,8 @@
 """The SSD tier of a storage node: its flags, the checks at start, the restart after a crash.
 
-``python -m mooncake_span.storage_node ... --ssd-dir DIR [--ssd-size SIZE]``
-keeps every object it holds on ``DIR/<node name>`` as well (the settings are
-``store/ssd_tier.SsdTier``'s). Everything is checked before the native client
-starts, and a bad value is refused with the fix in the message; nothing in
-``DIR`` is deleted or rewritten by a refusal. sglang's own keys mean the same
-on a storage node: ``enable_ssd_offload`` with ``ssd_offload_path`` (from
-``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH`` or ``MOONCAKE_*``) is ``--ssd-dir``.
+Everything is checked before the native client starts, and nothing in the
+directory is deleted or rewritten by a refusal; docs/operating.md, "The SSD
+tier", says what each flag and check means.
 """
 
 from __future__ import annotations
@@ -36,28 +32,24 @@ MOONCAKE_CLIENT_TTL_S = 10
 def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ssd-dir",
-        default=None,
         metavar="DIR",
         help="keep every object on this SSD directory too (it must exist); the node uses "
         "DIR/<node name>, which a restart with the same name finds again",
     )
     parser.add_argument(
         "--ssd-size",
-        default=None,
         metavar="SIZE",
         help="disk cap of the SSD tier, oldest objects evicted first (default: 90%% of the "
         "disk, Mooncake's default); at least the segment size",
     )
     parser.add_argument(
         "--ssd-read-buffer",
-        default=None,
         metavar="SIZE",
         help=f"RAM staging objects read from the SSD for a reader (default: "
         f"{DEFAULT_READ_BUFFER_BYTES >> 20}mb; a larger batch is read in parts)",
     )
     parser.add_argument(
         "--ssd-check",
-        default=None,
         choices=ssd_scan.CHECK_MODES,
         help="before registering the directory, delete objects that could only read as "
         "misses: size reads metadata only (torn and orphaned files); full also reads every "
@@ -67,7 +59,6 @@ def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ssd-stop-wait-s",
         type=float,
-        default=None,
         metavar="S",
         help="on SIGTERM, wait at most this long for the objects the node holds unwritten to "
         f"reach the disk before it stops (default: ${ssd_tier.STOP_WAIT_ENV}, else "
@@ -75,12 +66,10 @@ def add_ssd_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--node-name",
-        default=None,
         help="stable name of this node: its SSD sub-directory (default: this host's name)",
     )
     parser.add_argument(
         "--admin-url",
-        default=None,
         metavar="URL",
         help="the master's admin server http://HOST:PORT (its --metrics_port): after a crash "
         "the node waits there until the master has dropped its predecessor",
@@ -168,9 +157,8 @@ def prepare_node_ssd(args: argparse.Namespace, settings: MooncakeSettings) -> No
         largest_object_bytes=settings.global_segment_size_bytes,
         read_buffer_bytes=read_buffer if read_buffer is not None else DEFAULT_READ_BUFFER_BYTES,
     )
-    # What the tier already holds counts as room. Summing it is a stat per file
-    # (minutes at a million objects), so it is done before anything changes only
-    # where free space alone cannot hold one object; else the check counts it.
+    # What the tier holds counts as room; summed up front (a stat per file) only
+    # where free space alone cannot hold one object, else the check counts it.
     held = None
     if ssd_tier.usable_bytes(root) < tier.largest_object_bytes:
         held = ssd_tier.held_bytes(tier.directory)

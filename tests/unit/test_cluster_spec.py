@@ -276,3 +276,18 @@ def test_cluster_up_ssd_check_reaches_each_node_only_when_given():
         ClusterSpec(storage_nodes=1, ssd_dir="/n", ssd_check="quick")
     with pytest.raises(ValueError, match="ssd_check needs ssd_dir"):
         ClusterSpec(ssd_check="full")
+
+
+def test_fault_helpers_name_an_index_out_of_range():
+    from mooncake_span.ops import cluster as ops_cluster
+
+    cluster = LocalCluster(ClusterSpec())
+    cluster._ports = ops_cluster._Ports((50051,), (9003,), 8080, None, None)
+    cluster._started = True
+    try:
+        with pytest.raises(IndexError, match=r"master index 1 out of range \(ha_masters=1\)"):
+            cluster.kill_master(1)
+        with pytest.raises(IndexError, match=r"node index 0 out of range \(storage_nodes=0\)"):
+            cluster.kill_storage_node(0)
+    finally:
+        cluster._started = False
