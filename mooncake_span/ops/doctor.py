@@ -1,12 +1,8 @@
-"""``mooncake-span doctor``: check a node's Mooncake setup, one line per check.
-
-Each check answers PASS, WARN, FAIL or SKIP with what it saw and, unless it
-passed, the fix. The checks are ordered so that a broken foundation (config,
-master, metadata, etcd) skips the checks built on it instead of waiting on
-them. Every network step has a short timeout and the native client only runs
-in a child process with a deadline (``probe_worker``), so the whole command
-ends within ``DEADLINE_S`` even with a dead master or etcd. Exit 0 when no
-check FAILs, 1 otherwise.
+"""``mooncake-span doctor``: check a node's Mooncake setup, one line per check
+(docs/operating.md, "mooncake-span doctor", lists them). The checks run in an order
+where a broken foundation skips what stands on it, every network step has a short
+timeout and the native client runs only in the ``probe_worker`` child, so the command
+ends within ``DEADLINE_S`` even with a dead master or etcd.
 """
 
 from __future__ import annotations
@@ -47,7 +43,9 @@ from mooncake_span.ops.doctor_ssd import check_ssd, master_check, ssd_requested
 from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
 from mooncake_span.store.native import (
+    CHECKSUM_ENV,
     MOONCAKE_DISTRIBUTIONS,
+    checksum_setting,
     installed_mooncake,
     mooncake_import_failure,
     mooncake_install_hint,
@@ -169,27 +167,17 @@ def check_mooncake_build(ctx: Context) -> list[Check]:
         ctx.failed.add("mooncake")
         return [Check(name, FAIL, mooncake_import_failure(failure, builds), None, data)]
     if len(builds) > 1:
-        return [
-            Check(
-                name,
-                WARN,
-                f"several builds provide `mooncake`: {said}; they install the same files over "
-                "each other",
-                "uninstall all of them and install the one for this host",
-                data,
-            )
-        ]
-    if builds[0].host_kind is None:
-        return [
-            Check(
-                name,
-                WARN,
-                f"{said}: the backend is tested on {', '.join(MOONCAKE_DISTRIBUTIONS)}",
-                mooncake_install_hint(),
-                data,
-            )
-        ]
-    return [Check(name, PASS, said, None, data)]
+        status, fix = WARN, "uninstall all of them and install the one for this host"
+        detail = (
+            f"several builds provide `mooncake`: {said}; they install the same files over "
+            "each other"
+        )
+    elif builds[0].host_kind is None:
+        status, fix = WARN, mooncake_install_hint()
+        detail = f"{said}: the backend is tested on {', '.join(MOONCAKE_DISTRIBUTIONS)}"
+    else:
+        status, detail, fix = PASS, said, None
+    return [Check(name, status, detail, fix, data)]
 
 
 def check_metadata(ctx: Context) -> list[Check]:
@@ -284,54 +272,40 @@ def check_bind(ctx: Context) -> list[Check]:
     master_host = s.master_server_address.removeprefix("etcd://").split(";")[0].rpartition(":")[0]
     master_ip = _resolve(master_host)
     data = {"bind": bind, "local_hostname": s.local_hostname, "resolved": hostname_ip}
-    name = "bind address"
     if not bind:
-        return [
-            Check(
-                name,
-                WARN,
-                f"MC_TCP_BIND_ADDRESS is not set: the transfer engine advertises the first non-lo "
-                f"interface, not local_hostname {s.local_hostname!r}",
-                f"export MC_TCP_BIND_ADDRESS={hostname_ip or 'THIS_HOST_IP'} (the address peers "
-                "reach this host on)",
-                data,
-            )
-        ]
-    if not _is_local_address(bind):
-        return [
-            Check(
-                name,
-                FAIL,
-                f"MC_TCP_BIND_ADDRESS={bind} is not an address of this host",
-                "set it to one of this host's addresses (ip -brief addr)",
-                data,
-            )
-        ]
-    if hostname_ip is None or hostname_ip != bind:
-        return [
-            Check(
-                name,
-                FAIL,
-                f"local_hostname {s.local_hostname!r} resolves to {hostname_ip} but "
-                f"MC_TCP_BIND_ADDRESS is {bind}: peers and the master would see two addresses",
-                f"set local_hostname (or MOONCAKE_LOCAL_HOSTNAME) to {bind}, or "
-                f"MC_TCP_BIND_ADDRESS to {hostname_ip or 'the local_hostname address'}",
-                data,
-            )
-        ]
-    if _is_loopback(bind) and master_ip is not None and not _is_loopback(master_ip):
-        return [
-            Check(
-                name,
-                FAIL,
-                f"this host binds loopback {bind} but the master is remote ({master_host}): "
-                "storage nodes elsewhere cannot reach it",
-                "set MC_TCP_BIND_ADDRESS and local_hostname to this host's LAN address",
-                data,
-            )
-        ]
-    agree = f"local_hostname and MC_TCP_BIND_ADDRESS agree on {bind}"
-    return [Check(name, PASS, agree, None, data)]
+        status = WARN
+        detail = (
+            f"MC_TCP_BIND_ADDRESS is not set: the transfer engine advertises the first non-lo "
+            f"interface, not local_hostname {s.local_hostname!r}"
+        )
+        fix = (
+            f"export MC_TCP_BIND_ADDRESS={hostname_ip or 'THIS_HOST_IP'} (the address peers "
+            "reach this host on)"
+        )
+    elif not _is_local_address(bind):
+        status, detail = FAIL, f"MC_TCP_BIND_ADDRESS={bind} is not an address of this host"
+        fix = "set it to one of this host's addresses (ip -brief addr)"
+    elif hostname_ip is None or hostname_ip != bind:
+        status = FAIL
+        detail = (
+            f"local_hostname {s.local_hostname!r} resolves to {hostname_ip} but "
+            f"MC_TCP_BIND_ADDRESS is {bind}: peers and the master would see two addresses"
+        )
+        fix = (
+            f"set local_hostname (or MOONCAKE_LOCAL_HOSTNAME) to {bind}, or "
+            f"MC_TCP_BIND_ADDRESS to {hostname_ip or 'the local_hostname address'}"
+        )
+    elif _is_loopback(bind) and master_ip is not None and not _is_loopback(master_ip):
+        status = FAIL
+        detail = (
+            f"this host binds loopback {bind} but the master is remote ({master_host}): "
+            "storage nodes elsewhere cannot reach it"
+        )
+        fix = "set MC_TCP_BIND_ADDRESS and local_hostname to this host's LAN address"
+    else:
+        status, fix = PASS, None
+        detail = f"local_hostname and MC_TCP_BIND_ADDRESS agree on {bind}"
+    return [Check("bind address", status, detail, fix, data)]
 
 
 def check_syn_retries(ctx: Context) -> list[Check]:
@@ -355,9 +329,6 @@ def check_syn_retries(ctx: Context) -> list[Check]:
 
 
 def check_checksums(ctx: Context) -> list[Check]:
-    """Whether restores will be verified (span_verify_checksums / MOONCAKE_STORE_CHECKSUM)."""
-    from mooncake_span.store.native import CHECKSUM_ENV, checksum_setting
-
     try:
         verify, why = checksum_setting(load_span_options(ctx.extra), os.environ)
     except MooncakeSpanError as exc:
