@@ -1,18 +1,7 @@
-"""``doctor``'s SSD-tier checks: is an SSD tier asked for, and would it persist anything?
-
-Asked for means ``enable_ssd_offload`` in the rank's config (sglang's key: the
-rank's own segment is offloaded to its ``rank_*`` sub-directory) or
-``doctor --ssd-dir DIR`` (a storage node's ``--ssd-dir``). Then:
-
-* ``ssd tier``: the directory (exists or can be made, a real directory,
-  writable, not held by a running process), for a storage node's directory
-  that its usable capacity holds one object (up to the node's segment:
-  ``--segment-bytes``, else the config's), and, for a rank, that it owns a
-  segment to offload and that the operator's ``MOONCAKE_OFFLOAD_*`` variables
-  keep the layout that writes every object (``store/ssd_tier.layout_problems``);
-* ``ssd master``: the probe child sets up with ``enable_ssd_offload`` on a
-  scratch directory; a master without ``--enable_offload=true`` refuses it
-  (UNABLE_OFFLOAD), and every SSD setup against it would fail the same way.
+"""``doctor``'s SSD-tier checks, ``ssd tier`` and ``ssd master``: is an SSD tier asked
+for (a rank's ``enable_ssd_offload``, whose own segment goes to its ``rank_*``
+sub-directory, or ``doctor --ssd-dir`` for a storage node's directory), and would it
+persist anything? What each FAILs on: docs/operating.md, "doctor and metrics".
 """
 
 from __future__ import annotations
