@@ -63,11 +63,11 @@ _ROUNDTRIP_OBJECT_BYTES = 1 << 20
 _SYN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_syn_retries"
 
 
-def _tcp(endpoint: str, timeout_s: float = _NET_TIMEOUT_S) -> str | None:
+def _tcp(endpoint: str) -> str | None:
     """None when ``HOST:PORT`` accepts a connection, else why not."""
     host, _, port = endpoint.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_NET_TIMEOUT_S):
             return None
     except (OSError, ValueError) as exc:
         return str(exc) or type(exc).__name__

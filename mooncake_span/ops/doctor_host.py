@@ -149,19 +149,12 @@ def check_memlock(ctx: Context) -> list[Check]:
         f" + host pools {ctx.host_pool_bytes}" if ctx.host_pool_bytes else " (host pools unknown)"
     )
     what = f"{terms}{pools} = {need} bytes per rank"
-    data = {"limit_bytes": None if soft == resource.RLIM_INFINITY else soft, "need_bytes": need}
-    if soft != resource.RLIM_INFINITY and soft < need:
-        return [
-            Check(
-                "memlock",
-                FAIL,
-                f"memlock limit {soft} bytes < {what}",
-                "ulimit -l unlimited (or LimitMEMLOCK=infinity / --ulimit memlock=-1 in "
-                "containers)",
-                data,
-            )
-        ]
-    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    limited = soft != resource.RLIM_INFINITY
+    data = {"limit_bytes": soft if limited else None, "need_bytes": need}
+    if limited and soft < need:
+        fix = "ulimit -l unlimited (or LimitMEMLOCK=infinity / --ulimit memlock=-1 in containers)"
+        return [Check("memlock", FAIL, f"memlock limit {soft} bytes < {what}", fix, data)]
+    limit = f"{soft} bytes" if limited else "unlimited"
     return [Check("memlock", PASS, f"memlock limit {limit} covers {what}", None, data)]
 
 

@@ -111,11 +111,8 @@ def _check_rank(ctx: Context) -> list[Check]:
             Check(_NAME, FAIL, f"the layout would persist nothing: {p}", p.rpartition("; ")[2])
             for p in problems
         ]
-    return [_check_rank_dir(directory)]
-
-
-def _check_rank_dir(directory: str) -> Check:
     parent, name = os.path.split(os.path.abspath(directory))
+    # The directory need not exist yet: check the nearest part of its path that does.
     existing = parent
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
@@ -126,14 +123,12 @@ def _check_rank_dir(directory: str) -> Check:
         if os.path.isdir(parent):
             ssd_tier.DirLock(parent, name).check_free(directory)
     except ConfigError as exc:
-        return Check(_NAME, FAIL, str(exc), "fix ssd_offload_path as the message says")
-    return Check(
-        _NAME,
-        PASS,
+        return [Check(_NAME, FAIL, str(exc), "fix ssd_offload_path as the message says")]
+    detail = (
         f"{directory}: writable, not in use; every object this rank's segment holds is "
-        "written there one heartbeat after its put",
-        data={"ssd_dir": directory},
+        "written there one heartbeat after its put"
     )
+    return [Check(_NAME, PASS, detail, data={"ssd_dir": directory})]
 
 
 def master_check(reply: dict[str, Any]) -> Check:
