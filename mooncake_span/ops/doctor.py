@@ -87,22 +87,15 @@ def _http_status(url: str) -> tuple[int | None, str]:
 
 
 def check_master(ctx: Context) -> list[Check]:
-    s = ctx.settings
-    if s.master_server_address.startswith("etcd://"):
+    address = ctx.settings.master_server_address
+    if address.startswith("etcd://"):
         return [Check("master", SKIP, "HA masters behind etcd: see the etcd check"), *_admin(ctx)]
-    why = _tcp(s.master_server_address)
+    why = _tcp(address)
     if why is not None:
         ctx.failed.add("master")
-        return [
-            Check(
-                "master",
-                FAIL,
-                f"master {s.master_server_address} does not accept connections: {why}",
-                "start mooncake_master there or correct master_server_address (HOST:RPC_PORT)",
-            )
-        ]
-    passed = Check("master", PASS, f"master {s.master_server_address} accepts connections")
-    return [passed, *_admin(ctx)]
+        fix = "start mooncake_master there or correct master_server_address (HOST:RPC_PORT)"
+        return [Check("master", FAIL, f"master {address} does not accept connections: {why}", fix)]
+    return [Check("master", PASS, f"master {address} accepts connections"), *_admin(ctx)]
 
 
 def _admin(ctx: Context) -> list[Check]:
@@ -112,14 +105,9 @@ def _admin(ctx: Context) -> list[Check]:
     try:
         health = master_http.health(ctx.admin_url, _NET_TIMEOUT_S)
     except master_http.AdminError as exc:
-        return [
-            Check(
-                "master admin",
-                WARN,
-                f"admin server not reachable ({exc}); the master's version and role are unknown",
-                "pass --admin-url http://HOST:METRICS_PORT (mooncake_master --metrics_port)",
-            )
-        ]
+        detail = f"admin server not reachable ({exc}); the master's version and role are unknown"
+        fix = "pass --admin-url http://HOST:METRICS_PORT (mooncake_master --metrics_port)"
+        return [Check("master admin", WARN, detail, fix)]
     role, state = health.get("role"), health.get("ha_state")
     status = PASS if health.get("status") == "ok" and health.get("service_ready", True) else WARN
     client_version = ", ".join(b.describe() for b in installed_mooncake()) or None
@@ -195,15 +183,11 @@ def check_metadata(ctx: Context) -> list[Check]:
         why = f"{md} is unreachable: {body}"
     else:
         why = f"{md} answered HTTP {status} {body.strip()[:80]!r}, not a Mooncake metadata server"
-    return [
-        Check(
-            "metadata",
-            FAIL,
-            why,
-            "use the URL `mooncake-span cluster up` prints (http://HOST:PORT/metadata of the "
-            "master's --http_metadata_server_port or mooncake_http_metadata_server)",
-        )
-    ]
+    fix = (
+        "use the URL `mooncake-span cluster up` prints (http://HOST:PORT/metadata of the "
+        "master's --http_metadata_server_port or mooncake_http_metadata_server)"
+    )
+    return [Check("metadata", FAIL, why, fix)]
 
 
 def _etcd_endpoints(ctx: Context) -> list[str]:
@@ -229,16 +213,9 @@ def check_etcd(ctx: Context) -> list[Check]:
             checks.append(Check("etcd", PASS, f"etcd {endpoint} answers (etcd {version})"))
             continue
         ctx.failed.add("etcd")
-        checks.append(
-            Check(
-                "etcd",
-                FAIL,
-                f"etcd {endpoint} does not answer: "
-                + (body if status is None else f"HTTP {status}"),
-                "start etcd or fix the endpoint; with a dead etcd Mooncake's setup blocks for "
-                "minutes",
-            )
-        )
+        why = body if status is None else f"HTTP {status}"
+        fix = "start etcd or fix the endpoint; with a dead etcd Mooncake's setup blocks for minutes"
+        checks.append(Check("etcd", FAIL, f"etcd {endpoint} does not answer: {why}", fix))
     return checks
 
 
@@ -316,16 +293,12 @@ def check_syn_retries(ctx: Context) -> list[Check]:
         return [Check("tcp_syn_retries", SKIP, f"cannot read {_SYN_RETRIES_PATH}: {exc}")]
     if value <= 2:
         return [Check("tcp_syn_retries", PASS, f"net.ipv4.tcp_syn_retries={value}")]
-    return [
-        Check(
-            "tcp_syn_retries",
-            WARN,
-            f"net.ipv4.tcp_syn_retries={value}: a connect to a partitioned node waits for the "
-            "kernel's retries, and a transfer then blocks for Mooncake's 60 s",
-            "sysctl -w net.ipv4.tcp_syn_retries=1 (a connect gives up after ~3 s)",
-            {"value": value},
-        )
-    ]
+    detail = (
+        f"net.ipv4.tcp_syn_retries={value}: a connect to a partitioned node waits for the "
+        "kernel's retries, and a transfer then blocks for Mooncake's 60 s"
+    )
+    fix = "sysctl -w net.ipv4.tcp_syn_retries=1 (a connect gives up after ~3 s)"
+    return [Check("tcp_syn_retries", WARN, detail, fix, {"value": value})]
 
 
 def check_checksums(ctx: Context) -> list[Check]:
@@ -392,12 +365,8 @@ def _guard_check(reply: dict[str, Any], key: str | None) -> Check:
     try:
         record = json.loads(text)
     except ValueError:
-        return Check(
-            "layout guard",
-            FAIL,
-            f"{key} holds no JSON: {text[:60]!r}",
-            "remove the key; nodes refuse to start against a record they cannot read",
-        )
+        fix = "remove the key; nodes refuse to start against a record they cannot read"
+        return Check("layout guard", FAIL, f"{key} holds no JSON: {text[:60]!r}", fix)
     summary = (
         f"host page {record.get('host_page_tokens')} tokens, storage page "
         f"{record.get('storage_page_tokens')}, layout {record.get('layout')}, "

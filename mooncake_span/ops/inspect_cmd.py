@@ -136,13 +136,12 @@ def _reachable(ns: _Namespace, prefix: str, records: dict[str, str | None]) -> d
     texts = [records.get(chain_record_key(prefix, root, n)) for root, n in ns.chains.items()]
     read = [record_keys(text) for text in texts if text]
     estimate = reachable_estimate(read, ns.page_keys)
-    share = estimate.share
     return {
         "chain_records": len(ns.chains),
         "chains_sampled": estimate.chains,
         "stored_keys": estimate.stored_keys,
         "reachable_keys": estimate.reachable_keys,
-        "share": None if share is None else round(share, 4),
+        "share": None if estimate.share is None else round(estimate.share, 4),
     }
 
 
@@ -187,11 +186,9 @@ def _master_summary(samples: list[tuple[str, dict[str, str], float]]) -> dict[st
         "master_client_count": "clients",
         "master_active_clients": "clients",
     }
-    out: dict[str, Any] = {}
-    for name, labels, value in samples:
-        if name in wanted and not labels:
-            out[wanted[name]] = int(value)
-    return out
+    return {
+        wanted[name]: int(value) for name, labels, value in samples if name in wanted and not labels
+    }
 
 
 def _guard_record(text: str | None) -> Any:
