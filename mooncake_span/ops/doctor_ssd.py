@@ -60,41 +60,35 @@ def _check_node_dir(root: str, segment_bytes: int) -> Check:
     }
     reserve = f"Mooncake's {ssd_tier.DISK_RESERVE_BYTES >> 20} MiB reserve"
     if usable < object_bytes:
-        return Check(
-            _NAME,
-            FAIL,
+        detail = (
             f"{path}: {usable} bytes usable (free space plus what it holds, less {reserve}), "
             f"less than one object of up to {object_bytes} bytes ({which}): the tier would "
-            "keep nothing that size, and a storage node with this segment refuses to start",
-            "free space on that disk or pick a larger one",
-            data=data,
+            "keep nothing that size, and a storage node with this segment refuses to start"
         )
-    return Check(
-        _NAME,
-        PASS,
+        return Check(_NAME, FAIL, detail, "free space on that disk or pick a larger one", data)
+    detail = (
         f"{path}: a writable directory; a storage node with --ssd-dir {root} uses "
         f"{path}/<node name>; {usable} bytes usable (free space plus what it holds, less "
         f"{reserve}; a --ssd-size above that holds no more), at least one object of up to "
-        f"{object_bytes} bytes ({which}); default cap {cap} bytes (90% of the disk)",
-        data=data,
+        f"{object_bytes} bytes ({which}); default cap {cap} bytes (90% of the disk)"
     )
+    return Check(_NAME, PASS, detail, None, data)
 
 
 def _check_rank(ctx: Context) -> list[Check]:
     s = ctx.settings
     directory = s.ssd_offload_path or os.environ.get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "")
     if s.global_segment_size_bytes == 0:
-        return [
-            Check(
-                _NAME,
-                FAIL,
-                "enable_ssd_offload on a rank with global_segment_size 0 persists nothing: a "
-                "rank offloads only the objects its own segment holds, and the storage nodes "
-                "hold them",
-                "start the storage nodes with --ssd-dir DIR (and drop enable_ssd_offload here), "
-                "or give this rank a segment",
-            )
-        ]
+        detail = (
+            "enable_ssd_offload on a rank with global_segment_size 0 persists nothing: a "
+            "rank offloads only the objects its own segment holds, and the storage nodes "
+            "hold them"
+        )
+        fix = (
+            "start the storage nodes with --ssd-dir DIR (and drop enable_ssd_offload here), "
+            "or give this rank a segment"
+        )
+        return [Check(_NAME, FAIL, detail, fix)]
     if not directory:
         return [
             Check(_NAME, FAIL, "enable_ssd_offload without a directory", "set ssd_offload_path")
