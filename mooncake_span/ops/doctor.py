@@ -1,12 +1,8 @@
-"""``mooncake-span doctor``: check a node's Mooncake setup, one line per check.
-
-Each check answers PASS, WARN, FAIL or SKIP with what it saw and, unless it
-passed, the fix. The checks are ordered so that a broken foundation (config,
-master, metadata, etcd) skips the checks built on it instead of waiting on
-them. Every network step has a short timeout and the native client only runs
-in a child process with a deadline (``probe_worker``), so the whole command
-ends within ``DEADLINE_S`` even with a dead master or etcd. Exit 0 when no
-check FAILs, 1 otherwise.
+"""``mooncake-span doctor``: check a node's Mooncake setup, one line per check
+(docs/operating.md, "mooncake-span doctor", lists them). The checks run in an order
+where a broken foundation skips what stands on it, every network step has a short
+timeout and the native client runs only in the ``probe_worker`` child, so the command
+ends within ``DEADLINE_S`` even with a dead master or etcd.
 """
 
 from __future__ import annotations
@@ -47,7 +43,9 @@ from mooncake_span.ops.doctor_ssd import check_ssd, master_check, ssd_requested
 from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
 from mooncake_span.store.native import (
+    CHECKSUM_ENV,
     MOONCAKE_DISTRIBUTIONS,
+    checksum_setting,
     installed_mooncake,
     mooncake_import_failure,
     mooncake_install_hint,
@@ -65,11 +63,11 @@ _ROUNDTRIP_OBJECT_BYTES = 1 << 20
 _SYN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_syn_retries"
 
 
-def _tcp(endpoint: str, timeout_s: float = _NET_TIMEOUT_S) -> str | None:
+def _tcp(endpoint: str) -> str | None:
     """None when ``HOST:PORT`` accepts a connection, else why not."""
     host, _, port = endpoint.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_NET_TIMEOUT_S):
             return None
     except (OSError, ValueError) as exc:
         return str(exc) or type(exc).__name__
@@ -89,22 +87,15 @@ def _http_status(url: str) -> tuple[int | None, str]:
 
 
 def check_master(ctx: Context) -> list[Check]:
-    s = ctx.settings
-    if s.master_server_address.startswith("etcd://"):
+    address = ctx.settings.master_server_address
+    if address.startswith("etcd://"):
         return [Check("master", SKIP, "HA masters behind etcd: see the etcd check"), *_admin(ctx)]
-    why = _tcp(s.master_server_address)
+    why = _tcp(address)
     if why is not None:
         ctx.failed.add("master")
-        return [
-            Check(
-                "master",
-                FAIL,
-                f"master {s.master_server_address} does not accept connections: {why}",
-                "start mooncake_master there or correct master_server_address (HOST:RPC_PORT)",
-            )
-        ]
-    passed = Check("master", PASS, f"master {s.master_server_address} accepts connections")
-    return [passed, *_admin(ctx)]
+        fix = "start mooncake_master there or correct master_server_address (HOST:RPC_PORT)"
+        return [Check("master", FAIL, f"master {address} does not accept connections: {why}", fix)]
+    return [Check("master", PASS, f"master {address} accepts connections"), *_admin(ctx)]
 
 
 def _admin(ctx: Context) -> list[Check]:
@@ -114,14 +105,9 @@ def _admin(ctx: Context) -> list[Check]:
     try:
         health = master_http.health(ctx.admin_url, _NET_TIMEOUT_S)
     except master_http.AdminError as exc:
-        return [
-            Check(
-                "master admin",
-                WARN,
-                f"admin server not reachable ({exc}); the master's version and role are unknown",
-                "pass --admin-url http://HOST:METRICS_PORT (mooncake_master --metrics_port)",
-            )
-        ]
+        detail = f"admin server not reachable ({exc}); the master's version and role are unknown"
+        fix = "pass --admin-url http://HOST:METRICS_PORT (mooncake_master --metrics_port)"
+        return [Check("master admin", WARN, detail, fix)]
     role, state = health.get("role"), health.get("ha_state")
     status = PASS if health.get("status") == "ok" and health.get("service_ready", True) else WARN
     client_version = ", ".join(b.describe() for b in installed_mooncake()) or None
@@ -169,27 +155,17 @@ def check_mooncake_build(ctx: Context) -> list[Check]:
         ctx.failed.add("mooncake")
         return [Check(name, FAIL, mooncake_import_failure(failure, builds), None, data)]
     if len(builds) > 1:
-        return [
-            Check(
-                name,
-                WARN,
-                f"several builds provide `mooncake`: {said}; they install the same files over "
-                "each other",
-                "uninstall all of them and install the one for this host",
-                data,
-            )
-        ]
-    if builds[0].host_kind is None:
-        return [
-            Check(
-                name,
-                WARN,
-                f"{said}: the backend is tested on {', '.join(MOONCAKE_DISTRIBUTIONS)}",
-                mooncake_install_hint(),
-                data,
-            )
-        ]
-    return [Check(name, PASS, said, None, data)]
+        status, fix = WARN, "uninstall all of them and install the one for this host"
+        detail = (
+            f"several builds provide `mooncake`: {said}; they install the same files over "
+            "each other"
+        )
+    elif builds[0].host_kind is None:
+        status, fix = WARN, mooncake_install_hint()
+        detail = f"{said}: the backend is tested on {', '.join(MOONCAKE_DISTRIBUTIONS)}"
+    else:
+        status, detail, fix = PASS, said, None
+    return [Check(name, status, detail, fix, data)]
 
 
 def check_metadata(ctx: Context) -> list[Check]:
@@ -207,15 +183,11 @@ def check_metadata(ctx: Context) -> list[Check]:
         why = f"{md} is unreachable: {body}"
     else:
         why = f"{md} answered HTTP {status} {body.strip()[:80]!r}, not a Mooncake metadata server"
-    return [
-        Check(
-            "metadata",
-            FAIL,
-            why,
-            "use the URL `mooncake-span cluster up` prints (http://HOST:PORT/metadata of the "
-            "master's --http_metadata_server_port or mooncake_http_metadata_server)",
-        )
-    ]
+    fix = (
+        "use the URL `mooncake-span cluster up` prints (http://HOST:PORT/metadata of the "
+        "master's --http_metadata_server_port or mooncake_http_metadata_server)"
+    )
+    return [Check("metadata", FAIL, why, fix)]
 
 
 def _etcd_endpoints(ctx: Context) -> list[str]:
@@ -241,16 +213,9 @@ def check_etcd(ctx: Context) -> list[Check]:
             checks.append(Check("etcd", PASS, f"etcd {endpoint} answers (etcd {version})"))
             continue
         ctx.failed.add("etcd")
-        checks.append(
-            Check(
-                "etcd",
-                FAIL,
-                f"etcd {endpoint} does not answer: "
-                + (body if status is None else f"HTTP {status}"),
-                "start etcd or fix the endpoint; with a dead etcd Mooncake's setup blocks for "
-                "minutes",
-            )
-        )
+        why = body if status is None else f"HTTP {status}"
+        fix = "start etcd or fix the endpoint; with a dead etcd Mooncake's setup blocks for minutes"
+        checks.append(Check("etcd", FAIL, f"etcd {endpoint} does not answer: {why}", fix))
     return checks
 
 
@@ -284,54 +249,40 @@ def check_bind(ctx: Context) -> list[Check]:
     master_host = s.master_server_address.removeprefix("etcd://").split(";")[0].rpartition(":")[0]
     master_ip = _resolve(master_host)
     data = {"bind": bind, "local_hostname": s.local_hostname, "resolved": hostname_ip}
-    name = "bind address"
     if not bind:
-        return [
-            Check(
-                name,
-                WARN,
-                f"MC_TCP_BIND_ADDRESS is not set: the transfer engine advertises the first non-lo "
-                f"interface, not local_hostname {s.local_hostname!r}",
-                f"export MC_TCP_BIND_ADDRESS={hostname_ip or 'THIS_HOST_IP'} (the address peers "
-                "reach this host on)",
-                data,
-            )
-        ]
-    if not _is_local_address(bind):
-        return [
-            Check(
-                name,
-                FAIL,
-                f"MC_TCP_BIND_ADDRESS={bind} is not an address of this host",
-                "set it to one of this host's addresses (ip -brief addr)",
-                data,
-            )
-        ]
-    if hostname_ip is None or hostname_ip != bind:
-        return [
-            Check(
-                name,
-                FAIL,
-                f"local_hostname {s.local_hostname!r} resolves to {hostname_ip} but "
-                f"MC_TCP_BIND_ADDRESS is {bind}: peers and the master would see two addresses",
-                f"set local_hostname (or MOONCAKE_LOCAL_HOSTNAME) to {bind}, or "
-                f"MC_TCP_BIND_ADDRESS to {hostname_ip or 'the local_hostname address'}",
-                data,
-            )
-        ]
-    if _is_loopback(bind) and master_ip is not None and not _is_loopback(master_ip):
-        return [
-            Check(
-                name,
-                FAIL,
-                f"this host binds loopback {bind} but the master is remote ({master_host}): "
-                "storage nodes elsewhere cannot reach it",
-                "set MC_TCP_BIND_ADDRESS and local_hostname to this host's LAN address",
-                data,
-            )
-        ]
-    agree = f"local_hostname and MC_TCP_BIND_ADDRESS agree on {bind}"
-    return [Check(name, PASS, agree, None, data)]
+        status = WARN
+        detail = (
+            f"MC_TCP_BIND_ADDRESS is not set: the transfer engine advertises the first non-lo "
+            f"interface, not local_hostname {s.local_hostname!r}"
+        )
+        fix = (
+            f"export MC_TCP_BIND_ADDRESS={hostname_ip or 'THIS_HOST_IP'} (the address peers "
+            "reach this host on)"
+        )
+    elif not _is_local_address(bind):
+        status, detail = FAIL, f"MC_TCP_BIND_ADDRESS={bind} is not an address of this host"
+        fix = "set it to one of this host's addresses (ip -brief addr)"
+    elif hostname_ip is None or hostname_ip != bind:
+        status = FAIL
+        detail = (
+            f"local_hostname {s.local_hostname!r} resolves to {hostname_ip} but "
+            f"MC_TCP_BIND_ADDRESS is {bind}: peers and the master would see two addresses"
+        )
+        fix = (
+            f"set local_hostname (or MOONCAKE_LOCAL_HOSTNAME) to {bind}, or "
+            f"MC_TCP_BIND_ADDRESS to {hostname_ip or 'the local_hostname address'}"
+        )
+    elif _is_loopback(bind) and master_ip is not None and not _is_loopback(master_ip):
+        status = FAIL
+        detail = (
+            f"this host binds loopback {bind} but the master is remote ({master_host}): "
+            "storage nodes elsewhere cannot reach it"
+        )
+        fix = "set MC_TCP_BIND_ADDRESS and local_hostname to this host's LAN address"
+    else:
+        status, fix = PASS, None
+        detail = f"local_hostname and MC_TCP_BIND_ADDRESS agree on {bind}"
+    return [Check("bind address", status, detail, fix, data)]
 
 
 def check_syn_retries(ctx: Context) -> list[Check]:
@@ -342,22 +293,15 @@ def check_syn_retries(ctx: Context) -> list[Check]:
         return [Check("tcp_syn_retries", SKIP, f"cannot read {_SYN_RETRIES_PATH}: {exc}")]
     if value <= 2:
         return [Check("tcp_syn_retries", PASS, f"net.ipv4.tcp_syn_retries={value}")]
-    return [
-        Check(
-            "tcp_syn_retries",
-            WARN,
-            f"net.ipv4.tcp_syn_retries={value}: a connect to a partitioned node waits for the "
-            "kernel's retries, and a transfer then blocks for Mooncake's 60 s",
-            "sysctl -w net.ipv4.tcp_syn_retries=1 (a connect gives up after ~3 s)",
-            {"value": value},
-        )
-    ]
+    detail = (
+        f"net.ipv4.tcp_syn_retries={value}: a connect to a partitioned node waits for the "
+        "kernel's retries, and a transfer then blocks for Mooncake's 60 s"
+    )
+    fix = "sysctl -w net.ipv4.tcp_syn_retries=1 (a connect gives up after ~3 s)"
+    return [Check("tcp_syn_retries", WARN, detail, fix, {"value": value})]
 
 
 def check_checksums(ctx: Context) -> list[Check]:
-    """Whether restores will be verified (span_verify_checksums / MOONCAKE_STORE_CHECKSUM)."""
-    from mooncake_span.store.native import CHECKSUM_ENV, checksum_setting
-
     try:
         verify, why = checksum_setting(load_span_options(ctx.extra), os.environ)
     except MooncakeSpanError as exc:
@@ -421,12 +365,8 @@ def _guard_check(reply: dict[str, Any], key: str | None) -> Check:
     try:
         record = json.loads(text)
     except ValueError:
-        return Check(
-            "layout guard",
-            FAIL,
-            f"{key} holds no JSON: {text[:60]!r}",
-            "remove the key; nodes refuse to start against a record they cannot read",
-        )
+        fix = "remove the key; nodes refuse to start against a record they cannot read"
+        return Check("layout guard", FAIL, f"{key} holds no JSON: {text[:60]!r}", fix)
     summary = (
         f"host page {record.get('host_page_tokens')} tokens, storage page "
         f"{record.get('storage_page_tokens')}, layout {record.get('layout')}, "

@@ -106,8 +106,9 @@ def check_device(ctx: Context) -> list[Check]:
             data,
         )
     else:
-        check = Check("rdma device", PASS, f"tp_rank {rank}: {wanted} present in {root}")
-        check.data = data
+        check = Check(
+            "rdma device", PASS, f"tp_rank {rank}: {wanted} present in {root}", None, data
+        )
     checks = [check]
     others = {r: d for r, d in ctx.rank_devices.items() if r != rank}
     absent = {r: d for r, d in others.items() if not d or any(n not in devices for n in _nics(d))}
@@ -126,16 +127,16 @@ def check_device(ctx: Context) -> list[Check]:
     return checks
 
 
-def registered_bytes(ctx: Context) -> int:
-    """What one rank registers: its segment share, the local buffer, the staging arena and
-    its host pools."""
+def _registered(ctx: Context) -> tuple[int, str]:
+    """What one rank registers, and its terms but the host pools (each check words those)."""
     s = ctx.settings
-    return (
-        s.global_segment_size_bytes
-        + s.local_buffer_size_bytes
-        + ctx.staging_bytes
-        + ctx.host_pool_bytes
-    )
+    terms = {
+        "segment": s.global_segment_size_bytes,
+        "buffer": s.local_buffer_size_bytes,
+        "staging": ctx.staging_bytes,
+    }
+    said = " + ".join(f"{name} {size}" for name, size in terms.items())
+    return sum(terms.values()) + ctx.host_pool_bytes, said
 
 
 def check_memlock(ctx: Context) -> list[Check]:
@@ -143,42 +144,29 @@ def check_memlock(ctx: Context) -> list[Check]:
     if ctx.settings.protocol != "rdma":
         return [Check("memlock", PASS, f"protocol {ctx.settings.protocol}: nothing is pinned")]
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    need = registered_bytes(ctx)
-    pools = " (host pools unknown)"
-    if ctx.host_pool_bytes:
-        pools = f" + host pools {ctx.host_pool_bytes}"
-    what = (
-        f"segment {ctx.settings.global_segment_size_bytes} + buffer "
-        f"{ctx.settings.local_buffer_size_bytes} + staging {ctx.staging_bytes}{pools} = "
-        f"{need} bytes per rank"
+    need, terms = _registered(ctx)
+    pools = (
+        f" + host pools {ctx.host_pool_bytes}" if ctx.host_pool_bytes else " (host pools unknown)"
     )
-    data = {"limit_bytes": None if soft == resource.RLIM_INFINITY else soft, "need_bytes": need}
-    if soft != resource.RLIM_INFINITY and soft < need:
-        return [
-            Check(
-                "memlock",
-                FAIL,
-                f"memlock limit {soft} bytes < {what}",
-                "ulimit -l unlimited (or LimitMEMLOCK=infinity / --ulimit memlock=-1 in "
-                "containers)",
-                data,
-            )
-        ]
-    limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+    what = f"{terms}{pools} = {need} bytes per rank"
+    limited = soft != resource.RLIM_INFINITY
+    data = {"limit_bytes": soft if limited else None, "need_bytes": need}
+    if limited and soft < need:
+        fix = "ulimit -l unlimited (or LimitMEMLOCK=infinity / --ulimit memlock=-1 in containers)"
+        return [Check("memlock", FAIL, f"memlock limit {soft} bytes < {what}", fix, data)]
+    limit = f"{soft} bytes" if limited else "unlimited"
     return [Check("memlock", PASS, f"memlock limit {limit} covers {what}", None, data)]
 
 
 def check_memory(ctx: Context) -> list[Check]:
     """Every local rank's segment share, buffer and host pools against free host memory."""
-    s = ctx.settings
-    per_rank = registered_bytes(ctx)
+    per_rank, terms = _registered(ctx)
     need = per_rank * ctx.local_ranks
     available = _meminfo().get("MemAvailable")
     if available is None:
         return [Check("memory", SKIP, "MemAvailable unknown")]
     detail = (
-        f"segment {s.global_segment_size_bytes} + buffer {s.local_buffer_size_bytes}"
-        + f" + staging {ctx.staging_bytes}"
+        terms
         + (f" + host pools {ctx.host_pool_bytes}" if ctx.host_pool_bytes else "")
         + f" bytes per rank x {ctx.local_ranks} local ranks = {need} bytes vs {available} "
         "bytes available"

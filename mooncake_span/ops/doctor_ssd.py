@@ -1,18 +1,7 @@
-"""``doctor``'s SSD-tier checks: is an SSD tier asked for, and would it persist anything?
-
-Asked for means ``enable_ssd_offload`` in the rank's config (sglang's key: the
-rank's own segment is offloaded to its ``rank_*`` sub-directory) or
-``doctor --ssd-dir DIR`` (a storage node's ``--ssd-dir``). Then:
-
-* ``ssd tier``: the directory (exists or can be made, a real directory,
-  writable, not held by a running process), for a storage node's directory
-  that its usable capacity holds one object (up to the node's segment:
-  ``--segment-bytes``, else the config's), and, for a rank, that it owns a
-  segment to offload and that the operator's ``MOONCAKE_OFFLOAD_*`` variables
-  keep the layout that writes every object (``store/ssd_tier.layout_problems``);
-* ``ssd master``: the probe child sets up with ``enable_ssd_offload`` on a
-  scratch directory; a master without ``--enable_offload=true`` refuses it
-  (UNABLE_OFFLOAD), and every SSD setup against it would fail the same way.
+"""``doctor``'s SSD-tier checks, ``ssd tier`` and ``ssd master``: is an SSD tier asked
+for (a rank's ``enable_ssd_offload``, whose own segment goes to its ``rank_*``
+sub-directory, or ``doctor --ssd-dir`` for a storage node's directory), and would it
+persist anything? What each FAILs on: docs/operating.md, "doctor and metrics".
 """
 
 from __future__ import annotations
@@ -71,41 +60,35 @@ def _check_node_dir(root: str, segment_bytes: int) -> Check:
     }
     reserve = f"Mooncake's {ssd_tier.DISK_RESERVE_BYTES >> 20} MiB reserve"
     if usable < object_bytes:
-        return Check(
-            _NAME,
-            FAIL,
+        detail = (
             f"{path}: {usable} bytes usable (free space plus what it holds, less {reserve}), "
             f"less than one object of up to {object_bytes} bytes ({which}): the tier would "
-            "keep nothing that size, and a storage node with this segment refuses to start",
-            "free space on that disk or pick a larger one",
-            data=data,
+            "keep nothing that size, and a storage node with this segment refuses to start"
         )
-    return Check(
-        _NAME,
-        PASS,
+        return Check(_NAME, FAIL, detail, "free space on that disk or pick a larger one", data)
+    detail = (
         f"{path}: a writable directory; a storage node with --ssd-dir {root} uses "
         f"{path}/<node name>; {usable} bytes usable (free space plus what it holds, less "
         f"{reserve}; a --ssd-size above that holds no more), at least one object of up to "
-        f"{object_bytes} bytes ({which}); default cap {cap} bytes (90% of the disk)",
-        data=data,
+        f"{object_bytes} bytes ({which}); default cap {cap} bytes (90% of the disk)"
     )
+    return Check(_NAME, PASS, detail, None, data)
 
 
 def _check_rank(ctx: Context) -> list[Check]:
     s = ctx.settings
     directory = s.ssd_offload_path or os.environ.get("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", "")
     if s.global_segment_size_bytes == 0:
-        return [
-            Check(
-                _NAME,
-                FAIL,
-                "enable_ssd_offload on a rank with global_segment_size 0 persists nothing: a "
-                "rank offloads only the objects its own segment holds, and the storage nodes "
-                "hold them",
-                "start the storage nodes with --ssd-dir DIR (and drop enable_ssd_offload here), "
-                "or give this rank a segment",
-            )
-        ]
+        detail = (
+            "enable_ssd_offload on a rank with global_segment_size 0 persists nothing: a "
+            "rank offloads only the objects its own segment holds, and the storage nodes "
+            "hold them"
+        )
+        fix = (
+            "start the storage nodes with --ssd-dir DIR (and drop enable_ssd_offload here), "
+            "or give this rank a segment"
+        )
+        return [Check(_NAME, FAIL, detail, fix)]
     if not directory:
         return [
             Check(_NAME, FAIL, "enable_ssd_offload without a directory", "set ssd_offload_path")
@@ -122,11 +105,8 @@ def _check_rank(ctx: Context) -> list[Check]:
             Check(_NAME, FAIL, f"the layout would persist nothing: {p}", p.rpartition("; ")[2])
             for p in problems
         ]
-    return [_check_rank_dir(directory)]
-
-
-def _check_rank_dir(directory: str) -> Check:
     parent, name = os.path.split(os.path.abspath(directory))
+    # The directory need not exist yet: check the nearest part of its path that does.
     existing = parent
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
@@ -137,14 +117,12 @@ def _check_rank_dir(directory: str) -> Check:
         if os.path.isdir(parent):
             ssd_tier.DirLock(parent, name).check_free(directory)
     except ConfigError as exc:
-        return Check(_NAME, FAIL, str(exc), "fix ssd_offload_path as the message says")
-    return Check(
-        _NAME,
-        PASS,
+        return [Check(_NAME, FAIL, str(exc), "fix ssd_offload_path as the message says")]
+    detail = (
         f"{directory}: writable, not in use; every object this rank's segment holds is "
-        "written there one heartbeat after its put",
-        data={"ssd_dir": directory},
+        "written there one heartbeat after its put"
     )
+    return [Check(_NAME, PASS, detail, data={"ssd_dir": directory})]
 
 
 def master_check(reply: dict[str, Any]) -> Check:

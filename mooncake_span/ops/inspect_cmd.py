@@ -1,20 +1,8 @@
-"""``mooncake-span inspect``: what lives in a Mooncake cluster, per namespace.
-
-Everything comes from the master's HTTP admin API (``master_http``): the key
-list is streamed once and each key is split along the object-key grammar
-(``span.object_layout.parse_object_key``), so namespaces, objects, storage
-keys and component suffixes are exact counts. Object sizes need one
-``/query_key`` request per key, so bytes are *sampled* by default (a
-reservoir of ``--sample`` keys per namespace, extrapolated, flagged
-``bytes_estimated``); ``--exact-bytes`` asks for every key instead.
-
-Layout-guard records (``ms2[_tag]_model__geometry``) and chain records
-(``{namespace}__chain_{root}_{length}``, ``span.chains``) are small Mooncake
-objects; reading their content needs a native client, which runs in a child
-process with a timeout (``probe_worker``) when ``--metadata`` is known, and is
-skipped with ``--no-records``. A sample of chain records (``--chains``) gives
-the share of stored keys a hit query can reach: a stored key is one of which
-any object is listed, a reachable one is stored with every key before it.
+"""``mooncake-span inspect``: what lives in a Mooncake cluster, per namespace, from the
+master's HTTP admin API (``master_http``); docs/operating.md, "mooncake-span inspect",
+says what is exact, what is sampled and how the reachable share is estimated. Guard
+and chain records are Mooncake objects: a native client reads them, only in the
+``probe_worker`` child, with a timeout.
 """
 
 from __future__ import annotations
@@ -148,13 +136,12 @@ def _reachable(ns: _Namespace, prefix: str, records: dict[str, str | None]) -> d
     texts = [records.get(chain_record_key(prefix, root, n)) for root, n in ns.chains.items()]
     read = [record_keys(text) for text in texts if text]
     estimate = reachable_estimate(read, ns.page_keys)
-    share = estimate.share
     return {
         "chain_records": len(ns.chains),
         "chains_sampled": estimate.chains,
         "stored_keys": estimate.stored_keys,
         "reachable_keys": estimate.reachable_keys,
-        "share": None if share is None else round(share, 4),
+        "share": None if estimate.share is None else round(estimate.share, 4),
     }
 
 
@@ -199,11 +186,9 @@ def _master_summary(samples: list[tuple[str, dict[str, str], float]]) -> dict[st
         "master_client_count": "clients",
         "master_active_clients": "clients",
     }
-    out: dict[str, Any] = {}
-    for name, labels, value in samples:
-        if name in wanted and not labels:
-            out[wanted[name]] = int(value)
-    return out
+    return {
+        wanted[name]: int(value) for name, labels, value in samples if name in wanted and not labels
+    }
 
 
 def _guard_record(text: str | None) -> Any:
@@ -215,16 +200,6 @@ def _guard_record(text: str | None) -> Any:
         return None if text is None else GeometryRecord.from_json(text)
     except (ValueError, KeyError, TypeError):
         return None
-
-
-def _guard_layout(facts: NamespaceFacts, record_text: str | None, key: str) -> Any:
-    """The object layout from a guard record; None when the record is unreadable."""
-    record = _guard_record(record_text)
-    if record is None:
-        return None
-    kinds = {name: classify_pool(name) for name in record.pools}
-    pools = pool_inputs(record.pools, kinds)
-    return describe_object_layout(facts, pools, source="inspect", layout_guard_key=key)
 
 
 def _namespace_doc(
@@ -239,39 +214,34 @@ def _namespace_doc(
         return doc
     if ns.chains:
         doc["reachable"] = _reachable(ns, name, blobs)
-    guard = {k: v for k, v in blobs.items() if parse_guard_key(k) is not None}
     facts = ns.facts
     doc.update(asdict(facts))
     doc["storage_page_tokens"] = facts.host_page_tokens * facts.pages_per_span
     doc["storage_keys"] = len(ns.page_keys)
     doc["components"] = dict(sorted(ns.suffixes.items()))
-    key = _guard_key_for(facts, guard)
+    key = next((k for k in blobs if parse_guard_key(k) == (facts.tag, facts.model)), None)
     doc["layout_guard"] = {"key": key, "found": key is not None, "record": None}
-    if key is not None and guard.get(key):
-        doc["layout_guard"]["record"] = json.loads(guard[key])
-        doc["object_layout"] = _guard_layout(facts, guard[key], key)
-        _fill_observed_suffixes(doc["object_layout"], ns.suffixes)
+    if key is not None and blobs[key]:
+        doc["layout_guard"]["record"] = json.loads(blobs[key])
+        record, doc["object_layout"] = _guard_record(blobs[key]), None
+        if record is not None:
+            kinds = {name: classify_pool(name) for name in record.pools}
+            pools = pool_inputs(record.pools, kinds)
+            layout = describe_object_layout(facts, pools, source="inspect", layout_guard_key=key)
+            _fill_observed_suffixes(layout, ns.suffixes)
+            doc["object_layout"] = layout
     return doc
 
 
-def _fill_observed_suffixes(layout: dict[str, Any] | None, observed: dict[str, int]) -> None:
+def _fill_observed_suffixes(layout: dict[str, Any], observed: dict[str, int]) -> None:
     """A guard record has no rank scopes; a suffix seen in the keys for exactly one
     rank of a component fills the gap (marked ``suffix_observed``)."""
-    if layout is None:
-        return
     for pool in layout["hicache_object_layout"]["pools"]:
         for i, comp in enumerate(pool["components"]):
             seen = [sfx for sfx in observed if sfx.endswith("_" + comp["name"])]
             if comp["suffix"] is None and len(seen) == 1:
                 comp["suffix"] = pool["suffixes"][i] = seen[0]
                 comp["suffix_observed"] = True
-
-
-def _guard_key_for(facts: NamespaceFacts, guard: dict[str, str | None]) -> str | None:
-    for key in guard:
-        if parse_guard_key(key) == (facts.tag, facts.model):
-            return key
-    return None
 
 
 def _facts_from_record(key: str, text: str | None) -> NamespaceFacts | None:
@@ -290,14 +260,6 @@ def _facts_from_record(key: str, text: str | None) -> NamespaceFacts | None:
         tag=tag,
     )
     return NamespaceFacts.from_schema(schema)
-
-
-def _add_guarded_namespaces(namespaces: dict[str, _Namespace], guard: dict[str, str | None]):
-    """Namespaces whose guard record exists but whose objects are gone (or not yet written)."""
-    for key, text in guard.items():
-        facts = _facts_from_record(key, text)
-        if facts is not None and facts.key_prefix not in namespaces:
-            namespaces[facts.key_prefix] = _Namespace(facts)
 
 
 def collect(
@@ -320,8 +282,11 @@ def collect(
     blobs: dict[str, str | None] = dict.fromkeys(wanted)
     if wanted and read_records is not None:
         blobs.update(read_records(wanted))
-    guard = {key: blobs[key] for key in guard_keys}
-    _add_guarded_namespaces(namespaces, guard)
+    # Namespaces whose guard record exists but whose objects are gone (or not yet written).
+    for key in guard_keys:
+        facts = _facts_from_record(key, blobs[key])
+        if facts is not None and facts.key_prefix not in namespaces:
+            namespaces[facts.key_prefix] = _Namespace(facts)
     docs = [
         _namespace_doc(name, ns, _bytes(base_url, ns, ns.sample, exact_bytes), blobs)
         for name, ns in sorted(namespaces.items(), key=lambda item: -item[1].objects)
@@ -361,11 +326,11 @@ def _record_reader(args: argparse.Namespace, native_log: str | None) -> Any:
 def _human_bytes(value: float | None) -> str:
     if value is None:
         return "?"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return "?"
+    return f"{value:.1f} TiB"
 
 
 def format_text(doc: dict[str, Any]) -> str:

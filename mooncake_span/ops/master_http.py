@@ -1,11 +1,7 @@
-"""The Mooncake master's HTTP admin API (its ``--metrics_port`` server).
-
-Routes used: ``/health`` (role, HA state), ``/metrics`` (Prometheus text:
-``master_*`` totals and ``segment_*{segment=...}`` per segment),
-``/metrics/summary`` (one human line), ``/get_all_segments`` and
-``/get_all_keys`` (one name per line) and ``/query_key?key=K`` (replica
-descriptors with ``size_``). Every request has a timeout; keys are streamed
-line by line so a store with 100k keys never sits in memory as one string.
+"""The Mooncake master's HTTP admin API (its ``--metrics_port`` server): the routes
+``inspect`` reads are listed in docs/operating.md, "mooncake-span inspect". Every
+request has a timeout; keys are streamed line by line so a store with 100k keys never
+sits in memory as one string.
 """
 
 from __future__ import annotations
@@ -30,11 +26,8 @@ class AdminError(RuntimeError):
 
 
 def get_text(url: str, timeout_s: float) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise AdminError(f"GET {url}: {exc}") from exc
+    """The response's non-empty lines, stripped (JSON and Prometheus text read the same)."""
+    return "\n".join(iter_lines(url, timeout_s))
 
 
 def iter_lines(url: str, timeout_s: float) -> Iterator[str]:
@@ -87,7 +80,5 @@ def object_size_bytes(base_url: str, key: str, timeout_s: float) -> int | None:
     except (AdminError, ValueError):
         return None
     replicas = doc.get("data") or [] if isinstance(doc, dict) else []
-    for replica in replicas:
-        if isinstance(replica, dict) and isinstance(replica.get("size_"), int):
-            return int(replica["size_"])
-    return None
+    sizes = (r.get("size_") for r in replicas if isinstance(r, dict))
+    return next((size for size in sizes if isinstance(size, int)), None)

@@ -2,16 +2,11 @@
 
 ``MooncakeDistributedStore.setup`` can block for minutes (a dead etcd) and a
 misconfigured client can abort the process, so the commands never call it
-in-process: they start ``python -m mooncake_span.ops.probe_worker`` with a
-JSON request on stdin, wait for it with a timeout, and read one JSON document
-from stdout. The child's stderr (Mooncake's native log) goes wherever the
-parent points it.
-
-Request: ``{"settings": {...setup arguments...}, "roundtrip_objects": N,
-"roundtrip_object_bytes": B, "read_keys": [...], "offload_dir": DIR or null}``
-(with ``offload_dir`` the client sets up with an SSD tier there, as a check
-that the master accepts one). Reply: ``{"setup_s",
-"roundtrip": {...}, "blobs": {key: text or null}}`` or ``{"error": "..."}``.
+in-process: ``probe`` starts ``python -m mooncake_span.ops.probe_worker``, writes
+the request (``probe``'s arguments) as JSON to its stdin, and reads one JSON reply
+from its stdout within a timeout: ``{"setup_rc", "setup_s", "roundtrip": {...},
+"blobs": {key: text or null}}`` or one with ``"error"``. The child's stderr
+(Mooncake's native log) goes wherever the parent points it.
 """
 
 from __future__ import annotations
@@ -25,6 +20,16 @@ import uuid
 from typing import Any
 
 _KEEP_UNTIL_EXIT: list[Any] = []
+# The MooncakeSettings fields the child's setup reads.
+_SETUP_SETTINGS = (
+    "local_hostname",
+    "metadata_server",
+    "local_buffer_size_bytes",
+    "protocol",
+    "device_name",
+    "master_server_address",
+    "tenant_id",
+)
 
 
 def _roundtrip(store: Any, count: int, size_bytes: int) -> dict[str, Any]:
@@ -146,15 +151,7 @@ def probe(
     import subprocess
 
     request = {
-        "settings": {
-            "local_hostname": settings.local_hostname,
-            "metadata_server": settings.metadata_server,
-            "local_buffer_size_bytes": settings.local_buffer_size_bytes,
-            "protocol": settings.protocol,
-            "device_name": settings.device_name,
-            "master_server_address": settings.master_server_address,
-            "tenant_id": settings.tenant_id,
-        },
+        "settings": {name: getattr(settings, name) for name in _SETUP_SETTINGS},
         "roundtrip_objects": roundtrip_objects,
         "roundtrip_object_bytes": roundtrip_object_bytes,
         "read_keys": list(read_keys or []),
