@@ -289,11 +289,6 @@ def plan_batch(layout: PageLayout, key_pages: np.ndarray, *, checked: bool = Fal
     )
 
 
-def plan_objects(layout: PageLayout, key_pages: np.ndarray) -> list[ObjectPlan]:
-    """``plan_batch`` as one ``ObjectPlan`` per object."""
-    return plan_batch(layout, key_pages).plans()
-
-
 def flat_page_offsets(layout: PageLayout) -> list[list[int]]:
     """Byte offset of every component slot inside sglang's flat page.
 
