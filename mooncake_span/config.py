@@ -159,17 +159,11 @@ class SpanOptions:
     placement: bool = True
     # Prefix-chain placement (sglang's hicache_storage_pass_prefix_keys): a
     # chain's keys share its root's segment for this many tokens, then move to
-    # the root's next segment. 32k tokens keeps the prompts of chat and RAG
-    # turns whole (one dead node of N costs about 1/N of them), while a
-    # 128k-token context still spreads over 4 segments (docs/reliability.md).
+    # the root's next segment; past the first window, every stripe's tokens
+    # (0: every window). Why 32k, and why the stripe is opt-in (it costs put
+    # rate, its read gain is not measured yet): docs/reliability.md, "The window"
+    # and "Past the window".
     chain_window_tokens: int = 32768
-    # Past its first window, a chain moves to the root's next segment every this
-    # many tokens (0: every window), so one prefetch call of a long conversation
-    # (sglang's 128 host pages, 8,192 tokens) reads from several nodes at once
-    # instead of every reader waiting on one. Opt-in: it splits each backup call
-    # over the nodes (1.8x the master's put RPCs of a long backup, and 0.61-0.73x
-    # the put rate to 4 nodes on a 2-core host), and its read gain needs a host where one node's
-    # rate is the limit, not measured yet (docs/reliability.md).
     chain_stripe_tokens: int = 0
     # The master's admin HTTP server (its --metrics_port) that lists segments;
     # None: http://<master host>:9003, Mooncake's default port.

@@ -1,27 +1,10 @@
 """``MooncakeSettings``: sglang 0.5.23's ``MooncakeStore`` config, resolved for one rank.
 
-It is read exactly the way sglang's built-in ``MooncakeStore`` reads it, so an
-existing deployment can switch backends without touching its config:
-
-1. ``--hicache-storage-backend-extra-config`` keys, used when they contain
-   ``master_server_address`` (``client_server_address`` is refused);
-2. else the JSON file named by ``SGLANG_HICACHE_MOONCAKE_CONFIG_PATH``;
-3. else ``MOONCAKE_*`` environment variables (``MOONCAKE_MASTER`` required).
-
-Within one source, missing keys take sglang's defaults (and ``protocol``
-falls back to ``MOONCAKE_PROTOCOL``, as upstream). ``MOONCAKE_LOCAL_HOSTNAME``
-or ``LOCAL_HOSTNAME`` from the process environment win over the chosen source,
-so one shared extra-config can serve many hosts. Sizes accept ints and strings
-such as ``"4gb"``.
-
-The values are resolved per rank the way ``MooncakeStore.__init__`` resolves
-them, given the rank sglang passes the backend (``RankInfo``):
-``global_segment_size`` is per server and split over tp_size x pp_size, a JSON
-``device_name`` map picks this tp_rank's NIC, and ``ssd_offload_path`` gets the
-per-rank sub-directory ``rank_<dp>_<tp>_<pp>_<attn_cp>``. Every key
-``MooncakeStore`` reads either means the same here or is refused. Addresses
-are validated before ``setup``: an unknown metadata scheme aborts the process
-inside Mooncake.
+It is read exactly the way sglang's built-in ``MooncakeStore`` reads it (the
+same sources and precedence, and the same per-rank split of the segment, NIC
+map and SSD sub-directory), so an existing deployment can switch backends
+without touching its config: docs/operating.md, "sglang's Mooncake keys".
+Every key ``MooncakeStore`` reads either means the same here or is refused.
 """
 
 from __future__ import annotations
@@ -160,11 +143,8 @@ class RankInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class MooncakeSettings:
-    """Arguments of ``MooncakeDistributedStore.setup`` for this rank, plus where they came from.
-
-    ``global_segment_size_bytes``, ``device_name`` and ``ssd_offload_path`` are
-    the per-rank values (see the module docstring), not the configured ones.
-    """
+    """Arguments of ``MooncakeDistributedStore.setup`` for this rank (per-rank
+    values, not the configured ones), plus where they came from."""
 
     master_server_address: str
     metadata_server: str = _DEFAULT_METADATA_SERVER

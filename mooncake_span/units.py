@@ -7,6 +7,7 @@ can share one definition of what "1gb" means.
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 __all__ = ["parse_size_bytes"]
 
@@ -59,15 +60,8 @@ def parse_size_bytes(value: str | int) -> int:
         raise ValueError(
             f"invalid size {value!r}: unknown unit {unit!r}; use one of b, kb, mb, gb, tb"
         )
-    number = match.group("number")
-    multiplier = _UNIT_BYTES[unit]
-    if "." not in number:
-        return int(number) * multiplier
-
-    whole, frac = number.split(".")
     # Exact rational arithmetic: float rounding must not turn "1.1kb" into a size.
-    numerator = int(whole + frac) * multiplier
-    denominator = 10 ** len(frac)
-    if numerator % denominator:
+    size = Fraction(match.group("number")) * _UNIT_BYTES[unit]
+    if size.denominator != 1:
         raise ValueError(f"invalid size {value!r}: it is not a whole number of bytes")
-    return numerator // denominator
+    return int(size)

@@ -20,17 +20,10 @@ How sglang 0.5.23 drives a storage backend (``HiCacheController`` /
    ``batch_get`` / ``batch_set`` on flat page tensors replace the v1 calls.
 
 Every method the worker threads call is wrapped in ``guard.never_raise``: it
-returns a result (per-key bools, a hit count, a ``PoolTransferResult``) and
-never raises; bad input and cluster failures become ``False`` / misses with a
-rate-limited log line naming the pool, the key and the sizes. Construction
-and registration errors do raise, so a misconfigured server fails at startup.
-
-This module builds the backend and holds its control path (registration,
-through ``registration.py``), hit queries (``hit_query.py``) and admin calls.
-The data calls read top-down in one module per direction, mixed into this
-class: every get in ``reads.py`` (``ReadPath``), every put in ``writes.py``
-(``WritePath``), each from the sglang method to the native call. Metrics and
-counters wrap those calls (``guard.never_raise``, ``recording.recorded``).
+returns a result and never raises (bad input and cluster failures become
+misses with a rate-limited log line). Construction and registration errors do
+raise, so a misconfigured server fails at startup. The data calls are mixed in
+from ``reads.py`` (``ReadPath``) and ``writes.py`` (``WritePath``).
 """
 
 from __future__ import annotations

@@ -4,18 +4,8 @@ Accounting wraps the calls rather than being threaded through them: the read
 and write paths know nothing of metrics. The counters themselves have one
 owner each, which takes its own lock on every write: ``CallCounters``
 (``stats.py``: what ``get_stats()`` reports) and ``CallObserver``
-(``observability.py``: the Prometheus metrics). They are fed so:
-
-* ``guard.never_raise`` wraps each sglang call: its duration and outcome go to
-  the observer, refused input to ``CallRecorder.reject`` (the rejected-calls
-  counter and a rate-limited log line);
-* ``recorded`` wraps a read or write path (``reads.py``, ``writes.py``): keys,
-  host pages and bytes moved per pool for Prometheus and, for the one KV batch
-  of a v1 or generic call, sglang's ``StorageMetrics`` records (pages, tokens,
-  bandwidth);
-* ``CallRecorder.hit_query`` counts existence RPCs and probed objects of a hit query.
-
-``storage_metrics`` builds what ``get_stats()`` returns to sglang.
+(``observability.py``: the Prometheus metrics). ``guard.never_raise`` feeds
+them each sglang call's outcome, ``recorded`` what a path moved.
 """
 
 from __future__ import annotations

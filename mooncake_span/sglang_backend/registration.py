@@ -1,15 +1,8 @@
 """The namespace a backend serves: its geometry, key schema and registered pools.
 
-Registration is the control path (errors raise, so a misconfigured server
-fails at startup): ``register_anchor`` resolves the span geometry and the key
-schema from the anchor (KV) pool, ``register_pool`` turns each host pool into
-a ``StoredPool`` and registers its buffers with Mooncake, and
-``check_layout`` publishes or checks the namespace's geometry record (the
-layout guard). What later calls need from the namespace (pools, geometry,
-schema, whether puts carry group ids, the router-facing layout facts) is read
-from here, and every data call's arguments are checked and turned into
-``PoolBatch`` es here (``pool_batch`` for v1 and each v2 transfer, refused
-alone in ``transfer_batches``; ``flat_batch`` for the generic path's tensors).
+Registration is the control path: errors raise, so a misconfigured server
+fails at startup (the steps: docs/architecture.md, "Set-up"). Every data
+call's arguments are checked and turned into ``PoolBatch`` es here.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """How many tokens one storage key covers, learned however the sglang build hands it.
 
-The builds differ (facts: docs/operating.md, "sglang builds, page sizes and K"):
-
-* span-aware builds carry ``storage_page_size`` on ``HiCacheStorageConfig``;
-  at runtime attach it holds the storage page when the backend is built;
-* the span fork's startup builds the backend with that field still at the
-  host page, registers the pools, and only then assigns
-  ``storage_backend.storage_page_size`` on the live object;
-* stock 0.5.23 has no field; an extra-config ``storage_page_size`` is the
-  operator's word for a build whose tree page is wider than its host page;
-* a build that says nothing at all hashes one host page per key (stock,
-  transfer-page hashing), and then the first transfer's host slots per key
-  are the only witness: K is derived from it, as the stride rule derives each
-  pool's stride.
+The builds differ: a ``HiCacheStorageConfig.storage_page_size`` field, an
+assignment on the live backend after the pools registered (the span fork), an
+operator's extra-config ``storage_page_size`` (stock 0.5.23 has no field), or
+nothing, where the first transfer's host slots per key are the only witness
+(docs/operating.md, "sglang builds, page sizes and K").
 
 The storage page may change until the first data call (hit query, get or
 put) and is fixed from then on, so K never changes under stored data: a later

@@ -3,39 +3,20 @@
 A :class:`StoredPool` owns everything that depends on one pool's layout: the
 object keys of a call (key-major, component-minor: object ``i * C + c`` is
 component ``c`` of key ``i``), the buffer plans, what a get or a put moves
-(with a put's group ids and placement domains and, for a call that names its
-prefix chain, chain steps) and the fold from per-object
-flags to per-key results. The read and write paths only loop over pools, so
-the object order is written down here and nowhere else.
+and the fold from per-object flags to per-key results. The read and write
+paths only loop over pools, so the object order is written down here and
+nowhere else. A :class:`StagedPool` (no affine pointer model: the DSA indexer
+in layer_first) moves a flat key row per storage key through the staging arena
+(``stager.py``), as do the generic path's unregistered tensors.
 
-Pools whose host pages cannot be addressed by an affine pointer model (the DSA
-indexer in layer_first) are a :class:`StagedPool`: their bytes go through the
-registered staging arena (``stager.py``, over ``store/arena.py``), a flat key
-row per storage key, filled before a put and copied back after a get. The generic path's flat
-tensors (sglang's own, unregistered) travel the same way.
-
-The objects of one call (the functions after the pools) are a flat list over
-its batches, each contributing its object keys in its pool's order, so one
-existence query, put or get covers them all. Those functions own that layout:
-slicing a flat per-object list back into per-batch parts, folding them to
-per-key results, and selecting a subset of the objects to move (a put skipping
-what is stored, staged batches beside zero-copy ones) with the slots their
-results are put back in. They move nothing themselves: the read and write
-paths do, top-down.
+The functions after the pools own the layout of one call's objects, a flat list
+over its batches (so one existence query, put or get covers them all): slicing
+it per batch, folding it to keys, selecting what moves. They move nothing.
 
 Where a call's keys sit in their prefix chain comes from sglang's
-``extra_info`` (``chain_of``, ``prefix_keys_of``). With
-``hicache_storage_pass_prefix_keys: true`` in the storage extra-config, sglang
-0.5.23's controllers pop the knob (it never reaches the backend's config) and
-hand every backup, hit query and prefetch batch an ``HiCacheStorageExtraInfo``
-whose ``prefix_keys`` are the page hashes from the start of the sequence up to
-the call's first key: ``prefix_keys + keys`` is one chain, whichever batch of
-the conversation the call carries. The chain root (the first prefix key, or the
-call's first key when there is none) and the position ``len(prefix_keys)`` are
-all placement needs (``store/domains.ChainSpot``). ``prefix_keys`` None: the
-knob is off, and placement stays per storage key. The prefix keys themselves
-are the objects whose leases a backup or a hit query renews
-(``span_refresh_prefix``), so that eviction takes the chain's tail first.
+``extra_info`` (``chain_of``, ``prefix_keys_of``): what sglang hands and why
+``prefix_keys + keys`` is one chain is in docs/reliability.md, "The rule".
+``prefix_keys`` None: the knob is off, and placement stays per storage key.
 """
 
 from __future__ import annotations

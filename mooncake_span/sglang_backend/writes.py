@@ -2,37 +2,10 @@
 
 A backup calls ``batch_set_v2`` (sidecar pools, one ``PoolTransfer`` each)
 and then ``batch_set_v1`` (the KV pool) or, without ``interface_v1``, the
-generic ``batch_set`` (flat page tensors). Each method:
-
-1. is wrapped in ``guard.never_raise``: whatever happens below, sglang gets
-   per-key results (a refusal or a failure is a logged miss);
-2. turns its arguments into ``PoolBatch`` es (``Registration.pool_batch``,
-   ``transfer_batches``, ``flat_batch``), and says once if backups arrive
-   without prefix keys (``PerKeyNotice``);
-3. runs ``_put``, wrapped in ``recording.recorded``, which records what moved.
-   It first asks ``StoredCheck`` which objects are stored already and whether
-   the chain's prefix is (below: one existence query, which
-   renews the prefix's leases so eviction takes the tail first); behind a hole
-   in the chain nothing is written (``span_skip_unreachable``). Otherwise it
-   puts only the missing objects (``StoredPool.write_missing``) with their
-   eviction group ids and failure-domain placement keys: the zero-copy
-   batches in one ``MooncakeClient.put`` (segments cut by the buffer budget and
-   the grouped-put cap, each part through ``NativeGate.invoke``), each staged
-   batch through the arena in lease-sized parts, its rows copied in first;
-4. folds the per-object flags (stored, or written now) to per-key results.
-
-A put's own objects keep the chain's order (a call the cluster refuses part
-of keeps its reachable head).
-
-Chain records (``ChainRecords``) serve ``inspect``'s reachable estimate: after a
-KV backup that named its prefix chain (``span_refresh_prefix`` keeps the prefix
-keys) and stored every key, a chain whose root is sampled
-(``span_chain_sample_every``, ``span.chains.chain_sampled``) gets a record of
-its page keys so far, one small object put through the staging arena. The
-record is an ordinary object: no pin, evicted like the rest. It costs one put
-(two master RPCs) per backup of a sampled chain; a record that cannot be
-written is left out (the client counts a refusal) and the backup's own answer
-stands.
+generic ``batch_set`` (flat page tensors). The steps of one put, from
+``never_raise`` to ``per_key_results``, are walked through in
+docs/architecture.md, "One ``batch_set_v1``". A put's own objects keep the
+chain's order (a call the cluster refuses part of keeps its reachable head).
 """
 
 from __future__ import annotations
@@ -326,6 +299,14 @@ class PerKeyNotice:
 
 
 class ChainRecords:
+    """After a KV backup that stored every key, a sampled chain gets a record of
+    its page keys for ``inspect``'s reachable estimate (span/chains.py).
+
+    The record is an ordinary object (no pin, evicted like the rest) costing
+    one put per backup of a sampled chain; one that cannot be written is left
+    out (the client counts a refusal) and the backup's own answer stands.
+    """
+
     def __init__(self, client: MooncakeClient, arena: StagingArena, every: int) -> None:
         self._client = client
         self._arena = arena

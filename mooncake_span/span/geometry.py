@@ -1,21 +1,12 @@
 """Span geometry and the per-pool stride rules. Pure: integers and strings only.
 
-One storage key covers ``storage_page_tokens`` tokens, i.e.
-``pages_per_span = storage_page_tokens // host_page_tokens`` host pages (K).
-sglang hands the backend one key per storage page; the backend never groups or
-re-hashes keys itself.
-
-Per transfer the number of host slots per key is *derived*
-(``numel // len(keys)``), never predicted:
-
-* the KV anchor and pools whose indices are the KV indices ("KV-derived": the
-  DSA indexer, drafts, DeepSeek-V4 compressed pools) must carry exactly
-  ``storage_page_tokens`` slots per key;
-* independent state pools (Mamba: one checkpoint slot per key; SWA: its
-  window) only need a count that divides evenly into whole pool pages.
-
-The prefetch path rebuilds KV-derived transfers without ``indices_from_pool``,
-so the classification comes from a name table (plus any pool seen with
+One storage key covers ``pages_per_span`` (K) host pages; sglang hands the
+backend one key per storage page, and the backend never groups or re-hashes
+keys. Per transfer the host slots per key are derived (``numel // len(keys)``),
+never predicted: KV and KV-derived pools must carry exactly the storage page,
+state pools whole pool pages (docs/span-format.md, "Derived strides"). The
+prefetch path rebuilds KV-derived transfers without ``indices_from_pool``, so
+the classification comes from a name table (plus any pool seen with
 ``indices_from_pool == "kv"`` on a backup).
 """
 

@@ -1,20 +1,15 @@
 """Object-key schema. Pure. Key strings are a persistent format: change them only
 with a version bump (``KEY_SCHEMA_VERSION``) and the golden tests.
 
-An object key is ``{prefix}_{page_key}_{rank}_{component}``, i.e. upstream
-MooncakeStore's suffix grammar (``{hash}__k`` for MLA without PP,
-``_{tp}_temporal`` / ``_{tp}_conv_{i}`` for Mamba, ``__indexer`` ...) behind a
-prefix that makes incompatible deployments disjoint. One departure: an MHA
-key's k and v are one object, ``{hash}_{tp}_kv`` (upstream: ``_k`` and ``_v``)::
+An object key is ``{prefix}_{page_key}_{rank}_{component}``: upstream
+MooncakeStore's suffix grammar behind a prefix that carries the span geometry,
+host layout and KV dtype, so incompatible deployments never share a key::
 
     ms2[_{tag}]_{model}_h{host_page}x{K}_{layout}_{kv_dtype}
 
-The prefix carries the span geometry, so a K=4 span object of 4x64 tokens and a
-native 256-token-page object of the same page hash never share a key, and it
-carries the host layout and KV dtype, which change an object's bytes.
-
-Page keys come from sglang (chained SHA-256 hex digests) and are opaque: never
-re-hashed, only validated.
+The grammar, the one departure from upstream (an MHA key's k and v are one
+``_kv`` object) and the rank suffixes: docs/span-format.md, "Keys". Page keys
+come from sglang and are opaque: never re-hashed, only validated.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Pointer planning: which host bytes make up each span object. Pure (numpy, no I/O).
 
-A host pool exposes, per host page, ``B`` buffers ("slots": one per layer for
-layer_first, one per component for page_first, ...). Each storage key covers K
-pages and is stored as one object per component. The canonical byte order of
-an object is **slot-major, page-minor**: for every slot of the component (in
-sglang's pointer order), the K pages of the key in token order::
+A host pool exposes, per host page, ``B`` buffers ("slots"). Each storage key
+covers K pages and is stored as one object per component, in the canonical
+**slot-major, page-minor** byte order::
 
     object(key, c) = concat_{b in slots(c)} concat_{j < K} bytes(page_j, b)
 
-With one slot per page (page_first MLA, the DSA indexer, each MHA/Mamba
-component) this is exactly "the K host pages concatenated in token order". With
-layer_first it puts each layer's K pages next to each other, so K consecutive
-host pages coalesce into one buffer per layer: at most L pointers per key
-instead of K*L. The order depends only on the pool's layout (which is part of
-the key prefix), never on where the pages sit in host memory.
+Why this order (layer_first coalesces to one buffer per layer, and the bytes
+never depend on host placement): docs/span-format.md, "Rules".
 """
 
 from __future__ import annotations
@@ -60,12 +54,6 @@ class PageLayout:
     def flat_page_bytes(self) -> int:
         """Bytes of one host page over all stored components (sglang's flat page)."""
         return sum(self.page_bytes(c) for c in range(len(self.components)))
-
-    def pointer_matrix(self, pages: np.ndarray) -> np.ndarray:
-        """int64 pointers, shape ``pages.shape + (B,)``."""
-        base = np.asarray(self.base_ptrs, dtype=np.int64)
-        stride = np.asarray(self.page_stride_bytes, dtype=np.int64)
-        return base + pages[..., None].astype(np.int64) * stride
 
     @cached_property
     def tables(self) -> tuple[_ComponentTable, ...]:
@@ -299,11 +287,6 @@ def plan_batch(layout: PageLayout, key_pages: np.ndarray, *, checked: bool = Fal
         [row for rows in zip(*(p.sizes for p in parts), strict=True) for row in rows],
         [v for vals in zip(*(p.nbytes for p in parts), strict=True) for v in vals],
     )
-
-
-def plan_objects(layout: PageLayout, key_pages: np.ndarray) -> list[ObjectPlan]:
-    """``plan_batch`` as one ``ObjectPlan`` per object."""
-    return plan_batch(layout, key_pages).plans()
 
 
 def flat_page_offsets(layout: PageLayout) -> list[list[int]]:

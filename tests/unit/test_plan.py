@@ -26,10 +26,15 @@ from mooncake_span.span.plan import (
     flat_page_offsets,
     pages_of_slots,
     plan_batch,
-    plan_objects,
     plan_objects_from_flat,
     split_calls,
 )
+
+
+def plan_objects(layout: PageLayout, key_pages: np.ndarray) -> list[ObjectPlan]:
+    """``plan_batch`` as one ``ObjectPlan`` per object."""
+    return plan_batch(layout, key_pages).plans()
+
 
 # ---------------------------------------------------------------------------
 # Host pools on real memory

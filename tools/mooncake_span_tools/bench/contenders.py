@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mooncake_span.span.plan import ObjectPlan, plan_objects, split_calls
+from mooncake_span.span.plan import ObjectPlan, plan_batch, split_calls
 from mooncake_span_tools.bench.pages import Placement, build_parts, host_pools
 from mooncake_span_tools.bench.shared_native import TimedNativeStore, Topology
 from mooncake_span_tools.bench.workloads import (
@@ -226,8 +226,8 @@ class WorkloadRunner:
                     d_pages = np.array([[self.placement.state_dst[c]]])
                     owners = [kpc - 1]
                     part_keys = [call_keys[-1]]
-                s_plans = plan_objects(part.layout, s_pages)
-                d_plans = plan_objects(part.layout, d_pages)
+                s_plans = plan_batch(part.layout, s_pages).plans()
+                d_plans = plan_batch(part.layout, d_pages).plans()
                 ncomp = len(part.layout.components)
                 obj_keys = [
                     f"{key}_{part.name.value}_{j}" for key in part_keys for j in range(ncomp)
@@ -334,7 +334,7 @@ class WorkloadRunner:
         return puts, gets, exists
 
     def plan_seconds(self, name: str) -> float | None:
-        """Pure planning time per call of a span contender: ``plan_objects`` on its pages."""
+        """Pure planning time per call of a span contender: ``plan_batch`` on its pages."""
         spec = self.specs[name]
         if spec.kind != "span":
             return None
@@ -347,7 +347,7 @@ class WorkloadRunner:
                 pages = self._call_pages(src, c).reshape(-1, k)
                 for part in self.parts:
                     if part.per_key:
-                        plan_objects(part.layout, pages)
+                        plan_batch(part.layout, pages).plans()
             best = min(best, time.perf_counter() - started)
         return best / self.calls
 
@@ -360,7 +360,7 @@ class WorkloadRunner:
         k = spec.pages_per_key
         pages = src[: 64 * k].reshape(-1, k)
         total = sum(
-            sum(len(pl.ptrs) for pl in plan_objects(p.layout, pages))
+            sum(len(pl.ptrs) for pl in plan_batch(p.layout, pages).plans())
             for p in self.parts
             if p.per_key
         )

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from mooncake_span.errors import ErrorCode
-from mooncake_span.span.plan import plan_objects
+from mooncake_span.span.plan import plan_batch
 from mooncake_span_tools.bench import contenders as C
 from mooncake_span_tools.bench.pages import build_parts, host_pools
 from mooncake_span_tools.bench.shared_native import TimedNativeStore, Topology
@@ -333,8 +333,8 @@ class _Rig:
                 continue
             tag = str(part.name.value)
             okeys = [f"{key}_{tag}" for key in keys]
-            src_plans = plan_objects(part.layout, self.src.reshape(-1, k))
-            dst_plans = plan_objects(part.layout, self.dst.reshape(-1, k))
+            src_plans = plan_batch(part.layout, self.src.reshape(-1, k)).plans()
+            dst_plans = plan_batch(part.layout, self.dst.reshape(-1, k)).plans()
             calls.append((okeys, [p.ptrs for p in src_plans], [p.sizes for p in src_plans]))
             calls.append((okeys, [p.ptrs for p in dst_plans], [p.sizes for p in dst_plans]))
         native, config = self.native, self._replicate_config()
