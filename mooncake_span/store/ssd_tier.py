@@ -1,19 +1,8 @@
 """Mooncake's SSD tier (0.3.13.post1) set up so that every object reaches disk and is found again.
 
-A process that owns a DRAM segment and sets up with ``enable_ssd_offload``
-writes each object it holds to its own offload directory (one heartbeat after
-the put), and registers what that directory holds with the master when it
-starts, so a restarted process finds its keys again. With Mooncake's defaults
-nothing reaches disk (docs/operating.md, "The SSD tier"); ``SsdTier`` is the
-set of native settings that works, exported before ``setup``:
-
-* the bucket layout with one key per bucket (a partial bucket is reported
-  failed and never written, Mooncake #3006) and a bucket size limit of the
-  largest object the process can hold (larger objects are skipped silently);
-* a disk cap with FIFO eviction (the file-per-key layout ignores its cap);
-* a 1 s offload heartbeat (each copy stays pinned in DRAM until written, and
-  eviction waits for it);
-* the read buffer that stages objects read from disk for a remote reader.
+With Mooncake's defaults nothing reaches disk; ``SsdTier`` is the set of
+native settings that works, exported before ``setup`` (each one and why:
+docs/operating.md, "What the launcher sets, and why").
 
 Each process needs a directory of its own: a storage node gets
 ``<root>/<node name>``, a serving rank sglang's ``<root>/rank_<dp>_<tp>_<pp>_<cp>``.
