@@ -18,66 +18,18 @@ Where the master says a suspect object lives is an RPC; ``DomainCalls`` makes
 it and passes the answer in (``locate``). The live segments are the segment
 directory's (``segments.py``), read, never asked for.
 
-What failed calls taught one client, and for how long.
+``FailureLedger`` is the one owner of a client's failure marks (bad, full
+and owner-down segments, lost keys), each with its rule next to its state;
+the client makes the calls, hands in what they answered, and carries out what
+the ledger decided. What each mark does and why both simpler put rules failed:
+docs/reliability.md, "Failure domains", "What the backend does".
 
-``FailureLedger`` is the one owner of a client's failure marks. Each mark has
-its rule here, next to its state; the client makes the calls, hands in what
-they answered, and carries out what the ledger decided (the router reads the
-marks to route):
-
-* **bad segments** (``transfer_failed``): a transfer failed on objects the
-  master locates there. Their keys read as misses and puts avoid them for
-  ``span_domain_bad_ttl_s``.
-* **full segments** (``put_target_failed``, ``PutTarget``): Mooncake moves a
-  put off a full preferred segment onto any listed one, a dead one included,
-  so a failed put does not name its segment. The client dials the preferred
-  one; the answer decides between bad and full. A full segment keeps serving
-  reads; new puts go to the next segment for the same TTL.
-* **owners down** (``owners_down``): an SSD owner that stopped answering reads
-  (``store/serving_ssd.py``). Its segment is bad, and until the mark ends
-  every read asks the master where its keys are: placement cannot tell which
-  keys an owner holds on disk.
-* **lost keys** (``remember_lost``): keys whose restore failed read as absent
-  until re-written or ``span_lost_key_ttl_s`` passes.
-* **the put pause** (``PutPressure``): refused puts in a row pause this
-  client's puts (below).
-
-The marks' state is kept here too, each bounded: ``DomainHealth`` (segments
-bad or full until a TTL after their last failure; keys placed there read as
-misses without a transfer attempt, writes skip them) and ``LostKeys`` (the
-negative cache of failed restores, so a prefetch does not retry a lost key on
-every request).
-
-The put pause is backpressure on a full cluster, decided by its answers.
-Mooncake answers a put that finds no space with a no-space code
-(``NO_AVAILABLE_HANDLE``, or ``TENANT_QUOTA_EXCEEDED`` for a tenant over its
-quota). What comes next is the master's doing: a failed allocation sets its
-``need_mem_eviction`` flag and its eviction thread, which wakes every 10 ms,
-frees the least recently used objects that no lease or pin holds. On a
-cluster that evicts, the very next put usually finds room; on one whose
-objects are all leased or pinned, nothing is freed until leases end.
-
-So one refusal pauses nothing: the next put asks again, and every backup the
-cluster would accept is sent. Only ``STREAK_TO_PAUSE`` refused calls in a row
-(calls that stored nothing and got a no-space answer) are taken as a cluster
-that stays full. Puts then pause for ``FIRST_PAUSE_S`` (about one eviction
-period), and each refused probe (the first put after a pause) doubles the
-pause, up to ``max_pause_s`` (``span_full_cooldown_s``). Any call that stores
-an object ends it. A cluster that stays full thereby gets a handful of
-refused calls and then about one per ``max_pause_s``, not one per backup.
-
-Why the answers and not the master's usage: the master publishes usage only on
-its admin HTTP server (``master_allocated_bytes``), never to a client over its
-RPCs, so watching it costs requests of its own; and usage cannot say whether
-anything is evictable (a full segment of unleased objects takes the next put
-after one eviction pass, one full of leased objects takes none). A refused put
-costs one allocation RPC and moves no bytes, and its answer is exactly the
-question asked.
-
-``PutPressure`` also owns the counts of backup objects that were not written,
-by reason (``SKIP_REASONS``): already stored, skipped in a pause (without
-asking the cluster), refused by it, or not sent because the chain's prefix is
-not in the cluster (``span_skip_unreachable``).
+``PutPressure`` pauses this client's puts only after ``STREAK_TO_PAUSE``
+refused calls in a row, doubling from ``FIRST_PAUSE_S`` (about one eviction
+period of the master) up to ``span_full_cooldown_s``; any call that stores an
+object ends it. Why the put's own answer and not the master's usage, and the
+figures: docs/reliability.md, "A full cluster: the put cool-down". It also
+owns the counts of backup objects not written, by reason (``SKIP_REASONS``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from mooncake_span.errors import ConfigError, ErrorCode, SetupError
@@ -37,12 +37,22 @@ from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import PlanBatch
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.router import FailureLedger
+from mooncake_span.store.ssd_scan import check_directory, resolve_check
 from mooncake_span.store.ssd_tier import (
+    CAP_ENV,
+    EXPIRY_MARGIN_S,
     STOP_WAIT_ENV,
     DirLock,
+    SsdTier,
+    check_root,
+    crashed,
+    default_cap_bytes,
+    int_setting,
+    layout_problems,
     offload_quiet_s,
-    open_serving_tier,
+    process_dir,
     resolve_stop_wait_s,
+    wait_for_owner_expiry,
     wait_offloads_written,
 )
 
@@ -70,6 +80,55 @@ def disk_only(found: Mapping[str, Sequence[Any]] | None) -> set[str]:
         for key, replicas in (found or {}).items()
         if replicas and all(replica.is_local_disk_replica() for replica in replicas)
     }
+
+
+def open_serving_tier(
+    directory: str,
+    largest_object_bytes: int,
+    environ: MutableMapping[str, str],
+    list_segments: Callable[[], list[str] | None] | None,
+    client_ttl_s: float = 10.0,
+) -> DirLock:
+    """A serving rank's own tier (sglang's ``enable_ssd_offload``): the same checks,
+    lock, wait after a crash and settings as a storage node's. Settings the
+    operator exported win over ours, unless they would keep objects off the
+    disk. Returns the held lock.
+
+    Raises:
+        ConfigError: a bad directory, one in use, or settings that persist nothing.
+    """
+    parent, name = os.path.split(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)  # as sglang's MooncakeStore does
+    check_root(parent, "ssd_offload_path")
+    process_dir(parent, name, "ssd_offload_path")
+    largest = largest_object_bytes or 256 << 20  # a pure reader offloads nothing of its own
+    tier = SsdTier(
+        directory=os.path.join(parent, name),
+        cap_bytes=int_setting(environ.get(CAP_ENV), 0) or default_cap_bytes(parent),
+        largest_object_bytes=largest,
+    )
+    for env_name, value in tier.native_env().items():
+        environ.setdefault(env_name, value)
+    problems = layout_problems(environ, largest)
+    if problems:
+        raise ConfigError("enable_ssd_offload would persist nothing: " + "; ".join(problems))
+    lock = DirLock(parent, name)
+    previous = lock.acquire(tier.directory)
+    try:
+        check_directory(tier.directory, resolve_check(None, environ)[0])
+    except BaseException:
+        lock.release()
+        raise
+    if crashed(previous):
+        logger.warning(
+            "mooncake-span: the previous owner of %s (pid %s) did not stop cleanly; waiting for "
+            "the master to drop it (at most %.0f s)",
+            tier.directory,
+            previous.get("pid"),
+            client_ttl_s + EXPIRY_MARGIN_S,
+        )
+        wait_for_owner_expiry(previous, client_ttl_s, list_segments)
+    return lock
 
 
 def open_rank_directory(

@@ -1,31 +1,11 @@
 """The check of an SSD directory before Mooncake registers what it holds.
 
-A process with an SSD tier registers every object its directory holds when it
-sets up (``store/ssd_tier.py``), verified by nothing: Mooncake keeps no
-checksum on disk, and a file cut short by a power loss is offered again and
-fails every read (FILE_READ_FAIL). A key the readers found broken and removed
-from the master comes back too, since ``remove`` leaves the file (measured,
-0.3.13.post1: a removed key's bucket stays, and the next start registers it).
-
-So the storage node (and a serving rank's own tier) checks the directory
-first and deletes the objects that could only ever be misses:
-
-* ``size`` (the default) reads metadata only: each ``.meta`` and the length
-  of its bucket. A bucket shorter than its ``.meta`` says (torn), a ``.meta``
-  without its bucket, and a bucket without its ``.meta`` (an offload cut
-  between the two writes: no start can find it) are deleted. Its cost grows
-  with the number of objects, not their bytes.
-* ``full`` also reads every object: one that carries a seal
-  (``store/seal.py``) and does not match it is deleted. Objects without a
-  seal (``span_object_checksums`` off, small records) cannot be checked and
-  are kept. This reads the whole directory once per start, so a terabyte
-  tier takes hours before the node serves: opt-in.
-
-A rotted object the ``size`` check keeps is still never served as bytes:
-every sealed read verifies its seal, and a mismatch reads as a miss and is
-removed from the master (``store/integrity.py``); its file goes at the next
-``full`` check. Seals are on wherever a namespace has an SSD tier
-(``store/ssd_marker.py``).
+Mooncake keeps no checksum on disk and ``remove`` leaves the file, so a torn
+file or a key removed as broken would be registered again at every start; this
+deletes the objects that could only ever be misses. The modes (``size``
+reads metadata only, ``full`` also checks seals, ``off``), what each costs and
+why ``size`` is the default: docs/reliability.md, "Integrity across restarts",
+and docs/operating.md, "Start-up time and files".
 
 Mooncake's layout, as the 0.3.13.post1 wheel writes it (one key per bucket,
 ``SsdTier``): ``<id>.bucket`` holds, per object, its key (``tenant`` NUL

@@ -1,19 +1,8 @@
 """Mooncake's SSD tier (0.3.13.post1) set up so that every object reaches disk and is found again.
 
-A process that owns a DRAM segment and sets up with ``enable_ssd_offload``
-writes each object it holds to its own offload directory (one heartbeat after
-the put), and registers what that directory holds with the master when it
-starts, so a restarted process finds its keys again. With Mooncake's defaults
-nothing reaches disk (docs/operating.md, "The SSD tier"); ``SsdTier`` is the
-set of native settings that works, exported before ``setup``:
-
-* the bucket layout with one key per bucket (a partial bucket is reported
-  failed and never written, Mooncake #3006) and a bucket size limit of the
-  largest object the process can hold (larger objects are skipped silently);
-* a disk cap with FIFO eviction (the file-per-key layout ignores its cap);
-* a 1 s offload heartbeat (each copy stays pinned in DRAM until written, and
-  eviction waits for it);
-* the read buffer that stages objects read from disk for a remote reader.
+With Mooncake's defaults nothing reaches disk; ``SsdTier`` is the set of
+native settings that works, exported before ``setup`` (each one and why:
+docs/operating.md, "What the launcher sets, and why").
 
 Each process needs a directory of its own: a storage node gets
 ``<root>/<node name>``, a serving rank sglang's ``<root>/rank_<dp>_<tp>_<pp>_<cp>``.
@@ -35,7 +24,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,14 +230,14 @@ def layout_problems(environ: Mapping[str, str], largest_object_bytes: int | None
     if layout != BUCKET_LAYOUT:
         return [f"{LAYOUT_ENV}={layout} is not a layout mooncake-span has measured; unset it"]
     problems = []
-    keys = _int(environ.get(KEYS_PER_BUCKET_ENV), _MOONCAKE_KEYS_PER_BUCKET)
+    keys = int_setting(environ.get(KEYS_PER_BUCKET_ENV), _MOONCAKE_KEYS_PER_BUCKET)
     if keys != 1:
         problems.append(
             f"{KEYS_PER_BUCKET_ENV}={keys}: a bucket that is not full at a heartbeat is reported "
             "failed and never written (Mooncake #3006; with the defaults nothing reached disk); "
             f"set {KEYS_PER_BUCKET_ENV}=1"
         )
-    bucket_bytes = _int(environ.get(BUCKET_BYTES_ENV), 256 << 20)
+    bucket_bytes = int_setting(environ.get(BUCKET_BYTES_ENV), 256 << 20)
     if largest_object_bytes and bucket_bytes < largest_object_bytes:
         problems.append(
             f"{BUCKET_BYTES_ENV}={bucket_bytes} is below the largest object this process may "
@@ -258,7 +247,7 @@ def layout_problems(environ: Mapping[str, str], largest_object_bytes: int | None
     return problems
 
 
-def _int(text: str | None, default: int) -> int:
+def int_setting(text: str | None, default: int) -> int:
     try:
         return int(text) if text else default
     except ValueError:
@@ -350,7 +339,7 @@ def resolve_stop_wait_s(flag: float | None, environ: Mapping[str, str]) -> float
 def offload_quiet_s(environ: Mapping[str, str]) -> float:
     """Two offload heartbeats, as this process runs them: how long a directory stays
     unchanged before a stop takes its offloads as finished."""
-    return 2.0 * _int(environ.get(HEARTBEAT_ENV), HEARTBEAT_S)
+    return 2.0 * int_setting(environ.get(HEARTBEAT_ENV), HEARTBEAT_S)
 
 
 def wait_offloads_written(
@@ -426,55 +415,3 @@ def wait_for_owner_expiry(
             return clock() - started
         sleep(_EXPIRY_POLL_S)
     return clock() - started
-
-
-def open_serving_tier(
-    directory: str,
-    largest_object_bytes: int,
-    environ: MutableMapping[str, str],
-    list_segments: Callable[[], list[str] | None] | None,
-    client_ttl_s: float = 10.0,
-) -> DirLock:
-    """A serving rank's own tier (sglang's ``enable_ssd_offload``): the same checks,
-    lock, wait after a crash and settings as a storage node's. Settings the
-    operator exported win over ours, unless they would keep objects off the
-    disk. Returns the held lock.
-
-    Raises:
-        ConfigError: a bad directory, one in use, or settings that persist nothing.
-    """
-    parent, name = os.path.split(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)  # as sglang's MooncakeStore does
-    check_root(parent, "ssd_offload_path")
-    process_dir(parent, name, "ssd_offload_path")
-    largest = largest_object_bytes or 256 << 20  # a pure reader offloads nothing of its own
-    tier = SsdTier(
-        directory=os.path.join(parent, name),
-        cap_bytes=_int(environ.get(CAP_ENV), 0) or default_cap_bytes(parent),
-        largest_object_bytes=largest,
-    )
-    for env_name, value in tier.native_env().items():
-        environ.setdefault(env_name, value)
-    problems = layout_problems(environ, largest)
-    if problems:
-        raise ConfigError("enable_ssd_offload would persist nothing: " + "; ".join(problems))
-    lock = DirLock(parent, name)
-    previous = lock.acquire(tier.directory)
-    # Imported here: the scan reads seals (xxhash), which only this path needs.
-    from mooncake_span.store.ssd_scan import check_directory, resolve_check
-
-    try:
-        check_directory(tier.directory, resolve_check(None, environ)[0])
-    except BaseException:
-        lock.release()
-        raise
-    if crashed(previous):
-        logger.warning(
-            "mooncake-span: the previous owner of %s (pid %s) did not stop cleanly; waiting for "
-            "the master to drop it (at most %.0f s)",
-            tier.directory,
-            previous.get("pid"),
-            client_ttl_s + EXPIRY_MARGIN_S,
-        )
-        wait_for_owner_expiry(previous, client_ttl_s, list_segments)
-    return lock

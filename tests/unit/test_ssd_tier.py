@@ -17,7 +17,7 @@ from mooncake_span.errors import ConfigError
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.ops import doctor_ssd
 from mooncake_span.ops.doctor_host import FAIL, PASS, SKIP, Context
-from mooncake_span.store import ssd_tier
+from mooncake_span.store import serving_ssd, ssd_tier
 from tests.span_helpers import FakeClock
 
 MIB = 1 << 20
@@ -154,18 +154,22 @@ def test_a_restart_after_a_crash_waits_until_the_master_drops_the_old_owner():
 
 def test_a_serving_rank_gets_the_same_settings_but_the_operators_win(tmp_path):
     env = {ssd_tier.READ_BUFFER_ENV: str(64 * MIB), ssd_tier.CAP_ENV: str(256 * MIB)}
-    lock = ssd_tier.open_serving_tier(str(tmp_path / "ssd" / "rank_0_0_0_0"), 16 * MIB, env, None)
+    lock = serving_ssd.open_serving_tier(
+        str(tmp_path / "ssd" / "rank_0_0_0_0"), 16 * MIB, env, None
+    )
     try:
         assert env[ssd_tier.KEYS_PER_BUCKET_ENV] == "1"
         assert env[ssd_tier.READ_BUFFER_ENV] == str(64 * MIB)
         assert env[ssd_tier.CAP_ENV] == str(256 * MIB)
         assert (tmp_path / "ssd" / "rank_0_0_0_0").is_dir()
         with pytest.raises(ConfigError, match="in use"):
-            ssd_tier.open_serving_tier(str(tmp_path / "ssd" / "rank_0_0_0_0"), 16 * MIB, {}, None)
+            serving_ssd.open_serving_tier(
+                str(tmp_path / "ssd" / "rank_0_0_0_0"), 16 * MIB, {}, None
+            )
     finally:
         lock.release()
     with pytest.raises(ConfigError, match="persist nothing.*KEYS_LIMIT=1"):
-        ssd_tier.open_serving_tier(
+        serving_ssd.open_serving_tier(
             str(tmp_path / "ssd" / "rank_0_1_0_0"),
             16 * MIB,
             {ssd_tier.KEYS_PER_BUCKET_ENV: "500"},
