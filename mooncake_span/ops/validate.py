@@ -1,10 +1,8 @@
 """``mooncake-span validate``'s pure half: probes, what a server reports, the verdict.
 
-The method (probes as token ids, the cold and L3 passes, when a probe passes)
-is in docs/operating.md, "Validating a deployment". A wrong restore raises no
-error, it gives a fluent wrong answer: hence the content check, through
-:mod:`mooncake_span.ops.oracle`. No I/O here: :mod:`mooncake_span.ops.validate_http`
-talks to the servers and :mod:`mooncake_span.ops.validate_cmd` runs the passes.
+The method: docs/operating.md, "Validating a deployment". No I/O here:
+:mod:`mooncake_span.ops.validate_http` talks to the servers and
+:mod:`mooncake_span.ops.validate_cmd` runs the passes.
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ from mooncake_span.ops import oracle
 Saved = TypeVar("Saved")
 
 DEFAULT_DEPTHS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
-# The default probe length: at most this, and at most half the smallest
-# memory pool a server reports, so a probe and its answer always fit.
 DEFAULT_MAX_CONTEXT_TOKENS = 8192
 # sglang does not prefetch a remainder shorter than its prefetch threshold
 # (256 tokens by default) and always computes the last page.
@@ -31,27 +27,22 @@ PREFETCH_THRESHOLD_TOKENS = 256
 MIN_PROBE_PAGES = 3
 ANSWER_TOKENS = 16
 TOP_LOGPROBS = 5
-# fp32 servers restore to float rounding (oracle.LOGPROB_TOLERANCE). Half
-# precision recomputes the last page with other batch shapes than the cold
-# pass did; this bound is a choice, not measured here: --logprob-tolerance.
+# Half precision recomputes the last page with other batch shapes than the cold
+# pass did; this bound is a choice, not a measurement (--logprob-tolerance).
 HALF_PRECISION_LOGPROB_TOLERANCE = 0.1
 FULL_PRECISION_DTYPES = ("float32", "fp32")
-# Token pool: distinct ids a probe draws from, and what reads as a plain word.
 MIN_POOL_TOKENS = 64
 MAX_WORD_CHARS = 12
 CODE_TOKENS = 3
-# The probe's text, where the server has a tokenizer.
 CODE_INTRO = "\nThe secret code is: "
 CODE_OUTRO = "\n"
 QUESTION = "What is the secret code? Answer with the code only."
 # A message that starts unlike QUESTION: where two chat prompts part is where
 # the template's opening ends.
 OTHER_MESSAGE = "0"
-# Churn eviction sends unique prompts worth this many times the device and
-# host pools together; why that evicts: docs/operating.md, "Validating a deployment".
+# Churn's unique tokens per device + host pool token (why: docs/operating.md).
 CHURN_FACTOR = 1.5
 HOST_TOTAL_GAUGE = "sglang:hicache_host_total_tokens"
-# sglang's and this backend's counters worth a delta, by name prefix.
 COUNTER_PREFIXES = (
     "sglang:storage_",
     "sglang:prefetched_tokens",
@@ -90,8 +81,10 @@ class ServerFacts:
     dtype: str
 
     @property
-    def full_precision(self) -> bool:
-        return self.dtype in FULL_PRECISION_DTYPES
+    def default_logprob_tolerance(self) -> float:
+        """fp32 servers restore to float rounding; half precision gets a looser bound."""
+        full = self.dtype in FULL_PRECISION_DTYPES
+        return oracle.LOGPROB_TOLERANCE if full else HALF_PRECISION_LOGPROB_TOLERANCE
 
 
 def _int(value: Any, default: int = 0) -> int:
@@ -220,10 +213,8 @@ def churn_plan(
     server: ServerFacts, prompt_tokens: int, override_tokens: int | None = None
 ) -> ChurnPlan:
     """How much unique traffic evicts the probes from ``server``'s memory, and why.
-
-    ValueError when the server has a host pool of unknown size and no override
-    says how much to send: a guess could leave the probes in host memory.
-    """
+    ValueError for a host pool of unknown size without an override: a guess could
+    leave the probes in host memory."""
     host = server.host_pool_tokens or 0
     if server.hierarchical_cache and not host and override_tokens is None:
         raise ValueError(
@@ -267,10 +258,8 @@ class TokenPool:
 
 def pool_from_texts(token_texts: Sequence[str]) -> TokenPool:
     """Tokens of a vocabulary scan (``token_texts[i]`` is id ``i``'s text alone): its plain
-    words (ASCII letters and digits) when there are enough, which a model reads as words;
-    else every token that spells printable text on its own, as a byte-level tokenizer's
-    do. One id per distinct text; special tokens, which decode to nothing, never qualify.
-    ValueError when fewer than ``MIN_POOL_TOKENS`` qualify."""
+    words when there are enough, else every token that spells printable text alone (a
+    byte-level tokenizer's); one id per text. ValueError below ``MIN_POOL_TOKENS``."""
     words: dict[str, int] = {}
     spelled: dict[str, int] = {}
     for token_id, text in enumerate(token_texts):
@@ -296,9 +285,8 @@ def pool_from_texts(token_texts: Sequence[str]) -> TokenPool:
 
 
 def pool_from_candidates(candidate_ids: Iterable[int]) -> TokenPool:
-    """The ids a model itself proposed (its top candidates over a greedy answer): a
-    server without a tokenizer says no vocabulary, but every id it proposes is one
-    of its model's. ValueError when fewer than ``MIN_POOL_TOKENS`` are distinct."""
+    """The ids a model proposed (top candidates of greedy answers), for a server without
+    a tokenizer. ValueError when fewer than ``MIN_POOL_TOKENS`` are distinct."""
     ids = tuple(dict.fromkeys(int(i) for i in candidate_ids))
     if len(ids) < MIN_POOL_TOKENS:
         raise ValueError(
@@ -350,8 +338,6 @@ def make_probe(
     of ``CODE_TOKENS`` pool ids at ``depth`` of it, inside the frame."""
     if not 0.0 < depth < 1.0:
         raise ValueError(f"a depth is a fraction in (0, 1), got {depth}")
-    if len(pool.ids) < MIN_POOL_TOKENS:
-        raise ValueError(f"the pool holds {len(pool.ids)} token ids; probes need {MIN_POOL_TOKENS}")
     filler_tokens = context_tokens - frame.tokens - CODE_TOKENS
     if filler_tokens < 2:
         raise ValueError(
@@ -391,9 +377,8 @@ def code_found(answer: Answer, probe: Probe) -> bool:
 
 
 def shared_prefix_tokens(prompts: Sequence[Sequence[int]]) -> int:
-    """Tokens every probe starts with (a chat template's opening): a server may hold
-    them in memory whatever the eviction did. A lone probe shares nothing: its whole
-    prompt would otherwise count as an opening that memory may hold."""
+    """Tokens every probe starts with (a chat template's opening), which memory may hold
+    whatever the eviction did; 0 for a lone probe, whose whole prompt would count."""
     if len(prompts) < 2:
         return 0
     return _common_prefix(prompts)

@@ -1,9 +1,7 @@
 """``mooncake-span validate``: does a running deployment's L3 restore correctly, at every depth?
 
-Runs the passes against servers that are already running, installing nothing
-on them; the steps, the output and the exit codes are in docs/operating.md,
-"Validating a deployment". Progress goes to stderr, the table and the verdict
-(``--json``: one JSON document) to stdout.
+The passes, the output and the exit codes: docs/operating.md, "Validating a
+deployment". Progress goes to stderr, the table and verdict (or ``--json``) to stdout.
 """
 
 from __future__ import annotations
@@ -80,8 +78,7 @@ def connect(url: str) -> Server:
 
 
 def _proposed_pool(server: Server) -> V.TokenPool:
-    """Ids the model proposes: its top candidates over greedy answers, each answer
-    seeding the next (bounded rounds)."""
+    """Ids the model proposes: top candidates over greedy answers, each seeding the next."""
     seen: dict[int, None] = {}
     seed = list(PROPOSAL_SEED_IDS)
     for _round in range(PROPOSAL_ROUNDS):
@@ -99,8 +96,8 @@ def _proposed_pool(server: Server) -> V.TokenPool:
 
 
 def token_pool(server: Server) -> V.TokenPool:
-    """The ids probes draw from: from the server's vocabulary where it can spell its
-    tokens (``/detokenize``), else from what its model proposes."""
+    """The ids probes draw from: the server's vocabulary (``/detokenize``), else what its
+    model proposes."""
     for span in VOCAB_SCANS:
         try:
             texts = server.http.token_texts(range(span))
@@ -114,8 +111,8 @@ def token_pool(server: Server) -> V.TokenPool:
 
 
 def probe_frame(server: Server) -> V.Frame:
-    """The code line and the question as the server's tokenizer writes them, inside its
-    chat template where it has one; an empty frame for a server without a tokenizer."""
+    """The code line and the question in the server's tokens, inside its chat template
+    where it has one; an empty frame for a server without a tokenizer."""
     http = server.http
     try:
         intro = tuple(http.tokenize_text(V.CODE_INTRO, special_tokens=False))
@@ -141,9 +138,8 @@ def _unique_prompt(pool: V.TokenPool, tokens: int, rng: random.Random) -> list[i
 
 
 def warm_up(server: Server, pool: V.TokenPool, rng: random.Random) -> None:
-    """One unique prompt long enough for an L3 lookup: sglang loads its page-hash code at
-    a server's first one, and under the ``timeout`` prefetch policy that lookup's
-    prefetch is dropped, which must not happen to a probe."""
+    """One unique prompt long enough for an L3 lookup: a server's first lookup loads
+    sglang's page-hash code, and under the ``timeout`` policy its prefetch is dropped."""
     length = V.min_context_tokens(server.facts.page_tokens)
     server.http.generate(_unique_prompt(pool, length, rng), 1, 0)
 
@@ -153,8 +149,7 @@ def warm_up(server: Server, pool: V.TokenPool, rng: random.Random) -> None:
 
 
 def wait_for_backups(server: Server, before: dict[str, float], tokens: int, limit_s: float) -> str:
-    """Wait until the server's backup counter grew by ``tokens`` and settled; say what
-    was waited for and how it ended."""
+    """Wait until the backup counter grew by ``tokens`` and settled; say how it ended."""
     if server.facts.storage_backend is None:
         return "no wait: the server reports no storage backend"
     # sglang exports the backup counter only from its first backup on; its
@@ -227,7 +222,7 @@ def evict(
 
 @dataclass(frozen=True)
 class Options:
-    # The command's flags, each named as on the command line (``urls``: ``--server``).
+    # The flags as named on the command line (``urls``: ``--server``).
     urls: tuple[str, ...]
     depths: tuple[float, ...]
     context_tokens: int | None
@@ -285,11 +280,7 @@ def _l3_pass(
     shared = V.shared_prefix_tokens([p.input_ids for p in probes])
     tolerance = options.logprob_tolerance
     if tolerance is None:
-        tolerance = (
-            oracle.LOGPROB_TOLERANCE
-            if server.facts.full_precision
-            else V.HALF_PRECISION_LOGPROB_TOLERANCE
-        )
+        tolerance = server.facts.default_logprob_tolerance
     notes["tolerance"] = tolerance
     before = server.http.metrics()
     answers = _ask(server, "L3", probes, [len(c.output_ids) or 1 for c in cold], options, notes)

@@ -175,7 +175,7 @@ def test_server_facts_read_pools_and_backend():
     f = facts()
     assert (f.page_tokens, f.device_pool_tokens, f.host_pool_tokens) == (64, 4096, 8192)
     assert f.storage_backend == "dynamic" and f.prefetch_policy == "timeout"
-    assert f.model == "tiny" and f.full_precision
+    assert f.model == "tiny" and f.default_logprob_tolerance == V.oracle.LOGPROB_TOLERANCE
     assert f.host_pool_source == "--hicache-ratio 2 x the device pool"
     # The host pool the server exports wins over the ratio.
     exported = V.server_facts(
@@ -190,7 +190,7 @@ def test_server_facts_read_pools_and_backend():
     bare = facts(hicache_storage_backend=None, enable_hierarchical_cache=False, dtype="bfloat16")
     assert bare.storage_backend is None and bare.host_pool_tokens is None
     assert not bare.hierarchical_cache
-    assert not bare.full_precision
+    assert bare.default_logprob_tolerance == V.HALF_PRECISION_LOGPROB_TOLERANCE
     with pytest.raises(ValueError, match="KV pool"):
         V.server_facts("http://s", {"page_size": 64}, MODEL_INFO, {})
 
