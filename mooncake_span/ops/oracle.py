@@ -1,13 +1,9 @@
 """The content oracle: is a restored answer the answer a server that recomputes gives?
 
-Equal greedy tokens alone are weak evidence: a tiny random model often picks
-the same token from a slightly wrong context. So the oracle also compares, for
-each of the first answer tokens, the top candidates' logprobs: the same
-candidates, each within ``tolerance`` of the recompute server's. A restore
-that returned other bytes than were stored shifts them far past it (the
-serving tests' negative controls show by how much); one that returned the
-stored bytes reproduces recompute's to float rounding (measured: exactly).
-Pure: it reads two answers, it starts nothing.
+Equal greedy tokens are weak evidence (a tiny random model often picks the same
+token from a slightly wrong context), so the first answer tokens' top candidates
+must match too, each logprob within a tolerance. Why that separates a right restore
+from a wrong one: docs/operating.md, "Validating a deployment". Pure.
 """
 
 from __future__ import annotations

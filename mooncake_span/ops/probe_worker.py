@@ -1,35 +1,23 @@
 """Native-client probes for ``doctor`` and ``inspect``, run in a child process.
 
-``MooncakeDistributedStore.setup`` can block for minutes (a dead etcd) and a
-misconfigured client can abort the process, so the commands never call it
-in-process: ``probe`` starts ``python -m mooncake_span.ops.probe_worker``, writes
-the request (``probe``'s arguments) as JSON to its stdin, and reads one JSON reply
-from its stdout within a timeout: ``{"setup_rc", "setup_s", "roundtrip": {...},
-"blobs": {key: text or null}}`` or one with ``"error"``. The child's stderr
-(Mooncake's native log) goes wherever the parent points it.
+``MooncakeDistributedStore.setup`` can block for minutes (a dead etcd) and a bad
+client config can abort the process, so :func:`probe` runs this module as a child
+with a timeout: the request as JSON on its stdin, one JSON reply on its stdout.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 import uuid
 from typing import Any
 
 _KEEP_UNTIL_EXIT: list[Any] = []
-# The MooncakeSettings fields the child's setup reads.
-_SETUP_SETTINGS = (
-    "local_hostname",
-    "metadata_server",
-    "local_buffer_size_bytes",
-    "protocol",
-    "device_name",
-    "master_server_address",
-    "tenant_id",
-)
 
 
 def _roundtrip(store: Any, count: int, size_bytes: int) -> dict[str, Any]:
@@ -85,12 +73,12 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         local_hostname=s["local_hostname"],
         metadata_server=s["metadata_server"],
         global_segment_size=0,  # a probe contributes no memory: objects land on the nodes
-        local_buffer_size=int(s.get("local_buffer_size_bytes", 16 << 20)),
+        local_buffer_size=s["local_buffer_size_bytes"],
         protocol=s["protocol"],
-        rdma_devices=s.get("device_name", ""),
+        rdma_devices=s["device_name"],
         master_server_addr=s["master_server_address"],
         # The round trip must run in the deployment's tenant, or it proves nothing.
-        tenant_id=s.get("tenant_id", "default"),
+        tenant_id=s["tenant_id"],
         **offload,
     )
     reply: dict[str, Any] = {"setup_rc": rc, "setup_s": time.perf_counter() - started}
@@ -147,11 +135,11 @@ def probe(
     read_keys: list[str] | None = None,
     offload_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Run the probe child for ``settings`` (a MooncakeSettings); never blocks past timeout_s."""
-    import subprocess
-
+    """Run the probe child for ``settings`` (a MooncakeSettings); never blocks past timeout_s.
+    The reply: ``{"setup_rc", "setup_s", "roundtrip", "blobs": {key: text or null}}``, or
+    one with ``"error"``; the child's stderr (the native log) goes to ``native_log``."""
     request = {
-        "settings": {name: getattr(settings, name) for name in _SETUP_SETTINGS},
+        "settings": dataclasses.asdict(settings),
         "roundtrip_objects": roundtrip_objects,
         "roundtrip_object_bytes": roundtrip_object_bytes,
         "read_keys": list(read_keys or []),

@@ -133,15 +133,11 @@ def probe_frame(server: Server) -> V.Frame:
     )
 
 
-def _unique_prompt(pool: V.TokenPool, tokens: int, rng: random.Random) -> list[int]:
-    return [rng.choice(pool.ids) for _ in range(tokens)]
-
-
 def warm_up(server: Server, pool: V.TokenPool, rng: random.Random) -> None:
     """One unique prompt long enough for an L3 lookup: a server's first lookup loads
     sglang's page-hash code, and under the ``timeout`` policy its prefetch is dropped."""
     length = V.min_context_tokens(server.facts.page_tokens)
-    server.http.generate(_unique_prompt(pool, length, rng), 1, 0)
+    server.http.generate(rng.choices(pool.ids, k=length), 1, 0)
 
 
 # ---------------------------------------------------------------------------
@@ -211,7 +207,7 @@ def evict(
     started = time.monotonic()
     for i in range(plan.prompts):
         _progress(f"churn {i + 1}/{plan.prompts}")
-        server.http.generate(_unique_prompt(pool, plan.prompt_tokens, rng), 1, 0)
+        server.http.generate(rng.choices(pool.ids, k=plan.prompt_tokens), 1, 0)
     notes["churn"]["seconds"] = round(time.monotonic() - started, 2)
     return f"churn: {plan.why}"
 
