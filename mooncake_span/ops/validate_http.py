@@ -1,8 +1,6 @@
-"""``mooncake-span validate``'s HTTP half: one running sglang server, by its URL.
+"""``mooncake-span validate``'s HTTP half: sglang's own endpoints of one running server.
 
-Only sglang's own endpoints, one method each, nothing installed on the server.
-Every failure to reach a server or a malformed answer is a
-:class:`ServerUnreachable` naming the URL and what went wrong.
+A server out of reach or a malformed answer is a :class:`ServerUnreachable` naming the URL.
 """
 
 from __future__ import annotations
