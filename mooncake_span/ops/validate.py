@@ -134,8 +134,7 @@ def _host_pool(
     exported = _int(counters.get(HOST_TOTAL_GAUGE))
     if exported:
         return exported, f"{HOST_TOTAL_GAUGE} on /metrics"
-    # sglang sizes the host pool by --hicache-size (GB) when given, else by the
-    # ratio; from GB to tokens takes the bytes per token, which the server does not say.
+    # --hicache-size (GB) overrides the ratio; GB to tokens needs bytes per token, not reported.
     size_gb = float(server_info.get("hicache_size") or 0.0)
     if size_gb > 0:
         return 0, (

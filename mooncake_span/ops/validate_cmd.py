@@ -24,16 +24,14 @@ from mooncake_span.ops.validate_http import ServerRefused, ServerUnreachable, Sg
 # Token ids whose text is read for the token pool; smaller spans are tried when
 # a tokenizer refuses ids past its vocabulary (a byte-level one has 256 and a few).
 VOCAB_SCANS = (32768, 4096, 512, 256)
-# A server without a tokenizer: the ids sglang's own start-up request sends such
-# a server (any model has them), then greedy answers whose top candidates are
-# the pool, each answer seeding the next.
+# A server without a tokenizer: the ids sglang's own start-up request sends it
+# (any model has them) seed the answers whose top candidates become the pool.
 PROPOSAL_SEED_IDS = (10, 11, 12)
 PROPOSAL_TOKENS = 64
 PROPOSAL_TOP = 20
 PROPOSAL_ROUNDS = 4
 BACKUP_SETTLE_S = 2.0
 BACKUP_POLL_S = 0.5
-# Without a backup counter there is nothing to watch: a fixed grace, said as such.
 UNMEASURED_BACKUP_WAIT_S = 5.0
 FLUSH_TIMEOUT_S = 60.0
 # What ``--json`` says of each server, in this order.
