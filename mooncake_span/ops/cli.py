@@ -18,9 +18,7 @@ import sys
 import threading
 
 from mooncake_span.ops import doctor, inspect_cmd, validate_cmd
-from mooncake_span.ops.arg_types import non_negative_int_arg as _non_negative_int_arg
-from mooncake_span.ops.arg_types import positive_int_arg as _positive_int_arg
-from mooncake_span.ops.arg_types import size_arg as _size_arg
+from mooncake_span.ops.arg_types import non_negative_int_arg, positive_int_arg, size_arg
 from mooncake_span.ops.cluster import ClusterSpec, ClusterStartError, LocalCluster
 from mooncake_span.ops.cluster_spec import (
     CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
@@ -69,18 +67,21 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
             "running until Ctrl-C or SIGTERM; then stop every process it started."
         ),
     )
+    # Keywords several flags share; every help text names its own default.
+    switch = {"action": "store_true"}
+    size = {"type": size_arg, "metavar": "SIZE"}
+    ratio = {"type": float, "metavar": "RATIO"}
     up.add_argument(
         "--storage-nodes",
-        type=_non_negative_int_arg,
+        type=non_negative_int_arg,
         default=1,
         metavar="N",
         help="number of storage-only processes contributing memory (default: 1)",
     )
     up.add_argument(
         "--segment-size",
-        type=_size_arg,
+        **size,
         default=parse_size_bytes("1gb"),
-        metavar="SIZE",
         help="memory each storage node contributes, e.g. 1gb, 512mb or bytes (default: 1gb)",
     )
     up.add_argument(
@@ -88,26 +89,22 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
         default="127.0.0.1",
         help="IPv4 address every process binds and advertises (default: 127.0.0.1)",
     )
-    up.add_argument(
-        "--etcd",
-        action="store_true",
-        help="also run etcd (required for --ha-masters > 1)",
-    )
+    up.add_argument("--etcd", **switch, help="also run etcd (required for --ha-masters > 1)")
     up.add_argument(
         "--standalone-metadata",
-        action="store_true",
+        **switch,
         help="run mooncake_http_metadata_server instead of the master's embedded metadata server",
     )
     up.add_argument(
         "--ha-masters",
-        type=_positive_int_arg,
+        type=positive_int_arg,
         default=1,
         metavar="N",
         help="number of masters; > 1 runs them in etcd-backed HA mode (needs --etcd) (default: 1)",
     )
     up.add_argument(
         "--enable-oplog",
-        action="store_true",
+        **switch,
         help="replicate object metadata between HA masters so keys survive a failover",
     )
     up.add_argument(
@@ -118,16 +115,12 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--ssd-size",
-        type=_size_arg,
-        metavar="SIZE",
+        **size,
         help="disk cap of each node's SSD tier, oldest objects evicted first (default: 90%% of "
         "the disk); at least --segment-size",
     )
     up.add_argument(
-        "--ssd-read-buffer",
-        type=_size_arg,
-        metavar="SIZE",
-        help="RAM each node stages SSD reads in (default: 256mb)",
+        "--ssd-read-buffer", **size, help="RAM each node stages SSD reads in (default: 256mb)"
     )
     up.add_argument(
         "--ssd-check",
@@ -138,7 +131,7 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--lease-ttl-ms",
-        type=_positive_int_arg,
+        type=positive_int_arg,
         metavar="MS",
         help=f"master's default_kv_lease_ttl in milliseconds (default: {CLUSTER_UP_LEASE_TTL_MS}, "
         f"{SSD_LEASE_TTL_MS} with --ssd-dir; Mooncake's 10000 keeps every looked-up object "
@@ -146,22 +139,20 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     )
     up.add_argument(
         "--client-ttl-s",
-        type=_positive_int_arg,
+        type=positive_int_arg,
         metavar="S",
         help="seconds before the master drops a silent client's segments (default: Mooncake's, 10)",
     )
     up.add_argument(
         "--eviction-high-watermark-ratio",
-        type=float,
-        metavar="RATIO",
+        **ratio,
         help=f"memory usage ratio in (0, 1] that triggers eviction (default: "
         f"{CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO}, {SSD_EVICTION_HIGH_WATERMARK_RATIO} with "
         "--ssd-dir)",
     )
     up.add_argument(
         "--eviction-ratio",
-        type=float,
-        metavar="RATIO",
+        **ratio,
         help=f"share of objects one eviction pass frees, in (0, 1] (default: "
         f"{CLUSTER_UP_EVICTION_RATIO}, {SSD_EVICTION_RATIO} with --ssd-dir)",
     )

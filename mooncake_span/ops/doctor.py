@@ -1,9 +1,6 @@
-"""``mooncake-span doctor``: check a node's Mooncake setup, one line per check
-(docs/operating.md, "mooncake-span doctor", lists them). The checks run in an order
-where a broken foundation skips what stands on it, every network step has a short
-timeout and the native client runs only in the ``probe_worker`` child, so the command
-ends within ``DEADLINE_S`` even with a dead master or etcd.
-"""
+"""``mooncake-span doctor``: check a node's Mooncake setup, one line per check. The
+native client runs only in the ``probe_worker`` child, so the command ends within
+``DEADLINE_S`` even with a dead master or etcd (docs/operating.md, "mooncake-span doctor")."""
 
 from __future__ import annotations
 
@@ -26,7 +23,12 @@ from mooncake_span.config import load_span_options
 from mooncake_span.errors import MooncakeSpanError, code_name
 from mooncake_span.mooncake_settings import RankInfo
 from mooncake_span.ops import master_http
-from mooncake_span.ops.cli_common import add_connection_args, admin_url, resolve_settings
+from mooncake_span.ops.cli_common import (
+    add_connection_args,
+    admin_url,
+    resolve_native_log,
+    resolve_settings,
+)
 from mooncake_span.ops.doctor_host import (
     FAIL,
     PASS,
@@ -40,7 +42,6 @@ from mooncake_span.ops.doctor_host import (
     check_memory,
 )
 from mooncake_span.ops.doctor_ssd import check_ssd, master_check, ssd_requested
-from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
 from mooncake_span.store.native import (
     CHECKSUM_ENV,
@@ -235,13 +236,6 @@ def _resolve(host: str) -> str | None:
         return None
 
 
-def _is_loopback(address: str | None) -> bool:
-    try:
-        return address is not None and ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind(ctx: Context) -> list[Check]:
     s = ctx.settings
     bind = os.environ.get("MC_TCP_BIND_ADDRESS")
@@ -272,7 +266,12 @@ def check_bind(ctx: Context) -> list[Check]:
             f"set local_hostname (or MOONCAKE_LOCAL_HOSTNAME) to {bind}, or "
             f"MC_TCP_BIND_ADDRESS to {hostname_ip or 'the local_hostname address'}"
         )
-    elif _is_loopback(bind) and master_ip is not None and not _is_loopback(master_ip):
+    # Both addresses come from gethostbyname here: dotted IPv4, never a ValueError.
+    elif (
+        ipaddress.ip_address(bind).is_loopback
+        and master_ip is not None
+        and not ipaddress.ip_address(master_ip).is_loopback
+    ):
         status = FAIL
         detail = (
             f"this host binds loopback {bind} but the master is remote ({master_host}): "
@@ -498,20 +497,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     add_connection_args(parser)
-    parser.add_argument(
-        "--model", default=None, help="model name whose layout-guard record to read"
-    )
-    parser.add_argument("--tag", default=None, help="extra_backend_tag of that namespace")
+    parser.add_argument("--model", help="model name whose layout-guard record to read")
+    parser.add_argument("--tag", help="extra_backend_tag of that namespace")
     parser.add_argument(
         "--ssd-dir",
-        default=None,
         metavar="DIR",
         help="check an SSD tier on DIR (a storage node's --ssd-dir) and that the master "
         "accepts one; a rank's enable_ssd_offload is checked without it",
     )
     parser.add_argument(
         "--segment-bytes",
-        default=None,
         metavar="SIZE",
         help="with --ssd-dir: the storage node's --segment-bytes, the largest object its SSD "
         "tier must hold (default: the config's global_segment_size)",

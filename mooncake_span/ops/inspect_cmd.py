@@ -20,9 +20,9 @@ from mooncake_span.ops import master_http
 from mooncake_span.ops.cli_common import (
     add_connection_args,
     admin_url,
+    resolve_native_log,
     resolve_settings,
 )
-from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
 from mooncake_span.span.chains import (
     chain_record_key,

@@ -54,8 +54,7 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
     """``(name, labels, value)`` per sample line of a Prometheus text page."""
     samples = []
     for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
+        # Blank and "#" lines cannot match: a sample starts with a metric name.
         match = _SAMPLE.match(line)
         if match is None:
             continue
