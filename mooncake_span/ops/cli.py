@@ -1,10 +1,6 @@
-"""The ``mooncake-span`` command line.
-
-Each subcommand is a ``register(subparsers)`` function that adds its parser and
-sets ``func``; ``main()`` only parses and dispatches via ``args.func(args)``.
-The tooling distribution adds its commands through the ``COMMANDS_GROUP`` entry
-points, so this module never imports it.
-"""
+"""The ``mooncake-span`` command line: each subcommand's ``register(subparsers)`` sets
+``func``, which ``main()`` dispatches to. The tooling distribution adds its commands
+through the ``COMMANDS_GROUP`` entry points, so this module never imports it."""
 
 from __future__ import annotations
 
@@ -45,10 +41,6 @@ TOOLS_INSTALL_HINT = (
     "not installed here; it comes with the tooling distribution, mooncake-span-tools: "
     "pip install ./tools from a checkout of mooncake-span (scripts/setup.sh installs both)"
 )
-
-
-# ---------------------------------------------------------------------------
-# cluster
 
 
 def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
@@ -299,10 +291,6 @@ def _print_ready(cluster: LocalCluster) -> None:
         "ready; press Ctrl-C to stop",
     ]
     print("\n".join(lines), flush=True)
-
-
-# ---------------------------------------------------------------------------
-# entry point
 
 
 def build_parser() -> argparse.ArgumentParser:
