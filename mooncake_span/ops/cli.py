@@ -5,6 +5,7 @@ through the ``COMMANDS_GROUP`` entry points, so this module never imports it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -59,7 +60,8 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
             "running until Ctrl-C or SIGTERM; then stop every process it started."
         ),
     )
-    # Keywords several flags share; every help text names its own default.
+    # Keywords several flags share; every help text names its own default. Each flag's
+    # dest is the ClusterSpec field it sets (cluster_spec_from_args).
     switch = {"action": "store_true"}
     size = {"type": size_arg, "metavar": "SIZE"}
     ratio = {"type": float, "metavar": "RATIO"}
@@ -73,6 +75,7 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--segment-size",
         **size,
+        dest="storage_node_segment_bytes",
         default=parse_size_bytes("1gb"),
         help="memory each storage node contributes, e.g. 1gb, 512mb or bytes (default: 1gb)",
     )
@@ -108,11 +111,15 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--ssd-size",
         **size,
+        dest="ssd_size_bytes",
         help="disk cap of each node's SSD tier, oldest objects evicted first (default: 90%% of "
         "the disk); at least --segment-size",
     )
     up.add_argument(
-        "--ssd-read-buffer", **size, help="RAM each node stages SSD reads in (default: 256mb)"
+        "--ssd-read-buffer",
+        **size,
+        dest="ssd_read_buffer_bytes",
+        help="RAM each node stages SSD reads in (default: 256mb)",
     )
     up.add_argument(
         "--ssd-check",
@@ -163,6 +170,13 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(func=cluster_up)
 
 
+_MASTER_DEFAULTS = {
+    "lease_ttl_ms": CLUSTER_UP_LEASE_TTL_MS,
+    "eviction_high_watermark_ratio": CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
+    "eviction_ratio": CLUSTER_UP_EVICTION_RATIO,
+}
+
+
 class _StopRequested(Exception):
     pass
 
@@ -176,32 +190,13 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     """The ``ClusterSpec`` of ``cluster up``'s flags (ValueError on a bad combination)."""
-
+    fields = {field.name for field in dataclasses.fields(ClusterSpec)}
+    given = {name: value for name, value in vars(args).items() if name in fields}
     # Master tunables not given: CLUSTER_UP_*, or ClusterSpec's SSD_* values with --ssd-dir.
-    def given_or(value: float | None, default: float) -> float | None:
-        return value if value is not None or args.ssd_dir else default
-
-    return ClusterSpec(
-        host=args.host,
-        storage_nodes=args.storage_nodes,
-        storage_node_segment_bytes=args.segment_size,
-        etcd=args.etcd,
-        standalone_metadata=args.standalone_metadata,
-        ha_masters=args.ha_masters,
-        enable_oplog=args.enable_oplog,
-        lease_ttl_ms=given_or(args.lease_ttl_ms, CLUSTER_UP_LEASE_TTL_MS),
-        client_ttl_s=args.client_ttl_s,
-        eviction_high_watermark_ratio=given_or(
-            args.eviction_high_watermark_ratio, CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO
-        ),
-        eviction_ratio=given_or(args.eviction_ratio, CLUSTER_UP_EVICTION_RATIO),
-        ssd_dir=args.ssd_dir,
-        ssd_size_bytes=args.ssd_size,
-        ssd_read_buffer_bytes=args.ssd_read_buffer,
-        ssd_check=args.ssd_check,
-        log_dir=args.log_dir,
-        start_timeout_s=args.start_timeout_s,
-    )
+    for name, default in _MASTER_DEFAULTS.items():
+        if given[name] is None and not args.ssd_dir:
+            given[name] = default
+    return ClusterSpec(**given)
 
 
 def cluster_up(args: argparse.Namespace) -> int:
