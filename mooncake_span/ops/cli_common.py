@@ -120,11 +120,7 @@ def resolve_settings(
 def admin_url(
     args: argparse.Namespace, settings: MooncakeSettings, extra: Mapping[str, Any]
 ) -> str | None:
-    if args.admin_url:
-        return args.admin_url.rstrip("/")
-    # The backend's own option for the same server (failure-domain placement).
-    configured = extra.get("span_master_admin_url")
-    if configured:
-        return str(configured).rstrip("/")
-    # master_metrics_port from whichever source the settings came from.
-    return settings.admin_url()
+    # The flag, else the backend's own option for the same server (failure-domain
+    # placement), else master_metrics_port from whichever source the settings came from.
+    configured = args.admin_url or extra.get("span_master_admin_url")
+    return str(configured).rstrip("/") if configured else settings.admin_url()

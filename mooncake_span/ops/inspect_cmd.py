@@ -1,9 +1,6 @@
 """``mooncake-span inspect``: what lives in a Mooncake cluster, per namespace, from the
-master's HTTP admin API (``master_http``); docs/operating.md, "mooncake-span inspect",
-says what is exact, what is sampled and how the reachable share is estimated. Guard
-and chain records are Mooncake objects: a native client reads them, only in the
-``probe_worker`` child, with a timeout.
-"""
+master's admin API; guard and chain records through the ``probe_worker`` child. What is
+exact, sampled or estimated: docs/operating.md, "mooncake-span inspect"."""
 
 from __future__ import annotations
 
