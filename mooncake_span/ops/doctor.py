@@ -5,6 +5,7 @@ native client runs only in the ``probe_worker`` child, so the command ends withi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -36,7 +37,6 @@ from mooncake_span.ops.doctor_host import (
     WARN,
     Check,
     Context,
-    _local_rank_devices,
     check_device,
     check_memlock,
     check_memory,
@@ -413,6 +413,17 @@ CHECKS = (
     check_ssd,
     check_store,
 )
+
+
+def _local_rank_devices(args: argparse.Namespace, ctx: Context) -> dict[int, str]:
+    """tp_rank -> NIC for every tp rank on this host (the device_name map resolved per rank)."""
+    if ctx.settings.protocol != "rdma":
+        return {}
+    devices = {}
+    for rank in range(min(ctx.ranks.tp_size, ctx.local_ranks)):
+        ranks = dataclasses.replace(ctx.ranks, tp_rank=rank)
+        devices[rank] = resolve_settings(args, ranks=ranks)[0].device_name
+    return devices
 
 
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
