@@ -208,7 +208,6 @@ def cluster_up(args: argparse.Namespace) -> int:
         return 2
 
     cluster = LocalCluster(spec)
-    # SIGTERM gets the same treatment as Ctrl-C: unwind and tear down.
     previous_handlers = {
         sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)
     }
