@@ -60,113 +60,105 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
             "running until Ctrl-C or SIGTERM; then stop every process it started."
         ),
     )
-    # Keywords several flags share; every help text names its own default. Each flag's
-    # dest is the ClusterSpec field it sets (cluster_spec_from_args).
+    # (flag, keywords, help); every help text names its own default. Each flag's dest is
+    # the ClusterSpec field it sets (cluster_spec_from_args).
     switch = {"action": "store_true"}
     size = {"type": size_arg, "metavar": "SIZE"}
     ratio = {"type": float, "metavar": "RATIO"}
-    up.add_argument(
-        "--storage-nodes",
-        type=non_negative_int_arg,
-        default=1,
-        metavar="N",
-        help="number of storage-only processes contributing memory (default: 1)",
+    flags = (
+        (
+            "--storage-nodes",
+            {"type": non_negative_int_arg, "default": 1, "metavar": "N"},
+            "number of storage-only processes contributing memory (default: 1)",
+        ),
+        (
+            "--segment-size",
+            {**size, "default": parse_size_bytes("1gb"), "dest": "storage_node_segment_bytes"},
+            "memory each storage node contributes, e.g. 1gb, 512mb or bytes (default: 1gb)",
+        ),
+        (
+            "--host",
+            {"default": "127.0.0.1"},
+            "IPv4 address every process binds and advertises (default: 127.0.0.1)",
+        ),
+        ("--etcd", switch, "also run etcd (required for --ha-masters > 1)"),
+        (
+            "--standalone-metadata",
+            switch,
+            "run mooncake_http_metadata_server instead of the master's embedded metadata server",
+        ),
+        (
+            "--ha-masters",
+            {"type": positive_int_arg, "default": 1, "metavar": "N"},
+            "number of masters; > 1 runs them in etcd-backed HA mode (needs --etcd) (default: 1)",
+        ),
+        (
+            "--enable-oplog",
+            switch,
+            "replicate object metadata between HA masters so keys survive a failover",
+        ),
+        (
+            "--ssd-dir",
+            {"metavar": "DIR"},
+            "give every storage node an SSD tier on DIR/node<i> (DIR must exist); a new "
+            "cluster on the same DIR finds the cache again (docs/operating.md, 'The SSD tier')",
+        ),
+        (
+            "--ssd-size",
+            {**size, "dest": "ssd_size_bytes"},
+            "disk cap of each node's SSD tier, oldest objects evicted first (default: 90%% of "
+            "the disk); at least --segment-size",
+        ),
+        (
+            "--ssd-read-buffer",
+            {**size, "dest": "ssd_read_buffer_bytes"},
+            "RAM each node stages SSD reads in (default: 256mb)",
+        ),
+        (
+            "--ssd-check",
+            {"choices": CHECK_MODES},
+            "each node's check of its SSD directory at start: size (metadata only: torn and "
+            "orphaned files), full (also reads every sealed object; the whole tier, per start) or "
+            "off (default: $MOONCAKE_SPAN_SSD_CHECK as the nodes inherit it, else size)",
+        ),
+        (
+            "--lease-ttl-ms",
+            {"type": positive_int_arg, "metavar": "MS"},
+            f"master's default_kv_lease_ttl in milliseconds (default: {CLUSTER_UP_LEASE_TTL_MS}, "
+            f"{SSD_LEASE_TTL_MS} with --ssd-dir; Mooncake's 10000 keeps every looked-up object "
+            "unevictable for 10 s, see docs/benchmarks.md)",
+        ),
+        (
+            "--client-ttl-s",
+            {"type": positive_int_arg, "metavar": "S"},
+            "seconds before the master drops a silent client's segments (default: Mooncake's, 10)",
+        ),
+        (
+            "--eviction-high-watermark-ratio",
+            ratio,
+            f"memory usage ratio in (0, 1] that triggers eviction (default: "
+            f"{CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO}, {SSD_EVICTION_HIGH_WATERMARK_RATIO} with "
+            "--ssd-dir)",
+        ),
+        (
+            "--eviction-ratio",
+            ratio,
+            f"share of objects one eviction pass frees, in (0, 1] (default: "
+            f"{CLUSTER_UP_EVICTION_RATIO}, {SSD_EVICTION_RATIO} with --ssd-dir)",
+        ),
+        (
+            "--log-dir",
+            {"metavar": "DIR"},
+            "directory for the processes' logs (default: a new temporary directory)",
+        ),
+        (
+            "--start-timeout-s",
+            {"type": float, "default": 60.0, "metavar": "S"},
+            "give up if the cluster is not ready after this many seconds (default: 60)",
+        ),
     )
-    up.add_argument(
-        "--segment-size",
-        **size,
-        dest="storage_node_segment_bytes",
-        default=parse_size_bytes("1gb"),
-        help="memory each storage node contributes, e.g. 1gb, 512mb or bytes (default: 1gb)",
-    )
-    up.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="IPv4 address every process binds and advertises (default: 127.0.0.1)",
-    )
-    up.add_argument("--etcd", **switch, help="also run etcd (required for --ha-masters > 1)")
-    up.add_argument(
-        "--standalone-metadata",
-        **switch,
-        help="run mooncake_http_metadata_server instead of the master's embedded metadata server",
-    )
-    up.add_argument(
-        "--ha-masters",
-        type=positive_int_arg,
-        default=1,
-        metavar="N",
-        help="number of masters; > 1 runs them in etcd-backed HA mode (needs --etcd) (default: 1)",
-    )
-    up.add_argument(
-        "--enable-oplog",
-        **switch,
-        help="replicate object metadata between HA masters so keys survive a failover",
-    )
-    up.add_argument(
-        "--ssd-dir",
-        metavar="DIR",
-        help="give every storage node an SSD tier on DIR/node<i> (DIR must exist); a new "
-        "cluster on the same DIR finds the cache again (docs/operating.md, 'The SSD tier')",
-    )
-    up.add_argument(
-        "--ssd-size",
-        **size,
-        dest="ssd_size_bytes",
-        help="disk cap of each node's SSD tier, oldest objects evicted first (default: 90%% of "
-        "the disk); at least --segment-size",
-    )
-    up.add_argument(
-        "--ssd-read-buffer",
-        **size,
-        dest="ssd_read_buffer_bytes",
-        help="RAM each node stages SSD reads in (default: 256mb)",
-    )
-    up.add_argument(
-        "--ssd-check",
-        choices=CHECK_MODES,
-        help="each node's check of its SSD directory at start: size (metadata only: torn and "
-        "orphaned files), full (also reads every sealed object; the whole tier, per start) or "
-        "off (default: $MOONCAKE_SPAN_SSD_CHECK as the nodes inherit it, else size)",
-    )
-    up.add_argument(
-        "--lease-ttl-ms",
-        type=positive_int_arg,
-        metavar="MS",
-        help=f"master's default_kv_lease_ttl in milliseconds (default: {CLUSTER_UP_LEASE_TTL_MS}, "
-        f"{SSD_LEASE_TTL_MS} with --ssd-dir; Mooncake's 10000 keeps every looked-up object "
-        "unevictable for 10 s, see docs/benchmarks.md)",
-    )
-    up.add_argument(
-        "--client-ttl-s",
-        type=positive_int_arg,
-        metavar="S",
-        help="seconds before the master drops a silent client's segments (default: Mooncake's, 10)",
-    )
-    up.add_argument(
-        "--eviction-high-watermark-ratio",
-        **ratio,
-        help=f"memory usage ratio in (0, 1] that triggers eviction (default: "
-        f"{CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO}, {SSD_EVICTION_HIGH_WATERMARK_RATIO} with "
-        "--ssd-dir)",
-    )
-    up.add_argument(
-        "--eviction-ratio",
-        **ratio,
-        help=f"share of objects one eviction pass frees, in (0, 1] (default: "
-        f"{CLUSTER_UP_EVICTION_RATIO}, {SSD_EVICTION_RATIO} with --ssd-dir)",
-    )
-    up.add_argument(
-        "--log-dir",
-        metavar="DIR",
-        help="directory for the processes' logs (default: a new temporary directory)",
-    )
-    up.add_argument(
-        "--start-timeout-s",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="give up if the cluster is not ready after this many seconds (default: 60)",
-    )
+    for flag, keywords, text in flags:
+        up.add_argument(flag, **keywords, help=text)
     up.set_defaults(func=cluster_up)
 
 
