@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 from mooncake_span.units import parse_size_bytes
 
@@ -14,14 +15,6 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def positive_int_arg(text: str) -> int:
-    return _int_at_least(text, 1)
-
-
-def non_negative_int_arg(text: str) -> int:
-    return _int_at_least(text, 0)
-
-
 def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
@@ -30,3 +23,7 @@ def _int_at_least(text: str, least: int) -> int:
     if value < least:
         raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
     return value
+
+
+positive_int_arg = functools.partial(_int_at_least, least=1)
+non_negative_int_arg = functools.partial(_int_at_least, least=0)

@@ -1,14 +1,11 @@
-"""The ``mooncake-span`` command line.
-
-Each subcommand is a ``register(subparsers)`` function that adds its parser and
-sets ``func``; ``main()`` only parses and dispatches via ``args.func(args)``.
-The tooling distribution adds its commands through the ``COMMANDS_GROUP`` entry
-points, so this module never imports it.
-"""
+"""The ``mooncake-span`` command line: each subcommand's ``register(subparsers)`` sets
+``func``, which ``main()`` dispatches to. The tooling distribution adds its commands
+through the ``COMMANDS_GROUP`` entry points, so this module never imports it."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -18,9 +15,7 @@ import sys
 import threading
 
 from mooncake_span.ops import doctor, inspect_cmd, validate_cmd
-from mooncake_span.ops.arg_types import non_negative_int_arg as _non_negative_int_arg
-from mooncake_span.ops.arg_types import positive_int_arg as _positive_int_arg
-from mooncake_span.ops.arg_types import size_arg as _size_arg
+from mooncake_span.ops.arg_types import non_negative_int_arg, positive_int_arg, size_arg
 from mooncake_span.ops.cluster import ClusterSpec, ClusterStartError, LocalCluster
 from mooncake_span.ops.cluster_spec import (
     CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
@@ -49,10 +44,6 @@ TOOLS_INSTALL_HINT = (
 )
 
 
-# ---------------------------------------------------------------------------
-# cluster
-
-
 def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     cluster = subparsers.add_parser(
         "cluster",
@@ -69,115 +60,113 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
             "running until Ctrl-C or SIGTERM; then stop every process it started."
         ),
     )
-    up.add_argument(
-        "--storage-nodes",
-        type=_non_negative_int_arg,
-        default=1,
-        metavar="N",
-        help="number of storage-only processes contributing memory (default: 1)",
+    # (flag, keywords, help); every help text names its own default. Each flag's dest is
+    # the ClusterSpec field it sets (cluster_spec_from_args).
+    switch = {"action": "store_true"}
+    size = {"type": size_arg, "metavar": "SIZE"}
+    ratio = {"type": float, "metavar": "RATIO"}
+    flags = (
+        (
+            "--storage-nodes",
+            {"type": non_negative_int_arg, "default": 1, "metavar": "N"},
+            "number of storage-only processes contributing memory (default: 1)",
+        ),
+        (
+            "--segment-size",
+            {**size, "default": parse_size_bytes("1gb"), "dest": "storage_node_segment_bytes"},
+            "memory each storage node contributes, e.g. 1gb, 512mb or bytes (default: 1gb)",
+        ),
+        (
+            "--host",
+            {"default": "127.0.0.1"},
+            "IPv4 address every process binds and advertises (default: 127.0.0.1)",
+        ),
+        ("--etcd", switch, "also run etcd (required for --ha-masters > 1)"),
+        (
+            "--standalone-metadata",
+            switch,
+            "run mooncake_http_metadata_server instead of the master's embedded metadata server",
+        ),
+        (
+            "--ha-masters",
+            {"type": positive_int_arg, "default": 1, "metavar": "N"},
+            "number of masters; > 1 runs them in etcd-backed HA mode (needs --etcd) (default: 1)",
+        ),
+        (
+            "--enable-oplog",
+            switch,
+            "replicate object metadata between HA masters so keys survive a failover",
+        ),
+        (
+            "--ssd-dir",
+            {"metavar": "DIR"},
+            "give every storage node an SSD tier on DIR/node<i> (DIR must exist); a new "
+            "cluster on the same DIR finds the cache again (docs/operating.md, 'The SSD tier')",
+        ),
+        (
+            "--ssd-size",
+            {**size, "dest": "ssd_size_bytes"},
+            "disk cap of each node's SSD tier, oldest objects evicted first (default: 90%% of "
+            "the disk); at least --segment-size",
+        ),
+        (
+            "--ssd-read-buffer",
+            {**size, "dest": "ssd_read_buffer_bytes"},
+            "RAM each node stages SSD reads in (default: 256mb)",
+        ),
+        (
+            "--ssd-check",
+            {"choices": CHECK_MODES},
+            "each node's check of its SSD directory at start: size (metadata only: torn and "
+            "orphaned files), full (also reads every sealed object; the whole tier, per start) or "
+            "off (default: $MOONCAKE_SPAN_SSD_CHECK as the nodes inherit it, else size)",
+        ),
+        (
+            "--lease-ttl-ms",
+            {"type": positive_int_arg, "metavar": "MS"},
+            f"master's default_kv_lease_ttl in milliseconds (default: {CLUSTER_UP_LEASE_TTL_MS}, "
+            f"{SSD_LEASE_TTL_MS} with --ssd-dir; Mooncake's 10000 keeps every looked-up object "
+            "unevictable for 10 s, see docs/benchmarks.md)",
+        ),
+        (
+            "--client-ttl-s",
+            {"type": positive_int_arg, "metavar": "S"},
+            "seconds before the master drops a silent client's segments (default: Mooncake's, 10)",
+        ),
+        (
+            "--eviction-high-watermark-ratio",
+            ratio,
+            f"memory usage ratio in (0, 1] that triggers eviction (default: "
+            f"{CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO}, {SSD_EVICTION_HIGH_WATERMARK_RATIO} with "
+            "--ssd-dir)",
+        ),
+        (
+            "--eviction-ratio",
+            ratio,
+            f"share of objects one eviction pass frees, in (0, 1] (default: "
+            f"{CLUSTER_UP_EVICTION_RATIO}, {SSD_EVICTION_RATIO} with --ssd-dir)",
+        ),
+        (
+            "--log-dir",
+            {"metavar": "DIR"},
+            "directory for the processes' logs (default: a new temporary directory)",
+        ),
+        (
+            "--start-timeout-s",
+            {"type": float, "default": 60.0, "metavar": "S"},
+            "give up if the cluster is not ready after this many seconds (default: 60)",
+        ),
     )
-    up.add_argument(
-        "--segment-size",
-        type=_size_arg,
-        default=parse_size_bytes("1gb"),
-        metavar="SIZE",
-        help="memory each storage node contributes, e.g. 1gb, 512mb or bytes (default: 1gb)",
-    )
-    up.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="IPv4 address every process binds and advertises (default: 127.0.0.1)",
-    )
-    up.add_argument(
-        "--etcd",
-        action="store_true",
-        help="also run etcd (required for --ha-masters > 1)",
-    )
-    up.add_argument(
-        "--standalone-metadata",
-        action="store_true",
-        help="run mooncake_http_metadata_server instead of the master's embedded metadata server",
-    )
-    up.add_argument(
-        "--ha-masters",
-        type=_positive_int_arg,
-        default=1,
-        metavar="N",
-        help="number of masters; > 1 runs them in etcd-backed HA mode (needs --etcd) (default: 1)",
-    )
-    up.add_argument(
-        "--enable-oplog",
-        action="store_true",
-        help="replicate object metadata between HA masters so keys survive a failover",
-    )
-    up.add_argument(
-        "--ssd-dir",
-        metavar="DIR",
-        help="give every storage node an SSD tier on DIR/node<i> (DIR must exist); a new "
-        "cluster on the same DIR finds the cache again (docs/operating.md, 'The SSD tier')",
-    )
-    up.add_argument(
-        "--ssd-size",
-        type=_size_arg,
-        metavar="SIZE",
-        help="disk cap of each node's SSD tier, oldest objects evicted first (default: 90%% of "
-        "the disk); at least --segment-size",
-    )
-    up.add_argument(
-        "--ssd-read-buffer",
-        type=_size_arg,
-        metavar="SIZE",
-        help="RAM each node stages SSD reads in (default: 256mb)",
-    )
-    up.add_argument(
-        "--ssd-check",
-        choices=CHECK_MODES,
-        help="each node's check of its SSD directory at start: size (metadata only: torn and "
-        "orphaned files), full (also reads every sealed object; the whole tier, per start) or "
-        "off (default: $MOONCAKE_SPAN_SSD_CHECK as the nodes inherit it, else size)",
-    )
-    up.add_argument(
-        "--lease-ttl-ms",
-        type=_positive_int_arg,
-        metavar="MS",
-        help=f"master's default_kv_lease_ttl in milliseconds (default: {CLUSTER_UP_LEASE_TTL_MS}, "
-        f"{SSD_LEASE_TTL_MS} with --ssd-dir; Mooncake's 10000 keeps every looked-up object "
-        "unevictable for 10 s, see docs/benchmarks.md)",
-    )
-    up.add_argument(
-        "--client-ttl-s",
-        type=_positive_int_arg,
-        metavar="S",
-        help="seconds before the master drops a silent client's segments (default: Mooncake's, 10)",
-    )
-    up.add_argument(
-        "--eviction-high-watermark-ratio",
-        type=float,
-        metavar="RATIO",
-        help=f"memory usage ratio in (0, 1] that triggers eviction (default: "
-        f"{CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO}, {SSD_EVICTION_HIGH_WATERMARK_RATIO} with "
-        "--ssd-dir)",
-    )
-    up.add_argument(
-        "--eviction-ratio",
-        type=float,
-        metavar="RATIO",
-        help=f"share of objects one eviction pass frees, in (0, 1] (default: "
-        f"{CLUSTER_UP_EVICTION_RATIO}, {SSD_EVICTION_RATIO} with --ssd-dir)",
-    )
-    up.add_argument(
-        "--log-dir",
-        metavar="DIR",
-        help="directory for the processes' logs (default: a new temporary directory)",
-    )
-    up.add_argument(
-        "--start-timeout-s",
-        type=float,
-        default=60.0,
-        metavar="S",
-        help="give up if the cluster is not ready after this many seconds (default: 60)",
-    )
+    for flag, keywords, text in flags:
+        up.add_argument(flag, **keywords, help=text)
     up.set_defaults(func=cluster_up)
+
+
+_MASTER_DEFAULTS = {
+    "lease_ttl_ms": CLUSTER_UP_LEASE_TTL_MS,
+    "eviction_high_watermark_ratio": CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
+    "eviction_ratio": CLUSTER_UP_EVICTION_RATIO,
+}
 
 
 class _StopRequested(Exception):
@@ -193,32 +182,13 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     """The ``ClusterSpec`` of ``cluster up``'s flags (ValueError on a bad combination)."""
-
+    fields = {field.name for field in dataclasses.fields(ClusterSpec)}
+    given = {name: value for name, value in vars(args).items() if name in fields}
     # Master tunables not given: CLUSTER_UP_*, or ClusterSpec's SSD_* values with --ssd-dir.
-    def given_or(value: float | None, default: float) -> float | None:
-        return value if value is not None or args.ssd_dir else default
-
-    return ClusterSpec(
-        host=args.host,
-        storage_nodes=args.storage_nodes,
-        storage_node_segment_bytes=args.segment_size,
-        etcd=args.etcd,
-        standalone_metadata=args.standalone_metadata,
-        ha_masters=args.ha_masters,
-        enable_oplog=args.enable_oplog,
-        lease_ttl_ms=given_or(args.lease_ttl_ms, CLUSTER_UP_LEASE_TTL_MS),
-        client_ttl_s=args.client_ttl_s,
-        eviction_high_watermark_ratio=given_or(
-            args.eviction_high_watermark_ratio, CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO
-        ),
-        eviction_ratio=given_or(args.eviction_ratio, CLUSTER_UP_EVICTION_RATIO),
-        ssd_dir=args.ssd_dir,
-        ssd_size_bytes=args.ssd_size,
-        ssd_read_buffer_bytes=args.ssd_read_buffer,
-        ssd_check=args.ssd_check,
-        log_dir=args.log_dir,
-        start_timeout_s=args.start_timeout_s,
-    )
+    for name, default in _MASTER_DEFAULTS.items():
+        if given[name] is None and not args.ssd_dir:
+            given[name] = default
+    return ClusterSpec(**given)
 
 
 def cluster_up(args: argparse.Namespace) -> int:
@@ -230,7 +200,6 @@ def cluster_up(args: argparse.Namespace) -> int:
         return 2
 
     cluster = LocalCluster(spec)
-    # SIGTERM gets the same treatment as Ctrl-C: unwind and tear down.
     previous_handlers = {
         sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGINT, signal.SIGTERM)
     }
@@ -308,10 +277,6 @@ def _print_ready(cluster: LocalCluster) -> None:
         "ready; press Ctrl-C to stop",
     ]
     print("\n".join(lines), flush=True)
-
-
-# ---------------------------------------------------------------------------
-# entry point
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,9 +1,6 @@
-"""Arguments shared by ``doctor`` and ``inspect``: where the cluster is.
-
-The backend's own loader (``load_mooncake_settings``) resolves the connection,
-with the flags laid over it: flags on a command line are the most explicit
-source there is (docs/operating.md, "Where the cluster is").
-"""
+"""Arguments the commands share: where the cluster is, resolved by the backend's own
+loader with the flags laid over it (docs/operating.md, "Where the cluster is"), and
+where Mooncake's native log lines go (docs/operating.md, "Native logs")."""
 
 from __future__ import annotations
 
@@ -11,12 +8,12 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 from mooncake_span.errors import ConfigError
 from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo, load_mooncake_settings
-from mooncake_span.ops.native_log import add_native_log_arg
 
 # Commands pointed at a cluster by flags alone talk TCP unless told otherwise
 # (sglang's own default, rdma, needs a device a flag-only caller did not name).
@@ -45,6 +42,26 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     add_native_log_arg(parser)
+
+
+def add_native_log_arg(parser: Any) -> None:
+    parser.add_argument(
+        "--native-log",
+        metavar="PATH",
+        help="file for Mooncake's native log lines (default: a new temporary file, printed at "
+        "the end; '-' shows them on stderr)",
+    )
+
+
+def resolve_native_log(choice: str | None, command: str) -> str | None:
+    """The log file for ``--native-log`` (None: leave fd 2, where the native client logs
+    every setup and connection at INFO, alone)."""
+    if choice == "-":
+        return None
+    if choice:
+        return choice
+    directory = tempfile.mkdtemp(prefix=f"mooncake-span-{command}-")
+    return os.path.join(directory, "native.log")
 
 
 def parse_extra_config(text: str | None) -> dict[str, Any]:
@@ -103,11 +120,7 @@ def resolve_settings(
 def admin_url(
     args: argparse.Namespace, settings: MooncakeSettings, extra: Mapping[str, Any]
 ) -> str | None:
-    if args.admin_url:
-        return args.admin_url.rstrip("/")
-    # The backend's own option for the same server (failure-domain placement).
-    configured = extra.get("span_master_admin_url")
-    if configured:
-        return str(configured).rstrip("/")
-    # master_metrics_port from whichever source the settings came from.
-    return settings.admin_url()
+    # The flag, else the backend's own option for the same server (failure-domain
+    # placement), else master_metrics_port from whichever source the settings came from.
+    configured = args.admin_url or extra.get("span_master_admin_url")
+    return str(configured).rstrip("/") if configured else settings.admin_url()

@@ -1,13 +1,11 @@
-"""``mooncake-span doctor``: check a node's Mooncake setup, one line per check
-(docs/operating.md, "mooncake-span doctor", lists them). The checks run in an order
-where a broken foundation skips what stands on it, every network step has a short
-timeout and the native client runs only in the ``probe_worker`` child, so the command
-ends within ``DEADLINE_S`` even with a dead master or etcd.
-"""
+"""``mooncake-span doctor``: check a node's Mooncake setup, one line per check. The
+native client runs only in the ``probe_worker`` child, so the command ends within
+``DEADLINE_S`` even with a dead master or etcd (docs/operating.md, "mooncake-span doctor")."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -26,7 +24,12 @@ from mooncake_span.config import load_span_options
 from mooncake_span.errors import MooncakeSpanError, code_name
 from mooncake_span.mooncake_settings import RankInfo
 from mooncake_span.ops import master_http
-from mooncake_span.ops.cli_common import add_connection_args, admin_url, resolve_settings
+from mooncake_span.ops.cli_common import (
+    add_connection_args,
+    admin_url,
+    resolve_native_log,
+    resolve_settings,
+)
 from mooncake_span.ops.doctor_host import (
     FAIL,
     PASS,
@@ -34,13 +37,11 @@ from mooncake_span.ops.doctor_host import (
     WARN,
     Check,
     Context,
-    _local_rank_devices,
     check_device,
     check_memlock,
     check_memory,
 )
 from mooncake_span.ops.doctor_ssd import check_ssd, master_check, ssd_requested
-from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
 from mooncake_span.store.native import (
     CHECKSUM_ENV,
@@ -81,9 +82,6 @@ def _http_status(url: str) -> tuple[int | None, str]:
         return exc.code, exc.read(400).decode("utf-8", "replace")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return None, str(getattr(exc, "reason", exc))
-
-
-# ---- checks -------------------------------------------------------------------
 
 
 def check_master(ctx: Context) -> list[Check]:
@@ -235,13 +233,6 @@ def _resolve(host: str) -> str | None:
         return None
 
 
-def _is_loopback(address: str | None) -> bool:
-    try:
-        return address is not None and ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind(ctx: Context) -> list[Check]:
     s = ctx.settings
     bind = os.environ.get("MC_TCP_BIND_ADDRESS")
@@ -272,7 +263,12 @@ def check_bind(ctx: Context) -> list[Check]:
             f"set local_hostname (or MOONCAKE_LOCAL_HOSTNAME) to {bind}, or "
             f"MC_TCP_BIND_ADDRESS to {hostname_ip or 'the local_hostname address'}"
         )
-    elif _is_loopback(bind) and master_ip is not None and not _is_loopback(master_ip):
+    # Both addresses come from gethostbyname here: dotted IPv4, never a ValueError.
+    elif (
+        ipaddress.ip_address(bind).is_loopback
+        and master_ip is not None
+        and not ipaddress.ip_address(master_ip).is_loopback
+    ):
         status = FAIL
         detail = (
             f"this host binds loopback {bind} but the master is remote ({master_host}): "
@@ -348,7 +344,7 @@ def _roundtrip_check(reply: dict[str, Any], ctx: Context) -> Check:
         return Check("round trip", PASS, detail, None, data)
     failed = sorted({code_name(c) for c in rt["put_codes"] if c != 0})
     fix = "check the storage nodes (mooncake-span inspect shows segments and usage)"
-    if "NO_AVAILABLE_HANDLE" in failed or -200 in rt["put_codes"]:
+    if "NO_AVAILABLE_HANDLE" in failed:
         fix = "no space: start storage nodes (global_segment_size > 0) or free segment memory"
     return Check("round trip", FAIL, f"{detail}; put failures {failed}{where}", fix, data)
 
@@ -417,6 +413,17 @@ CHECKS = (
     check_ssd,
     check_store,
 )
+
+
+def _local_rank_devices(args: argparse.Namespace, ctx: Context) -> dict[int, str]:
+    """tp_rank -> NIC for every tp rank on this host (the device_name map resolved per rank)."""
+    if ctx.settings.protocol != "rdma":
+        return {}
+    devices = {}
+    for rank in range(min(ctx.ranks.tp_size, ctx.local_ranks)):
+        ranks = dataclasses.replace(ctx.ranks, tp_rank=rank)
+        devices[rank] = resolve_settings(args, ranks=ranks)[0].device_name
+    return devices
 
 
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
@@ -498,20 +505,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     add_connection_args(parser)
-    parser.add_argument(
-        "--model", default=None, help="model name whose layout-guard record to read"
-    )
-    parser.add_argument("--tag", default=None, help="extra_backend_tag of that namespace")
+    parser.add_argument("--model", help="model name whose layout-guard record to read")
+    parser.add_argument("--tag", help="extra_backend_tag of that namespace")
     parser.add_argument(
         "--ssd-dir",
-        default=None,
         metavar="DIR",
         help="check an SSD tier on DIR (a storage node's --ssd-dir) and that the master "
         "accepts one; a rank's enable_ssd_offload is checked without it",
     )
     parser.add_argument(
         "--segment-bytes",
-        default=None,
         metavar="SIZE",
         help="with --ssd-dir: the storage node's --segment-bytes, the largest object its SSD "
         "tier must hold (default: the config's global_segment_size)",

@@ -4,8 +4,6 @@ ranks, memlock over what one rank registers)."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import resource
 import time
@@ -13,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo
-from mooncake_span.ops.cli_common import resolve_settings
 
 _IB_PATH = "/sys/class/infiniband"
 PASS, WARN, FAIL, SKIP = "PASS", "WARN", "FAIL", "SKIP"
@@ -178,14 +175,3 @@ def check_memory(ctx: Context) -> list[Check]:
     if need > 0.8 * available:
         return [Check("memory", WARN, detail, "leave headroom: " + fix, data)]
     return [Check("memory", PASS, detail, None, data)]
-
-
-def _local_rank_devices(args: argparse.Namespace, ctx: Context) -> dict[int, str]:
-    """tp_rank -> NIC for every tp rank on this host (the device_name map resolved per rank)."""
-    if ctx.settings.protocol != "rdma":
-        return {}
-    devices = {}
-    for rank in range(min(ctx.ranks.tp_size, ctx.local_ranks)):
-        ranks = dataclasses.replace(ctx.ranks, tp_rank=rank)
-        devices[rank] = resolve_settings(args, ranks=ranks)[0].device_name
-    return devices

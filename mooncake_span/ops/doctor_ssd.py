@@ -1,8 +1,6 @@
-"""``doctor``'s SSD-tier checks, ``ssd tier`` and ``ssd master``: is an SSD tier asked
-for (a rank's ``enable_ssd_offload``, whose own segment goes to its ``rank_*``
-sub-directory, or ``doctor --ssd-dir`` for a storage node's directory), and would it
-persist anything? What each FAILs on: docs/operating.md, "doctor and metrics".
-"""
+"""``doctor``'s SSD-tier checks, ``ssd tier`` and ``ssd master``: is an SSD tier asked for
+(a rank's ``enable_ssd_offload`` or ``doctor --ssd-dir``), and would it persist anything?
+What each FAILs on: docs/operating.md, "doctor and metrics"."""
 
 from __future__ import annotations
 
@@ -21,23 +19,21 @@ SMALLEST_SEGMENT_BYTES = 16 << 20
 
 
 def ssd_requested(ctx: Context) -> bool:
-    s = ctx.settings
-    return bool(ctx.ssd_dir) or (s is not None and s.enable_ssd_offload)
+    return bool(ctx.ssd_dir) or ctx.settings.enable_ssd_offload
 
 
 def check_ssd(ctx: Context) -> list[Check]:
     if not ssd_requested(ctx):
         return [Check(_NAME, SKIP, "no SSD tier asked for (enable_ssd_offload, --ssd-dir)")]
     if ctx.ssd_dir:
-        configured = ctx.settings.global_segment_size_bytes if ctx.settings is not None else 0
-        return [_check_node_dir(ctx.ssd_dir, ctx.ssd_segment_bytes or configured)]
+        segment_bytes = ctx.ssd_segment_bytes or ctx.settings.global_segment_size_bytes
+        return [_check_node_dir(ctx.ssd_dir, segment_bytes)]
     return _check_rank(ctx)
 
 
 def _check_node_dir(root: str, segment_bytes: int) -> Check:
-    """The storage node's directory, and whether its usable capacity holds one object:
-    up to the node's segment (what the node itself refuses to start below), or, with
-    the segment unknown, one of Mooncake's smallest segment."""
+    """A storage node's directory, and whether its usable capacity holds one object of up
+    to the node's segment (Mooncake's smallest when unknown), as the node itself demands."""
     try:
         path = ssd_tier.check_root(root)
     except ConfigError as exc:

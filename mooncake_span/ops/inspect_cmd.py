@@ -1,9 +1,6 @@
 """``mooncake-span inspect``: what lives in a Mooncake cluster, per namespace, from the
-master's HTTP admin API (``master_http``); docs/operating.md, "mooncake-span inspect",
-says what is exact, what is sampled and how the reachable share is estimated. Guard
-and chain records are Mooncake objects: a native client reads them, only in the
-``probe_worker`` child, with a timeout.
-"""
+master's admin API; guard and chain records through the ``probe_worker`` child. What is
+exact, sampled or estimated: docs/operating.md, "mooncake-span inspect"."""
 
 from __future__ import annotations
 
@@ -20,9 +17,9 @@ from mooncake_span.ops import master_http
 from mooncake_span.ops.cli_common import (
     add_connection_args,
     admin_url,
+    resolve_native_log,
     resolve_settings,
 )
-from mooncake_span.ops.native_log import resolve_native_log
 from mooncake_span.ops.probe_worker import probe
 from mooncake_span.span.chains import (
     chain_record_key,

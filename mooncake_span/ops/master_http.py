@@ -1,8 +1,6 @@
-"""The Mooncake master's HTTP admin API (its ``--metrics_port`` server): the routes
-``inspect`` reads are listed in docs/operating.md, "mooncake-span inspect". Every
-request has a timeout; keys are streamed line by line so a store with 100k keys never
-sits in memory as one string.
-"""
+"""The Mooncake master's HTTP admin API (its ``--metrics_port`` server; the routes read:
+docs/operating.md, "mooncake-span inspect"). Every request has a timeout; keys stream
+line by line, so 100k keys never sit in memory as one string."""
 
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
     """``(name, labels, value)`` per sample line of a Prometheus text page."""
     samples = []
     for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
+        # Blank and "#" lines cannot match: a sample starts with a metric name.
         match = _SAMPLE.match(line)
         if match is None:
             continue

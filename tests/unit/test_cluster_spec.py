@@ -291,3 +291,23 @@ def test_fault_helpers_name_an_index_out_of_range():
             cluster.kill_storage_node(0)
     finally:
         cluster._started = False
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--storage-nodes", "0"], None),
+        (["--storage-nodes", "-1"], "--storage-nodes: expected an integer >= 0, got -1"),
+        (["--ha-masters", "0"], "--ha-masters: expected an integer >= 1, got 0"),
+        (["--lease-ttl-ms", "x"], "--lease-ttl-ms: expected an integer, got 'x'"),
+    ],
+)
+def test_cluster_up_count_flags_name_their_bound(capsys, argv, message):
+    from mooncake_span.ops.cli import build_parser
+
+    if message is None:
+        assert build_parser().parse_args(["cluster", "up", *argv]).storage_nodes == 0
+        return
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cluster", "up", *argv])
+    assert message in capsys.readouterr().err

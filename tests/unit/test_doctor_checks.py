@@ -213,7 +213,7 @@ def _resolve_ctx(args, ib_path):
     ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)
     ctx.local_ranks = args.local_ranks or ctx.ranks.ranks_per_server
     ctx.settings, ctx.extra = resolve_settings(args, environ={}, ranks=ctx.ranks)
-    ctx.rank_devices = doctor_host._local_rank_devices(args, ctx)
+    ctx.rank_devices = doctor._local_rank_devices(args, ctx)
     ctx.ib_path = str(ib_path)
     return ctx
 

@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from mooncake_span.ops.native_log import resolve_native_log
+from mooncake_span.ops.cli_common import resolve_native_log
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@
 A native client set up in this process logs every setup, connection and
 segment mount to fd 2 at INFO; ``mooncake-span demo`` printed about 30 such
 lines before its own six. ``bench``, ``demo-span`` and ``soak`` send fd 2 to
-the file ``--native-log`` names (``mooncake_span.ops.native_log``) while
+the file ``--native-log`` names (``mooncake_span.ops.cli_common``) while
 Python's own logging and the commands' messages keep going to the real stderr.
 """
 
