@@ -84,9 +84,8 @@ class ErrorCode(enum.IntEnum):
     FILE_OPEN_FAIL = -1101
     FILE_READ_FAIL = -1102
     FILE_WRITE_FAIL = -1103
-    # A tenant over its quota: no space for it. -1700 in types.h from 0.3.12 on, and in
-    # the code-name table the 0.3.13.post1 wheel's store.so builds (-1700 ->
-    # "TENANT_QUOTA_EXCEEDED", between DFS_PARTIAL_WRITE -1605 and the other TENANT_ codes).
+    # A tenant over its quota: no space for it. -1700 in types.h from 0.3.12 on, and
+    # in the code-name table of the 0.3.13.post1 wheel's store.so.
     TENANT_QUOTA_EXCEEDED = -1700
     # mooncake-span's own, never Mooncake's: a complete read whose bytes failed
     # their seal (store/seal.py, span_object_checksums).

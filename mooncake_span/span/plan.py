@@ -102,10 +102,6 @@ class ObjectPlan:
     ptrs: list[int]
     sizes: list[int]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes)
-
 
 @dataclass
 class PlanBatch:
