@@ -22,7 +22,8 @@ def chain_sampled(root: str, every: int) -> bool:
 
 
 def chain_record_key(key_prefix: str, root: str, length: int) -> str:
-    """The record of the chain rooted at ``root``, ``length`` keys long, in a namespace."""
+    """The record of the chain rooted at ``root``, ``length`` keys long, under the
+    namespace's prefix (so ``clear`` removes it with the rest)."""
     if length < 1:
         raise ValueError(f"a chain record covers >= 1 key, got {length}")
     return f"{key_prefix}{CHAIN_RECORD_MARK}{root}_{length}"
