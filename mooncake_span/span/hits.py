@@ -73,17 +73,13 @@ def block_group_pages(page_exists: Sequence[bool], block_pages: int, group_pages
     group = max(1, group_pages)
     block = block_pages if block_pages > 0 else total + group
     covered = 0
-    block_start = 0
-    while block_start < total:
+    for block_start in range(0, total, block):
         block_end = block_start + block
-        start = block_start
-        while start < block_end:
+        for start in range(block_start, block_end, group):
             end = min(start + group, block_end)
             if end > total or not all(page_exists[start:end]):
                 return covered
             covered = end
-            start = end
-        block_start = block_end
     return covered
 
 
