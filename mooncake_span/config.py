@@ -21,27 +21,24 @@ logger = logging.getLogger(__name__)
 
 SPAN_ENV_PREFIX = "MOONCAKE_SPAN_"
 
-# The keys sglang 0.5.23's MooncakeStore reads; load_mooncake_settings gives
-# each its upstream meaning or refuses it. (local_buffer_size is ours: upstream
-# always passes 16 MiB.)
-MOONCAKE_KEYS = frozenset(
-    {
-        "master_server_address",
-        "client_server_address",
-        "standalone_storage",
-        "local_hostname",
-        "metadata_server",
-        "global_segment_size",
-        "local_buffer_size",
-        "protocol",
-        "device_name",
-        "master_metrics_port",
-        "check_server",
-        "enable_ssd_offload",
-        "ssd_offload_path",
-        "tenant_id",
-    }
-)
+# MOONCAKE_* variable -> key, as sglang 0.5.23's MooncakeStore reads them (load_from_env).
+ENV_KEYS = {
+    "MOONCAKE_MASTER": "master_server_address",
+    "MOONCAKE_CLIENT": "client_server_address",
+    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
+    "MOONCAKE_PROTOCOL": "protocol",
+    "MOONCAKE_DEVICE": "device_name",
+    "MOONCAKE_MASTER_METRICS_PORT": "master_metrics_port",
+    "MOONCAKE_CHECK_SERVER": "check_server",
+    "MOONCAKE_STANDALONE_STORAGE": "standalone_storage",
+    "MOONCAKE_ENABLE_SSD_OFFLOAD": "enable_ssd_offload",
+    "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "ssd_offload_path",
+    "MOONCAKE_TENANT_ID": "tenant_id",
+}
+# Every key MooncakeStore reads; load_mooncake_settings gives each its upstream
+# meaning or refuses it. (local_buffer_size is ours: upstream always passes 16 MiB.)
+MOONCAKE_KEYS = frozenset(ENV_KEYS.values()) | {"local_hostname", "local_buffer_size"}
 
 # Keys other components read from the same extra-config dict (sglang's
 # factory and controller; extra_backend_tag and enable_group_semantics are

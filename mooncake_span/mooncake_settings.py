@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_span.config import check_host_port, parse_int, parse_sglang_flag
+from mooncake_span.config import ENV_KEYS, check_host_port, parse_int, parse_sglang_flag
 from mooncake_span.errors import ConfigError
 from mooncake_span.units import parse_size_bytes
 
@@ -341,23 +341,6 @@ def _settings_from_mapping(
         master_metrics_port=_port(values.get("master_metrics_port"), source),
         source=source,
     )
-
-
-# MOONCAKE_* variable -> key, as sglang's load_from_env reads them.
-ENV_KEYS = {
-    "MOONCAKE_MASTER": "master_server_address",
-    "MOONCAKE_CLIENT": "client_server_address",
-    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
-    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
-    "MOONCAKE_PROTOCOL": "protocol",
-    "MOONCAKE_DEVICE": "device_name",
-    "MOONCAKE_MASTER_METRICS_PORT": "master_metrics_port",
-    "MOONCAKE_CHECK_SERVER": "check_server",
-    "MOONCAKE_STANDALONE_STORAGE": "standalone_storage",
-    "MOONCAKE_ENABLE_SSD_OFFLOAD": "enable_ssd_offload",
-    "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "ssd_offload_path",
-    "MOONCAKE_TENANT_ID": "tenant_id",
-}
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
