@@ -280,22 +280,6 @@ def _ssd_path(value: Any, ranks: RankInfo | None, source: str) -> str | None:
     return path if ranks is None else os.path.join(path, ranks.ssd_subdir)
 
 
-def _refuse_standalone(values: Mapping[str, Any], source: str) -> None:
-    if values.get("standalone_storage") is not None and parse_sglang_flag(
-        values["standalone_storage"], "standalone_storage", source
-    ):
-        raise ConfigError(
-            "standalone_storage=True (a separate mooncake_client owning the segment) is not "
-            "supported by mooncake-span; run the store client in-process "
-            "(global_segment_size=0 for a pure client) and dedicated storage nodes instead"
-        )
-    if values.get("client_server_address") is not None:
-        raise ConfigError(
-            f"client_server_address ({source}) only serves standalone_storage, which "
-            "mooncake-span does not support; remove it and set master_server_address"
-        )
-
-
 def _settings_from_mapping(
     values: Mapping[str, Any], environ: Mapping[str, str], source: str, ranks: RankInfo | None
 ) -> MooncakeSettings:
@@ -308,7 +292,17 @@ def _settings_from_mapping(
     def flag(key: str) -> bool:
         return parse_sglang_flag(values.get(key, False), key, source)
 
-    _refuse_standalone(values, source)
+    if flag("standalone_storage"):
+        raise ConfigError(
+            "standalone_storage=True (a separate mooncake_client owning the segment) is not "
+            "supported by mooncake-span; run the store client in-process "
+            "(global_segment_size=0 for a pure client) and dedicated storage nodes instead"
+        )
+    if "client_server_address" in values:
+        raise ConfigError(
+            f"client_server_address ({source}) only serves standalone_storage, which "
+            "mooncake-span does not support; remove it and set master_server_address"
+        )
     if not values.get("master_server_address"):
         raise ConfigError(f"master_server_address is required ({source})")
     segment_bytes = _size(
