@@ -1,13 +1,8 @@
 """Configuration: mooncake-span's own options and the parsers every config source shares.
 
-``SpanOptions`` holds mooncake-span's own knobs. Precedence: extra-config keys,
-then ``MOONCAKE_SPAN_<NAME>`` environment variables, then defaults. Its keys
-are ``storage_page_size`` plus every key starting with ``span_``; an unknown
-key in that namespace is an error (a typo must not silently fall back to a
-default). The Mooncake connection (sglang's ``MooncakeStore`` keys, resolved
-per rank) is :mod:`mooncake_span.mooncake_settings`; the parsers here
-(``parse_int``, ``parse_bool``, ``parse_sglang_flag``, ``check_host_port``)
-serve both.
+``SpanOptions``: extra-config keys, then ``MOONCAKE_SPAN_<NAME>`` variables, then
+defaults; an unknown ``span_*`` key is an error (a typo must not fall back to a
+default). sglang's ``MooncakeStore`` keys: :mod:`mooncake_span.mooncake_settings`.
 """
 
 from __future__ import annotations
@@ -26,27 +21,24 @@ logger = logging.getLogger(__name__)
 
 SPAN_ENV_PREFIX = "MOONCAKE_SPAN_"
 
-# The keys sglang 0.5.23's MooncakeStore reads; load_mooncake_settings gives
-# each its upstream meaning or refuses it. (local_buffer_size is ours: upstream
-# always passes 16 MiB.)
-MOONCAKE_KEYS = frozenset(
-    {
-        "master_server_address",
-        "client_server_address",
-        "standalone_storage",
-        "local_hostname",
-        "metadata_server",
-        "global_segment_size",
-        "local_buffer_size",
-        "protocol",
-        "device_name",
-        "master_metrics_port",
-        "check_server",
-        "enable_ssd_offload",
-        "ssd_offload_path",
-        "tenant_id",
-    }
-)
+# MOONCAKE_* variable -> key, as sglang 0.5.23's MooncakeStore reads them (load_from_env).
+ENV_KEYS = {
+    "MOONCAKE_MASTER": "master_server_address",
+    "MOONCAKE_CLIENT": "client_server_address",
+    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
+    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
+    "MOONCAKE_PROTOCOL": "protocol",
+    "MOONCAKE_DEVICE": "device_name",
+    "MOONCAKE_MASTER_METRICS_PORT": "master_metrics_port",
+    "MOONCAKE_CHECK_SERVER": "check_server",
+    "MOONCAKE_STANDALONE_STORAGE": "standalone_storage",
+    "MOONCAKE_ENABLE_SSD_OFFLOAD": "enable_ssd_offload",
+    "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "ssd_offload_path",
+    "MOONCAKE_TENANT_ID": "tenant_id",
+}
+# Every key MooncakeStore reads; load_mooncake_settings gives each its upstream
+# meaning or refuses it. (local_buffer_size is ours: upstream always passes 16 MiB.)
+MOONCAKE_KEYS = frozenset(ENV_KEYS.values()) | {"local_hostname", "local_buffer_size"}
 
 # Keys other components read from the same extra-config dict (sglang's
 # factory and controller; extra_backend_tag and enable_group_semantics are
@@ -135,78 +127,41 @@ LAYOUT_GUARD_MODES = ("off", "store", "etcd")
 
 @dataclass(frozen=True, kw_only=True)
 class SpanOptions:
-    """mooncake-span's own options (see the module docstring for precedence)."""
+    """mooncake-span's own options. What each means, its variable and its default:
+    docs/operating.md, "mooncake-span's own options"."""
 
-    # Tokens per storage key; None means "the host page size" (K=1) unless
-    # sglang's storage_config carries storage_page_size (span-aware builds).
+    # None: the host page (K=1), unless sglang's storage_config carries storage_page_size.
     storage_page_size: int | None = None
     # Over TCP a call carrying more than 2048 buffers to one peer fails partly
     # (-800, "TCP lane queue-full"): calls are split below this budget.
     max_buffers_per_call: int = 2048
-    # Consecutive whole-call transport failures before the breaker opens.
     breaker_failures: int = 3
     breaker_probe_interval_s: float = 2.0
     # Bound for one stalled transfer (MC_TCP_STATUS_TIMEOUT_SEC, default 30 s).
     transfer_timeout_s: int = 5
     replica_num: int = 1
-    # One Mooncake group id per storage key so eviction keeps its objects together.
     group_ids: bool = True
-    # Where the cluster-wide span geometry of this namespace is published.
     layout_guard: str = "store"
     layout_guard_etcd: str | None = None
-    # Failure domains (store/domains.py): co-locate each storage key's objects
-    # on one segment chosen by rendezvous hashing over the live segments.
     placement: bool = True
-    # Prefix-chain placement (sglang's hicache_storage_pass_prefix_keys): a
-    # chain's keys share its root's segment for this many tokens, then move to
-    # the root's next segment; past the first window, every stripe's tokens
-    # (0: every window). Why 32k, and why the stripe is opt-in (it costs put
-    # rate, its read gain is not measured yet): docs/reliability.md, "The window"
+    # Why 32k, and why the stripe is opt-in: docs/reliability.md, "The window"
     # and "Past the window".
     chain_window_tokens: int = 32768
     chain_stripe_tokens: int = 0
-    # The master's admin HTTP server (its --metrics_port) that lists segments;
-    # None: http://<master host>:9003, Mooncake's default port.
     master_admin_url: str | None = None
     segment_refresh_s: float = 5.0
-    # How long a segment that failed a transfer is avoided (>= the master's
-    # client_ttl, 10 s by default, after which it drops a dead segment).
+    # >= the master's client_ttl (10 s by default), after which it drops a dead segment.
     domain_bad_ttl_s: float = 15.0
-    # How long a key whose restore failed is reported absent (unless re-written).
     lost_key_ttl_s: float = 30.0
     lost_keys_max: int = 100_000
-    # The registered arena that staged pools, the generic path and the layout
-    # guard move bytes through (store/arena.py); a call larger than it is cut.
     staging_buffer_size_bytes: int = 64 << 20
-    # The longest pause of puts on a cluster that keeps refusing them: pauses
-    # start after 3 refused put calls in a row at 10 ms and double while
-    # probes are refused; a stored object ends them (store/router.py, PutPressure).
-    # 0: never pause (every put is sent).
     full_cooldown_s: float = 1.0
-    # Backups and hit queries that name their prefix chain (sglang's prefix
-    # keys) renew the Mooncake lease of the chain's stored prefix in the
-    # existence query they send anyway, so Mooncake's LRU eviction takes a
-    # conversation's tail before its prefix (docs/operating.md, "Eviction").
     refresh_prefix: bool = True
-    # A backup whose chain prefix is not wholly in the cluster (the same
-    # existence query says so) is not written: no hit query from the chain's
-    # root could reach it, and it would only evict what can (needs
-    # refresh_prefix, which asks about the prefix).
     skip_unreachable: bool = True
-    # One in this many prefix chains (by a hash of the root key) keeps a record
-    # of its keys, so `mooncake-span inspect` can estimate how much of a
-    # namespace a hit query can reach (span/chains.py); 0: no records.
     chain_sample_every: int = 64
-    # Mooncake's own CRC-64 per object (MOONCAKE_STORE_CHECKSUM, read at the
-    # process's first setup): full-object gets of objects put with it verify
-    # their bytes, and a mismatch reads as a miss. Costs a CPU pass per byte.
     verify_checksums: bool = False
-    # A checksum stored with each object's bytes (store/seal.py): written at put,
-    # checked on every read whatever the tier, also after a restart, which
-    # Mooncake's CRC is not. Changes the object format: every node of a
-    # namespace must agree (the layout guard refuses a mix). None (not given):
-    # on where the cluster has an SSD tier, decided when the client connects
-    # (store/ssd_marker.py); False there is refused.
+    # None (not given): on where the cluster has an SSD tier, decided when the
+    # client connects (store/ssd_marker.py); False there is refused.
     object_checksums: bool | None = None
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -334,11 +289,8 @@ def load_span_options(
 def _apply_group_semantics(
     extra: Mapping[str, Any], values: dict[str, Any], sources: dict[str, str]
 ) -> None:
-    """sglang's ``enable_group_semantics`` (eviction group ids) sets ``span_group_ids``.
-
-    Absent, group ids stay on (a span key owns several objects); set, it means
-    what it means upstream; contradicting ``span_group_ids`` is refused.
-    """
+    """sglang's ``enable_group_semantics`` (eviction group ids), when set, sets
+    ``span_group_ids``; contradicting it is refused."""
     if extra.get("enable_group_semantics") is None:
         return
     wanted = parse_sglang_flag(

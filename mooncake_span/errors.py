@@ -25,11 +25,8 @@ class GeometryError(MooncakeSpanError, ValueError):
 
 
 class InvalidRequestError(MooncakeSpanError, ValueError):
-    """A call from sglang carries bad input (keys, host indices, tensors, transfers, policies).
-
-    The backend answers such a call with its miss value and a log line naming
-    what is wrong; nothing stored is touched.
-    """
+    """A call from sglang carries bad input (keys, host indices, tensors, transfers,
+    policies): answered with the miss value and a log line; nothing stored is touched."""
 
 
 class RegistrationError(MooncakeSpanError, ValueError):
@@ -87,17 +84,15 @@ class ErrorCode(enum.IntEnum):
     FILE_OPEN_FAIL = -1101
     FILE_READ_FAIL = -1102
     FILE_WRITE_FAIL = -1103
-    # A tenant over its quota: no space for it. -1700 in types.h from 0.3.12 on, and in
-    # the code-name table the 0.3.13.post1 wheel's store.so builds (-1700 ->
-    # "TENANT_QUOTA_EXCEEDED", between DFS_PARTIAL_WRITE -1605 and the other TENANT_ codes).
+    # A tenant over its quota: no space for it. -1700 in types.h from 0.3.12 on, and
+    # in the code-name table of the 0.3.13.post1 wheel's store.so.
     TENANT_QUOTA_EXCEEDED = -1700
     # mooncake-span's own, never Mooncake's: a complete read whose bytes failed
     # their seal (store/seal.py, span_object_checksums).
     SEAL_MISMATCH = -30801
 
 
-# Every classification of a native return code lives below, once; the client
-# and its helpers ask these predicates and keep no code sets of their own.
+# Every classification of a native return code lives below, once.
 
 # Codes that mean "the cluster (master, network, a peer) did not answer", as
 # opposed to "this object is missing" or "this request was wrong".
@@ -112,13 +107,9 @@ TRANSPORT_CODES = frozenset(
     }
 )
 
-# Codes that mean "this object is broken": its stored bytes are not the bytes
-# written for the key (Mooncake's CRC-64, recorded at put, or the object's own
-# seal did not match at get), or its SSD file is gone or cut short (a torn
-# write after a power loss reads FILE_READ_FAIL on every try). Not a cluster
-# failure: the key reads as a miss and its object must not be offered again
-# (store/integrity.py). FILE_OPEN_FAIL is left out: running out of file
-# descriptors says nothing about the object.
+# Codes that mean "this object is broken" (wrong bytes, or an SSD file gone or torn):
+# a miss, and never offered again (docs/reliability.md, "Broken objects stay gone").
+# Not FILE_OPEN_FAIL: running out of file descriptors says nothing about the object.
 INTEGRITY_CODES = frozenset(
     {
         ErrorCode.CHECKSUM_MISMATCH,
@@ -152,10 +143,8 @@ def is_transfer_failure(code: int) -> bool:
 
 
 def is_cluster_failure(code: int) -> bool:
-    """A failure of the master or the RPC layer, which is what the circuit breaker is for.
-
-    A TRANSFER_FAIL names one peer (a dead or cut storage node): it marks that
-    failure domain bad instead of cutting the process off every live node."""
+    """A failure of the master or the RPC layer, which is what the circuit breaker is for
+    (a TRANSFER_FAIL names one peer: it marks that failure domain bad instead)."""
     return is_transport_failure(code) and not is_transfer_failure(code)
 
 
@@ -167,8 +156,7 @@ def is_no_space(code: int) -> bool:
     return code in NO_SPACE_CODES
 
 
-# The one translation of a data call's per-object codes into what the caller
-# reads: True or False per object. Everything else is a reason, counted by name.
+# The one translation of a data call's per-object codes into True or False per object.
 
 
 def written(codes: Sequence[int]) -> list[bool]:

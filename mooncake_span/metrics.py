@@ -1,31 +1,17 @@
-"""Prometheus metrics of the backend: families named ``mooncake_span_*``.
+"""Prometheus metrics of the backend: families named ``mooncake_span_*``. No sglang import.
 
-The families are created lazily, once per registry, and shared by every
-backend instance of the process; asking again (a second backend, a module
-reload in tests) returns the same collectors instead of tripping
-prometheus_client's duplicate-name check. No sglang import.
-
-Multiprocess: when ``PROMETHEUS_MULTIPROC_DIR`` is set (sglang sets it with
-``--enable-metrics`` and several workers), prometheus_client writes every value
-to that directory and sglang's ``/metrics`` aggregates it; the gauges here
-declare how to merge processes (``livemax``). ``exposition_registry()`` returns
-the registry a scraper should read in either mode.
-
-Client-side facts that the native client only counts (failed objects by
-Mooncake code, breaker openings) are turned into counters by ``ClientStatsSync``,
-which adds the difference since its previous look, so counters stay monotone
-even though the client's counts are cumulative.
+The families are created once per registry and shared by every backend of the
+process (a second backend or a module reload gets the same collectors, not
+prometheus_client's duplicate-name error). Multiprocess mode and how the client's
+cumulative counts become counters: docs/operating.md, "Prometheus metrics".
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Mapping
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 PREFIX = "mooncake_span"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -215,11 +201,8 @@ _by_registry: dict[int, SpanMetrics] = {}
 
 
 def get_metrics(registry: Any = None) -> SpanMetrics | None:
-    """The shared ``SpanMetrics`` of ``registry`` (default: prometheus' global one).
-
-    None when prometheus_client is not installed: metrics are optional, the
-    backend then simply does not export any.
-    """
+    """The shared ``SpanMetrics`` of ``registry`` (default: prometheus' global one);
+    None when prometheus_client is not installed (metrics are optional)."""
     try:
         import prometheus_client as prom
     except ImportError:

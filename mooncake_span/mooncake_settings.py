@@ -1,10 +1,8 @@
 """``MooncakeSettings``: sglang 0.5.23's ``MooncakeStore`` config, resolved for one rank.
 
-It is read exactly the way sglang's built-in ``MooncakeStore`` reads it (the
-same sources and precedence, and the same per-rank split of the segment, NIC
-map and SSD sub-directory), so an existing deployment can switch backends
-without touching its config: docs/operating.md, "sglang's Mooncake keys".
-Every key ``MooncakeStore`` reads either means the same here or is refused.
+Read as ``MooncakeStore`` reads it (sources, precedence, per-rank split), so a
+deployment switches backends without touching its config; every key it reads means
+the same here or is refused: docs/operating.md, "sglang's Mooncake keys".
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_span.config import check_host_port, parse_int, parse_sglang_flag
+from mooncake_span.config import ENV_KEYS, check_host_port, parse_int, parse_sglang_flag
 from mooncake_span.errors import ConfigError
 from mooncake_span.units import parse_size_bytes
 
@@ -60,12 +58,9 @@ def validate_master_address(value: str) -> str:
 
 
 def validate_metadata_server(value: str) -> str:
-    """Reject metadata URLs the native client would choke on.
-
-    An unknown scheme makes Mooncake abort the whole process (LOG(FATAL)), so
-    the check has to happen here, before ``setup``. Only the back-ends measured
-    with this wheel are accepted: the HTTP metadata server, etcd, P2PHANDSHAKE.
-    """
+    """Refuse, before ``setup``, a metadata URL with an unknown scheme: Mooncake
+    would abort the whole process (LOG(FATAL)). Only the back-ends measured with
+    this wheel pass: the HTTP metadata server, etcd, P2PHANDSHAKE."""
     if not isinstance(value, str) or not value:
         raise ConfigError(
             f"invalid metadata server (metadata_server) {value!r}: expected e.g. http://HOST:PORT/metadata"
@@ -285,34 +280,35 @@ def _ssd_path(value: Any, ranks: RankInfo | None, source: str) -> str | None:
     return path if ranks is None else os.path.join(path, ranks.ssd_subdir)
 
 
-def _refuse_standalone(values: Mapping[str, Any], source: str) -> None:
-    if values.get("standalone_storage") is not None and parse_sglang_flag(
-        values["standalone_storage"], "standalone_storage", source
-    ):
-        raise ConfigError(
-            "standalone_storage=True (a separate mooncake_client owning the segment) is not "
-            "supported by mooncake-span; run the store client in-process "
-            "(global_segment_size=0 for a pure client) and dedicated storage nodes instead"
-        )
-    if values.get("client_server_address") is not None:
-        raise ConfigError(
-            f"client_server_address ({source}) only serves standalone_storage, which "
-            "mooncake-span does not support; remove it and set master_server_address"
-        )
-
-
 def _settings_from_mapping(
     values: Mapping[str, Any], environ: Mapping[str, str], source: str, ranks: RankInfo | None
 ) -> MooncakeSettings:
     # A null value means "not set" for every key.
     values = {k: v for k, v in values.items() if v is not None}
-    _refuse_standalone(values, source)
+
+    def text(key: str, default: Any = "") -> str:
+        return _text(values.get(key, default), key, source)
+
+    def flag(key: str) -> bool:
+        return parse_sglang_flag(values.get(key, False), key, source)
+
+    if flag("standalone_storage"):
+        raise ConfigError(
+            "standalone_storage=True (a separate mooncake_client owning the segment) is not "
+            "supported by mooncake-span; run the store client in-process "
+            "(global_segment_size=0 for a pure client) and dedicated storage nodes instead"
+        )
+    if "client_server_address" in values:
+        raise ConfigError(
+            f"client_server_address ({source}) only serves standalone_storage, which "
+            "mooncake-span does not support; remove it and set master_server_address"
+        )
     if not values.get("master_server_address"):
         raise ConfigError(f"master_server_address is required ({source})")
     segment_bytes = _size(
         values.get("global_segment_size", _DEFAULT_GLOBAL_SEGMENT), "global_segment_size"
     )
-    ssd = parse_sglang_flag(values.get("enable_ssd_offload", False), "enable_ssd_offload", source)
+    ssd = flag("enable_ssd_offload")
     ssd_path = _ssd_path(values.get("ssd_offload_path"), ranks, source)
     if ssd_path is not None and not ssd:
         logger.warning(
@@ -321,52 +317,24 @@ def _settings_from_mapping(
             source,
         )
     return MooncakeSettings(
-        master_server_address=_text(
-            values["master_server_address"], "master_server_address", source
-        ),
-        metadata_server=_text(
-            values.get("metadata_server", _DEFAULT_METADATA_SERVER), "metadata_server", source
-        ),
+        master_server_address=text("master_server_address"),
+        metadata_server=text("metadata_server", _DEFAULT_METADATA_SERVER),
         local_hostname=_resolve_local_hostname(environ, values),
         # Per server: every rank of a tp x pp server contributes its share.
         global_segment_size_bytes=segment_bytes // (ranks.ranks_per_server if ranks else 1),
         local_buffer_size_bytes=_size(
             values.get("local_buffer_size", _DEFAULT_LOCAL_BUFFER_BYTES), "local_buffer_size"
         ),
-        protocol=_text(
-            values.get("protocol", environ.get("MOONCAKE_PROTOCOL", _DEFAULT_PROTOCOL)),
-            "protocol",
-            source,
-        ),
-        device_name=resolve_device(
-            _text(values.get("device_name", ""), "device_name", source), ranks, source
-        ),
+        protocol=text("protocol", environ.get("MOONCAKE_PROTOCOL", _DEFAULT_PROTOCOL)),
+        device_name=resolve_device(text("device_name"), ranks, source),
         # Upstream: missing, null or blank means the default tenant.
-        tenant_id=_text(values.get("tenant_id", ""), "tenant_id", source).strip()
-        or DEFAULT_TENANT_ID,
+        tenant_id=text("tenant_id").strip() or DEFAULT_TENANT_ID,
         enable_ssd_offload=ssd,
         ssd_offload_path=ssd_path,
-        check_server=parse_sglang_flag(values.get("check_server", False), "check_server", source),
+        check_server=flag("check_server"),
         master_metrics_port=_port(values.get("master_metrics_port"), source),
         source=source,
     )
-
-
-# MOONCAKE_* variable -> key, as sglang's load_from_env reads them.
-ENV_KEYS = {
-    "MOONCAKE_MASTER": "master_server_address",
-    "MOONCAKE_CLIENT": "client_server_address",
-    "MOONCAKE_TE_META_DATA_SERVER": "metadata_server",
-    "MOONCAKE_GLOBAL_SEGMENT_SIZE": "global_segment_size",
-    "MOONCAKE_PROTOCOL": "protocol",
-    "MOONCAKE_DEVICE": "device_name",
-    "MOONCAKE_MASTER_METRICS_PORT": "master_metrics_port",
-    "MOONCAKE_CHECK_SERVER": "check_server",
-    "MOONCAKE_STANDALONE_STORAGE": "standalone_storage",
-    "MOONCAKE_ENABLE_SSD_OFFLOAD": "enable_ssd_offload",
-    "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH": "ssd_offload_path",
-    "MOONCAKE_TENANT_ID": "tenant_id",
-}
 
 
 def _read_config_file(path: str) -> dict[str, Any]:

@@ -1,8 +1,5 @@
-"""Parsing of human-readable sizes ("4gb", "512mb", 1024) into byte counts.
-
-Pure: no I/O, no imports beyond the standard library, so config and CLI code
-can share one definition of what "1gb" means.
-"""
+"""Human-readable sizes ("4gb", "512mb", 1024) as byte counts: the one meaning of
+"1gb" for config and CLI code alike (stdlib only)."""
 
 from __future__ import annotations
 
@@ -11,9 +8,7 @@ from fractions import Fraction
 
 __all__ = ["parse_size_bytes"]
 
-# Binary multiples: Mooncake's own config treats "1GB" as 1 << 30, and segment
-# sizes are compared against page sizes that are powers of two.
-# "k", "kb" and "kib" alike; likewise m, g and t.
+# Binary, "k", "kb" and "kib" alike: Mooncake's own config treats "1GB" as 1 << 30.
 _UNIT_BYTES = {"": 1, "b": 1} | {
     prefix + suffix: 1 << 10 * power
     for power, prefix in enumerate("kmgt", start=1)
@@ -24,17 +19,9 @@ _SIZE_RE = re.compile(r"^(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[a-z]*)$")
 
 
 def parse_size_bytes(value: str | int) -> int:
-    """Return the number of bytes that ``value`` denotes.
-
-    Accepts non-negative ints and strings such as ``"1024"``, ``"64kb"``,
-    ``"512MB"``, ``"4gb"`` or ``"1.5GiB"`` (units are case-insensitive and
-    binary: 1 kb = 1024 bytes). A fractional number is allowed only when it
-    yields a whole number of bytes.
-
-    Raises:
-        ValueError: ``value`` is negative, empty, not a size, or has an
-            unknown unit; the message repeats the offending value.
-    """
+    """The bytes ``value`` denotes: a non-negative int, or a string such as ``"1024"``,
+    ``"512MB"`` or ``"1.5GiB"`` (units case-insensitive and binary), fractional only
+    where the bytes are whole. ValueError, repeating the value, for anything else."""
     # bool is an int subclass; "True bytes" is always a caller bug.
     if isinstance(value, bool):
         raise ValueError(f"invalid size {value!r}: expected bytes as an int or a string like '4gb'")

@@ -1,5 +1,4 @@
 """Pure span logic: geometry, object keys, pointer plans and hit-prefix math.
 
-Nothing here performs I/O or imports sglang or Mooncake; tests drive it with
-plain integers and numpy arrays.
+No I/O, no sglang or Mooncake import; tests drive it with plain integers and numpy arrays.
 """

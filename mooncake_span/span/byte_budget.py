@@ -1,11 +1,7 @@
 """Byte budgets of the registered staging arena. Pure (no I/O).
 
-Over RDMA every buffer of a zero-copy Mooncake call must lie inside a region
-given to ``register_buffer``. Memory sglang allocates per call (the generic
-path's tensors) or that has no affine page model (staged pools) therefore
-moves through one registered staging arena, leased per call: these helpers
-decide which free gap of the arena a lease takes and how many objects fit in
-the bytes a lease got.
+Which free gap of the arena a lease takes, and how many objects fit in the bytes
+a lease got. Why memory moves through the arena: docs/operating.md, "Registered memory".
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Chain records: which stored keys a hit query can still reach. Pure.
 
-A hit query stops at a chain's first missing key, so a stored key is useful
-only while every key before it in its conversation is stored too. Mooncake
-keeps no chains, only keys. For a sample of chains (``chain_sampled``: a fixed
-share of chain roots, the same on every node), the backend stores a small
-record with the chain's page keys as it grows (``chain_record_key``: one
-record per root and length, under the namespace's prefix, so ``clear``
-removes them with the rest). ``mooncake-span inspect`` reads a sample of the
-longest record per root and checks its keys against the stored ones
-(``reachable_estimate``).
+A hit query stops at a chain's first missing key, and Mooncake keeps no chains;
+so a sample of chains (the same roots on every node) keeps a record of its page
+keys under the namespace prefix, which ``mooncake-span inspect`` checks against
+the stored keys: docs/operating.md, "`mooncake-span inspect`".
 """
 
 from __future__ import annotations
@@ -27,7 +22,8 @@ def chain_sampled(root: str, every: int) -> bool:
 
 
 def chain_record_key(key_prefix: str, root: str, length: int) -> str:
-    """The record of the chain rooted at ``root``, ``length`` keys long, in a namespace."""
+    """The record of the chain rooted at ``root``, ``length`` keys long, under the
+    namespace's prefix (so ``clear`` removes it with the rest)."""
     if length < 1:
         raise ValueError(f"a chain record covers >= 1 key, got {length}")
     return f"{key_prefix}{CHAIN_RECORD_MARK}{root}_{length}"

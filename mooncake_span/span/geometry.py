@@ -1,13 +1,9 @@
 """Span geometry and the per-pool stride rules. Pure: integers and strings only.
 
-One storage key covers ``pages_per_span`` (K) host pages; sglang hands the
-backend one key per storage page, and the backend never groups or re-hashes
-keys. Per transfer the host slots per key are derived (``numel // len(keys)``),
-never predicted: KV and KV-derived pools must carry exactly the storage page,
-state pools whole pool pages (docs/span-format.md, "Derived strides"). The
-prefetch path rebuilds KV-derived transfers without ``indices_from_pool``, so
-the classification comes from a name table (plus any pool seen with
-``indices_from_pool == "kv"`` on a backup).
+One storage key covers ``pages_per_span`` (K) host pages. Host slots per key are
+derived per transfer (``numel // len(keys)``), never predicted: docs/span-format.md,
+"Derived strides". The prefetch path rebuilds KV-derived transfers without
+``indices_from_pool``, hence the name table below.
 """
 
 from __future__ import annotations

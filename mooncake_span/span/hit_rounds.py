@@ -1,19 +1,8 @@
 """Which objects a hit query probes, round by round. Pure.
 
-Mooncake 0.3.13 grants a read lease (about 10 s) to every existing object
-``batch_is_exist`` finds, and eviction skips leased objects. A hit query
-therefore pins whatever it probes, so it probes only what its answer can
-depend on:
-
-* KV first, in growing chunks of keys, stopping at the first chunk with a
-  miss: at most one chunk of KV objects past the first miss is probed;
-* then, in one more round, each sidecar pool on the KV-hit prefix only, and
-  only on the pages its hit policy can need there (``sidecar_pages``).
-
-The number of rounds is capped so a query costs at most twice the existence
-RPCs of sglang's MooncakeStore (one KV RPC, plus one for the sidecars when KV
-hit): 2 KV rounds for a KV-only query, 3 when sidecars follow. The last round
-allowed takes the rest of the query.
+Mooncake 0.3.13 leases every existing object ``batch_is_exist`` finds (about
+10 s; eviction skips it), so a query probes only what its answer can depend
+on, in at most twice sglang's existence RPCs: docs/architecture.md, "Hit queries".
 """
 
 from __future__ import annotations
@@ -22,7 +11,7 @@ from dataclasses import dataclass
 
 from mooncake_span.span.hits import BLOCK_GROUPS, block_group_pages
 
-# Rounds of one query, sized against upstream's existence RPCs (see above).
+# Upstream sends one KV RPC, plus one for the sidecars when KV hit.
 KV_ROUNDS_ALONE = 2
 KV_ROUNDS_WITH_SIDECARS = 3
 
@@ -33,13 +22,8 @@ class ProbePolicy:
     remaining rounds, in equal chunks (``growth`` 0) or each chunk ``growth``
     times the one before until the round cap gives the last chunk the rest.
 
-    The default (1 key, then equal chunks) was chosen with ``mooncake-span
-    bench --leases`` (docs/benchmarks.md, "2026-12-01: hit queries and
-    leases"): under the round cap, equal chunks after the first probe fewer
-    keys past a miss than geometric ones, and a one-key first chunk means a
-    query whose first key misses leases nothing at all -- with eviction group
-    ids a lease on one object of a key pins the key's other objects too, so
-    every key probed past a miss costs all of its objects.
+    Why one key, then equal chunks: docs/benchmarks.md, "2026-12-01: hit
+    queries and leases".
     """
 
     first_chunk_keys: int = 1
@@ -76,13 +60,8 @@ class ProbePolicy:
 
 
 def sidecar_pages(policy: str, kv_pages: int, block_pages: int = 0, group_pages: int = 0) -> int:
-    """Leading pages of a sidecar pool whose existence can change the hit answer.
-
-    ALL_PAGES and TRAILING_PAGES pools report their own boundary and (TRAILING)
-    a restorable set with holes, both over the whole KV prefix, so they need
-    every page of it. A BLOCK_GROUPS pool counts whole groups only: the pages
-    of a group cut short by the end of the KV prefix can never count.
-    """
+    """Leading pages of a sidecar pool whose existence can change the hit answer:
+    all of the KV prefix, except that a BLOCK_GROUPS pool counts whole groups only."""
     if policy == BLOCK_GROUPS:
         return block_group_pages([True] * kv_pages, block_pages, group_pages)
     return kv_pages

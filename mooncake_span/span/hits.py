@@ -1,30 +1,15 @@
 """Hit-prefix math for ``batch_exists_v2``. Pure.
 
-Pages here are storage pages (keys): in span mode one key is K host pages, and
-sglang multiplies by ``storage_page_size`` itself.
-
-Rules (identical to sglang 0.5.23's MooncakeStore and HiCacheFile for the first
-two policies):
-
-* ``kv_pages`` is the leading run of keys whose KV objects all exist.
-* Every prefix length ``1..kv_pages`` starts out restorable. Each pool
-  transfer, in order, removes the lengths it cannot serve:
-
-  - ALL_PAGES: every page before the stop point must exist for the pool;
-  - TRAILING_PAGES with window n: the n pages ending at the stop point must
-    exist -- the surviving set may have holes (checkpoints sit at node ends),
-    which is why the whole set is returned and not only its maximum;
-  - BLOCK_GROUPS: reports its own verdict (pages covered by its leading
-    complete groups) and never gates the KV hit, so it removes nothing.
-
-* ``kv_hit_pages = max(restorable)``; per-pool boundaries go to
-  ``pool_hit_pages`` (with ``kv`` -> raw KV prefix, as sglang expects).
+Pages here are storage pages (keys); sglang multiplies by ``storage_page_size``
+itself. The policies (the first two as in sglang 0.5.23's MooncakeStore):
+docs/architecture.md, "Hit queries".
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from mooncake_span.errors import InvalidRequestError
 
@@ -38,15 +23,7 @@ def leading_run(flags: Sequence[bool]) -> int:
     """Number of leading True values."""
     if all(flags):  # the common case, in one C-level pass
         return len(flags)
-    for index, flag in enumerate(flags):
-        if not flag:
-            return index
-    return len(flags)
-
-
-def check_policy(pool_name: str, policy: str) -> None:
-    if policy not in HIT_POLICIES:
-        raise InvalidRequestError(f"pool {pool_name!r}: unsupported hit policy {policy!r}")
+    return next(index for index, flag in enumerate(flags) if not flag)
 
 
 @dataclass(frozen=True)
@@ -61,7 +38,8 @@ class PoolHitQuery:
     group_pages: int = 0
 
     def __post_init__(self) -> None:
-        check_policy(self.name, self.policy)
+        if self.policy not in HIT_POLICIES:
+            raise InvalidRequestError(f"pool {self.name!r}: unsupported hit policy {self.policy!r}")
 
 
 @dataclass(frozen=True)
@@ -74,18 +52,13 @@ class HitResult:
 def trailing_restorable(page_exists: Sequence[bool], window_pages: int) -> list[int]:
     """Stop points L (1-based) whose window ``[L-n, L)`` exists entirely."""
     window = max(1, window_pages)
-    restorable = []
-    missing_before = 0
-    # prefix count of missing pages lets each window be checked in O(1)
-    missing_prefix = [0]
-    for exists in page_exists:
-        missing_before += 0 if exists else 1
-        missing_prefix.append(missing_before)
-    for stop in range(1, len(page_exists) + 1):
-        start = max(0, stop - window)
-        if missing_prefix[stop] - missing_prefix[start] == 0:
-            restorable.append(stop)
-    return restorable
+    # missing[i]: missing pages before page i, so each window is checked in O(1)
+    missing = [0, *accumulate(0 if exists else 1 for exists in page_exists)]
+    return [
+        stop
+        for stop in range(1, len(page_exists) + 1)
+        if missing[stop] == missing[max(0, stop - window)]
+    ]
 
 
 def block_group_pages(page_exists: Sequence[bool], block_pages: int, group_pages: int) -> int:
@@ -100,17 +73,13 @@ def block_group_pages(page_exists: Sequence[bool], block_pages: int, group_pages
     group = max(1, group_pages)
     block = block_pages if block_pages > 0 else total + group
     covered = 0
-    block_start = 0
-    while block_start < total:
+    for block_start in range(0, total, block):
         block_end = block_start + block
-        start = block_start
-        while start < block_end:
+        for start in range(block_start, block_end, group):
             end = min(start + group, block_end)
             if end > total or not all(page_exists[start:end]):
                 return covered
             covered = end
-            start = end
-        block_start = block_end
     return covered
 
 
@@ -121,8 +90,7 @@ def compute_hits(kv_pages: int, pools: Sequence[PoolHitQuery], kv_name: str = "k
         if not restorable:
             break
         exists = list(pool.page_exists[:kv_pages])
-        if len(exists) < kv_pages:
-            exists += [False] * (kv_pages - len(exists))
+        exists += [False] * (kv_pages - len(exists))
         if pool.policy == ALL_PAGES:
             boundary = leading_run(exists)
             allowed = set(range(1, boundary + 1))

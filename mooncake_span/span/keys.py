@@ -1,15 +1,9 @@
 """Object-key schema. Pure. Key strings are a persistent format: change them only
 with a version bump (``KEY_SCHEMA_VERSION``) and the golden tests.
 
-An object key is ``{prefix}_{page_key}_{rank}_{component}``: upstream
-MooncakeStore's suffix grammar behind a prefix that carries the span geometry,
-host layout and KV dtype, so incompatible deployments never share a key::
-
-    ms2[_{tag}]_{model}_h{host_page}x{K}_{layout}_{kv_dtype}
-
-The grammar, the one departure from upstream (an MHA key's k and v are one
-``_kv`` object) and the rank suffixes: docs/span-format.md, "Keys". Page keys
-come from sglang and are opaque: never re-hashed, only validated.
+``{prefix}_{page_key}_{rank}_{component}``, the prefix carrying the span geometry,
+host layout and KV dtype so incompatible deployments never share a key; page keys
+are opaque (validated, never re-hashed): docs/span-format.md, "Keys".
 """
 
 from __future__ import annotations
@@ -50,12 +44,9 @@ def layout_code(layout: str) -> str:
 
 
 class RankScope(enum.Enum):
-    """Which rank coordinate distinguishes a component's objects.
-
-    REPLICATED: identical on every TP rank (MLA KV, DSA indexer, DSv4 pools);
-    one writer, every rank reads the same object. SHARDED: each TP rank holds
-    its own slice (MHA heads, Mamba state even under MLA).
-    """
+    """Which rank coordinate distinguishes a component's objects: REPLICATED, one
+    object every TP rank reads (MLA KV, DSA indexer, DSv4 pools); SHARDED, a slice
+    per TP rank (MHA heads, Mamba state even under MLA)."""
 
     REPLICATED = "replicated"
     SHARDED = "sharded"
@@ -137,7 +128,7 @@ class KeySchema:
 
     def object_keys(self, page_keys: list[str], components: tuple[ComponentSpec, ...]) -> list[str]:
         """Key-major, component-minor: ``[k0c0, k0c1, k1c0, ...]``."""
-        prefix = self.prefix + "_"
+        prefix = self._head
         suffixes = [self.suffix(c) for c in components]
         if len(suffixes) == 1:
             (suffix,) = suffixes
@@ -146,13 +137,12 @@ class KeySchema:
 
     def group_id(self, page_key: str) -> str:
         """Mooncake eviction group of every object of one storage key."""
-        return f"{self.prefix}_{page_key}"
+        return self._head + page_key
 
     def domain_of(self, object_key: str) -> str:
-        """The failure domain (placement key) of an object key: the same string for
-        every component and rank of one storage key. That is its group id, cut at
-        the first "_" of the page key, which the suffix grammar leaves ambiguous;
-        keys outside this schema are their own domain."""
+        """The failure domain (placement key) of an object key, one for every component
+        and rank of a storage key: its group id cut at the page key's first "_" (the
+        suffix grammar leaves the rest ambiguous); a foreign key is its own domain."""
         head = self._head
         if not object_key.startswith(head):
             return object_key
@@ -166,9 +156,9 @@ class KeySchema:
     def domains(
         self, page_keys: list[str], num_components: int, group_ids: list[str] | None = None
     ) -> list[str]:
-        """``domain_of`` of every object of ``object_keys(page_keys, ...)``, in the same
-        order, without parsing object keys: the group ids (``group_ids`` if given)
-        unless a page key holds a "_", where ``domain_of`` cuts."""
+        """``domain_of`` of every object of ``object_keys(page_keys, ...)``, without
+        parsing object keys: the group ids (``group_ids`` if given) unless a page key
+        holds a "_"."""
         if "_" not in "".join(page_keys):
             return group_ids if group_ids is not None else self.group_ids(page_keys, num_components)
         cut = [self._head + key.split("_", 1)[0] for key in page_keys]
@@ -176,7 +166,7 @@ class KeySchema:
 
     def group_ids(self, page_keys: list[str], num_components: int) -> list[str]:
         """Group id of every object of ``object_keys(page_keys, ...)``, in the same order."""
-        prefix = self.prefix + "_"
+        prefix = self._head
         if num_components == 1:
             return [prefix + key for key in page_keys]
         return [prefix + key for key in page_keys for _ in range(num_components)]
@@ -188,9 +178,8 @@ _CLEAN_ASCII = bytes(range(0x21, 0x7F))
 
 
 def _clean(text: str) -> bool:
-    # For ASCII, deleting every allowed byte must leave nothing: one C pass
-    # (str.isprintable looks each character up in the Unicode tables). The
-    # regex is only needed for non-ASCII keys.
+    # ASCII: deleting every allowed byte must leave nothing, one C pass (faster
+    # than str.isprintable's Unicode lookups); the regex only for non-ASCII keys.
     if text.isascii():
         return not text.encode("ascii").translate(None, _CLEAN_ASCII)
     return not _BAD_PAGE_KEY_CHARS.search(text)

@@ -1,22 +1,8 @@
 """Router-facing description of the L3 object layout. Pure: dicts and ints only.
 
-A KV-aware router (or an operator) needs to know, without talking to a
-backend, which Mooncake objects one sglang storage key maps to and how big
-they are. sglang's own ``MooncakeStore.describe_l3_object_layout`` answers
-with ``enabled``, ``backend``, ``page_size`` and ``hicache_object_layout``
-(pools with their key suffixes and hit policies, the key prefix, MLA flag and
-pipeline rank). ``describe_object_layout`` returns the same fields, so a
-consumer of the upstream document reads this one unchanged, plus a ``span``
-section: namespace, K, host page, the key grammar, the rank suffixes and the
-byte size of every object.
-
-Worked example: K=4 over 64-token host pages, an MLA KV pool of 1 component
-with 4096 bytes per host page -> page_size 256 tokens, and each storage key
-``abc`` maps to the one object ``{prefix}_abc__k`` of 4 x 4096 = 16384 bytes.
-
-Both the backend (from its registered pools, which know each component's
-rank scope) and ``mooncake-span inspect`` (from a layout-guard record, which
-does not) build it; unknown facts are ``None``, never guessed.
+sglang's ``MooncakeStore.describe_l3_object_layout`` fields plus a ``span``
+section; built by the backend and by ``mooncake-span inspect`` (which lacks rank
+scopes), unknown facts ``None``: docs/operating.md, "L3 object-layout description".
 """
 
 from __future__ import annotations
@@ -42,12 +28,9 @@ _GEOMETRY_TOKEN = re.compile(r"h([0-9]+)x([0-9]+)")
 
 @dataclass(frozen=True)
 class PoolLayoutInput:
-    """One pool as the description needs it.
-
-    ``scopes`` holds each component's rank scope ("replicated" / "sharded"),
-    or None when unknown (a layout-guard record does not carry it).
-    ``bytes_per_page`` is per pool page (``page_tokens`` tokens) and component.
-    """
+    """One pool as the description needs it: ``bytes_per_page`` per pool page and
+    component; ``scopes`` each component's rank scope, None when unknown (a
+    layout-guard record does not carry it)."""
 
     name: str
     kind: PoolKind
@@ -213,10 +196,7 @@ class ParsedKey:
 
 def parse_object_key(key: str) -> ParsedKey | None:
     """Split a mooncake-span object key; None for any other key (foreign, guard record).
-
-    Prefix fields are sanitized tokens without ``_``, so the split is exact:
-    ``ms2``, an optional tag, the model, ``h{host}x{K}``, layout code, dtype.
-    """
+    Prefix fields are sanitized tokens without ``_``, so the split is exact."""
     parts = key.split("_")
     if parts[0] != KEY_SCHEMA_VERSION:
         return None

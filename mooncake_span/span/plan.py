@@ -1,13 +1,9 @@
 """Pointer planning: which host bytes make up each span object. Pure (numpy, no I/O).
 
-A host pool exposes, per host page, ``B`` buffers ("slots"). Each storage key
-covers K pages and is stored as one object per component, in the canonical
-**slot-major, page-minor** byte order::
+One object per storage key and component, its K pages' buffers ("slots") in
+**slot-major, page-minor** order (why: docs/span-format.md, "Rules")::
 
     object(key, c) = concat_{b in slots(c)} concat_{j < K} bytes(page_j, b)
-
-Why this order (layer_first coalesces to one buffer per layer, and the bytes
-never depend on host placement): docs/span-format.md, "Rules".
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ from mooncake_span.errors import GeometryError, InvalidRequestError
 class PageLayout:
     """Affine address model of one host pool: ``ptr(page, b) = base[b] + page * stride[b]``.
 
-    ``components`` lists, per stored component, the slots that belong to it in
-    pointer order. Zero-byte slots are left out of every component (Mooncake
-    rejects 0-byte buffers and objects).
+    ``components``: per stored component, its slots in pointer order, never a
+    zero-byte one (Mooncake rejects 0-byte buffers and objects).
     """
 
     base_ptrs: tuple[int, ...]
@@ -107,10 +102,6 @@ class ObjectPlan:
     ptrs: list[int]
     sizes: list[int]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes)
-
 
 @dataclass
 class PlanBatch:
@@ -176,11 +167,8 @@ _PY_MERGE_MAX_BUFFERS = 32
 
 
 def _coalesce(rows: np.ndarray, sizes: _RowSizes) -> PlanBatch:
-    """Merge buffers whose bytes are adjacent in memory, row by row.
-
-    ``rows`` is (n, m) pointers; ``sizes`` is the uncoalesced row's buffer
-    sizes, shared by every row.
-    """
+    """Merge buffers whose bytes are adjacent in memory, row by row: ``rows`` is (n, m)
+    pointers, ``sizes`` the uncoalesced row's buffer sizes, shared by every row."""
     size_list = sizes.values
     total = sizes.total
     n, m = rows.shape
@@ -220,12 +208,9 @@ def _merge(ptrs: list[int], sizes: list[int]) -> tuple[list[int], list[int]]:
 
 
 def pages_of_slots(slots: np.ndarray, page_tokens: int) -> np.ndarray:
-    """Host page numbers of token ``slots`` that list whole pages, page after page.
-
-    A fixed number of array operations whatever the length (no Python loop):
-    InvalidRequestError unless every run of ``page_tokens`` slots is exactly
-    ``page * page_tokens + 0 .. page_tokens - 1``.
-    """
+    """Host page numbers of token ``slots`` that list whole pages, page after page, in a
+    fixed number of array operations; InvalidRequestError unless every run of
+    ``page_tokens`` slots is exactly ``page * page_tokens + 0 .. page_tokens - 1``."""
     if slots.ndim != 1 or slots.size == 0 or slots.size % page_tokens:
         raise InvalidRequestError(
             f"{slots.size} host slots are not whole {page_tokens}-slot host pages"
@@ -265,13 +250,9 @@ def check_key_pages(layout: PageLayout, key_pages: np.ndarray) -> None:
 
 
 def plan_batch(layout: PageLayout, key_pages: np.ndarray, *, checked: bool = False) -> PlanBatch:
-    """Object buffers for keys whose host pages are ``key_pages`` (shape (n_keys, K)).
-
-    Key-major, component-minor, matching ``KeySchema.object_keys``. One
-    broadcast per component computes every pointer; Python touches each
-    object only inside ``tolist``. ``checked``: the caller already ran
-    ``check_key_pages``.
-    """
+    """Object buffers for keys whose host pages are ``key_pages`` (shape (n_keys, K)),
+    key-major, component-minor like ``KeySchema.object_keys``, one broadcast per
+    component. ``checked``: the caller already ran ``check_key_pages``."""
     if not checked:
         check_key_pages(layout, key_pages)
     n_keys, pages_per_key = key_pages.shape
@@ -290,12 +271,8 @@ def plan_batch(layout: PageLayout, key_pages: np.ndarray, *, checked: bool = Fal
 
 
 def flat_page_offsets(layout: PageLayout) -> list[list[int]]:
-    """Byte offset of every component slot inside sglang's flat page.
-
-    sglang's ``get_data_page(flat=True)`` is the concatenation, component by
-    component, of that component's slot bytes in pointer order; the generic
-    (non zero-copy) path uses these offsets to address a flat K-page tensor.
-    """
+    """Byte offset of every component slot inside sglang's flat page, which
+    (``get_data_page(flat=True)``) concatenates the components' slot bytes in order."""
     offsets = []
     cursor = 0
     for slots in layout.components:
@@ -343,11 +320,9 @@ def split_calls(buffer_counts: Sequence[int], max_buffers_per_call: int) -> list
 
 
 def dedup_rounds(keys: Sequence[str]) -> list[list[int]]:
-    """Positions grouped so that no round repeats a key.
-
-    Mooncake's multi-buffer get leaves a buffer unwritten (while reporting
-    success) when one batch names a key twice; each round is one call.
-    """
+    """Positions grouped so that no round (one call) repeats a key: Mooncake's
+    multi-buffer get leaves a buffer unwritten, yet reports success, when one batch
+    names a key twice."""
     seen: dict[str, int] = {}
     rounds: list[list[int]] = []
     for index, key in enumerate(keys):

@@ -777,7 +777,14 @@ def test_enable_group_semantics_contradicting_span_group_ids_is_refused():
 
 
 def test_sglang_keys_draw_no_stray_warning(caplog):
-    keys = {k: 1 for k in ("tenant_id", "check_server", "master_metrics_port", "ssd_offload_path")}
+    # Every key sglang 0.5.23's MooncakeStore reads, spelled out here (not taken
+    # from config.MOONCAKE_KEYS) so a key dropped from that set fails the test.
+    upstream = (
+        "master_server_address client_server_address standalone_storage local_hostname "
+        "metadata_server global_segment_size local_buffer_size protocol device_name "
+        "master_metrics_port check_server enable_ssd_offload ssd_offload_path tenant_id"
+    )
+    keys = {k: 1 for k in upstream.split()}
     with caplog.at_level(logging.WARNING, logger="mooncake_span.config"):
         load_span_options(keys, environ={})
     assert not caplog.records

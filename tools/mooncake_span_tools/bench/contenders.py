@@ -262,7 +262,7 @@ class WorkloadRunner:
                 for call in split_calls([len(p.ptrs) for p in d_plans], spec.max_buffers_per_call):
                     idx = list(call)
                     ck, own = [obj_keys[i] for i in idx], [obj_owner[i] for i in idx]
-                    nbytes = [d_plans[i].nbytes for i in idx]
+                    nbytes = [sum(d_plans[i].sizes) for i in idx]
                     if single:
                         fn = _bind(
                             store.batch_get_into,
