@@ -1,14 +1,8 @@
 """Start and stop a local Mooncake cluster from Python (tests, demos, benches).
 
-Child processes on one host, bound to ``spec.host`` on ports picked fresh at
-each start (docs/operating.md, "A local cluster"): optionally etcd and a
-standalone metadata server, ``ha_masters`` masters, ``storage_nodes`` storage
-nodes (with ``spec.ssd_dir`` each keeps its objects on ``ssd_dir/node<i>``,
-found again by a node of the same index). With ``ha_masters > 1`` the
-transfer metadata lives in etcd: inside one master a failover would lose it.
-``stop()`` is idempotent and also runs at interpreter exit. Standard library
-and the Mooncake executables only, never ``mooncake``. Not thread-safe: drive
-one ``LocalCluster`` from one thread.
+Child processes on one host (docs/operating.md, "A local cluster", says what runs
+and where). Standard library and the Mooncake executables only, never
+``mooncake``. Not thread-safe: drive one ``LocalCluster`` from one thread.
 """
 
 from __future__ import annotations
@@ -167,10 +161,8 @@ class LocalCluster:
         return self
 
     def _check_disk_room(self, root: str) -> None:
-        """The nodes share the disk of ``root``: refused (ConfigError) when it cannot hold
-        one object, a warning when their caps exceed it; what the directories hold is
-        summed only where free space alone cannot hold one object, else each node counts
-        its own (docs/operating.md, "The SSD tier")."""
+        """The nodes share the disk of ``root``: ConfigError when it cannot hold one
+        object, a warning when their caps exceed it (docs/operating.md, "The SSD tier")."""
         spec = self.spec
         if usable_bytes(root) >= spec.storage_node_segment_bytes:
             return
@@ -434,7 +426,7 @@ class LocalCluster:
             url = f"http://{host}:{ports.etcd_client}/health"
             L.wait_http(self._etcd, site, url, deadline, L.etcd_healthy)
         if metadata_bin is not None:
-            argv = L.metadata_server_argv(metadata_bin, host=host, port=ports.metadata_http)
+            argv = [metadata_bin, f"--port={ports.metadata_http}", f"--host={host}"]
             self._metadata = site.start("metadata", argv)
             url = f"http://{host}:{ports.metadata_http}/metadata?key=mooncake-span-probe"
             L.wait_http(self._metadata, site, url, deadline, L.any_answer)

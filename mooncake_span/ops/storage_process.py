@@ -1,13 +1,8 @@
-"""A storage-only Mooncake process: it contributes memory and holds data.
+"""``python -m mooncake_span.storage_node``: a storage-only Mooncake process.
 
-Run as ``python -m mooncake_span.storage_node --master HOST:PORT --metadata URL
---segment-bytes 512mb``; without ``--master`` the connection comes from the
-serving node's sources and loader (``load_mooncake_settings``), flags overriding
-single fields (docs/architecture.md, "Processes around the backend"). The process
-mounts its global segment, prints exactly one line starting with ``READY`` to
-stdout, waits for SIGTERM or SIGINT, closes the store once and exits 0. Setup
-failures print an error to stderr and exit 1; bad arguments exit 2. The SSD tier
-(``--ssd-dir``) is ``ops/storage_ssd.py``.
+It mounts its global segment, prints one ``READY`` line to stdout and holds it
+until SIGTERM or SIGINT, then closes the store once and exits 0; setup failures
+exit 1, bad arguments 2 (docs/operating.md, "A storage node").
 """
 
 from __future__ import annotations
@@ -136,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             settings, enable_ssd_offload=True, ssd_offload_path=ssd.tier.directory
         )
 
-    # Block the stop signals before the native library starts its threads:
-    # they inherit the mask, so a SIGTERM that arrives during setup stays
-    # pending and is picked up by sigwait() below instead of killing us
-    # half-initialised.
+    # Blocked before the native library starts its threads, which inherit the
+    # mask: a SIGTERM during setup waits for sigwait() below.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
 
     from mooncake.store import MooncakeDistributedStore
@@ -196,11 +189,9 @@ def _log_setup_failure(rc: int, setup_s: float, settings: MooncakeSettings) -> N
 
 
 def _stop(store: object, ssd: NodeSsd | None, finish_offloads: bool = True) -> None:
-    """Release the disk segment first, once the offloads the node accepted are
-    written (the master refuses their registration after it): a reader then misses
-    cleanly at once, and a restart right after registers every key again (the master
-    would ignore it while this owner's disk replicas stood). ``close()`` exactly
-    once; any call on the store afterwards segfaults."""
+    """Unmount the disk segment once the accepted offloads are written, then close
+    (docs/operating.md, "Restart procedure", says why). ``close()`` exactly once: any call
+    on the store afterwards segfaults."""
     state = "stopped"
     if ssd is not None:
         if finish_offloads:
