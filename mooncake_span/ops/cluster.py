@@ -330,12 +330,9 @@ class LocalCluster:
         L.terminate([master], sig, self.spec.stop_timeout_s)
 
     def restart_master(self, i: int = 0) -> None:
-        """(Re)start master i on its old ports.
-
-        Returns once it serves (single master) or answers ``/health`` (HA: it
-        may come back as a standby). A non-HA master restarts empty; storage
-        nodes re-register their segments by themselves shortly after.
-        """
+        """(Re)start master i on its old ports; return once it serves, or with HA masters
+        once it answers ``/health`` (it may come back a standby). A non-HA master
+        restarts empty; the storage nodes re-register their segments by themselves."""
         master = self._masters[self._master_index(i)]
         url, serving = self.master_metrics_url(i), not self.spec.ha
         self._restart(
@@ -429,7 +426,7 @@ class LocalCluster:
             argv = [metadata_bin, f"--port={ports.metadata_http}", f"--host={host}"]
             self._metadata = site.start("metadata", argv)
             url = f"http://{host}:{ports.metadata_http}/metadata?key=mooncake-span-probe"
-            L.wait_http(self._metadata, site, url, deadline, L.any_answer)
+            L.wait_http(self._metadata, site, url, deadline, lambda status, body: True)
         args = [self._master_args(i) for i in range(spec.ha_masters)]
         self._masters = []
         L.start_masters(

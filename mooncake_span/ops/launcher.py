@@ -278,10 +278,6 @@ def etcd_healthy(status: int, body: str) -> bool:
     return status == 200 and '"true"' in body
 
 
-def any_answer(status: int, body: str) -> bool:
-    return True
-
-
 def wait_master(
     process: Process, site: Site, metrics_url: str, deadline: float, *, serving: bool
 ) -> None:
@@ -318,12 +314,8 @@ def serving_leader(health: dict[str, object] | None) -> bool:
 def wait_for_leader(
     healths: Callable[[], Sequence[dict[str, object] | None]], timeout_s: float
 ) -> int:
-    """Poll ``healths()`` (one ``/health`` per master, None for a silent or
-    stopped one) until some master is a serving leader; return its index.
-
-    Raises:
-        TimeoutError: no master became a serving leader in time.
-    """
+    """Poll ``healths()`` (one ``/health`` per master, None for a silent one) until
+    some master is a serving leader; return its index, or raise TimeoutError."""
     deadline = time.monotonic() + timeout_s
     while True:
         for i, health in enumerate(healths()):
@@ -556,10 +548,9 @@ class LocalSite:
         return http_get(url, timeout_s)
 
 
-# Listening ports come from below the kernel's ephemeral range: a port inside it
-# that was free a moment ago can be taken by any outgoing connection's source
-# port before the server binds it (seen under parallel test runs). Mooncake's
-# own random ports lie lower (12000-17000).
+# Below the kernel's ephemeral range, where no outgoing connection's source port can
+# take a port between our probe and the server's bind (docs/development.md); above
+# Mooncake's own random ports (12000-17000).
 _LISTEN_PORTS_LOW = 20000
 _EPHEMERAL_RANGE_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
 _PICK_ATTEMPTS = 500

@@ -202,7 +202,7 @@ def wait_after_crash(node: NodeSsd, args: argparse.Namespace, settings: Mooncake
 
 def publish_marker(store: Any) -> None:
     """Tell the cluster's clients it has an SSD tier (``store/ssd_marker.py``): a
-    hard-pinned marker on this node's own segment, so it lives as long as the node.
+    marker hard-pinned on this node's own segment, so it lives as long as the node.
 
     Raises:
         ConfigError: the master refused it.
