@@ -504,10 +504,7 @@ class LocalCluster:
         return Path(self.spec.ssd_dir).absolute() / f"node{self._node_index(i)}"
 
     def _stop_children(self) -> None:
-        grace_s = self.spec.stop_timeout_s
         # Clients before servers, so nodes can unmount while the master is up.
-        L.terminate(self._nodes, signal.SIGTERM, grace_s)
-        L.terminate(self._masters, signal.SIGTERM, grace_s)
-        L.terminate(
-            [c for c in (self._metadata, self._etcd) if c is not None], signal.SIGTERM, grace_s
-        )
+        rest = [c for c in (self._metadata, self._etcd) if c is not None]
+        for group in (self._nodes, self._masters, rest):
+            L.terminate(group, signal.SIGTERM, self.spec.stop_timeout_s)
