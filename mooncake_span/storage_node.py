@@ -1,7 +1,4 @@
-"""Public entry point ``python -m mooncake_span.storage_node`` (scripts and operators use it).
-
-The implementation lives in :mod:`mooncake_span.ops.storage_process`.
-"""
+"""Public entry point ``python -m mooncake_span.storage_node`` (code: ``ops/storage_process``)."""
 
 from mooncake_span.ops.storage_process import main
 

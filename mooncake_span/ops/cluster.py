@@ -1,14 +1,8 @@
 """Start and stop a local Mooncake cluster from Python (tests, demos, benches).
 
-Child processes on one host, bound to ``spec.host`` on ports picked fresh at
-each start (docs/operating.md, "A local cluster"): optionally etcd and a
-standalone metadata server, ``ha_masters`` masters, ``storage_nodes`` storage
-nodes (with ``spec.ssd_dir`` each keeps its objects on ``ssd_dir/node<i>``,
-found again by a node of the same index). With ``ha_masters > 1`` the
-transfer metadata lives in etcd: inside one master a failover would lose it.
-``stop()`` is idempotent and also runs at interpreter exit. Standard library
-and the Mooncake executables only, never ``mooncake``. Not thread-safe: drive
-one ``LocalCluster`` from one thread.
+Child processes on one host (docs/operating.md, "A local cluster", says what runs
+and where). Standard library and the Mooncake executables only, never
+``mooncake``. Not thread-safe: drive one ``LocalCluster`` from one thread.
 """
 
 from __future__ import annotations
@@ -167,10 +161,8 @@ class LocalCluster:
         return self
 
     def _check_disk_room(self, root: str) -> None:
-        """The nodes share the disk of ``root``: refused (ConfigError) when it cannot hold
-        one object, a warning when their caps exceed it; what the directories hold is
-        summed only where free space alone cannot hold one object, else each node counts
-        its own (docs/operating.md, "The SSD tier")."""
+        """The nodes share the disk of ``root``: ConfigError when it cannot hold one
+        object, a warning when their caps exceed it (docs/operating.md, "The SSD tier")."""
         spec = self.spec
         if usable_bytes(root) >= spec.storage_node_segment_bytes:
             return
@@ -338,12 +330,9 @@ class LocalCluster:
         L.terminate([master], sig, self.spec.stop_timeout_s)
 
     def restart_master(self, i: int = 0) -> None:
-        """(Re)start master i on its old ports.
-
-        Returns once it serves (single master) or answers ``/health`` (HA: it
-        may come back as a standby). A non-HA master restarts empty; storage
-        nodes re-register their segments by themselves shortly after.
-        """
+        """(Re)start master i on its old ports; return once it serves, or with HA masters
+        once it answers ``/health`` (it may come back a standby). A non-HA master
+        restarts empty; the storage nodes re-register their segments by themselves."""
         master = self._masters[self._master_index(i)]
         url, serving = self.master_metrics_url(i), not self.spec.ha
         self._restart(
@@ -434,10 +423,10 @@ class LocalCluster:
             url = f"http://{host}:{ports.etcd_client}/health"
             L.wait_http(self._etcd, site, url, deadline, L.etcd_healthy)
         if metadata_bin is not None:
-            argv = L.metadata_server_argv(metadata_bin, host=host, port=ports.metadata_http)
+            argv = [metadata_bin, f"--port={ports.metadata_http}", f"--host={host}"]
             self._metadata = site.start("metadata", argv)
             url = f"http://{host}:{ports.metadata_http}/metadata?key=mooncake-span-probe"
-            L.wait_http(self._metadata, site, url, deadline, L.any_answer)
+            L.wait_http(self._metadata, site, url, deadline, lambda status, body: True)
         args = [self._master_args(i) for i in range(spec.ha_masters)]
         self._masters = []
         L.start_masters(
@@ -515,10 +504,7 @@ class LocalCluster:
         return Path(self.spec.ssd_dir).absolute() / f"node{self._node_index(i)}"
 
     def _stop_children(self) -> None:
-        grace_s = self.spec.stop_timeout_s
         # Clients before servers, so nodes can unmount while the master is up.
-        L.terminate(self._nodes, signal.SIGTERM, grace_s)
-        L.terminate(self._masters, signal.SIGTERM, grace_s)
-        L.terminate(
-            [c for c in (self._metadata, self._etcd) if c is not None], signal.SIGTERM, grace_s
-        )
+        rest = [c for c in (self._metadata, self._etcd) if c is not None]
+        for group in (self._nodes, self._masters, rest):
+            L.terminate(group, signal.SIGTERM, self.spec.stop_timeout_s)

@@ -26,16 +26,10 @@ __all__ = [
 ]
 
 
-# The master flags ``mooncake-span cluster up`` starts with (ClusterSpec itself
-# keeps Mooncake's defaults). With the default 10 s lease every looked-up object
-# stays leased and eviction finds nothing to free; the figures are in
-# docs/benchmarks.md, "2026-12-01: a full cluster". Eviction ratio 0.1 did no
-# better than Mooncake's 0.05, so the watermark and ratio stay Mooncake's,
-# passed explicitly.
+# The master flags ``mooncake-span cluster up`` starts with (ClusterSpec itself keeps
+# Mooncake's defaults); why these values: docs/operating.md, "A local cluster".
 CLUSTER_UP_LEASE_TTL_MS = 2000
-# With an SSD tier: a shorter lease, because every put pins its DRAM copy until
-# the next offload heartbeat writes it; more DRAM headroom, because an evicted
-# copy is still on disk. Measured in docs/operating.md, "What the launcher sets".
+# With an SSD tier; why: docs/operating.md, "What the launcher sets, and why".
 SSD_LEASE_TTL_MS = 500
 SSD_EVICTION_HIGH_WATERMARK_RATIO = 0.7
 SSD_EVICTION_RATIO = 0.2
@@ -66,9 +60,8 @@ class ClusterSpec:
     # Share of objects one eviction pass frees (Mooncake's default 0.05).
     eviction_ratio: float | None = None
     master_extra_args: tuple[str, ...] = ()
-    # SSD tier: each storage node keeps every object on ssd_dir/node<i> too
-    # (ssd_size_bytes each, None: 90% of the disk); the master runs with
-    # --enable_offload and, unless given, the SSD_* lease and eviction values.
+    # SSD tier (ssd_size_bytes per node, None: 90% of the disk); the master then runs
+    # with --enable_offload and, unless given, the SSD_* lease and eviction values.
     ssd_dir: str | Path | None = None
     ssd_size_bytes: int | None = None
     ssd_read_buffer_bytes: int | None = None
@@ -205,7 +198,7 @@ class ClusterSpec:
 
     @property
     def metadata_mode(self) -> str:
-        """``"standalone"``, ``"etcd"`` or ``"embedded"``; see the module docstring."""
+        """``"standalone"``, ``"etcd"`` (HA masters) or ``"embedded"`` (in the master)."""
         if self.standalone_metadata:
             return "standalone"
         if self.ha:
@@ -218,13 +211,10 @@ def _require_int(value: object, name: str, *, minimum: int) -> None:
         raise ValueError(f"ClusterSpec.{name}={value!r} must be an int >= {minimum}")
 
 
-# ---------------------------------------------------------------------------
-# an external cluster, for fixtures pointed at an already running deployment
-
-
 @dataclass(frozen=True)
 class ExternalCluster:
-    """A cluster someone else runs; offers the client-facing half of LocalCluster's API."""
+    """A cluster someone else runs (fixtures pointed at a deployment): the client-facing
+    half of LocalCluster's API."""
 
     master_address: str
     metadata_server: str

@@ -1,16 +1,14 @@
 """One launcher for the Mooncake server processes: etcd, masters, metadata server, storage nodes.
 
-``LocalCluster`` and the namespace lab's ``NetnsCluster`` share the command
-lines, readiness checks and errors here; a ``Site`` says where a process runs
-(docs/architecture.md, "Processes around the backend"). A master's ``/health``
-answers before its RPC port is bound, so a master that must serve is waited
-for until it also says ``service_ready: true``. Standard library only: this
-module never imports ``mooncake``.
+The command lines, readiness checks and errors ``LocalCluster`` and the lab's
+``NetnsCluster`` share (docs/architecture.md, "Processes around the backend").
+Standard library only: this module never imports ``mooncake``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import logging
 import os
@@ -115,14 +113,8 @@ def parse_health(answer: HttpAnswer | None) -> dict[str, object] | None:
 
 @dataclass(frozen=True)
 class MasterArgs:
-    """The ``mooncake_master`` flags both cluster kinds use.
-
-    ``http_metadata_port`` runs the embedded HTTP metadata server;
-    ``ha_etcd_endpoint`` (``HOST:PORT``) turns on etcd-backed HA;
-    ``enable_offload`` accepts storage nodes with an SSD tier (without it
-    their setup fails with UNABLE_OFFLOAD). ``None`` for a tunable keeps
-    Mooncake's default.
-    """
+    """The ``mooncake_master`` flags both cluster kinds use; ``None`` for a tunable keeps
+    Mooncake's default. ``ha_etcd_endpoint`` is ``HOST:PORT``."""
 
     host: str
     rpc_port: int
@@ -193,10 +185,6 @@ def etcd_argv(
         f"--initial-cluster={member}={peer_url}",
         "--initial-cluster-state=new",
     ]
-
-
-def metadata_server_argv(metadata_bin: str, *, host: str, port: int) -> list[str]:
-    return [metadata_bin, f"--port={port}", f"--host={host}"]
 
 
 @dataclass(frozen=True)
@@ -290,14 +278,11 @@ def etcd_healthy(status: int, body: str) -> bool:
     return status == 200 and '"true"' in body
 
 
-def any_answer(status: int, body: str) -> bool:
-    return True
-
-
 def wait_master(
     process: Process, site: Site, metrics_url: str, deadline: float, *, serving: bool
 ) -> None:
-    """Wait for a master's ``/health``; with ``serving`` also for ``service_ready: true``."""
+    """Wait for a master's ``/health``; with ``serving`` also for ``service_ready: true``
+    (``/health`` answers before the RPC port is bound)."""
 
     def accept(status: int, body: str) -> bool:
         health = parse_health((status, body))
@@ -329,12 +314,8 @@ def serving_leader(health: dict[str, object] | None) -> bool:
 def wait_for_leader(
     healths: Callable[[], Sequence[dict[str, object] | None]], timeout_s: float
 ) -> int:
-    """Poll ``healths()`` (one ``/health`` per master, None for a silent or
-    stopped one) until some master is a serving leader; return its index.
-
-    Raises:
-        TimeoutError: no master became a serving leader in time.
-    """
+    """Poll ``healths()`` (one ``/health`` per master, None for a silent one) until
+    some master is a serving leader; return its index, or raise TimeoutError."""
     deadline = time.monotonic() + timeout_s
     while True:
         for i, health in enumerate(healths()):
@@ -354,12 +335,8 @@ def start_masters(
     record: Callable[[int, Process], None],
 ) -> None:
     """Start the masters, handing each process to ``record`` as soon as it exists
-    (so the caller can stop it if a later step fails).
-
-    Master 0 starts alone and must serve before the others start, so in HA mode
-    it is deterministically the first leader; the others only need to answer
-    ``/health`` (they may stay standbys).
-    """
+    (so the caller can stop it if a later step fails). Master 0 serves before the
+    others start, so it is the first leader; the others may stay standbys."""
     first = site_of(0).start(names[0], argvs[0])
     record(0, first)
     wait_master(first, site_of(0), metrics_urls[0], deadline, serving=True)
@@ -390,13 +367,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGKILL when the thread that forked it ends.
-
-    A test run killed partway (SIGKILL, or a SIGTERM with no time for
-    finalizers) then leaves no servers behind. The signal survives ``exec``
-    (also through ``ip netns exec``); a parent that died before the ``prctl``
-    is caught by the ``getppid`` check.
-    """
+    """A ``preexec_fn``: the child gets SIGKILL when the thread that forked it ends
+    (docs/development.md: a killed run leaves no servers behind). The ``getppid``
+    check catches a parent that died before the ``prctl``."""
     libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork, not in the child
 
     def preexec() -> None:
@@ -407,10 +380,9 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-# Requests for the forker thread: the kernel's parent-death signal follows the
-# *thread* that forked, so a child started from a short-lived worker thread (a
-# thread pool's) would be killed when that thread ends. One daemon thread, as
-# long-lived as the process, forks for every thread but the main one.
+# The parent-death signal follows the *thread* that forked: a child of a
+# short-lived worker thread would die with it, so one daemon thread forks for all
+# threads but the main one.
 _fork_requests: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
 _forker_lock = threading.Lock()
 _forker: threading.Thread | None = None
@@ -447,11 +419,8 @@ def popen_tied(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
 
 class LocalProcess:
     """One child process in its own session, appending stdout and stderr to a file;
-    it dies with this process (``popen_tied``).
-
-    ``start()`` may be called again after the process exited (a restart on the
-    same argv); output checks then look only at what the new run printed.
-    """
+    it dies with this process (``popen_tied``). ``start()`` again after an exit
+    restarts it; output checks then see only the new run's output."""
 
     def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str]):
         self.name = name
@@ -533,11 +502,8 @@ class LocalProcess:
         return True
 
     def reap(self) -> None:
-        """Kill whatever is left in the group and collect the exit status.
-
-        The leader is still an unreaped zombie here, which keeps its process
-        group id reserved, so the final SIGKILL cannot hit a recycled group.
-        """
+        """Kill whatever is left in the group and collect the exit status; the leader,
+        an unreaped zombie until then, keeps the group id from being recycled."""
         if self.popen is None or self.popen.returncode is not None:
             return
         self.signal_group(signal.SIGKILL)
@@ -582,46 +548,38 @@ class LocalSite:
         return http_get(url, timeout_s)
 
 
-# Listening ports come from below the kernel's ephemeral range: a port inside it
-# that was free a moment ago can be taken by any outgoing connection's source
-# port before the server binds it (seen under parallel test runs). Mooncake's
-# own random ports lie lower (12000-17000).
+# Below the kernel's ephemeral range, where no outgoing connection's source port can
+# take a port between our probe and the server's bind (docs/development.md); above
+# Mooncake's own random ports (12000-17000).
 _LISTEN_PORTS_LOW = 20000
 _EPHEMERAL_RANGE_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
 _PICK_ATTEMPTS = 500
 
 
-def _listen_port_range() -> range | None:
-    try:
-        with open(_EPHEMERAL_RANGE_PATH, encoding="ascii") as fh:
-            ephemeral_low = int(fh.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return range(_LISTEN_PORTS_LOW, ephemeral_low) if ephemeral_low > _LISTEN_PORTS_LOW else None
-
-
 def pick_free_ports(host: str, count: int) -> list[int]:
     """``count`` distinct ports that were free on ``host`` a moment ago, below the
     ephemeral range where there is room (else any the kernel hands out)."""
-    candidates = _listen_port_range()
+    try:
+        with open(_EPHEMERAL_RANGE_PATH, encoding="ascii") as fh:
+            candidates = range(_LISTEN_PORTS_LOW, int(fh.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        candidates = range(0)
     # Hold all sockets open until every port is chosen so they are distinct.
     sockets: list[socket.socket] = []
     try:
-        for _ in range(_PICK_ATTEMPTS if candidates is not None else 0):
+        for attempt in itertools.count():
             if len(sockets) == count:
-                break
+                return [sock.getsockname()[1] for sock in sockets]
+            port = random.choice(candidates) if candidates and attempt < _PICK_ATTEMPTS else 0
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                sock.bind((host, random.choice(candidates)))
+                sock.bind((host, port))
             except OSError:
                 sock.close()
+                if not port:
+                    raise
                 continue
             sockets.append(sock)
-        while len(sockets) < count:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
