@@ -1,12 +1,7 @@
-"""Objects whose stored bytes no longer match what was written.
-
-With checksums on (``span_verify_checksums``), Mooncake answers a full-object
-get of a corrupted object with CHECKSUM_MISMATCH instead of its bytes. The
-client then reads the key as a miss and reports it absent (``LostKeys``);
-this module force-removes the object, so no hit query of any client offers it
-again until sglang backs it up anew, and counts and logs (rate-limited) each
-one. Only objects are removed, never a whole key's siblings: the backend's
-prefix clamp already turns every later key of the call into a miss.
+"""Objects whose stored bytes no longer match what was written (a CRC or seal mismatch,
+a torn or missing SSD file): counted, logged (rate-limited) and force-removed, so no
+hit query offers them again. Why and what is removed: docs/reliability.md, "What the
+backend does with it".
 """
 
 from __future__ import annotations

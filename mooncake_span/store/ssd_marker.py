@@ -1,20 +1,8 @@
 """The cluster's SSD-tier marker: whether objects there can outlive Mooncake's checksums.
 
-Mooncake's CRC lives in the master's memory and is gone after a restart; an
-object that rotted on an SSD tier comes back as a hit with wrong bytes unless
-it carries its own seal (``store/seal.py``, ``span_object_checksums``). So
-every process that has an SSD tier (a storage node with ``--ssd-dir``, a
-serving rank with ``enable_ssd_offload``) stores a small hard-pinned object,
-``MARKER_KEY``, on its own segment when it starts, and a client whose
-``span_object_checksums`` is not given seals and verifies whenever the marker
-exists or it has a tier of its own (``resolve_object_checksums``). A storage
-node serves every namespace of its master, so the marker is the cluster's,
-not a namespace's.
-
-A client that says ``span_object_checksums: false`` on such a cluster is
-refused, unless the operator also turned the layout guard off
-(``span_layout_guard: off``: no agreement on the object format is checked
-then either); it is then warned.
+Every process with an SSD tier stores ``MARKER_KEY``; a client whose
+``span_object_checksums`` is not given seals where it exists or where it has a tier
+of its own. Why: docs/reliability.md, "Seals on by default where there is an SSD tier".
 """
 
 from __future__ import annotations
