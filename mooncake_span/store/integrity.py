@@ -42,11 +42,14 @@ class IntegrityFailures:
         failed = [(key, code) for key, _, code in failed if is_integrity_failure(code)]
         if not failed:
             return []
-        removed = sum(1 for object_key, _ in failed if self._remove(object_key))
+        removed = 0
+        for object_key, _ in failed:
+            # A removal that fails leaves the key to the lost-key cache.
+            with contextlib.suppress(TransportError, StoreClosedError):
+                removed += self._remove_object(object_key) == 0
         now = self._clock()
         with self._lock:
-            for _, code in failed:
-                self._counts[code_name(code)] += 1
+            self._counts.update(code_name(code) for _, code in failed)
             self._removed += removed
             quiet = now - self._last_log_s >= _LOG_INTERVAL_S
             if quiet:
@@ -72,9 +75,3 @@ class IntegrityFailures:
         """The client's ``stats()`` entries: failures by code name, objects removed."""
         with self._lock:
             return {"integrity_failures": dict(self._counts), "integrity_removed": self._removed}
-
-    def _remove(self, object_key: str) -> bool:
-        """Never raises: a removal that fails leaves the key to the lost-key cache."""
-        with contextlib.suppress(TransportError, StoreClosedError):
-            return self._remove_object(object_key) == 0
-        return False

@@ -27,13 +27,8 @@ def ask_stored(store: Any) -> list[int]:
 
 def publish(put: Callable[[str, bytes], int], segment: str) -> None:
     """Store the marker through ``put`` (a native put of ``MARKER_KEY`` onto this
-    process's own segment, hard-pinned; answers its code).
-
-    Raises:
-        ConfigError: the master refused it: clients could not tell the cluster
-            has an SSD tier, and rot there would be served.
-    """
-    # Who published it, for an operator reading the marker.
+    process's own segment, hard-pinned; answers its code); ConfigError if refused.
+    The value names who published it, for an operator reading the marker."""
     code = put(MARKER_KEY, json.dumps({"ssd_tier": True, "published_by": segment}).encode())
     if code not in (0, ErrorCode.OBJECT_ALREADY_EXISTS):
         raise ConfigError(
@@ -45,14 +40,10 @@ def publish(put: Callable[[str, bytes], int], segment: str) -> None:
 def resolve_object_checksums(
     given: bool | None, own_tier: bool, cluster_has_tier: Callable[[], bool], guard: str
 ) -> tuple[bool, str]:
-    """(whether this client seals and verifies its objects, why).
-
-    ``given``: ``span_object_checksums`` as configured (None: not given);
-    ``own_tier``: this process keeps its segment on an SSD too;
-    ``cluster_has_tier``: whether the marker exists (asked only when needed).
-
-    Raises:
-        ConfigError: ``given`` is False on a cluster with an SSD tier, the guard on.
+    """(whether this client seals and verifies its objects, why). ``given``:
+    ``span_object_checksums`` (None: not given); ``own_tier``: this process keeps its
+    segment on an SSD too; ``cluster_has_tier``: whether the marker exists (asked only
+    when needed). ConfigError: ``given`` is False on a cluster with a tier, the guard on.
     """
     if given is True:
         return True, "span_object_checksums"
