@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from mooncake_span.errors import LayoutConflictError
 from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, sanitize_token
 from mooncake_span.store.arena import StagingArena, create_blob, read_blob
-from mooncake_span.store.seal import PLAIN_FORMAT, object_format
+from mooncake_span.store.seal import PLAIN_FORMAT, SEAL_FORMAT
 
 if TYPE_CHECKING:
     from mooncake_span.config import SpanOptions
@@ -155,7 +155,7 @@ def check_layout_guard(
     mode = options.layout_guard
     if mode == "off":
         return "off"
-    fmt = object_format(options.object_checksums)
+    fmt = SEAL_FORMAT if options.object_checksums else PLAIN_FORMAT
     record = replace(record, object_format=fmt)
     key = namespace_key(schema.model, schema.tag)
     read, create, remove = _registry(mode, options, client, arena)

@@ -40,11 +40,6 @@ DEFAULT_ARENA_BYTES = 8 << 20
 MISMATCH = int(ErrorCode.SEAL_MISMATCH)
 
 
-def object_format(enabled: bool) -> str:
-    """What the layout guard publishes for a namespace's objects."""
-    return SEAL_FORMAT if enabled else PLAIN_FORMAT
-
-
 def key_seed(key: str) -> int:
     return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
 

@@ -120,11 +120,10 @@ def parse_meta(data: bytes) -> tuple[int, list[_Entry]]:
             shapes.append({n: v for n, v in _fields(value) if isinstance(v, int)})
     if total is None or not keys or len(keys) != len(shapes):
         raise ValueError("not a bucket meta")
-    entries = [
+    return total, [
         _Entry(key, shape.get(1, 0), shape.get(2, 0), shape.get(3, 0))
         for key, shape in zip(keys, shapes, strict=True)
     ]
-    return total, entries
 
 
 def _object_key(stored_key: bytes) -> str:

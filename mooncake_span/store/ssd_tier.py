@@ -1,8 +1,8 @@
 """Mooncake's SSD tier (0.3.13.post1) set up so that every object reaches disk and is found again.
 
-``SsdTier`` holds the native settings that persist every object (each one and why:
-docs/operating.md, "What the launcher sets, and why"); the directory checks, ``DirLock``
-and the waits around a crash and a stop: docs/operating.md, "Restart procedure".
+``SsdTier`` holds the native settings that persist every object; they and the directory
+checks: docs/operating.md, "What the launcher sets, and why"; ``DirLock`` and the waits
+around a crash and a stop: docs/operating.md, "Restart procedure".
 Nothing here deletes or rewrites what is in an offload directory.
 """
 
@@ -396,6 +396,6 @@ def wait_for_owner_expiry(
     while clock() - started < bound_s:
         listed = list_segments()
         if listed is not None and segment not in listed:
-            return clock() - started
+            break
         sleep(_EXPIRY_POLL_S)
     return clock() - started
