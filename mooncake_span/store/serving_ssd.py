@@ -164,14 +164,13 @@ class ServingSsd:
         self._list_disk_owners = list_disk_owners
         lister = (lambda: list_segments(admin_url)) if admin_url else None
         self._lock = open_rank_directory(settings, lister)
-        # A rank without a segment of its own (a pure reader) offloads nothing.
-        if self._lock is not None and settings.global_segment_size_bytes > 0:
-            try:
-                self._stop_wait_s = resolve_stop_wait_s(None, os.environ)
-            except ConfigError as exc:
-                self.release()
-                raise SetupError(f"SSD tier: {exc}") from exc
         try:
+            # A rank without a segment of its own (a pure reader) offloads nothing.
+            if self._lock is not None and settings.global_segment_size_bytes > 0:
+                try:
+                    self._stop_wait_s = resolve_stop_wait_s(None, os.environ)
+                except ConfigError as exc:
+                    raise SetupError(f"SSD tier: {exc}") from exc
             yield
         except BaseException:
             self.release()

@@ -147,10 +147,8 @@ def check_room(
 
 
 def check_root(path: str, flag: str = "--ssd-dir") -> str:
-    """The absolute path of an existing, writable, real directory; ConfigError otherwise.
-
-    The root is never created: a mistyped path must not put the cache on the
-    wrong disk."""
+    """The absolute path of an existing, writable, real directory; ConfigError otherwise
+    (never created, as its message says)."""
     root = os.path.abspath(path)
     if os.path.islink(root):
         raise ConfigError(
