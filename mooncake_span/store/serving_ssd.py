@@ -110,31 +110,6 @@ def open_serving_tier(
     return lock
 
 
-def open_rank_directory(
-    settings: MooncakeSettings, list_segments: Callable[[], list[str] | None] | None
-) -> DirLock | None:
-    """With ``enable_ssd_offload``: this rank's SSD tier, set up to persist every object
-    (``store/ssd_tier.py``), its directory locked; None without it. Without
-    ``ssd_offload_path`` Mooncake reads ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``
-    itself, as under sglang's ``MooncakeStore``."""
-    if not settings.enable_ssd_offload:
-        return None
-    directory = settings.ssd_offload_path or os.environ.get(
-        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ""
-    )
-    if not directory:
-        raise SetupError(
-            "enable_ssd_offload needs a directory: set ssd_offload_path (each rank then uses "
-            "its own rank_<dp>_<tp>_<pp>_<cp> sub-directory, as in sglang)"
-        )
-    try:
-        return open_serving_tier(
-            directory, settings.global_segment_size_bytes, os.environ, list_segments
-        )
-    except (ConfigError, OSError) as exc:
-        raise SetupError(f"SSD tier ({directory}): {exc}") from exc
-
-
 class ServingSsd:
     """The SSD tier as one client meets it: its own directory, owners' read buffers,
     owners that are down, where disk replicas are, and the owner reads it made."""
@@ -158,12 +133,29 @@ class ServingSsd:
         list_segments: Callable[[str], list[str] | None],
         list_disk_owners: ListDiskOwners,
     ) -> Iterator[None]:
-        """Around ``setup``: lock this rank's directory first and learn where to ask for
-        disk owners; release the directory if ``setup`` fails (a later start must find it free)."""
+        """Around ``setup``: with ``enable_ssd_offload``, check and lock this rank's directory
+        first (``open_serving_tier``) and learn where to ask for disk owners; release the
+        directory if ``setup`` fails (a later start must find it free)."""
         self._admin_url = admin_url
         self._list_disk_owners = list_disk_owners
-        lister = (lambda: list_segments(admin_url)) if admin_url else None
-        self._lock = open_rank_directory(settings, lister)
+        if settings.enable_ssd_offload:
+            # Without ssd_offload_path Mooncake reads this variable itself, as under
+            # sglang's MooncakeStore.
+            directory = settings.ssd_offload_path or os.environ.get(
+                "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ""
+            )
+            if not directory:
+                raise SetupError(
+                    "enable_ssd_offload needs a directory: set ssd_offload_path (each rank then "
+                    "uses its own rank_<dp>_<tp>_<pp>_<cp> sub-directory, as in sglang)"
+                )
+            lister = (lambda: list_segments(admin_url)) if admin_url else None
+            try:
+                self._lock = open_serving_tier(
+                    directory, settings.global_segment_size_bytes, os.environ, lister
+                )
+            except (ConfigError, OSError) as exc:
+                raise SetupError(f"SSD tier ({directory}): {exc}") from exc
         try:
             # A rank without a segment of its own (a pure reader) offloads nothing.
             if self._lock is not None and settings.global_segment_size_bytes > 0:

@@ -197,6 +197,25 @@ def test_a_bad_stop_wait_refuses_the_rank_and_frees_its_directory(tmp_path, monk
     ssd_tier.DirLock(str(root), "rank_0_0_0_0").check_free("the rank's directory")
 
 
+def test_a_rank_without_a_usable_directory_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", raising=False)
+    ssd = serving_ssd.ServingSsd(gate=None, ledger=None)
+
+    def open_with(path):
+        settings = MooncakeSettings(
+            master_server_address="127.0.0.1:1", enable_ssd_offload=True, ssd_offload_path=path
+        )
+        with ssd.opened(settings, None, lambda _url: None, lambda _url, _keys: None):
+            pytest.fail("setup ran without a usable SSD directory")
+
+    with pytest.raises(SetupError, match="enable_ssd_offload needs a directory"):
+        open_with(None)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SetupError, match=r"SSD tier \(.*rank_0\): .*File exists"):
+        open_with(str(tmp_path / "file" / "rank_0"))
+    assert not ssd.owns_directory
+
+
 # ---- the storage node's flags --------------------------------------------------------
 
 
