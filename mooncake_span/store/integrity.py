@@ -1,12 +1,7 @@
-"""Objects whose stored bytes no longer match what was written.
-
-With checksums on (``span_verify_checksums``), Mooncake answers a full-object
-get of a corrupted object with CHECKSUM_MISMATCH instead of its bytes. The
-client then reads the key as a miss and reports it absent (``LostKeys``);
-this module force-removes the object, so no hit query of any client offers it
-again until sglang backs it up anew, and counts and logs (rate-limited) each
-one. Only objects are removed, never a whole key's siblings: the backend's
-prefix clamp already turns every later key of the call into a miss.
+"""Objects whose stored bytes no longer match what was written (a CRC or seal mismatch,
+a torn or missing SSD file): counted, logged (rate-limited) and force-removed, so no
+hit query offers them again. Why and what is removed: docs/reliability.md, "What the
+backend does with it".
 """
 
 from __future__ import annotations
@@ -47,11 +42,14 @@ class IntegrityFailures:
         failed = [(key, code) for key, _, code in failed if is_integrity_failure(code)]
         if not failed:
             return []
-        removed = sum(1 for object_key, _ in failed if self._remove(object_key))
+        removed = 0
+        for object_key, _ in failed:
+            # A removal that fails leaves the key to the lost-key cache.
+            with contextlib.suppress(TransportError, StoreClosedError):
+                removed += self._remove_object(object_key) == 0
         now = self._clock()
         with self._lock:
-            for _, code in failed:
-                self._counts[code_name(code)] += 1
+            self._counts.update(code_name(code) for _, code in failed)
             self._removed += removed
             quiet = now - self._last_log_s >= _LOG_INTERVAL_S
             if quiet:
@@ -77,9 +75,3 @@ class IntegrityFailures:
         """The client's ``stats()`` entries: failures by code name, objects removed."""
         with self._lock:
             return {"integrity_failures": dict(self._counts), "integrity_removed": self._removed}
-
-    def _remove(self, object_key: str) -> bool:
-        """Never raises: a removal that fails leaves the key to the lost-key cache."""
-        with contextlib.suppress(TransportError, StoreClosedError):
-            return self._remove_object(object_key) == 0
-        return False

@@ -1,24 +1,8 @@
 """Cluster-wide layout guard: nodes sharing a key namespace must agree on geometry.
 
-The object-key prefix already separates host page, K, layout and KV dtype, so
-two nodes that disagree there simply never share objects. What the prefix does
-not carry -- bytes per page of each pool component (layer count, head dims,
-indexer shape), the pool set -- would make a reader fetch objects whose size
-or meaning differs from its own pools. Worse than a miss, that is a silent
-waste of the whole L3. So every node publishes the geometry of its namespace
-(model name + backend tag) once, and a node whose geometry differs from the
-published one refuses to start, printing both sides.
-
-Backends: ``store`` keeps the record as a small Mooncake object (hard-pinned
-where the wheel supports it); ``etcd`` keeps it in etcd through its gRPC
-gateway (``etcd3gw``), atomically created so two racing nodes cannot both win.
-
-The record also names the object format (``object_format``: ``plain``, or
-sealed objects with a checksum trailer, ``store/seal.py``), so nodes that
-would write objects of another length and meaning under the same keys
-refuse to start. A record published before the field existed reads as
-``plain``. (A node older than the field does not compare it: against one,
-a sealed object read unsealed and the reverse fail on their size, as misses.)
+Every node publishes its namespace's geometry (model name + backend tag) and object
+format, in Mooncake (``store``) or etcd; a node whose record differs refuses to start,
+printing both sides. Why and the record: docs/span-format.md, "The layout guard's record".
 """
 
 from __future__ import annotations
@@ -32,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from mooncake_span.errors import LayoutConflictError
 from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, sanitize_token
 from mooncake_span.store.arena import StagingArena, create_blob, read_blob
-from mooncake_span.store.seal import PLAIN_FORMAT, object_format
+from mooncake_span.store.seal import PLAIN_FORMAT, SEAL_FORMAT
 
 if TYPE_CHECKING:
     from mooncake_span.config import SpanOptions
@@ -112,13 +96,10 @@ def check_or_publish(
     *,
     page_open: bool = False,
 ) -> str:
-    """Publish ``record`` under ``key`` unless another geometry is there.
-
-    ``create`` must be create-if-absent (returns False when the key exists).
-    Returns "published" or "matched"; raises LayoutConflictError otherwise.
-    ``page_open``: this node's storage page may still change (the build has
-    not handed it yet), so a record that differs only there is "deferred":
-    checked again once the page is fixed.
+    """Publish ``record`` under ``key`` unless another geometry is there: "published" or
+    "matched"; LayoutConflictError otherwise. ``create`` is create-if-absent (False when
+    the key exists). ``page_open``: this node's storage page may still change, so a
+    record that differs only there is "deferred" (checked again once it is fixed).
     """
     ours = record.to_json()
     if create(key, ours):
@@ -168,15 +149,13 @@ def check_layout_guard(
     page_open: bool = False,
     previous: GeometryRecord | None = None,
 ) -> str:
-    """Run the guard ``span_layout_guard`` selects: "off", "published", "matched"
-    or, with ``page_open``, "deferred" (see ``check_or_publish``).
-    The ``store`` record moves through the registered staging ``arena``. The
-    record's ``object_format`` is this node's (``span_object_checksums``).
-    ``previous``: see ``recheck_layout_guard``."""
+    """Run the guard ``span_layout_guard`` selects: "off", or ``check_or_publish``'s
+    answer for ``record`` with this node's ``object_format``. The ``store`` record moves
+    through the registered staging ``arena``. ``previous``: see ``recheck_layout_guard``."""
     mode = options.layout_guard
     if mode == "off":
         return "off"
-    fmt = object_format(options.object_checksums)
+    fmt = SEAL_FORMAT if options.object_checksums else PLAIN_FORMAT
     record = replace(record, object_format=fmt)
     key = namespace_key(schema.model, schema.tag)
     read, create, remove = _registry(mode, options, client, arena)
@@ -200,11 +179,9 @@ def recheck_layout_guard(
     client: MooncakeClient,
     arena: StagingArena,
 ) -> str:
-    """The guard again, after the build changed the storage page before any data
-    call (the span fork assigns it after registration). The record this node
-    checked at registration, ``previous``, is withdrawn if it is still the
-    published one: this node or a peer in the same start-up published it before
-    the page was known. Any other published geometry is checked as usual."""
+    """The guard again once the build assigned the storage page (after registration,
+    before any data call). ``previous``, the record checked at registration, is
+    withdrawn if still published: it was published before the page was known."""
     return check_layout_guard(options, schema, record, client, arena, previous=previous)
 
 

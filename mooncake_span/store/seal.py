@@ -1,24 +1,9 @@
 """Object seals: a checksum stored with each object's bytes (``span_object_checksums``).
 
-Mooncake's own CRC-64 (``span_verify_checksums``) lives only in the master's
-memory: an object registered again from an SSD directory after a restart
-carries none, and is returned unverified (docs/reliability.md). A seal is
-part of the object instead, so it survives whatever the object survives and
-any reader, in any process, after any restart, can check it.
-
-Format (``SEAL_FORMAT``): the object is its payload followed by a 16-byte
-trailer, ``TRAILER_MAGIC`` (8 bytes) then the payload's XXH3-64 (8 bytes,
-little-endian) seeded with the XXH3-64 of the logical key. The seed binds the
-bytes to their key: an object read under another key fails its check too.
-XXH3-64 was picked by measurement (docs/benchmarks.md, "object checksums"):
-about twice CRC32C's rate on the same machine, both from maintained packages.
-
-Every pointer of a zero-copy call lies in registered memory, the trailers'
-too: a put's trailers and a get's receiving slots are leased from a small
-arena of their own, registered once (``TrailerArena``). A get's slot is
-zeroed before the read (Mooncake can report success for a buffer it never
-wrote) and holds, past the 16 bytes Mooncake writes, the key seed the check
-needs, so ``verify`` needs nothing but the rows it is given.
+Mooncake's CRC-64 lives only in the master's memory and is gone after a restart;
+a seal is part of the object, so any reader can check it after any restart.
+Format and arena: docs/span-format.md, "Sealed objects"; why: docs/reliability.md,
+"Integrity across restarts".
 """
 
 from __future__ import annotations
@@ -46,18 +31,13 @@ TRAILER_BYTES = 16
 _SLOT_BYTES = 32
 _SEED = struct.Struct("<Q")
 _TRAILER = struct.Struct("<8sQ")
-# A put's slot (the trailer, padding) and a get's (zeroed trailer, the seed, padding).
+# A put's slot (the trailer, padding) and a get's (a zeroed trailer, since Mooncake can
+# report success for a buffer it never wrote; the key seed; padding).
 _PUT_SLOT = struct.Struct("<8sQ16x")
 _GET_SLOT = struct.Struct("<16xQ8x")
-# 8 MiB: 262,144 objects in one call; sglang's calls carry a few thousand.
 DEFAULT_ARENA_BYTES = 8 << 20
 # What a get whose bytes failed their seal reads as (store/integrity.py removes it).
 MISMATCH = int(ErrorCode.SEAL_MISMATCH)
-
-
-def object_format(enabled: bool) -> str:
-    """What the layout guard publishes for a namespace's objects."""
-    return SEAL_FORMAT if enabled else PLAIN_FORMAT
 
 
 def key_seed(key: str) -> int:

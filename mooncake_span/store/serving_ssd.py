@@ -1,27 +1,9 @@
 """A serving client's view of Mooncake's SSD tier: its one owner, ``ServingSsd``.
 
-An object whose DRAM copy was evicted keeps a ``LOCAL_DISK`` replica on the
-process that held it; a reader asks that owner over RPC, the owner loads the
-object into its registered read buffer and the reader pulls it
-(``store/ssd_tier.py`` sets the tier up). What a client meets there:
-
-* this rank's own tier (sglang's ``enable_ssd_offload``): its directory is
-  checked and locked before ``setup`` and released at close;
-* an owner's read buffer takes all of a call's objects of that owner or none
-  (``BUFFER_OVERFLOW``): ``read`` asks again in halves, down to one object;
-* an owner that is down but not yet expired at the master (up to its
-  ``client_ttl``): existence queries still answer yes and each read blocks
-  about 4.3 s in Mooncake's RPC retries before ``RPC_FAIL``. The master still
-  answers, which tells this apart from a dead master; ``owners_down`` marks
-  the owner's segment (its DRAM segment, still listed) in the client's
-  ``FailureLedger``, so reads and hit queries skip that owner's keys at once
-  until the mark's TTL runs out;
-* a replica descriptor does not name a disk replica's owner (``query_key`` and
-  ``batch_get_replica_desc`` leave it out in 0.3.13.post1), and placement
-  cannot tell it (a put lands on another segment when the preferred one is
-  full); the master's admin server can (``owners``, ``segments.fetch_disk_owners``).
-
-The native calls are made in ``gate.py`` (``NativeCalls``), which hands the answers in.
+This rank's own tier (sglang's ``enable_ssd_offload``), an owner's read buffer that
+takes all of a call's objects or none, an owner down but not yet expired, and disk
+owners that only the master's admin server names: docs/operating.md, "Reads" and
+"Known upstream issues". The native calls are made in ``gate.py``, which hands the answers in.
 """
 
 from __future__ import annotations
@@ -89,13 +71,10 @@ def open_serving_tier(
     list_segments: Callable[[], list[str] | None] | None,
     client_ttl_s: float = 10.0,
 ) -> DirLock:
-    """A serving rank's own tier (sglang's ``enable_ssd_offload``): the same checks,
-    lock, wait after a crash and settings as a storage node's. Settings the
-    operator exported win over ours, unless they would keep objects off the
-    disk. Returns the held lock.
-
-    Raises:
-        ConfigError: a bad directory, one in use, or settings that persist nothing.
+    """A serving rank's own tier: a storage node's checks, lock, wait after a crash and
+    settings (those the operator exported win unless they would keep objects off the
+    disk). Returns the held lock; ConfigError for a bad or busy directory, or settings
+    that persist nothing.
     """
     parent, name = os.path.split(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)  # as sglang's MooncakeStore does
@@ -131,31 +110,6 @@ def open_serving_tier(
     return lock
 
 
-def open_rank_directory(
-    settings: MooncakeSettings, list_segments: Callable[[], list[str] | None] | None
-) -> DirLock | None:
-    """With ``enable_ssd_offload``: this rank's SSD tier, set up to persist every object
-    (``store/ssd_tier.py``), its directory locked; None without it. Without
-    ``ssd_offload_path`` Mooncake reads ``MOONCAKE_OFFLOAD_FILE_STORAGE_PATH``
-    itself, as under sglang's ``MooncakeStore``."""
-    if not settings.enable_ssd_offload:
-        return None
-    directory = settings.ssd_offload_path or os.environ.get(
-        "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ""
-    )
-    if not directory:
-        raise SetupError(
-            "enable_ssd_offload needs a directory: set ssd_offload_path (each rank then uses "
-            "its own rank_<dp>_<tp>_<pp>_<cp> sub-directory, as in sglang)"
-        )
-    try:
-        return open_serving_tier(
-            directory, settings.global_segment_size_bytes, os.environ, list_segments
-        )
-    except (ConfigError, OSError) as exc:
-        raise SetupError(f"SSD tier ({directory}): {exc}") from exc
-
-
 class ServingSsd:
     """The SSD tier as one client meets it: its own directory, owners' read buffers,
     owners that are down, where disk replicas are, and the owner reads it made."""
@@ -179,21 +133,36 @@ class ServingSsd:
         list_segments: Callable[[str], list[str] | None],
         list_disk_owners: ListDiskOwners,
     ) -> Iterator[None]:
-        """Around ``setup``: lock this rank's directory first (with
-        ``enable_ssd_offload``) and learn where to ask for disk owners; release
-        the directory if ``setup`` fails (a later start must find it free)."""
+        """Around ``setup``: with ``enable_ssd_offload``, check and lock this rank's directory
+        first (``open_serving_tier``) and learn where to ask for disk owners; release the
+        directory if ``setup`` fails (a later start must find it free)."""
         self._admin_url = admin_url
         self._list_disk_owners = list_disk_owners
-        lister = (lambda: list_segments(admin_url)) if admin_url else None
-        self._lock = open_rank_directory(settings, lister)
-        # A rank without a segment of its own (a pure reader) offloads nothing.
-        if self._lock is not None and settings.global_segment_size_bytes > 0:
+        if settings.enable_ssd_offload:
+            # Without ssd_offload_path Mooncake reads this variable itself, as under
+            # sglang's MooncakeStore.
+            directory = settings.ssd_offload_path or os.environ.get(
+                "MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", ""
+            )
+            if not directory:
+                raise SetupError(
+                    "enable_ssd_offload needs a directory: set ssd_offload_path (each rank then "
+                    "uses its own rank_<dp>_<tp>_<pp>_<cp> sub-directory, as in sglang)"
+                )
+            lister = (lambda: list_segments(admin_url)) if admin_url else None
             try:
-                self._stop_wait_s = resolve_stop_wait_s(None, os.environ)
-            except ConfigError as exc:
-                self.release()
-                raise SetupError(f"SSD tier: {exc}") from exc
+                self._lock = open_serving_tier(
+                    directory, settings.global_segment_size_bytes, os.environ, lister
+                )
+            except (ConfigError, OSError) as exc:
+                raise SetupError(f"SSD tier ({directory}): {exc}") from exc
         try:
+            # A rank without a segment of its own (a pure reader) offloads nothing.
+            if self._lock is not None and settings.global_segment_size_bytes > 0:
+                try:
+                    self._stop_wait_s = resolve_stop_wait_s(None, os.environ)
+                except ConfigError as exc:
+                    raise SetupError(f"SSD tier: {exc}") from exc
             yield
         except BaseException:
             self.release()
@@ -209,14 +178,11 @@ class ServingSsd:
             self._lock.update(state="running", segment=segment)
 
     def unmount(self, store: Any) -> str:
-        """At close, before the native client closes: the disk segment goes first, so
-        readers miss cleanly at once and a restart right after registers every key
-        again, but only once what this rank accepted is written. Returns the state
-        ``release`` records."""
+        """At close, before the native client closes: once what this rank accepted is
+        written (bounded), the disk segment goes, so readers miss cleanly at once and a
+        restart right after registers every key again. Returns the state ``release`` records."""
         if self._lock is None:
             return "stopped"
-        # What this rank holds unwritten reaches its disk first (bounded): the master
-        # refuses a disk replica registered after the unmount.
         quiet_s = offload_quiet_s(os.environ)
         if self._stop_wait_s and not wait_offloads_written(
             self._lock.directory, self._stop_wait_s, quiet_s
@@ -258,15 +224,11 @@ class ServingSsd:
     def owners_down(
         self, object_keys: Sequence[str], codes: Sequence[int], replica_desc: ReplicaDesc
     ) -> list[str]:
-        """Reads that failed at the RPC layer: if the master answers (``replica_desc``)
-        and the objects had only disk replicas, their owner is down. The master's
-        admin server names it, and the ledger marks its segment; without an owner
-        to name, returns the keys to remember lost.
-
-        The master is asked past the breaker: the failed read may just have
-        opened it, and this one RPC is what tells a dead master from a dead SSD
-        owner."""
-        # Failed at the RPC layer: a dead master, or a dead owner.
+        """Reads that failed at the RPC layer (a dead master, or a dead owner): if the
+        master answers and the objects had only disk replicas, their owner is down; the
+        admin server names it and the ledger marks its segment. Without an owner to name,
+        returns the keys to remember lost. The master is asked past the breaker: the
+        failed read may just have opened it, and this RPC tells the two apart."""
         positions = [i for i, code in enumerate(codes) if code == OWNER_RPC_FAILED]
         if not positions:
             return []

@@ -1,20 +1,8 @@
 """The cluster's SSD-tier marker: whether objects there can outlive Mooncake's checksums.
 
-Mooncake's CRC lives in the master's memory and is gone after a restart; an
-object that rotted on an SSD tier comes back as a hit with wrong bytes unless
-it carries its own seal (``store/seal.py``, ``span_object_checksums``). So
-every process that has an SSD tier (a storage node with ``--ssd-dir``, a
-serving rank with ``enable_ssd_offload``) stores a small hard-pinned object,
-``MARKER_KEY``, on its own segment when it starts, and a client whose
-``span_object_checksums`` is not given seals and verifies whenever the marker
-exists or it has a tier of its own (``resolve_object_checksums``). A storage
-node serves every namespace of its master, so the marker is the cluster's,
-not a namespace's.
-
-A client that says ``span_object_checksums: false`` on such a cluster is
-refused, unless the operator also turned the layout guard off
-(``span_layout_guard: off``: no agreement on the object format is checked
-then either); it is then warned.
+Every process with an SSD tier stores ``MARKER_KEY``; a client whose
+``span_object_checksums`` is not given seals where it exists or where it has a tier
+of its own. Why: docs/reliability.md, "Seals on by default where there is an SSD tier".
 """
 
 from __future__ import annotations
@@ -39,13 +27,8 @@ def ask_stored(store: Any) -> list[int]:
 
 def publish(put: Callable[[str, bytes], int], segment: str) -> None:
     """Store the marker through ``put`` (a native put of ``MARKER_KEY`` onto this
-    process's own segment, hard-pinned; answers its code).
-
-    Raises:
-        ConfigError: the master refused it: clients could not tell the cluster
-            has an SSD tier, and rot there would be served.
-    """
-    # Who published it, for an operator reading the marker.
+    process's own segment, hard-pinned; answers its code); ConfigError if refused.
+    The value names who published it, for an operator reading the marker."""
     code = put(MARKER_KEY, json.dumps({"ssd_tier": True, "published_by": segment}).encode())
     if code not in (0, ErrorCode.OBJECT_ALREADY_EXISTS):
         raise ConfigError(
@@ -57,14 +40,10 @@ def publish(put: Callable[[str, bytes], int], segment: str) -> None:
 def resolve_object_checksums(
     given: bool | None, own_tier: bool, cluster_has_tier: Callable[[], bool], guard: str
 ) -> tuple[bool, str]:
-    """(whether this client seals and verifies its objects, why).
-
-    ``given``: ``span_object_checksums`` as configured (None: not given);
-    ``own_tier``: this process keeps its segment on an SSD too;
-    ``cluster_has_tier``: whether the marker exists (asked only when needed).
-
-    Raises:
-        ConfigError: ``given`` is False on a cluster with an SSD tier, the guard on.
+    """(whether this client seals and verifies its objects, why). ``given``:
+    ``span_object_checksums`` (None: not given); ``own_tier``: this process keeps its
+    segment on an SSD too; ``cluster_has_tier``: whether the marker exists (asked only
+    when needed). ConfigError: ``given`` is False on a cluster with a tier, the guard on.
     """
     if given is True:
         return True, "span_object_checksums"

@@ -1,22 +1,14 @@
 """The check of an SSD directory before Mooncake registers what it holds.
 
-Mooncake keeps no checksum on disk and ``remove`` leaves the file, so a torn
-file or a key removed as broken would be registered again at every start; this
-deletes the objects that could only ever be misses. The modes (``size``
-reads metadata only, ``full`` also checks seals, ``off``), what each costs and
-why ``size`` is the default: docs/reliability.md, "Integrity across restarts",
-and docs/operating.md, "Start-up time and files".
-
-Mooncake's layout, as the 0.3.13.post1 wheel writes it (one key per bucket,
-``SsdTier``): ``<id>.bucket`` holds, per object, its key (``tenant`` NUL
-``key``) then its bytes; ``<id>.meta`` is a protobuf message: field 1 the
-bucket's data bytes, then per object field 2 its key and field 3 a message
-(1: offset, 2: key bytes, 3: data bytes). A ``.meta`` this module cannot read
-is left to Mooncake, which drops unparsable pairs itself.
+Mooncake keeps no checksum on disk and ``remove`` leaves the file, so this deletes
+the objects that could only ever be misses. The modes and their cost: docs/reliability.md,
+"Integrity across restarts", and docs/operating.md, "Start-up time and files"; the
+files read: docs/span-format.md, "The SSD tier's files".
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
@@ -36,7 +28,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHECK = "size"
 # A serving rank's check (and a storage node's without --ssd-check).
 CHECK_ENV = "MOONCAKE_SPAN_SSD_CHECK"
-# Threads reading the directory's files at once (a bounded queue depth).
+# Threads reading the directory's files at once: on a cold page cache each small file
+# costs a disk round trip, and a device answers many at once.
 READERS = 16
 _CHUNK_METAS = 4096  # metas handed to the readers at a time, bounding what is queued
 
@@ -127,11 +120,10 @@ def parse_meta(data: bytes) -> tuple[int, list[_Entry]]:
             shapes.append({n: v for n, v in _fields(value) if isinstance(v, int)})
     if total is None or not keys or len(keys) != len(shapes):
         raise ValueError("not a bucket meta")
-    entries = [
+    return total, [
         _Entry(key, shape.get(1, 0), shape.get(2, 0), shape.get(3, 0))
         for key, shape in zip(keys, shapes, strict=True)
     ]
-    return total, entries
 
 
 def _object_key(stored_key: bytes) -> str:
@@ -148,25 +140,25 @@ def _sealed_ok(key: str, stored: memoryview) -> bool | None:
     return verdict
 
 
-def _check_bucket(path: str, entries: list[_Entry]) -> tuple[list[str], int, int]:
-    """(object keys of ``path`` whose bytes fail their seal, objects that matched,
-    objects without a seal)."""
-    bad, checked, unsealed = [], 0, 0
+def _check_bucket(path: str, entries: list[_Entry]) -> ScanReport:
+    """The seals of ``path``'s objects: those that fail (``corrupt``), match, carry none."""
+    found = ScanReport(buckets=1)
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)
         try:
             for entry in entries:
                 start = entry.offset + entry.key_bytes
-                verdict = _sealed_ok(_object_key(entry.key), view[start : start + entry.data_bytes])
+                key = _object_key(entry.key)
+                verdict = _sealed_ok(key, view[start : start + entry.data_bytes])
                 if verdict is None:
-                    unsealed += 1
+                    found.unsealed_objects += 1
                 elif verdict:
-                    checked += 1
+                    found.checked_objects += 1
                 else:
-                    bad.append(_object_key(entry.key))
+                    found.corrupt.append(key)
         finally:
             view.release()
-    return bad, checked, unsealed
+    return found
 
 
 _META_TOTAL_TAG = 0x08  # field 1, a varint: the bucket's data bytes, first in every .meta
@@ -194,9 +186,8 @@ def _bucket_bytes(bucket_path: str) -> int:
 
 def _inspect(meta_path: str, mode: str) -> ScanReport:
     """What one ``.meta`` and its bucket hold, read by a worker (deleted by the caller).
-    The size check's common case reads only the bucket's length from the ``.meta``
-    (its first field) and one ``stat``: at a million objects the start-up cost is
-    this per object."""
+    The size check's common case costs one short read and one ``stat``: a start-up
+    pays this per object."""
     bucket_path = meta_path[: -len(".meta")] + ".bucket"
     try:
         data = _read(meta_path)
@@ -219,23 +210,14 @@ def _inspect(meta_path: str, mode: str) -> ScanReport:
         return ScanReport(buckets=1, torn=[_object_key(e.key) for e in entries])
     if mode != "full":
         return ScanReport(buckets=1, kept_bytes=size + len(data))
-    bad, checked, unsealed = _check_bucket(bucket_path, entries)
-    kept_bytes = 0 if bad else size + len(data)
-    return ScanReport(
-        buckets=1,
-        checked_objects=checked,
-        unsealed_objects=unsealed,
-        corrupt=bad,
-        kept_bytes=kept_bytes,
-    )
+    found = _check_bucket(bucket_path, entries)
+    found.kept_bytes = 0 if found.corrupt else size + len(data)
+    return found
 
 
 def check_directory(directory: str, mode: str = DEFAULT_CHECK) -> ScanReport:
     """Delete the torn and orphaned (and, with ``full``, corrupt) objects of an SSD
-    directory before Mooncake scans it; returns what was found.
-
-    Files are read by ``READERS`` threads: on a cold page cache each small
-    file costs a disk round trip, and a device answers many at once."""
+    directory before Mooncake scans it; returns what was found."""
     if mode not in CHECK_MODES:
         raise ConfigError(f"the SSD check must be one of {CHECK_MODES}, got {mode!r}")
     report = ScanReport()
@@ -283,10 +265,8 @@ def _apply(meta_path: str, found: ScanReport, report: ScanReport) -> None:
 
 def _delete(*paths: str) -> None:
     for path in paths:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def _log(directory: str, mode: str, report: ScanReport) -> None:

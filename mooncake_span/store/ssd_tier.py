@@ -1,23 +1,14 @@
 """Mooncake's SSD tier (0.3.13.post1) set up so that every object reaches disk and is found again.
 
-With Mooncake's defaults nothing reaches disk; ``SsdTier`` is the set of
-native settings that works, exported before ``setup`` (each one and why:
-docs/operating.md, "What the launcher sets, and why").
-
-Each process needs a directory of its own: a storage node gets
-``<root>/<node name>``, a serving rank sglang's ``<root>/rank_<dp>_<tp>_<pp>_<cp>``.
-``DirLock`` holds an exclusive ``flock`` on ``<root>/.<name>.lock`` (beside the
-directory: Mooncake scans the directory itself) while the process runs, and
-records in it whether the last owner stopped cleanly; a crashed owner's disk
-replicas stay registered at the master until its ``client_ttl`` runs out, and
-a restart registered before then is ignored (Mooncake #3052), so
-``wait_for_owner_expiry`` waits for the master to drop the old owner first.
-
+``SsdTier`` holds the native settings that persist every object; they and the directory
+checks: docs/operating.md, "What the launcher sets, and why"; ``DirLock`` and the waits
+around a crash and a stop: docs/operating.md, "Restart procedure".
 Nothing here deletes or rewrites what is in an offload directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -32,8 +23,7 @@ from mooncake_span.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# The start-up checks of an SSD directory (store/ssd_scan.py), here beside the tier's
-# other settings so the operator's commands can offer them without importing the scan.
+# The start-up checks (store/ssd_scan.py), here so the operator's commands need not import it.
 CHECK_MODES = ("size", "full", "off")
 
 # Mooncake's defaults where ours differ: heartbeat 10 s, read buffer 1.25 GiB.
@@ -47,9 +37,7 @@ DISK_RESERVE_BYTES = 256 << 20
 # A restart waits this much past the master's client_ttl for the old owner to expire.
 EXPIRY_MARGIN_S = 2.0
 _EXPIRY_POLL_S = 0.5
-# A graceful stop first lets the offloads it accepted finish (wait_offloads_written):
-# a stop that unmounts the disk segment earlier loses every object not yet registered,
-# since the master refuses a registration that arrives after the unmount.
+# How long a graceful stop waits for its offloads (wait_offloads_written).
 DEFAULT_STOP_WAIT_S = 20.0
 STOP_WAIT_ENV = "MOONCAKE_SPAN_SSD_STOP_WAIT_S"
 _QUIET_POLL_S = 0.05
@@ -126,10 +114,8 @@ def held_bytes(directory: str) -> int:
     total = 0
     for parent, _, files in os.walk(directory):
         for name in files:
-            try:
+            with contextlib.suppress(OSError):
                 total += os.path.getsize(os.path.join(parent, name))
-            except OSError:
-                pass
     return total
 
 
@@ -161,10 +147,8 @@ def check_room(
 
 
 def check_root(path: str, flag: str = "--ssd-dir") -> str:
-    """The absolute path of an existing, writable, real directory; ConfigError otherwise.
-
-    The root is never created: a mistyped path must not put the cache on the
-    wrong disk."""
+    """The absolute path of an existing, writable, real directory; ConfigError otherwise
+    (never created, as its message says)."""
     root = os.path.abspath(path)
     if os.path.islink(root):
         raise ConfigError(
@@ -255,11 +239,9 @@ def int_setting(text: str | None, default: int) -> int:
 
 
 class DirLock:
-    """An exclusive ``flock`` on ``<root>/.<name>.lock``, held while a process uses ``root/name``.
-
-    The file holds a small JSON record: who holds the directory, its segment
-    name once set up, and whether it stopped cleanly. Acquiring it returns the
-    previous record, which tells a restart whether its predecessor crashed."""
+    """An exclusive ``flock`` on ``<root>/.<name>.lock`` (beside the directory, which
+    Mooncake scans), held while a process uses ``root/name``. Its JSON record says who
+    holds it, the segment, and whether the last owner stopped cleanly."""
 
     def __init__(self, root: str, name: str) -> None:
         self.directory = os.path.join(root, name)
@@ -351,14 +333,14 @@ def wait_offloads_written(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[], None] | None = None,
 ) -> bool:
-    """Before a graceful stop unmounts the disk segment: wait until the objects this
-    process holds unwritten are on disk and registered; False if ``limit_s`` ran out.
+    """Before a graceful stop unmounts the disk segment (the master refuses a disk replica
+    registered after it): wait until what this process holds unwritten is on disk and
+    registered; False if ``limit_s`` ran out.
 
-    Each heartbeat hands the process every object it holds unwritten, and writing one
-    creates its ``.bucket`` and renames its ``.meta`` into ``directory``, changing the
-    directory's mtime; registration follows the rename within milliseconds. So once the
-    directory has not changed for ``quiet_s`` (``offload_quiet_s``) since the stop began, a
-    heartbeat found nothing left. The mtime is one ``stat``, whatever the file count.
+    Writing an object renames its ``.meta`` into ``directory``, changing its mtime (one
+    ``stat``, whatever the file count), and registration follows within milliseconds; so
+    a directory unchanged for ``quiet_s`` (two heartbeats) means a heartbeat found nothing
+    left. Why: docs/reliability.md, "What a graceful restart keeps".
     """
     stamp = stamp or (lambda: os.stat(directory).st_mtime_ns)
     sleep = sleep or (lambda: time.sleep(_QUIET_POLL_S))
@@ -412,6 +394,6 @@ def wait_for_owner_expiry(
     while clock() - started < bound_s:
         listed = list_segments()
         if listed is not None and segment not in listed:
-            return clock() - started
+            break
         sleep(_EXPIRY_POLL_S)
     return clock() - started

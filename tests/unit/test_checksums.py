@@ -18,7 +18,7 @@ import pytest
 
 from mooncake_span import metrics as M
 from mooncake_span.config import load_span_options
-from mooncake_span.errors import ConfigError, ErrorCode, is_integrity_failure
+from mooncake_span.errors import ConfigError, ErrorCode, TransportError, is_integrity_failure
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.ops import doctor
 from mooncake_span.span.plan import ObjectPlan
@@ -205,6 +205,21 @@ def test_integrity_failures_log_once_per_interval(caplog):
     assert len(lines) == 2 and "e" in lines[1] and "(1 more since the last line)" in lines[1]
     assert removed == ["a", "c", "e"]
     assert failures.snapshot()["integrity_failures"] == {"CHECKSUM_MISMATCH": 3}
+
+
+def test_a_removal_that_fails_still_reads_as_a_miss_and_counts_nothing_removed():
+    def remove(key):
+        if key == "a":
+            raise TransportError("master gone")
+        return 0 if key == "b" else int(ErrorCode.OBJECT_NOT_FOUND)
+
+    failures = IntegrityFailures(remove)
+    found = [("a", 64, MISMATCH), ("b", 64, MISMATCH), ("c", 64, MISMATCH)]
+    assert failures.record(found) == ["a", "b", "c"]
+    assert failures.snapshot() == {
+        "integrity_failures": {"CHECKSUM_MISMATCH": 3},
+        "integrity_removed": 1,
+    }
 
 
 def test_integrity_failures_become_a_counter():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_span.errors import ConfigError
+from mooncake_span.errors import ConfigError, SetupError
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.ops import doctor_ssd
 from mooncake_span.ops.doctor_host import FAIL, PASS, SKIP, Context
@@ -175,6 +175,45 @@ def test_a_serving_rank_gets_the_same_settings_but_the_operators_win(tmp_path):
             {ssd_tier.KEYS_PER_BUCKET_ENV: "500"},
             None,
         )
+
+
+def test_a_bad_stop_wait_refuses_the_rank_and_frees_its_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv(ssd_tier.STOP_WAIT_ENV, "soon")
+    root = tmp_path / "ssd"
+    for name in ssd_tier.SsdTier(str(root), MIB, MIB).native_env():
+        # setenv first, so the undo also removes what the rank's set-up exports
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    settings = MooncakeSettings(
+        master_server_address="127.0.0.1:1",
+        global_segment_size_bytes=16 * MIB,
+        enable_ssd_offload=True,
+        ssd_offload_path=str(root / "rank_0_0_0_0"),
+    )
+    ssd = serving_ssd.ServingSsd(gate=None, ledger=None)
+    with pytest.raises(SetupError, match=f"SSD tier: {ssd_tier.STOP_WAIT_ENV}"):
+        with ssd.opened(settings, None, lambda _url: None, lambda _url, _keys: None):
+            pytest.fail("setup ran with a bad stop wait")
+    ssd_tier.DirLock(str(root), "rank_0_0_0_0").check_free("the rank's directory")
+
+
+def test_a_rank_without_a_usable_directory_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("MOONCAKE_OFFLOAD_FILE_STORAGE_PATH", raising=False)
+    ssd = serving_ssd.ServingSsd(gate=None, ledger=None)
+
+    def open_with(path):
+        settings = MooncakeSettings(
+            master_server_address="127.0.0.1:1", enable_ssd_offload=True, ssd_offload_path=path
+        )
+        with ssd.opened(settings, None, lambda _url: None, lambda _url, _keys: None):
+            pytest.fail("setup ran without a usable SSD directory")
+
+    with pytest.raises(SetupError, match="enable_ssd_offload needs a directory"):
+        open_with(None)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SetupError, match=r"SSD tier \(.*rank_0\): .*File exists"):
+        open_with(str(tmp_path / "file" / "rank_0"))
+    assert not ssd.owns_directory
 
 
 # ---- the storage node's flags --------------------------------------------------------
