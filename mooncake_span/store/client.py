@@ -108,7 +108,7 @@ class MooncakeClient:
         self.pressure = PutPressure(options.full_cooldown_s, now_s=clock)
         self._directory: SegmentDirectory | None = None
         # What failed calls taught, and for how long: the one owner of the failure marks.
-        self.ledger = FailureLedger.from_options(options, clock)
+        self.ledger = FailureLedger(options, clock)
         # Placement and routing; the backend gives the placement key (place_by).
         self.router = DomainRouter(options, self.ledger)
         self._ssd = ServingSsd(self._gate, self.ledger)  # the SSD tier's one owner

@@ -1,35 +1,11 @@
-"""Which objects a store call touches, and on which segment, from what failed
-calls taught. Pure: state and decisions on the caller's clock, no I/O.
+"""What failed calls taught one client, and the routing decided from it. Pure:
+state and rules on the caller's clock, no I/O.
 
-``DomainRouter`` decides, per call, from the client's ``FailureLedger`` (below:
-bad, full and owner-down segments, lost keys) and the number of copies per key:
-
-* whether the call can go to Mooncake as the caller built it: one copy per
-  key, no segment marked bad, no key named twice. That is nearly every call
-  of a healthy cluster; it costs a few C-level passes over the keys instead
-  of per-object Python, and the objects go in consecutive slices of at most
-  ``max_buffers_per_call`` buffers (one native call when they fit);
-* which segment each object of a put is placed on (rendezvous hashing of its
-  domain key, rotated by its chain step when the caller knows its prefix
-  chain: ``domains.py``);
-* which copies of a key are worth a read while some segment is bad.
-
-Where the master says a suspect object lives is an RPC; ``DomainCalls`` makes
-it and passes the answer in (``locate``). The live segments are the segment
-directory's (``segments.py``), read, never asked for.
-
-``FailureLedger`` is the one owner of a client's failure marks (bad, full
-and owner-down segments, lost keys), each with its rule next to its state;
-the client makes the calls, hands in what they answered, and carries out what
-the ledger decided. What each mark does and why both simpler put rules failed:
-docs/reliability.md, "Failure domains", "What the backend does".
-
-``PutPressure`` pauses this client's puts only after ``STREAK_TO_PAUSE``
-refused calls in a row, doubling from ``FIRST_PAUSE_S`` (about one eviction
-period of the master) up to ``span_full_cooldown_s``; any call that stores an
-object ends it. Why the put's own answer and not the master's usage, and the
-figures: docs/reliability.md, "A full cluster: the put cool-down". It also
-owns the counts of backup objects not written, by reason (``SKIP_REASONS``).
+``FailureLedger`` owns the failure marks (bad, full and owner-down segments,
+lost keys), ``PutPressure`` the put pause and the counts of backups not written,
+``DomainRouter`` decides per call: direct or copy by copy, how it is cut, where
+its objects go. Why: docs/reliability.md, "What the backend does" and "A full
+cluster: the put cool-down"; the layers: docs/architecture.md, step 4 of a put.
 """
 
 from __future__ import annotations
@@ -81,28 +57,16 @@ def judge_put_target(answers: bool | None, whole_call: bool, others_bad: bool) -
 
 
 class FailureLedger:
-    """Bad, full and owner-down segment marks and lost keys, on one clock. Thread-safe."""
+    """Bad, full and owner-down segment marks and lost keys, on one clock. Thread-safe.
+    Bounds: ``span_domain_bad_ttl_s``, ``span_lost_key_ttl_s``, ``span_lost_keys_max``."""
 
-    def __init__(
-        self,
-        bad_ttl_s: float,
-        lost_key_ttl_s: float,
-        lost_keys_max: int,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._bad_ttl_s = bad_ttl_s
-        self._bad = DomainHealth(bad_ttl_s)
-        self._full = DomainHealth(bad_ttl_s)
+    def __init__(self, options: SpanOptions, clock: Callable[[], float] = time.monotonic) -> None:
+        self._bad_ttl_s = options.domain_bad_ttl_s
+        self._bad = DomainHealth(self._bad_ttl_s)
+        self._full = DomainHealth(self._bad_ttl_s)
         self._owners_down_until = 0.0
-        self._lost = LostKeys(lost_key_ttl_s, lost_keys_max)
+        self._lost = LostKeys(options.lost_key_ttl_s, options.lost_keys_max)
         self._clock = clock
-
-    @classmethod
-    def from_options(
-        cls, options: SpanOptions, clock: Callable[[], float] = time.monotonic
-    ) -> FailureLedger:
-        """With ``span_domain_bad_ttl_s``, ``span_lost_key_ttl_s`` and ``span_lost_keys_max``."""
-        return cls(options.domain_bad_ttl_s, options.lost_key_ttl_s, options.lost_keys_max, clock)
 
     # ---- segment marks ---------------------------------------------------------------
 
@@ -207,11 +171,8 @@ def _check_bounds(ttl_s: float, max_entries: int) -> None:
 
 
 class DomainHealth:
-    """Segments that failed a transfer, each bad until ``ttl_s`` after its last failure.
-
-    At most ``max_segments`` are remembered (the oldest mark is dropped first),
-    so a storm of failures cannot grow it without bound.
-    """
+    """Segments that failed a transfer, each bad until ``ttl_s`` after its last failure;
+    at most ``max_segments`` (the oldest mark is dropped first)."""
 
     def __init__(self, ttl_s: float, max_segments: int = 1024) -> None:
         _check_bounds(ttl_s, max_segments)
@@ -237,12 +198,8 @@ class DomainHealth:
 
     @property
     def any_bad(self) -> bool:
-        """True while some mark may still be live (a cheap check without the clock)."""
+        """True while some mark may still be live (no clock read)."""
         return bool(self._bad_until)
-
-    def mark_good(self, segment: str) -> None:
-        with self._lock:
-            self._bad_until.pop(segment, None)
 
     def bad(self, now_s: float) -> frozenset[str]:
         """The segments bad at ``now_s`` (expired marks are dropped)."""
