@@ -1,34 +1,11 @@
-"""Every native call of one client: the gate it passes, and the data calls.
+"""Every native call of one client: ``NativeGate``, the gate each passes, and
+``NativeCalls``, the data calls the store's paths are made of.
 
-``NativeGate`` holds the native store once it is set up and hands it to each
-call as the rules allow (calls of several threads run at once): never after
-``close`` (the native client segfaults when called after close) or before
-setup, never while the circuit breaker is open. It counts calls in flight, so
-that closing waits (bounded) for them, checks the shape of every answer, and
-feeds the breaker: a call where every entry is a cluster-level
-failure (``errors.is_cluster_failure``), an exception or a wrong-length result
-counts against it, any other answer proves the master alive. While the
-breaker is open, ``RecoveryProbe`` asks the cluster past the gate.
-
-The breaker and its probe are the gate's: ``CircuitBreaker`` is the state
-machine the gate consults on every call (pure, the caller supplies the clock).
-With the master down every Mooncake call takes ~4.3 s before returning -900,
-which would stall sglang's prefetch and backup threads for minutes; after
-``breaker_failures`` consecutive whole-call transport failures the breaker
-opens and calls are refused at once (the backend answers "miss"). Nothing on
-the request path would then see the cluster recover, so ``RecoveryProbe``'s
-thread asks it at a fixed interval and closes the breaker on the first answer.
-
-It owns the client's error counters: every non-success code by name, and what
-the client skipped or found wrong (``count``). Every increment takes one lock,
-since sglang's backup and prefetch threads call at once.
-
-``NativeCalls`` are the data calls the store's paths are made of (one put of
-a ``Puts``, one get, existence codes, replica descriptions), each through the
-gate; what they need of the SSD tier is ``SsdReads``. The
-routing (``domain_calls.py``) decides which of them a put or a get becomes and
-makes them here; nothing here calls back up, so a put runs one way:
-``MooncakeClient`` -> ``DomainCalls`` -> ``NativeCalls`` -> the gate.
+The gate refuses calls before setup, after ``close`` (the native client crashes
+when called after close) and while its circuit breaker is open; it checks each
+answer's shape, feeds the breaker and owns the error counters. Nothing here
+calls back up: a put runs ``MooncakeClient`` -> ``DomainCalls`` -> ``NativeCalls``
+-> the gate. Why the breaker and its probe: docs/reliability.md, "What bounds a call".
 """
 
 from __future__ import annotations
@@ -64,11 +41,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Error counters live as long as the client and are keyed by code name, and an
-# unknown native code gets a label of its own (CODE_<n>): past this many
-# labels, new codes are counted together under _OTHER_CODES_LABEL. Bound: at
-# most _MAX_ERROR_LABELS + 1 code labels plus the seven fixed ones (three
-# counted here, four by the client through count()).
+# Error counters live as long as the client, keyed by code name (an unknown code:
+# CODE_<n>); past this many labels new codes share _OTHER_CODES_LABEL.
 _MAX_ERROR_LABELS = 64
 _OTHER_CODES_LABEL = "CODE_OTHER"
 
@@ -87,6 +61,8 @@ class BreakerSnapshot:
 
 
 class CircuitBreaker:
+    """Opens after ``failure_threshold`` whole-call failures in a row; pure, the caller's clock."""
+
     def __init__(self, failure_threshold: int) -> None:
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
@@ -129,8 +105,9 @@ class CircuitBreaker:
 
 
 class RecoveryProbe:
-    """``probe()`` answers True (the cluster answered), False (not yet) or None
-    (the client closed: stop)."""
+    """While the breaker is open nothing on the request path sees the cluster recover:
+    a thread asks ``probe()`` every ``interval_s``: True (it answered: close the
+    breaker), False (not yet) or None (the client closed: stop)."""
 
     def __init__(
         self, breaker: CircuitBreaker, interval_s: float, probe: Callable[[], bool | None]
