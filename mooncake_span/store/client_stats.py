@@ -1,11 +1,6 @@
-"""What one client reports, gathered from the owners of each count. Reads only.
-
-``ClientStats`` writes nothing: the error counters and the breaker belong to
-``NativeGate``, the segment marks and lost keys to ``FailureLedger``, the
-backups not written to ``PutPressure``, the SSD owner reads to ``ServingSsd``,
-the broken objects to ``IntegrityFailures``, the live segments to the
-segment directory. ``revision`` is cheap and changes whenever ``snapshot``
-has news, so the metrics are rebuilt only then (``CallObserver``).
+"""What one client reports (``stats()``), read from the owner of each count; writes
+nothing. ``revision`` is cheap and changes whenever ``snapshot`` has news, so the
+metrics are rebuilt only then.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ from mooncake_span.span.plan import PlanBatch, split_calls
 from mooncake_span.store.domains import (
     copy_candidates,
     copy_key,
-    first_choices,
     live_copies,
     put_targets,
+    rankings,
     segment_weights,
     suspect_copies,
 )
@@ -467,7 +467,7 @@ class DomainRouter:
         if steps is None:
             chosen_of = np.argmax(segment_weights(placed, segments), axis=1)
         else:
-            chosen_of = first_choices(placed, segments, steps)
+            chosen_of = rankings(placed, segments, steps)[:, 0]
         rows: dict[int, list[int]] = {}
         for i, chosen in enumerate(chosen_of.tolist()):
             rows.setdefault(chosen, []).append(i)

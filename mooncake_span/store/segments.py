@@ -1,14 +1,7 @@
-"""The live segment list, read from the master's admin HTTP server and kept fresh.
-
-``SegmentDirectory`` holds the last list the master gave (``/get_all_segments``
-on its ``--metrics_port``), refreshed by one daemon thread every
-``refresh_s`` and at once after a transfer failure (``wake``). Callers read the
-list without blocking; a failed fetch keeps the previous list, so a master
-outage does not empty it and turn placement off.
-
-Also the other questions the client asks the master's servers over HTTP:
-which segments' SSDs hold a key (``fetch_disk_owners``) and whether a
-segment's transfer endpoint answers (``probe_segment``).
+"""The master's admin HTTP server, asked: the live segment list (``SegmentDirectory``,
+kept fresh by one thread; a failed fetch keeps the last list, so a master outage
+does not turn placement off), the SSD owners of keys, whether a segment's transfer
+endpoint answers.
 """
 
 from __future__ import annotations
