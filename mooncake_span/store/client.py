@@ -21,7 +21,6 @@ from mooncake_span.errors import SetupError, code_name, found
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch
 from mooncake_span.store import ssd_marker
-from mooncake_span.store.client_stats import ClientStats
 from mooncake_span.store.domain_calls import DomainCalls
 from mooncake_span.store.gate import EXISTS_KEYS_PER_CALL, NativeCalls, NativeGate, Puts, uncounted
 from mooncake_span.store.integrity import IntegrityFailures
@@ -95,8 +94,6 @@ class MooncakeClient:
         self._domains = DomainCalls(
             self._native, self.router, self.ledger, self._integrity, self._ssd, self.pressure
         )
-        parts = (self._gate, self.ledger, self.pressure, self._ssd, self._integrity)
-        self._stats = ClientStats(*parts, self.router.segments)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -311,11 +308,31 @@ class MooncakeClient:
         """The stored size of ``key`` in bytes, or a negative native code."""
         return self._gate.invoke_one("get_size", lambda s: s.get_size(key))
 
-    # ---- statistics (client_stats.py) -----------------------------------------------
+    # ---- statistics: read from the owner of each count ---------------------------------
 
     def stats_revision(self) -> tuple[int, bool, int, int, int]:
-        """Cheap to read; changes whenever ``stats()`` has news for the metrics."""
-        return self._stats.revision()
+        """Cheap to read; changes whenever ``stats()`` has news for the metrics (every
+        failure is counted, and the breaker and segment marks follow them)."""
+        return (
+            *self._gate.revision(),
+            self.ledger.times_marked,
+            self.pressure.skipped_total,
+            self._ssd.read_rpcs,
+        )
 
     def stats(self) -> dict[str, Any]:
-        return self._stats.snapshot()
+        breaker = self._gate.breaker()
+        return {
+            "error_counts": self._gate.counts(),
+            "breaker_state": breaker.state.value,
+            "breaker_consecutive_failures": breaker.consecutive_failures,
+            "breaker_times_opened": breaker.times_opened,
+            "segments": list(self.router.segments()),
+            "bad_segments": sorted(self.ledger.bad_segments()),
+            "full_segments": sorted(self.ledger.full_segments()),
+            "domains_marked_bad": self.ledger.times_marked,
+            "lost_keys": self.ledger.lost_count,
+            "skipped_backups": self.pressure.skipped(),
+            "ssd_read_rpcs": self._ssd.read_rpcs,
+            **self._integrity.snapshot(),
+        }
