@@ -232,16 +232,11 @@ class NativeGate:
             self._leave()
         if not isinstance(result, list) or len(result) != expected_len:
             # e.g. the empty list an uninitialised client returns
+            length = str(len(result)) if isinstance(result, list) else None  # "0" is true
             self.count("BAD_RESULT_LENGTH")
-            self._fail(
-                op,
-                f"returned {type(result).__name__} of length "
-                f"{len(result) if isinstance(result, list) else '?'}",
-            )
-            raise TransportError(
-                f"{op} returned {len(result) if isinstance(result, list) else result!r} results "
-                f"for {expected_len} keys"
-            )
+            self._fail(op, f"returned {type(result).__name__} of length {length or '?'}")
+            got = length or repr(result)
+            raise TransportError(f"{op} returned {got} results for {expected_len} keys")
         self._record(op, result)
         return result
 

@@ -467,9 +467,7 @@ class DomainRouter:
         placed by chain, and any key while an SSD owner is down."""
         bad = self.ledger.bad_segments()
         if not bad:
-            if self.copies == 1:
-                return [[key] for key in keys]
-            return [[copy_key(key, r) for r in range(self.copies)] for key in keys]
+            return [self.copy_keys(key) for key in keys]
         if (domains is None and self.chained) or self.ledger.owners_down_now:
             rows = copy_candidates(keys, None, (), self.copies)  # every copy: ask the master
         else:
