@@ -79,7 +79,7 @@ class MooncakeClient:
         self._binding = binding
         # A transfer engine this process already runs, reused when it serves the settings.
         self._shared_engine = shared_engine
-        self._gate = NativeGate(options, clock)
+        self._gate = NativeGate(options)
         self.pressure = PutPressure(options.full_cooldown_s, now_s=clock)
         self._directory: SegmentDirectory | None = None
         # What failed calls taught, and for how long: the one owner of the failure marks.

@@ -57,11 +57,10 @@ class BreakerSnapshot:
     state: BreakerState
     consecutive_failures: int
     times_opened: int
-    opened_at_s: float | None
 
 
 class CircuitBreaker:
-    """Opens after ``failure_threshold`` whole-call failures in a row; pure, the caller's clock."""
+    """Opens after ``failure_threshold`` whole-call failures in a row. Pure."""
 
     def __init__(self, failure_threshold: int) -> None:
         if failure_threshold < 1:
@@ -71,7 +70,6 @@ class CircuitBreaker:
         self._state = BreakerState.CLOSED
         self._failures = 0
         self._times_opened = 0
-        self._opened_at_s: float | None = None
 
     @property
     def is_open(self) -> bool:
@@ -83,25 +81,21 @@ class CircuitBreaker:
             was_open = self._state is BreakerState.OPEN
             self._state = BreakerState.CLOSED
             self._failures = 0
-            self._opened_at_s = None
             return was_open
 
-    def record_failure(self, now_s: float) -> bool:
+    def record_failure(self) -> bool:
         """Returns True when this failure opened the breaker."""
         with self._lock:
             self._failures += 1
             if self._state is BreakerState.CLOSED and self._failures >= self._threshold:
                 self._state = BreakerState.OPEN
                 self._times_opened += 1
-                self._opened_at_s = now_s
                 return True
             return False
 
     def snapshot(self) -> BreakerSnapshot:
         with self._lock:
-            return BreakerSnapshot(
-                self._state, self._failures, self._times_opened, self._opened_at_s
-            )
+            return BreakerSnapshot(self._state, self._failures, self._times_opened)
 
 
 class RecoveryProbe:
@@ -143,9 +137,8 @@ class RecoveryProbe:
 
 
 class NativeGate:
-    def __init__(self, options: SpanOptions, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, options: SpanOptions) -> None:
         self.store: Any = None  # set by open() once setup succeeded
-        self._clock = clock
         self._cond = threading.Condition()
         self._closed = False
         self._inflight = 0
@@ -263,7 +256,7 @@ class NativeGate:
         self._breaker.record_success()
 
     def _fail(self, op: str, why: str) -> None:
-        if self._breaker.record_failure(self._clock()):
+        if self._breaker.record_failure():
             logger.warning(
                 "mooncake-span: circuit breaker OPEN after %s failed: %s; answering misses until "
                 "the cluster responds",
