@@ -72,12 +72,10 @@ def rankings(
 
 @dataclass(frozen=True)
 class ChainSpot:
-    """A run of consecutive keys of one prefix chain: the chain's placement key
-    (its root's domain), the chain position of the run's first key, the window
-    (keys the root's segment holds first) and the stripe (keys per step past
-    the window). Everything here follows from the chain itself, so every call,
-    process, rank and pool component that names a key of the chain computes the
-    same step for it."""
+    """A run of consecutive keys of one prefix chain: its root's domain, the chain
+    position of the run's first key, the window (keys the root's segment holds
+    first) and the stripe (keys per step past it). All follow from the chain itself,
+    so every caller computes the same step for a key."""
 
     domain: str
     start: int
@@ -181,10 +179,6 @@ def put_targets(
         return {"": [(i, copy_key(k, r)) for i, k in enumerate(keys) for r in range(copies)]}
     order = rankings(domains if domains else keys, segments, steps).tolist()
     out: dict[str, list[tuple[int, str]]] = {}
-    if copies == 1 and not bad:
-        for i, (key, row) in enumerate(zip(keys, order, strict=True)):
-            out.setdefault(segments[row[0]], []).append((i, key))
-        return out
     for i, (key, row) in enumerate(zip(keys, order, strict=True)):
         ranking = [segments[j] for j in row]
         chosen = ranking[:copies]

@@ -49,12 +49,8 @@ def _get_json(url: str) -> Any:
 
 def fetch_disk_owners(admin_url: str, keys: Sequence[str]) -> dict[str, set[str]] | None:
     """Per key, the segments of the clients whose SSD holds it (its ``LOCAL_DISK``
-    replicas), from the master's admin server; None if it did not answer.
-
-    Replica descriptors leave a disk replica's owner out; the admin server names
-    its client id (``/batch_query_keys``), and ``/get_segments_detail`` the
-    segment each client mounted. An owner without a listed segment is named
-    ``client:<id>``."""
+    replicas; an owner without a listed segment is ``client:<id>``), from the master's
+    admin server; None if it did not answer. Why: docs/operating.md, "Known upstream issues"."""
     base = admin_url.rstrip("/")
     detail = _get_json(base + "/get_segments_detail")
     if not isinstance(detail, dict):
@@ -80,10 +76,8 @@ _PROBE_TIMEOUT_S = 0.3
 
 
 def probe_segment(metadata_server: str, admin_url: str | None, segment: str) -> bool | None:
-    """Whether ``segment``'s transfer RPC endpoint accepts a TCP connection:
-    False when it refuses or stays silent within the bound, None when nothing
-    says where the endpoint is (etcd or redis metadata; P2P handshake without
-    the master's admin server)."""
+    """Whether ``segment``'s transfer RPC endpoint accepts a TCP connection within the
+    bound; None when nothing says where it is (docs/reliability.md, "What the backend does")."""
     endpoint = _rpc_endpoint(metadata_server, admin_url, segment)
     if endpoint is None:
         return None
