@@ -82,15 +82,12 @@ class MooncakeClient:
         self._gate = NativeGate(options)
         self.pressure = PutPressure(options.full_cooldown_s, now_s=clock)
         self._directory: SegmentDirectory | None = None
-        # What failed calls taught, and for how long: the one owner of the failure marks.
         self.ledger = FailureLedger(options, clock)
-        # Placement and routing; the backend gives the placement key (place_by).
         self.router = DomainRouter(options, self.ledger)
-        self._ssd = ServingSsd(self._gate, self.ledger)  # the SSD tier's one owner
+        self._ssd = ServingSsd(self._gate, self.ledger)
         self._seal: TrailerArena | None = None  # span_object_checksums, set by connect()
         self._native = NativeCalls(self._gate, self._ssd)
         self._integrity = IntegrityFailures(self._native.remove_one, clock)
-        # Which native calls a data call becomes; it makes them through _native.
         self._domains = DomainCalls(
             self._native, self.router, self.ledger, self._integrity, self._ssd, self.pressure
         )

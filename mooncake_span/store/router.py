@@ -354,9 +354,7 @@ class DomainRouter:
         # The live segment list placement chooses from; None: Mooncake places objects.
         self.directory: SegmentDirectory | None = None
         self._max_buffers = options.max_buffers_per_call
-        # The placement key of an object key: objects with one domain share a
-        # segment. Given through place_by (the client passes on the backend's
-        # KeySchema.domain_of); None: the key itself.
+        # The placement key of an object key (place_by; None: the key itself).
         self._domain_of: Callable[[str], str] | None = None
         # Set once a put was placed by prefix chain (direct_groups, put_groups):
         # from then on a read that names no chain cannot compute where its keys
