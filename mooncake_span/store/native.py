@@ -79,18 +79,13 @@ def installed_mooncake(
     from importlib import metadata
 
     packages = (provided or metadata.packages_distributions)()
-    names = dict.fromkeys(packages.get("mooncake", ()))
-    found = []
-    for name in names:
-        canonical = name.lower().replace("_", "-").replace(".", "-")
-        found.append(
-            MooncakeBuild(
-                canonical,
-                (version or metadata.version)(name),
-                MOONCAKE_DISTRIBUTIONS.get(canonical),
-            )
-        )
-    return found
+    version_of = version or metadata.version
+    canonical = {
+        n: n.lower().replace("_", "-").replace(".", "-") for n in packages.get("mooncake", ())
+    }
+    return [
+        MooncakeBuild(c, version_of(n), MOONCAKE_DISTRIBUTIONS.get(c)) for n, c in canonical.items()
+    ]
 
 
 def mooncake_import_failure(exc: ImportError, builds: Sequence[MooncakeBuild] | None = None) -> str:
