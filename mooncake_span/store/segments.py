@@ -23,28 +23,23 @@ logger = logging.getLogger(__name__)
 _FETCH_TIMEOUT_S = 1.0
 
 
-def fetch_segments(admin_url: str) -> list[str] | None:
-    """The master's segment names, or None if it did not answer within the bound."""
+def _get(url: str, parse: Callable[[str], Any] = json.loads) -> Any:
+    """``parse`` of the answer to a GET, or None without one within the bound."""
     try:
-        with urllib.request.urlopen(
-            admin_url.rstrip("/") + "/get_all_segments", timeout=_FETCH_TIMEOUT_S
-        ) as response:
-            text = response.read().decode("utf-8", "replace")
+        with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:
+            return parse(response.read().decode("utf-8", "replace"))
     except (OSError, ValueError):  # URLError is an OSError
         return None
-    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def fetch_segments(admin_url: str) -> list[str] | None:
+    """The master's segment names, or None if it did not answer within the bound."""
+    text = _get(admin_url.rstrip("/") + "/get_all_segments", str)
+    return None if text is None else [line.strip() for line in text.splitlines() if line.strip()]
 
 
 # Keys per /batch_query_keys request: they travel in the URL.
 _QUERY_KEYS_PER_REQUEST = 32
-
-
-def _get_json(url: str) -> Any:
-    try:
-        with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:
-            return json.loads(response.read().decode("utf-8", "replace"))
-    except (OSError, ValueError):  # URLError is an OSError
-        return None
 
 
 def fetch_disk_owners(admin_url: str, keys: Sequence[str]) -> dict[str, set[str]] | None:
@@ -52,7 +47,7 @@ def fetch_disk_owners(admin_url: str, keys: Sequence[str]) -> dict[str, set[str]
     replicas; an owner without a listed segment is ``client:<id>``), from the master's
     admin server; None if it did not answer. Why: docs/operating.md, "Known upstream issues"."""
     base = admin_url.rstrip("/")
-    detail = _get_json(base + "/get_segments_detail")
+    detail = _get(base + "/get_segments_detail")
     if not isinstance(detail, dict):
         return None
     segment_of = {
@@ -61,7 +56,7 @@ def fetch_disk_owners(admin_url: str, keys: Sequence[str]) -> dict[str, set[str]
     owners: dict[str, set[str]] = {}
     for start in range(0, len(keys), _QUERY_KEYS_PER_REQUEST):
         chunk = ",".join(keys[start : start + _QUERY_KEYS_PER_REQUEST])
-        answer = _get_json(f"{base}/batch_query_keys?keys={urllib.parse.quote(chunk)}")
+        answer = _get(f"{base}/batch_query_keys?keys={urllib.parse.quote(chunk)}")
         if not isinstance(answer, dict) or not isinstance(answer.get("data"), dict):
             return None
         for key, item in answer["data"].items():
@@ -94,13 +89,13 @@ def _rpc_endpoint(
     # A segment's name is not an endpoint (measured: no process listens on it).
     if metadata_server.startswith(("http://", "https://")):
         key = urllib.parse.quote("mooncake/rpc_meta/" + segment, safe="")
-        meta = _get_json(f"{metadata_server}?key={key}")
+        meta = _get(f"{metadata_server}?key={key}")
         if isinstance(meta, dict) and str(meta.get("rpc_port", "")).isdigit():
             host = str(meta.get("ip_or_host_name") or segment.rpartition(":")[0])
             return host, int(meta["rpc_port"])
     elif metadata_server == "P2PHANDSHAKE" and admin_url:
         # The master's segment detail names the endpoint a handshake dials.
-        detail = _get_json(admin_url.rstrip("/") + "/get_segments_detail")
+        detail = _get(admin_url.rstrip("/") + "/get_segments_detail")
         for entry in detail.get("segments") or [] if isinstance(detail, dict) else []:
             if entry.get("segment_name") == segment:
                 host, _, port = str(entry.get("te_endpoint") or "").rpartition(":")
