@@ -1,17 +1,9 @@
-"""The staging arena: one registered buffer that memory sglang owns moves through.
+"""The staging arena: one registered buffer that memory sglang owns moves through
+(zero-copy Mooncake calls may only name registered memory, RDMA's rule).
 
-Zero-copy Mooncake calls may only name registered memory (RDMA's rule). Host
-pools are registered whole at startup; everything else -- the generic path's
-tensors, staged pools' pages, the layout-guard record -- is copied into a
-lease of this arena, sent from there, and copied out after a get.
-
-A lease is a free gap of the arena, granted between ``min_bytes`` (one
-object or key row: the caller cannot go smaller) and ``want_bytes`` (the
-whole call). Concurrent callers (sglang's prefetch and backup threads) get
-smaller leases while the arena is shared and cut their calls to fit; one
-that cannot get even ``min_bytes`` waits at most ``timeout_s`` and then gets
-a ``StagingBusyError``. A lease never outlives one native call, so every
-wait ends.
+A lease is a free gap of ``min_bytes`` (one object or key row) to ``want_bytes``
+(the whole call); a lease never outlives one native call, so every wait ends.
+Why and sizing: docs/operating.md, "Registered memory".
 """
 
 from __future__ import annotations

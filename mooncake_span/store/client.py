@@ -1,33 +1,9 @@
 """The store's one entry: ``MooncakeClient``, over one ``MooncakeDistributedStore``.
 
-The client sets the native store up (the only module that loads Mooncake),
-hands each put and get down to ``DomainCalls`` (an existence query too, while
-failure domains matter; otherwise it is one ``NativeCalls`` call) and closes
-it. Every native call passes the gate (``gate.py``: closed, breaker, answer
-shape, the error counters; its ``NativeCalls`` are the data calls). A native
-code is read in one place (``errors.py``: ``written``, ``read_whole``,
-``found`` and the predicates); every other code is counted by name. The
-calls go one way: the client calls down, and nothing below calls it back.
-What to do is decided below:
-
-* ``domain_calls.py``: which native calls a put or a get becomes (direct, as
-  its caller built it, or copy by copy, by the router's word), existence
-  queries copy by copy, and what a failed call teaches;
-* ``router.py``: what failed calls taught (``FailureLedger``: marked segments,
-  lost keys, and the put pause after refused puts in a row: skipped ones read
-  False) and what the router decides from it (which objects a call touches,
-  and on which segment);
-* ``seal.py``: with ``span_object_checksums`` every object carries its seal:
-  ``put`` and ``get`` wrap the call in the trailers' arena, and each native
-  get checks what it read, a mismatch reading as a broken object;
-* ``serving_ssd.py``: this rank's SSD directory, reads an SSD owner's read
-  buffer could not take, and where disk replicas are;
-* ``segments.py``: the live segment list placement chooses from;
-* ``client_stats.py``: what ``stats()`` reports, from the owners of each count;
-* ``native.py``: the reachability checks and environment before ``setup``.
-
-The file reads top-down: lifecycle, the write path, the read path, replica
-descriptions, existence, the other operations, then statistics.
+It sets the native store up (the only module that loads Mooncake), hands each
+put and get down to ``DomainCalls`` and closes it. Calls go one way: nothing
+below calls the client back. Native codes are read once, in ``errors.py``.
+Its layers: docs/architecture.md, step 4 of a get and of a put.
 """
 
 from __future__ import annotations
@@ -45,7 +21,6 @@ from mooncake_span.errors import SetupError, code_name, found
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import ObjectPlan, PlanBatch
 from mooncake_span.store import ssd_marker
-from mooncake_span.store.client_stats import ClientStats
 from mooncake_span.store.domain_calls import DomainCalls
 from mooncake_span.store.gate import EXISTS_KEYS_PER_CALL, NativeCalls, NativeGate, Puts, uncounted
 from mooncake_span.store.integrity import IntegrityFailures
@@ -104,23 +79,18 @@ class MooncakeClient:
         self._binding = binding
         # A transfer engine this process already runs, reused when it serves the settings.
         self._shared_engine = shared_engine
-        self._gate = NativeGate(options, clock)
+        self._gate = NativeGate(options)
         self.pressure = PutPressure(options.full_cooldown_s, now_s=clock)
         self._directory: SegmentDirectory | None = None
-        # What failed calls taught, and for how long: the one owner of the failure marks.
-        self.ledger = FailureLedger.from_options(options, clock)
-        # Placement and routing; the backend gives the placement key (place_by).
+        self.ledger = FailureLedger(options, clock)
         self.router = DomainRouter(options, self.ledger)
-        self._ssd = ServingSsd(self._gate, self.ledger)  # the SSD tier's one owner
+        self._ssd = ServingSsd(self._gate, self.ledger)
         self._seal: TrailerArena | None = None  # span_object_checksums, set by connect()
         self._native = NativeCalls(self._gate, self._ssd)
         self._integrity = IntegrityFailures(self._native.remove_one, clock)
-        # Which native calls a data call becomes; it makes them through _native.
         self._domains = DomainCalls(
             self._native, self.router, self.ledger, self._integrity, self._ssd, self.pressure
         )
-        parts = (self._gate, self.ledger, self.pressure, self._ssd, self._integrity)
-        self._stats = ClientStats(*parts, self.router.segments)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -221,11 +191,10 @@ class MooncakeClient:
         sealed: bool = True,
     ) -> list[bool]:
         """Write objects that do not exist yet (Mooncake keeps an existing key's value
-        and answers success). Objects of one domain (``domains``, else ``place_by``'s)
-        and chain step (``steps``) share a segment; ``group_ids`` are sent if given;
-        ``hard_pin``: never evicted (metadata); ``sealed=False``: no seal even with
-        ``span_object_checksums`` (small records other tools read as they are).
-        True only if every copy was written (``DomainCalls.put``)."""
+        and answers success); True only if every copy was written. Objects of one
+        domain (``domains``, else ``place_by``'s) and chain step share a segment;
+        ``hard_pin``: never evicted; ``sealed=False``: no seal even with
+        ``span_object_checksums`` (small records other tools read as they are)."""
         puts = Puts(list(keys), PlanBatch.of(plans), group_ids, hard_pin, domains, steps)
         return self.put_objects(puts, sealed)
 
@@ -248,10 +217,7 @@ class MooncakeClient:
     ) -> list[bool]:
         """Read objects into the planned buffers; True only for a complete read (with
         ``span_object_checksums``, of bytes that match their seal, unless
-        ``sealed=False``: objects put with it off). A key that cannot be read is
-        remembered lost; while domains matter, each key's live copies are tried in
-        turn (``DomainCalls.get``; ``domains``/``steps``: the placement its put used,
-        if the caller knows it)."""
+        ``sealed=False``). ``domains``/``steps``: the placement its put used, if known."""
         batch = PlanBatch.of(plans)
         if sealed and self._seal is not None:
             with self._seal.reading(keys, batch) as sealed_batch:
@@ -266,16 +232,14 @@ class MooncakeClient:
         sizes: dict[str, int] | None = None,
         on_rpc: Callable[[], None] = uncounted,
     ) -> dict[str, set[str]]:
-        """Where the master says objects are (``NativeCalls.locate``: one RPC, SSD
-        owners added); {} if it does not answer."""
+        """Where the master says objects are (``NativeCalls.locate``)."""
         return self._native.locate(object_keys, sizes, on_rpc)
 
     # ---- existence ---------------------------------------------------------------
 
     @property
     def untroubled(self) -> bool:
-        """Existence queries carry touched objects and need no placement: one copy per
-        key, no key known lost, no segment marked bad (``DomainRouter.untroubled``)."""
+        """Existence queries carry touched objects (``DomainRouter.untroubled``)."""
         return self.router.untroubled
 
     def exists(
@@ -285,11 +249,9 @@ class MooncakeClient:
         steps: Sequence[int] | None = None,
         on_rpc: Callable[[], None] = uncounted,
     ) -> list[bool]:
-        """Per key, whether a readable copy is stored. Keys whose restore failed
-        recently, and keys whose every copy sits in a bad failure domain, are
-        absent without asking the master. ``domains``/``steps`` as for ``get``;
-        ``on_rpc`` is called once per native RPC sent (existence queries of at
-        most ``EXISTS_KEYS_PER_CALL`` keys each, and where suspect copies are)."""
+        """Per key, whether a readable copy is stored (lost keys and keys with every
+        copy in a bad failure domain are absent without asking). ``on_rpc`` is
+        called once per native RPC sent."""
         return self.exists_and_touch(keys, (), domains, steps, on_rpc).found
 
     def exists_and_touch(
@@ -343,11 +305,31 @@ class MooncakeClient:
         """The stored size of ``key`` in bytes, or a negative native code."""
         return self._gate.invoke_one("get_size", lambda s: s.get_size(key))
 
-    # ---- statistics (client_stats.py) -----------------------------------------------
+    # ---- statistics: read from the owner of each count ---------------------------------
 
     def stats_revision(self) -> tuple[int, bool, int, int, int]:
-        """Cheap to read; changes whenever ``stats()`` has news for the metrics."""
-        return self._stats.revision()
+        """Cheap to read; changes whenever ``stats()`` has news for the metrics (every
+        failure is counted, and the breaker and segment marks follow them)."""
+        return (
+            *self._gate.revision(),
+            self.ledger.times_marked,
+            self.pressure.skipped_total,
+            self._ssd.read_rpcs,
+        )
 
     def stats(self) -> dict[str, Any]:
-        return self._stats.snapshot()
+        breaker = self._gate.breaker()
+        return {
+            "error_counts": self._gate.counts(),
+            "breaker_state": breaker.state.value,
+            "breaker_consecutive_failures": breaker.consecutive_failures,
+            "breaker_times_opened": breaker.times_opened,
+            "segments": list(self.router.segments()),
+            "bad_segments": sorted(self.ledger.bad_segments()),
+            "full_segments": sorted(self.ledger.full_segments()),
+            "domains_marked_bad": self.ledger.times_marked,
+            "lost_keys": self.ledger.lost_count,
+            "skipped_backups": self.pressure.skipped(),
+            "ssd_read_rpcs": self._ssd.read_rpcs,
+            **self._integrity.snapshot(),
+        }

@@ -1,34 +1,8 @@
-"""Which native calls a put or a get becomes (and an existence query while
-failure domains matter): the router's word, carried out.
-
-``MooncakeClient`` hands every put and get here, and ``DomainCalls`` makes
-their parts as ``NativeCalls`` (``gate.py``); nothing here calls the client
-back. The router (``DomainRouter``) decides from the ledger's marks:
-
-* nearly every call of a healthy cluster goes **direct**, as its caller built
-  it: one copy per key, no segment marked bad or full, no key named twice.
-  A put sends every segment's share at once (``each_segment``: one rank's
-  put reaches several storage nodes together, not one after another), each
-  share in calls within the buffer budget, none while puts are paused
-  (``PutPressure``); a get goes in calls cut only by the buffer budget (an
-  existence query goes direct from the client, as one ``NativeCalls`` call);
-* otherwise **copy by copy**: a put writes every copy of every unique key
-  onto the segment the router places it on (a key is written when all its
-  copies are); a get reads each key's live copies in turn, until one reads
-  completely (a round never names one key twice: Mooncake would leave a
-  buffer unwritten); an existence query asks about the live copies only, and
-  keys known lost, or with every copy in a bad failure domain, are absent
-  without asking;
-* a failed put (``failed_put``) has its preferred segment dialled, and the
-  ledger judges it bad or full;
-* a failed read (``failed_reads``) marks the segments its transfer failures
-  sit on (as the master locates them), removes corrupt objects
-  (``IntegrityFailures``) and hears about SSD owners that are down
-  (``ServingSsd``); what can never be read again is remembered lost in the
-  ``FailureLedger``, and a key written again is forgotten there.
-
-A segment marked bad wakes the segment directory (``wake``), so placement
-stops choosing it at once.
+"""Which native calls a put or a get becomes, by the router's word: direct, as its
+caller built it (nearly every call of a healthy cluster), or copy by copy while
+failure domains matter; and what a failed call teaches. Calls go down to
+``NativeCalls`` only, never back to the client. Walk-through: docs/architecture.md,
+step 4 of a get and of a put; the rules: docs/reliability.md, "What the backend does".
 """
 
 from __future__ import annotations
@@ -262,17 +236,12 @@ class DomainCalls:
         failed = [f for f in zip(object_keys, planned, codes, strict=True) if f[1] != f[2]]
         dead = {k: n for k, n, code in failed if is_transfer_failure(code)}
         if dead:
-            self._mark_failed_domains("batch_get_into_multi_buffers", dead)
+            # Where the master locates them (placement may not have been followed), and
+            # only replicas of exactly the planned size: a read into larger buffers also
+            # gets -800, a wrong request and not a dead node.
+            located = self.native.locate(list(dead), dead)
+            if segments := set().union(*located.values()):
+                self.ledger.transfer_failed(segments, "batch_get_into_multi_buffers")
+                self.wake()
         lost = [*dead, *self.integrity.record(failed)]
         return lost + self.ssd.owners_down(object_keys, codes, self.native.replica_desc)
-
-    def _mark_failed_domains(self, op: str, planned_bytes: dict[str, int]) -> None:
-        """Mark bad the segments holding objects a transfer just failed on, as the
-        master locates them (placement may not have been followed). Only objects
-        of exactly the planned size count: a read into larger buffers also gets
-        -800, a wrong request and not a dead node."""
-        located = self.native.locate(list(planned_bytes), planned_bytes)
-        segments = set().union(*located.values())
-        if segments:
-            self.ledger.transfer_failed(segments, op)
-            self.wake()

@@ -1,23 +1,10 @@
-"""Failure domains: where a storage key's objects go. Pure.
+"""Failure domains: where a storage key's objects go. Pure: no state, no I/O (the
+caller supplies the segment list).
 
-A *failure domain* is one Mooncake segment (one storage-node process). No
-state and no I/O (the caller supplies the segment list):
-
-* The live segments are ordered for each domain key by rendezvous
-  (highest-random-weight) hashing. Every object of a storage key carries the
-  same domain key, so every process and rank that writes one of them prefers
-  the same segment, and the key lives or dies as a whole. Adding or removing a
-  segment moves only the keys that rank it first (about 1/N of them), so a new
-  node takes its share of new writes and is not flooded.
-* ``ChainSpot`` extends that to a prefix chain (a conversation's page keys,
-  each hashed from the one before): every key of the chain takes its root's
-  domain key and a *step*, its chain position divided by the window. Step s
-  sits on the s-th segment of the root's order (cyclically), so a chain
-  shorter than the window lives or dies as a whole, and a longer one moves on
-  to the root's next segment every window.
-
-Which segments to avoid is decided by ``store/router.py`` (``FailureLedger``), which keeps
-the marks (``DomainHealth``, ``LostKeys``) next to their rules.
+A failure domain is one Mooncake segment (one storage-node process). Segments are
+ranked per domain key by rendezvous hashing; ``ChainSpot`` gives a prefix chain's
+keys its root's domain and a step. Why: docs/reliability.md, "What the backend
+does" (co-location) and "Placement by prefix chain". The marks: ``router.py``.
 """
 
 from __future__ import annotations
@@ -67,7 +54,7 @@ def segment_weights(domain_keys: Sequence[str], segments: Sequence[str]) -> np.n
     return x
 
 
-def _rankings(
+def rankings(
     domain_keys: Sequence[str], segments: Sequence[str], steps: Sequence[int] | None = None
 ) -> np.ndarray:
     """Per domain, indices into ``segments`` from most to least preferred; with
@@ -83,21 +70,12 @@ def _rankings(
     return np.take_along_axis(order, columns, axis=1)
 
 
-def first_choices(
-    domain_keys: Sequence[str], segments: Sequence[str], steps: Sequence[int]
-) -> np.ndarray:
-    """Per domain, the index into ``segments`` of the segment its chain step sits on."""
-    return _rankings(domain_keys, segments, steps)[:, 0]
-
-
 @dataclass(frozen=True)
 class ChainSpot:
-    """A run of consecutive keys of one prefix chain: the chain's placement key
-    (its root's domain), the chain position of the run's first key, the window
-    (keys the root's segment holds first) and the stripe (keys per step past
-    the window). Everything here follows from the chain itself, so every call,
-    process, rank and pool component that names a key of the chain computes the
-    same step for it."""
+    """A run of consecutive keys of one prefix chain: its root's domain, the chain
+    position of the run's first key, the window (keys the root's segment holds
+    first) and the stripe (keys per step past it). All follow from the chain itself,
+    so every caller computes the same step for a key."""
 
     domain: str
     start: int
@@ -152,7 +130,7 @@ def copy_candidates(
     (default: 0) its chain step."""
     if not segments:
         return [[(copy_key(key, r), "") for r in range(copies)] for key in keys]
-    order = _rankings(domains if domains else keys, segments, steps)[:, :copies].tolist()
+    order = rankings(domains if domains else keys, segments, steps)[:, :copies].tolist()
     return [
         [(copy_key(key, r), segments[row[r]] if r < len(row) else "") for r in range(copies)]
         for key, row in zip(keys, order, strict=True)
@@ -168,13 +146,9 @@ def suspect_copies(rows: Sequence[Sequence[tuple[str, str]]], bad: frozenset[str
 def live_copies(
     rows: Sequence[Sequence[tuple[str, str]]], bad: frozenset[str], located: Mapping[str, set[str]]
 ) -> list[list[str]]:
-    """Per key, the copies worth a transfer, in copy order.
-
-    A copy placed on a healthy segment is kept. A suspect copy is kept only if
-    the master located it on a healthy segment (written there as a fallback,
-    before the segment list changed, or by Mooncake's own placement);
-    otherwise it is a miss without a transfer. An empty row: every copy is in
-    a bad failure domain (or gone)."""
+    """Per key, the copies worth a transfer, in copy order: those placed on a healthy
+    segment, and suspect ones the master ``located`` on one (a fallback write, or
+    Mooncake's placement). An empty row: every copy is in a bad failure domain."""
     return [
         [
             obj
@@ -203,12 +177,8 @@ def put_targets(
         # No segment directory: Mooncake places every copy, whatever the domain
         # (callers may pass no domains then: computing them costs per object).
         return {"": [(i, copy_key(k, r)) for i, k in enumerate(keys) for r in range(copies)]}
-    order = _rankings(domains if domains else keys, segments, steps).tolist()
+    order = rankings(domains if domains else keys, segments, steps).tolist()
     out: dict[str, list[tuple[int, str]]] = {}
-    if copies == 1 and not bad:
-        for i, (key, row) in enumerate(zip(keys, order, strict=True)):
-            out.setdefault(segments[row[0]], []).append((i, key))
-        return out
     for i, (key, row) in enumerate(zip(keys, order, strict=True)):
         ranking = [segments[j] for j in row]
         chosen = ranking[:copies]

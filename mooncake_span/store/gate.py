@@ -1,34 +1,11 @@
-"""Every native call of one client: the gate it passes, and the data calls.
+"""Every native call of one client: ``NativeGate``, the gate each passes, and
+``NativeCalls``, the data calls the store's paths are made of.
 
-``NativeGate`` holds the native store once it is set up and hands it to each
-call as the rules allow (calls of several threads run at once): never after
-``close`` (the native client segfaults when called after close) or before
-setup, never while the circuit breaker is open. It counts calls in flight, so
-that closing waits (bounded) for them, checks the shape of every answer, and
-feeds the breaker: a call where every entry is a cluster-level
-failure (``errors.is_cluster_failure``), an exception or a wrong-length result
-counts against it, any other answer proves the master alive. While the
-breaker is open, ``RecoveryProbe`` asks the cluster past the gate.
-
-The breaker and its probe are the gate's: ``CircuitBreaker`` is the state
-machine the gate consults on every call (pure, the caller supplies the clock).
-With the master down every Mooncake call takes ~4.3 s before returning -900,
-which would stall sglang's prefetch and backup threads for minutes; after
-``breaker_failures`` consecutive whole-call transport failures the breaker
-opens and calls are refused at once (the backend answers "miss"). Nothing on
-the request path would then see the cluster recover, so ``RecoveryProbe``'s
-thread asks it at a fixed interval and closes the breaker on the first answer.
-
-It owns the client's error counters: every non-success code by name, and what
-the client skipped or found wrong (``count``). Every increment takes one lock,
-since sglang's backup and prefetch threads call at once.
-
-``NativeCalls`` are the data calls the store's paths are made of (one put of
-a ``Puts``, one get, existence codes, replica descriptions), each through the
-gate; what they need of the SSD tier is ``SsdReads``. The
-routing (``domain_calls.py``) decides which of them a put or a get becomes and
-makes them here; nothing here calls back up, so a put runs one way:
-``MooncakeClient`` -> ``DomainCalls`` -> ``NativeCalls`` -> the gate.
+The gate refuses calls before setup, after ``close`` (the native client crashes
+when called after close) and while its circuit breaker is open; it checks each
+answer's shape, feeds the breaker and owns the error counters. Nothing here
+calls back up: a put runs ``MooncakeClient`` -> ``DomainCalls`` -> ``NativeCalls``
+-> the gate. Why the breaker and its probe: docs/reliability.md, "What bounds a call".
 """
 
 from __future__ import annotations
@@ -64,11 +41,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Error counters live as long as the client and are keyed by code name, and an
-# unknown native code gets a label of its own (CODE_<n>): past this many
-# labels, new codes are counted together under _OTHER_CODES_LABEL. Bound: at
-# most _MAX_ERROR_LABELS + 1 code labels plus the seven fixed ones (three
-# counted here, four by the client through count()).
+# Error counters live as long as the client, keyed by code name (an unknown code:
+# CODE_<n>); past this many labels new codes share _OTHER_CODES_LABEL.
 _MAX_ERROR_LABELS = 64
 _OTHER_CODES_LABEL = "CODE_OTHER"
 
@@ -83,10 +57,11 @@ class BreakerSnapshot:
     state: BreakerState
     consecutive_failures: int
     times_opened: int
-    opened_at_s: float | None
 
 
 class CircuitBreaker:
+    """Opens after ``failure_threshold`` whole-call failures in a row. Pure."""
+
     def __init__(self, failure_threshold: int) -> None:
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
@@ -95,7 +70,6 @@ class CircuitBreaker:
         self._state = BreakerState.CLOSED
         self._failures = 0
         self._times_opened = 0
-        self._opened_at_s: float | None = None
 
     @property
     def is_open(self) -> bool:
@@ -107,30 +81,27 @@ class CircuitBreaker:
             was_open = self._state is BreakerState.OPEN
             self._state = BreakerState.CLOSED
             self._failures = 0
-            self._opened_at_s = None
             return was_open
 
-    def record_failure(self, now_s: float) -> bool:
+    def record_failure(self) -> bool:
         """Returns True when this failure opened the breaker."""
         with self._lock:
             self._failures += 1
             if self._state is BreakerState.CLOSED and self._failures >= self._threshold:
                 self._state = BreakerState.OPEN
                 self._times_opened += 1
-                self._opened_at_s = now_s
                 return True
             return False
 
     def snapshot(self) -> BreakerSnapshot:
         with self._lock:
-            return BreakerSnapshot(
-                self._state, self._failures, self._times_opened, self._opened_at_s
-            )
+            return BreakerSnapshot(self._state, self._failures, self._times_opened)
 
 
 class RecoveryProbe:
-    """``probe()`` answers True (the cluster answered), False (not yet) or None
-    (the client closed: stop)."""
+    """While the breaker is open nothing on the request path sees the cluster recover:
+    a thread asks ``probe()`` every ``interval_s``: True (it answered: close the
+    breaker), False (not yet) or None (the client closed: stop)."""
 
     def __init__(
         self, breaker: CircuitBreaker, interval_s: float, probe: Callable[[], bool | None]
@@ -166,9 +137,8 @@ class RecoveryProbe:
 
 
 class NativeGate:
-    def __init__(self, options: SpanOptions, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, options: SpanOptions) -> None:
         self.store: Any = None  # set by open() once setup succeeded
-        self._clock = clock
         self._cond = threading.Condition()
         self._closed = False
         self._inflight = 0
@@ -255,16 +225,11 @@ class NativeGate:
             self._leave()
         if not isinstance(result, list) or len(result) != expected_len:
             # e.g. the empty list an uninitialised client returns
+            length = str(len(result)) if isinstance(result, list) else None  # "0" is true
             self.count("BAD_RESULT_LENGTH")
-            self._fail(
-                op,
-                f"returned {type(result).__name__} of length "
-                f"{len(result) if isinstance(result, list) else '?'}",
-            )
-            raise TransportError(
-                f"{op} returned {len(result) if isinstance(result, list) else result!r} results "
-                f"for {expected_len} keys"
-            )
+            self._fail(op, f"returned {type(result).__name__} of length {length or '?'}")
+            got = length or repr(result)
+            raise TransportError(f"{op} returned {got} results for {expected_len} keys")
         self._record(op, result)
         return result
 
@@ -291,7 +256,7 @@ class NativeGate:
         self._breaker.record_success()
 
     def _fail(self, op: str, why: str) -> None:
-        if self._breaker.record_failure(self._clock()):
+        if self._breaker.record_failure():
             logger.warning(
                 "mooncake-span: circuit breaker OPEN after %s failed: %s; answering misses until "
                 "the cluster responds",

@@ -17,7 +17,6 @@ from typing import Any
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import ConfigError, SetupError, code_name
 from mooncake_span.mooncake_settings import MooncakeSettings
-from mooncake_span.store.protocol import NativeStore
 from mooncake_span.store.segments import fetch_disk_owners, fetch_segments, probe_segment
 
 logger = logging.getLogger(__name__)
@@ -80,18 +79,13 @@ def installed_mooncake(
     from importlib import metadata
 
     packages = (provided or metadata.packages_distributions)()
-    names = dict.fromkeys(packages.get("mooncake", ()))
-    found = []
-    for name in names:
-        canonical = name.lower().replace("_", "-").replace(".", "-")
-        found.append(
-            MooncakeBuild(
-                canonical,
-                (version or metadata.version)(name),
-                MOONCAKE_DISTRIBUTIONS.get(canonical),
-            )
-        )
-    return found
+    version_of = version or metadata.version
+    canonical = {
+        n: n.lower().replace("_", "-").replace(".", "-") for n in packages.get("mooncake", ())
+    }
+    return [
+        MooncakeBuild(c, version_of(n), MOONCAKE_DISTRIBUTIONS.get(c)) for n, c in canonical.items()
+    ]
 
 
 def mooncake_import_failure(exc: ImportError, builds: Sequence[MooncakeBuild] | None = None) -> str:
@@ -132,7 +126,7 @@ def probe_tcp(endpoint: str, timeout_s: float) -> None:
 class NativeBinding:
     """Where the store class comes from: the real wheel, or a fake in tests."""
 
-    store_factory: Callable[[], NativeStore]
+    store_factory: Callable[[], Any]  # methods: tests/contract/native_store.py
     replicate_config_factory: Callable[[], Any]
     # Lists the live segment names given the admin URL (None: no answer).
     list_segments: Callable[[str], list[str] | None] = fetch_segments
@@ -169,10 +163,8 @@ class SharedEngine:
 def setup_arguments(
     settings: MooncakeSettings, shared: SharedEngine | None = None
 ) -> dict[str, Any]:
-    """Keyword arguments of ``MooncakeDistributedStore.setup`` for these settings.
-
-    A reused engine brings its own session id, which then names this client.
-    """
+    """Keyword arguments of ``MooncakeDistributedStore.setup`` for these settings (a
+    reused engine brings its own session id, which then names this client)."""
     reuse = shared is not None and shared.serves(settings)
     return {
         "local_hostname": shared.session_id if reuse else settings.local_hostname,
@@ -234,7 +226,7 @@ def wait_for_segments(
         time.sleep(min(poll_s, left_s))
 
 
-def setup_store(store: NativeStore, settings: MooncakeSettings, **arguments: Any) -> None:
+def setup_store(store: Any, settings: MooncakeSettings, **arguments: Any) -> None:
     """Call ``setup`` by keyword; SetupError says why it failed."""
     if settings.ssd_offload_path is not None and not settings.enable_ssd_offload:
         try:  # sglang's MooncakeStore creates it whether offload is on or not
@@ -265,12 +257,9 @@ def native_env_defaults(options: SpanOptions) -> dict[str, str]:
 
 
 def checksum_setting(options: SpanOptions, environ: Mapping[str, str]) -> tuple[bool, str]:
-    """Whether Mooncake will verify checksums in this process, and what decided it.
-
-    ``span_verify_checksums`` given explicitly (extra-config or its env) and an
-    exported ``MOONCAKE_STORE_CHECKSUM`` must agree: two explicit settings that
-    disagree are a ConfigError naming both, never a silent choice. Without the
-    option, the operator's export (or Mooncake's default, off) stands."""
+    """Whether Mooncake will verify checksums in this process, and what decided it; an
+    explicit option that contradicts the export is a ConfigError (docs/reliability.md,
+    "What the backend does with it")."""
     exported = environ.get(CHECKSUM_ENV) or None  # exported empty: Mooncake's default
     exported_on = exported is not None and exported.strip().lower() in _CHECKSUM_ON
     origin = options.sources.get("verify_checksums")
@@ -284,7 +273,11 @@ def checksum_setting(options: SpanOptions, environ: Mapping[str, str]) -> tuple[
     return options.verify_checksums, f"span_verify_checksums ({origin})"
 
 
-def _apply_checksum_setting(options: SpanOptions, shares_process_env: bool) -> None:
+def prepare_native_env(
+    settings: MooncakeSettings, options: SpanOptions, shares_process_env: bool = False
+) -> None:
+    """Export the checksum setting and bounded native defaults the operator did not
+    set; warn about known traps."""
     global _process_checksums
     verify, why = checksum_setting(options, os.environ)
     if shares_process_env:
@@ -302,14 +295,6 @@ def _apply_checksum_setting(options: SpanOptions, shares_process_env: bool) -> N
     if verify and os.environ.get(CHECKSUM_ENV, "").strip().lower() not in _CHECKSUM_ON:
         os.environ[CHECKSUM_ENV] = "1"
         logger.info("mooncake-span: %s=1 (%s)", CHECKSUM_ENV, why)
-
-
-def prepare_native_env(
-    settings: MooncakeSettings, options: SpanOptions, shares_process_env: bool = False
-) -> None:
-    """Export bounded native defaults the operator did not set and the checksum
-    setting; warn about known traps."""
-    _apply_checksum_setting(options, shares_process_env)
     for name, value in native_env_defaults(options).items():
         if name not in os.environ:
             os.environ[name] = value

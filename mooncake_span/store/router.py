@@ -1,35 +1,11 @@
-"""Which objects a store call touches, and on which segment, from what failed
-calls taught. Pure: state and decisions on the caller's clock, no I/O.
+"""What failed calls taught one client, and the routing decided from it. Pure:
+state and rules on the caller's clock, no I/O.
 
-``DomainRouter`` decides, per call, from the client's ``FailureLedger`` (below:
-bad, full and owner-down segments, lost keys) and the number of copies per key:
-
-* whether the call can go to Mooncake as the caller built it: one copy per
-  key, no segment marked bad, no key named twice. That is nearly every call
-  of a healthy cluster; it costs a few C-level passes over the keys instead
-  of per-object Python, and the objects go in consecutive slices of at most
-  ``max_buffers_per_call`` buffers (one native call when they fit);
-* which segment each object of a put is placed on (rendezvous hashing of its
-  domain key, rotated by its chain step when the caller knows its prefix
-  chain: ``domains.py``);
-* which copies of a key are worth a read while some segment is bad.
-
-Where the master says a suspect object lives is an RPC; ``DomainCalls`` makes
-it and passes the answer in (``locate``). The live segments are the segment
-directory's (``segments.py``), read, never asked for.
-
-``FailureLedger`` is the one owner of a client's failure marks (bad, full
-and owner-down segments, lost keys), each with its rule next to its state;
-the client makes the calls, hands in what they answered, and carries out what
-the ledger decided. What each mark does and why both simpler put rules failed:
-docs/reliability.md, "Failure domains", "What the backend does".
-
-``PutPressure`` pauses this client's puts only after ``STREAK_TO_PAUSE``
-refused calls in a row, doubling from ``FIRST_PAUSE_S`` (about one eviction
-period of the master) up to ``span_full_cooldown_s``; any call that stores an
-object ends it. Why the put's own answer and not the master's usage, and the
-figures: docs/reliability.md, "A full cluster: the put cool-down". It also
-owns the counts of backup objects not written, by reason (``SKIP_REASONS``).
+``FailureLedger`` owns the failure marks (bad, full and owner-down segments,
+lost keys), ``PutPressure`` the put pause and the counts of backups not written,
+``DomainRouter`` decides per call: direct or copy by copy, how it is cut, where
+its objects go. Why: docs/reliability.md, "What the backend does" and "A full
+cluster: the put cool-down"; the layers: docs/architecture.md, step 4 of a put.
 """
 
 from __future__ import annotations
@@ -49,9 +25,9 @@ from mooncake_span.span.plan import PlanBatch, split_calls
 from mooncake_span.store.domains import (
     copy_candidates,
     copy_key,
-    first_choices,
     live_copies,
     put_targets,
+    rankings,
     segment_weights,
     suspect_copies,
 )
@@ -81,34 +57,22 @@ def judge_put_target(answers: bool | None, whole_call: bool, others_bad: bool) -
 
 
 class FailureLedger:
-    """Bad, full and owner-down segment marks and lost keys, on one clock. Thread-safe."""
+    """Bad, full and owner-down segment marks and lost keys, on one clock. Thread-safe.
+    Bounds: ``span_domain_bad_ttl_s``, ``span_lost_key_ttl_s``, ``span_lost_keys_max``."""
 
-    def __init__(
-        self,
-        bad_ttl_s: float,
-        lost_key_ttl_s: float,
-        lost_keys_max: int,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._bad_ttl_s = bad_ttl_s
-        self._bad = DomainHealth(bad_ttl_s)
-        self._full = DomainHealth(bad_ttl_s)
+    def __init__(self, options: SpanOptions, clock: Callable[[], float] = time.monotonic) -> None:
+        self._bad_ttl_s = options.domain_bad_ttl_s
+        self._bad = TimedMarks(self._bad_ttl_s)
+        self._full = TimedMarks(self._bad_ttl_s)
         self._owners_down_until = 0.0
-        self._lost = LostKeys(lost_key_ttl_s, lost_keys_max)
+        self._lost = TimedMarks(options.lost_key_ttl_s, options.lost_keys_max)
         self._clock = clock
-
-    @classmethod
-    def from_options(
-        cls, options: SpanOptions, clock: Callable[[], float] = time.monotonic
-    ) -> FailureLedger:
-        """With ``span_domain_bad_ttl_s``, ``span_lost_key_ttl_s`` and ``span_lost_keys_max``."""
-        return cls(options.domain_bad_ttl_s, options.lost_key_ttl_s, options.lost_keys_max, clock)
 
     # ---- segment marks ---------------------------------------------------------------
 
     def transfer_failed(self, segments: Iterable[str], op: str) -> list[str]:
         """Segments a transfer (``op``) just failed on are bad. Returns those not bad before."""
-        fresh = self._bad.mark_bad(segments, self._clock())
+        fresh = self._bad.mark(segments, self._clock())
         if fresh:
             logger.warning(
                 "mooncake-span: %s failed on segment(s) %s; avoiding them and reading their "
@@ -124,7 +88,7 @@ class FailureLedger:
         verdict = judge_put_target(answers, whole_call, bool(self.bad_segments()))
         if verdict is PutTarget.BAD:
             self.transfer_failed([segment], "batch_put_from_multi_buffers")
-        elif verdict is PutTarget.FULL and self._full.mark_bad([segment], self._clock()):
+        elif verdict is PutTarget.FULL and self._full.mark([segment], self._clock()):
             logger.info(
                 "mooncake-span: segment %s took only part of a put (Mooncake moved the "
                 "rest elsewhere, where the transfer failed); new puts go to the next "
@@ -139,7 +103,7 @@ class FailureLedger:
         until the mark ends every read locates its keys. Returns those not bad before."""
         now = self._clock()
         self._owners_down_until = now + self._bad_ttl_s
-        fresh = self._bad.mark_bad(segments, now)
+        fresh = self._bad.mark(segments, now)
         if fresh:
             logger.warning(
                 "mooncake-span: the SSD tier of segment(s) %s does not answer reads; "
@@ -152,18 +116,18 @@ class FailureLedger:
     @property
     def any_bad(self) -> bool:
         """True while some bad mark may still be live (no clock read)."""
-        return self._bad.any_bad
+        return bool(self._bad)
 
     def bad_segments(self) -> frozenset[str]:
-        return self._bad.bad(self._clock())
+        return self._bad.marked(self._clock())
 
     @property
     def any_full(self) -> bool:
         """True while some full mark may still be live (no clock read)."""
-        return self._full.any_bad
+        return bool(self._full)
 
     def full_segments(self) -> frozenset[str]:
-        return self._full.bad(self._clock())
+        return self._full.marked(self._clock())
 
     @property
     def owners_down_now(self) -> bool:
@@ -179,7 +143,7 @@ class FailureLedger:
 
     def remember_lost(self, keys: Iterable[str]) -> None:
         """Keys whose restore failed: absent until re-written or the lost-key TTL passes."""
-        self._lost.add(keys, self._clock())
+        self._lost.mark(keys, self._clock())
 
     def forget_lost(self, keys: Iterable[str]) -> None:
         """Keys just written: readable again."""
@@ -187,7 +151,7 @@ class FailureLedger:
 
     def lost_mask(self, keys: Sequence[str]) -> list[bool]:
         """Per key, True while it is known lost."""
-        return self._lost.lost_mask(keys, self._clock())
+        return self._lost.mask(keys, self._clock())
 
     @property
     def lost_count(self) -> int:
@@ -196,115 +160,69 @@ class FailureLedger:
     @property
     def quiet(self) -> bool:
         """No key known lost and no segment marked bad (no clock read)."""
-        return not self._lost and not self._bad.any_bad
+        return not self._lost and not self._bad
 
 
-def _check_bounds(ttl_s: float, max_entries: int) -> None:
-    if ttl_s <= 0:
-        raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-    if max_entries < 1:
-        raise ValueError(f"the entry bound must be >= 1, got {max_entries}")
+class TimedMarks:
+    """Names (segments, object keys) marked until ``ttl_s`` after their last mark; at
+    most ``max_entries``, the oldest forgotten first (a lost key then looks present
+    early, one more failed restore; a stored one is never hidden past the TTL).
+    Entries stay in expiry order: one TTL, a monotonic clock, a re-mark moves to the
+    end. Thread-safe."""
 
-
-class DomainHealth:
-    """Segments that failed a transfer, each bad until ``ttl_s`` after its last failure.
-
-    At most ``max_segments`` are remembered (the oldest mark is dropped first),
-    so a storm of failures cannot grow it without bound.
-    """
-
-    def __init__(self, ttl_s: float, max_segments: int = 1024) -> None:
-        _check_bounds(ttl_s, max_segments)
+    def __init__(self, ttl_s: float, max_entries: int = 1024) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if max_entries < 1:
+            raise ValueError(f"the entry bound must be >= 1, got {max_entries}")
         self._ttl_s = ttl_s
-        self._max = max_segments
-        self._lock = threading.Lock()
-        self._bad_until: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self.times_marked = 0
-
-    def mark_bad(self, segments: Iterable[str], now_s: float) -> list[str]:
-        """Mark segments bad; returns those that were not bad before (for logging)."""
-        fresh = []
-        with self._lock:
-            for segment in segments:
-                until = self._bad_until.pop(segment, None)
-                if until is None or until <= now_s:
-                    fresh.append(segment)
-                    self.times_marked += 1
-                self._bad_until[segment] = now_s + self._ttl_s
-                while len(self._bad_until) > self._max:
-                    self._bad_until.popitem(last=False)
-        return fresh
-
-    @property
-    def any_bad(self) -> bool:
-        """True while some mark may still be live (a cheap check without the clock)."""
-        return bool(self._bad_until)
-
-    def mark_good(self, segment: str) -> None:
-        with self._lock:
-            self._bad_until.pop(segment, None)
-
-    def bad(self, now_s: float) -> frozenset[str]:
-        """The segments bad at ``now_s`` (expired marks are dropped)."""
-        with self._lock:
-            expired = [s for s, until in self._bad_until.items() if until <= now_s]
-            for segment in expired:
-                del self._bad_until[segment]
-            return frozenset(self._bad_until)
-
-
-class LostKeys:
-    """Object keys whose restore failed: absent until re-written or ``ttl_s`` passes.
-
-    An LRU of at most ``max_keys`` entries; when full the oldest entry is
-    forgotten, which can only make a lost key look present again early (one
-    more failed restore), never hide a stored one for longer than the TTL.
-    """
-
-    def __init__(self, ttl_s: float, max_keys: int) -> None:
-        _check_bounds(ttl_s, max_keys)
-        self._ttl_s = ttl_s
-        self._max = max_keys
+        self._max = max_entries
         self._lock = threading.Lock()
         self._until: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.times_marked = 0  # names marked while not marked
 
     def __len__(self) -> int:
+        """Marks held, some perhaps expired (no clock read)."""
         return len(self._until)
 
-    def __bool__(self) -> bool:
-        return bool(self._until)
-
-    def add(self, keys: Iterable[str], now_s: float) -> None:
+    def mark(self, names: Iterable[str], now_s: float) -> list[str]:
+        """Mark names; returns those not marked before (for logging)."""
+        fresh = []
         with self._lock:
-            for key in keys:
-                self._until.pop(key, None)
-                self._until[key] = now_s + self._ttl_s
+            for name in names:
+                until = self._until.pop(name, None)
+                if until is None or until <= now_s:
+                    fresh.append(name)
+                    self.times_marked += 1
+                self._until[name] = now_s + self._ttl_s
                 while len(self._until) > self._max:
                     self._until.popitem(last=False)
+        return fresh
 
-    def discard(self, keys: Iterable[str]) -> None:
-        if not self._until:  # the common case: nothing lost, no lock
+    def discard(self, names: Iterable[str]) -> None:
+        if not self._until:  # the common case: nothing marked, no lock
             return
         with self._lock:
-            for key in keys:
-                self._until.pop(key, None)
+            for name in names:
+                self._until.pop(name, None)
 
-    def lost_mask(self, keys: Sequence[str], now_s: float) -> list[bool]:
-        """Per key, True while it is known lost."""
-        if not self._until:
-            return [False] * len(keys)
+    def marked(self, now_s: float) -> frozenset[str]:
+        """The names marked at ``now_s``."""
         with self._lock:
-            # Entries are in expiry order (one TTL, re-adds move to the end).
-            while self._until and next(iter(self._until.values())) <= now_s:
-                self._until.popitem(last=False)
-            out = []
-            for key in keys:
-                until = self._until.get(key)
-                if until is not None and until <= now_s:
-                    del self._until[key]
-                    until = None
-                out.append(until is not None)
-            return out
+            self._expire(now_s)
+            return frozenset(self._until)
+
+    def mask(self, names: Sequence[str], now_s: float) -> list[bool]:
+        """Per name, True while it is marked."""
+        if not self._until:
+            return [False] * len(names)
+        with self._lock:
+            self._expire(now_s)
+            return [name in self._until for name in names]
+
+    def _expire(self, now_s: float) -> None:
+        while self._until and next(iter(self._until.values())) <= now_s:
+            self._until.popitem(last=False)
 
 
 # ---- the put pause ---------------------------------------------------------------
@@ -436,9 +354,7 @@ class DomainRouter:
         # The live segment list placement chooses from; None: Mooncake places objects.
         self.directory: SegmentDirectory | None = None
         self._max_buffers = options.max_buffers_per_call
-        # The placement key of an object key: objects with one domain share a
-        # segment. Given through place_by (the client passes on the backend's
-        # KeySchema.domain_of); None: the key itself.
+        # The placement key of an object key (place_by; None: the key itself).
         self._domain_of: Callable[[str], str] | None = None
         # Set once a put was placed by prefix chain (direct_groups, put_groups):
         # from then on a read that names no chain cannot compute where its keys
@@ -510,7 +426,7 @@ class DomainRouter:
         if steps is None:
             chosen_of = np.argmax(segment_weights(placed, segments), axis=1)
         else:
-            chosen_of = first_choices(placed, segments, steps)
+            chosen_of = rankings(placed, segments, steps)[:, 0]
         rows: dict[int, list[int]] = {}
         for i, chosen in enumerate(chosen_of.tolist()):
             rows.setdefault(chosen, []).append(i)
@@ -549,9 +465,7 @@ class DomainRouter:
         placed by chain, and any key while an SSD owner is down."""
         bad = self.ledger.bad_segments()
         if not bad:
-            if self.copies == 1:
-                return [[key] for key in keys]
-            return [[copy_key(key, r) for r in range(self.copies)] for key in keys]
+            return [self.copy_keys(key) for key in keys]
         if (domains is None and self.chained) or self.ledger.owners_down_now:
             rows = copy_candidates(keys, None, (), self.copies)  # every copy: ask the master
         else:

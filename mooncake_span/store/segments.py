@@ -1,14 +1,7 @@
-"""The live segment list, read from the master's admin HTTP server and kept fresh.
-
-``SegmentDirectory`` holds the last list the master gave (``/get_all_segments``
-on its ``--metrics_port``), refreshed by one daemon thread every
-``refresh_s`` and at once after a transfer failure (``wake``). Callers read the
-list without blocking; a failed fetch keeps the previous list, so a master
-outage does not empty it and turn placement off.
-
-Also the other questions the client asks the master's servers over HTTP:
-which segments' SSDs hold a key (``fetch_disk_owners``) and whether a
-segment's transfer endpoint answers (``probe_segment``).
+"""The master's admin HTTP server, asked: the live segment list (``SegmentDirectory``,
+kept fresh by one thread; a failed fetch keeps the last list, so a master outage
+does not turn placement off), the SSD owners of keys, whether a segment's transfer
+endpoint answers.
 """
 
 from __future__ import annotations
@@ -30,40 +23,31 @@ logger = logging.getLogger(__name__)
 _FETCH_TIMEOUT_S = 1.0
 
 
-def fetch_segments(admin_url: str) -> list[str] | None:
-    """The master's segment names, or None if it did not answer within the bound."""
+def _get(url: str, parse: Callable[[str], Any] = json.loads) -> Any:
+    """``parse`` of the answer to a GET, or None without one within the bound."""
     try:
-        with urllib.request.urlopen(
-            admin_url.rstrip("/") + "/get_all_segments", timeout=_FETCH_TIMEOUT_S
-        ) as response:
-            text = response.read().decode("utf-8", "replace")
+        with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:
+            return parse(response.read().decode("utf-8", "replace"))
     except (OSError, ValueError):  # URLError is an OSError
         return None
-    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def fetch_segments(admin_url: str) -> list[str] | None:
+    """The master's segment names, or None if it did not answer within the bound."""
+    text = _get(admin_url.rstrip("/") + "/get_all_segments", str)
+    return None if text is None else [line.strip() for line in text.splitlines() if line.strip()]
 
 
 # Keys per /batch_query_keys request: they travel in the URL.
 _QUERY_KEYS_PER_REQUEST = 32
 
 
-def _get_json(url: str) -> Any:
-    try:
-        with urllib.request.urlopen(url, timeout=_FETCH_TIMEOUT_S) as response:
-            return json.loads(response.read().decode("utf-8", "replace"))
-    except (OSError, ValueError):  # URLError is an OSError
-        return None
-
-
 def fetch_disk_owners(admin_url: str, keys: Sequence[str]) -> dict[str, set[str]] | None:
     """Per key, the segments of the clients whose SSD holds it (its ``LOCAL_DISK``
-    replicas), from the master's admin server; None if it did not answer.
-
-    Replica descriptors leave a disk replica's owner out; the admin server names
-    its client id (``/batch_query_keys``), and ``/get_segments_detail`` the
-    segment each client mounted. An owner without a listed segment is named
-    ``client:<id>``."""
+    replicas; an owner without a listed segment is ``client:<id>``), from the master's
+    admin server; None if it did not answer. Why: docs/operating.md, "Known upstream issues"."""
     base = admin_url.rstrip("/")
-    detail = _get_json(base + "/get_segments_detail")
+    detail = _get(base + "/get_segments_detail")
     if not isinstance(detail, dict):
         return None
     segment_of = {
@@ -72,7 +56,7 @@ def fetch_disk_owners(admin_url: str, keys: Sequence[str]) -> dict[str, set[str]
     owners: dict[str, set[str]] = {}
     for start in range(0, len(keys), _QUERY_KEYS_PER_REQUEST):
         chunk = ",".join(keys[start : start + _QUERY_KEYS_PER_REQUEST])
-        answer = _get_json(f"{base}/batch_query_keys?keys={urllib.parse.quote(chunk)}")
+        answer = _get(f"{base}/batch_query_keys?keys={urllib.parse.quote(chunk)}")
         if not isinstance(answer, dict) or not isinstance(answer.get("data"), dict):
             return None
         for key, item in answer["data"].items():
@@ -87,10 +71,8 @@ _PROBE_TIMEOUT_S = 0.3
 
 
 def probe_segment(metadata_server: str, admin_url: str | None, segment: str) -> bool | None:
-    """Whether ``segment``'s transfer RPC endpoint accepts a TCP connection:
-    False when it refuses or stays silent within the bound, None when nothing
-    says where the endpoint is (etcd or redis metadata; P2P handshake without
-    the master's admin server)."""
+    """Whether ``segment``'s transfer RPC endpoint accepts a TCP connection within the
+    bound; None when nothing says where it is (docs/reliability.md, "What the backend does")."""
     endpoint = _rpc_endpoint(metadata_server, admin_url, segment)
     if endpoint is None:
         return None
@@ -107,13 +89,13 @@ def _rpc_endpoint(
     # A segment's name is not an endpoint (measured: no process listens on it).
     if metadata_server.startswith(("http://", "https://")):
         key = urllib.parse.quote("mooncake/rpc_meta/" + segment, safe="")
-        meta = _get_json(f"{metadata_server}?key={key}")
+        meta = _get(f"{metadata_server}?key={key}")
         if isinstance(meta, dict) and str(meta.get("rpc_port", "")).isdigit():
             host = str(meta.get("ip_or_host_name") or segment.rpartition(":")[0])
             return host, int(meta["rpc_port"])
     elif metadata_server == "P2PHANDSHAKE" and admin_url:
         # The master's segment detail names the endpoint a handshake dials.
-        detail = _get_json(admin_url.rstrip("/") + "/get_segments_detail")
+        detail = _get(admin_url.rstrip("/") + "/get_segments_detail")
         for entry in detail.get("segments") or [] if isinstance(detail, dict) else []:
             if entry.get("segment_name") == segment:
                 host, _, port = str(entry.get("te_endpoint") or "").rpartition(":")

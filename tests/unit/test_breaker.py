@@ -14,63 +14,57 @@ from mooncake_span.store.gate import BreakerSnapshot, BreakerState, CircuitBreak
 def test_starts_closed():
     breaker = CircuitBreaker(3)
     assert not breaker.is_open
-    assert breaker.snapshot() == BreakerSnapshot(BreakerState.CLOSED, 0, 0, None)
+    assert breaker.snapshot() == BreakerSnapshot(BreakerState.CLOSED, 0, 0)
 
 
 @pytest.mark.parametrize("threshold", [1, 2, 3, 7])
 def test_opens_after_exactly_n_consecutive_failures(threshold):
     breaker = CircuitBreaker(threshold)
-    for i in range(threshold - 1):
-        assert breaker.record_failure(now_s=float(i)) is False
+    for _ in range(threshold - 1):
+        assert breaker.record_failure() is False
         assert not breaker.is_open
-    assert breaker.record_failure(now_s=100.0) is True
+    assert breaker.record_failure() is True
     assert breaker.is_open
-    assert breaker.snapshot() == BreakerSnapshot(BreakerState.OPEN, threshold, 1, 100.0)
+    assert breaker.snapshot() == BreakerSnapshot(BreakerState.OPEN, threshold, 1)
 
 
-def test_failures_while_open_do_not_reopen_or_move_the_open_time():
+def test_failures_while_open_do_not_reopen_it():
     breaker = CircuitBreaker(2)
-    breaker.record_failure(1.0)
-    assert breaker.record_failure(2.0) is True
-    assert breaker.record_failure(3.0) is False
-    assert breaker.record_failure(4.0) is False
+    breaker.record_failure()
+    assert breaker.record_failure() is True
+    assert breaker.record_failure() is False
+    assert breaker.record_failure() is False
     snap = breaker.snapshot()
-    assert (snap.state, snap.consecutive_failures, snap.times_opened, snap.opened_at_s) == (
-        BreakerState.OPEN,
-        4,
-        1,
-        2.0,
-    )
+    assert snap == BreakerSnapshot(BreakerState.OPEN, 4, 1)
 
 
 def test_success_resets_the_failure_count():
     breaker = CircuitBreaker(3)
-    breaker.record_failure(1.0)
-    breaker.record_failure(2.0)
+    breaker.record_failure()
+    breaker.record_failure()
     assert breaker.record_success() is False  # it was closed
     assert breaker.snapshot().consecutive_failures == 0
     # Two more failures are not enough: the count started over.
-    breaker.record_failure(3.0)
-    breaker.record_failure(4.0)
+    breaker.record_failure()
+    breaker.record_failure()
     assert not breaker.is_open
-    assert breaker.record_failure(5.0) is True
+    assert breaker.record_failure() is True
 
 
 def test_success_closes_an_open_breaker_once():
     breaker = CircuitBreaker(1)
-    assert breaker.record_failure(10.0) is True
+    assert breaker.record_failure() is True
     assert breaker.record_success() is True
     assert breaker.record_success() is False
-    assert breaker.snapshot() == BreakerSnapshot(BreakerState.CLOSED, 0, 1, None)
+    assert breaker.snapshot() == BreakerSnapshot(BreakerState.CLOSED, 0, 1)
 
 
 def test_times_opened_counts_every_opening():
     breaker = CircuitBreaker(2)
     for cycle in range(1, 4):
-        breaker.record_failure(cycle * 10.0)
-        breaker.record_failure(cycle * 10.0 + 1)
+        breaker.record_failure()
+        breaker.record_failure()
         assert breaker.snapshot().times_opened == cycle
-        assert breaker.snapshot().opened_at_s == cycle * 10.0 + 1
         breaker.record_success()
     assert breaker.snapshot().times_opened == 3
 
@@ -87,13 +81,13 @@ def test_matches_a_reference_model(threshold, outcomes):
     # True = success, False = failure; the model is the docstring's rule.
     breaker = CircuitBreaker(threshold)
     failures, opened, state = 0, 0, BreakerState.CLOSED
-    for step, ok in enumerate(outcomes):
+    for ok in outcomes:
         if ok:
             closed_now = breaker.record_success()
             assert closed_now == (state is BreakerState.OPEN)
             failures, state = 0, BreakerState.CLOSED
         else:
-            opened_now = breaker.record_failure(float(step))
+            opened_now = breaker.record_failure()
             failures += 1
             expect_open = state is BreakerState.CLOSED and failures >= threshold
             assert opened_now == expect_open
@@ -106,7 +100,6 @@ def test_matches_a_reference_model(threshold, outcomes):
             opened,
         )
         assert breaker.is_open == (state is BreakerState.OPEN)
-        assert (snap.opened_at_s is None) == (state is BreakerState.CLOSED)
 
 
 def test_concurrent_failures_open_it_exactly_once():
@@ -117,7 +110,7 @@ def test_concurrent_failures_open_it_exactly_once():
     def worker() -> None:
         barrier.wait()
         for _ in range(100):
-            if breaker.record_failure(1.0):
+            if breaker.record_failure():
                 opened.append(1)
 
     threads = [threading.Thread(target=worker) for _ in range(8)]

@@ -1,5 +1,5 @@
 """Placement (mooncake_span.store.domains) and the failure marks' state
-(DomainHealth, LostKeys in mooncake_span.store.router), pure."""
+(TimedMarks in mooncake_span.store.router), pure."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mooncake_span.store.domains import (
     put_targets,
     suspect_copies,
 )
-from mooncake_span.store.router import DomainHealth, LostKeys
+from mooncake_span.store.router import TimedMarks
 from tests.span_helpers import rank_segments
 
 SEGMENTS = [f"10.0.0.{i}:1{i:04d}" for i in range(1, 5)]
@@ -94,42 +94,41 @@ def test_put_targets_group_a_domain_on_one_segment_and_skip_bad_ones():
 
 
 def test_health_marks_expire_and_report_fresh_marks_once():
-    health = DomainHealth(ttl_s=10.0)
-    assert health.mark_bad(["a"], now_s=0.0) == ["a"]
-    assert health.mark_bad(["a", "b"], now_s=5.0) == ["b"]
-    assert health.bad(14.9) == {"a", "b"}  # a's mark was renewed at 5.0
-    assert health.bad(15.0) == frozenset()
-    assert health.mark_bad(["a"], now_s=20.0) == ["a"]
-    health.mark_good("a")
-    assert health.bad(20.0) == frozenset()
+    health = TimedMarks(ttl_s=10.0)
+    assert health.mark(["a"], now_s=0.0) == ["a"]
+    assert health.mark(["a", "b"], now_s=5.0) == ["b"]
+    assert health.marked(14.9) == {"a", "b"}  # a's mark was renewed at 5.0
+    assert health.marked(15.0) == frozenset()
+    assert health.mark(["a"], now_s=20.0) == ["a"]
+    assert health.marked(30.0) == frozenset()
     assert health.times_marked == 3
 
 
 def test_health_is_bounded():
-    health = DomainHealth(ttl_s=10.0, max_segments=3)
-    health.mark_bad([f"s{i}" for i in range(10)], now_s=0.0)
-    assert health.bad(1.0) == {"s7", "s8", "s9"}
+    health = TimedMarks(ttl_s=10.0, max_entries=3)
+    health.mark([f"s{i}" for i in range(10)], now_s=0.0)
+    assert health.marked(1.0) == {"s7", "s8", "s9"}
 
 
 def test_lost_keys_until_rewritten_or_ttl():
-    lost = LostKeys(ttl_s=30.0, max_keys=10)
-    assert lost.lost_mask(["a"], 0.0) == [False]
-    lost.add(["a", "b"], now_s=0.0)
-    assert lost.lost_mask(["a", "b", "c"], 29.0) == [True, True, False]
+    lost = TimedMarks(ttl_s=30.0, max_entries=10)
+    assert lost.mask(["a"], 0.0) == [False]
+    lost.mark(["a", "b"], now_s=0.0)
+    assert lost.mask(["a", "b", "c"], 29.0) == [True, True, False]
     lost.discard(["a"])
-    assert lost.lost_mask(["a", "b"], 29.0) == [False, True]
-    assert lost.lost_mask(["b"], 30.0) == [False]
+    assert lost.mask(["a", "b"], 29.0) == [False, True]
+    assert lost.mask(["b"], 30.0) == [False]
     assert len(lost) == 0
 
 
 def test_lost_keys_are_bounded_oldest_first():
-    lost = LostKeys(ttl_s=30.0, max_keys=3)
-    lost.add([f"k{i}" for i in range(5)], now_s=0.0)
+    lost = TimedMarks(ttl_s=30.0, max_entries=3)
+    lost.mark([f"k{i}" for i in range(5)], now_s=0.0)
     assert len(lost) == 3
-    assert lost.lost_mask(["k0", "k1", "k2", "k4"], 1.0) == [False, False, True, True]
+    assert lost.mask(["k0", "k1", "k2", "k4"], 1.0) == [False, False, True, True]
 
 
-@pytest.mark.parametrize(("cls", "args"), [(DomainHealth, (0.0,)), (LostKeys, (1.0, 0))])
+@pytest.mark.parametrize(("cls", "args"), [(TimedMarks, (0.0,)), (TimedMarks, (1.0, 0))])
 def test_bad_bounds_are_refused(cls, args):
     with pytest.raises(ValueError):
         cls(*args)

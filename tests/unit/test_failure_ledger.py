@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from mooncake_span.config import SpanOptions
 from mooncake_span.store.router import FailureLedger, PutTarget, judge_put_target
 from tests.span_helpers import FakeClock
 
@@ -11,7 +12,8 @@ TTL_S = 10.0
 
 
 def _ledger(clock: FakeClock) -> FailureLedger:
-    return FailureLedger(TTL_S, lost_key_ttl_s=30.0, lost_keys_max=100, clock=clock)
+    options = SpanOptions(domain_bad_ttl_s=TTL_S, lost_key_ttl_s=30.0, lost_keys_max=100)
+    return FailureLedger(options, clock=clock)
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,8 @@ from collections import defaultdict
 
 import pytest
 
-from mooncake_span.store.protocol import NativeStore
 from mooncake_span_tools.testing.fake_store import FakeStore
+from tests.contract.native_store import NativeStore
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "mooncake_span"
 RUNTIME = ("span", "store", "sglang_backend")

@@ -19,7 +19,7 @@ def _wait(predicate, timeout_s: float = 5.0) -> bool:
 
 def _open_breaker() -> CircuitBreaker:
     breaker = CircuitBreaker(1)
-    assert breaker.record_failure(time.monotonic())
+    assert breaker.record_failure()
     assert breaker.is_open
     return breaker
 

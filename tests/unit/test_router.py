@@ -25,7 +25,7 @@ def _batch(buffers_per_object: list[int]) -> PlanBatch:
 
 def _router(segments: tuple[str, ...] = (), **options) -> DomainRouter:
     spans = SpanOptions(**options)
-    router = DomainRouter(spans, FailureLedger.from_options(spans))
+    router = DomainRouter(spans, FailureLedger(spans))
     router.directory = SimpleNamespace(segments=segments)
     return router
 
@@ -142,7 +142,7 @@ def test_an_object_cap_cuts_every_call_further():
 def test_marks_and_lost_keys_expire_on_the_routers_clock():
     clock = FakeClock()
     options = SpanOptions(domain_bad_ttl_s=10.0, lost_key_ttl_s=30.0)
-    ledger = FailureLedger.from_options(options, clock)
+    ledger = FailureLedger(options, clock)
     router = DomainRouter(options, ledger)
     router.directory = SimpleNamespace(segments=("s1", "s2"))
     assert router.untroubled

@@ -1,12 +1,8 @@
-"""The part of Mooncake's ``MooncakeDistributedStore`` that mooncake-span calls.
-
-The real class (``mooncake.store``), the in-memory test double
-:class:`~mooncake_span_tools.testing.fake_store.FakeStore` (outside the runtime) and
-the benchmarks' do-nothing store all satisfy this protocol; the shared contract
-suite (``tests/contract``) holds the fake to the real client's
-behaviour. Native methods answer with return codes, never exceptions: ``0`` or
-a byte count on success, a negative Mooncake ``ErrorCode`` on failure, and a
-list of them for batch calls (an empty list when the client is not set up).
+"""The part of Mooncake's ``MooncakeDistributedStore`` that mooncake-span calls: the real
+class and ``FakeStore`` (tools) both offer every method (``tests/unit/test_layout_rules.py``),
+and ``store_contract.py`` holds the fake to the real client's behaviour. Native methods
+answer with return codes, never exceptions: ``0`` or a byte count on success, a negative
+``ErrorCode`` on failure, a list for batch calls (empty when the client is not set up).
 """
 
 from __future__ import annotations
