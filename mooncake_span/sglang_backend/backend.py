@@ -1,29 +1,9 @@
 """``MooncakeSpanStore``: sglang HiCache L3 storage on Mooncake, K host pages per key.
 
-How sglang 0.5.23 drives a storage backend (``HiCacheController`` /
-``HybridCacheController``):
-
-1. construction: ``cls(storage_config, {})`` for ``--hicache-storage-backend
-   dynamic``, ``cls(storage_config, mem_pool_host)`` for the built-in
-   ``mooncake`` name (served by our plugin when opted in);
-2. ``register_mem_pool_host(anchor)``, then for hybrid stacks
-   ``register_mem_host_pool_v2(pool, name)`` per host pool (``kv`` included),
-   then ``on_host_pools_registered()`` once; sidecars added later arrive
-   through ``register_mem_host_pool_v2`` only; the span fork's startup then
-   assigns ``storage_page_size`` on the live backend (the property below),
-   before the first data call fixes it (``storage_page.py``);
-3. worker threads: backup = ``batch_set_v2`` (sidecars) then ``batch_set_v1``
-   (KV, writer ranks only); hit query = ``batch_exists_v2`` (or
-   ``batch_exists``); prefetch = ``batch_get_v1`` (+ ``batch_get_v2`` for
-   KV-derived sidecars, in 128-key batches) then ``batch_get_v2`` for state
-   pools once KV completed. Without ``interface_v1`` the generic
-   ``batch_get`` / ``batch_set`` on flat page tensors replace the v1 calls.
-
-Every method the worker threads call is wrapped in ``guard.never_raise``: it
-returns a result and never raises (bad input and cluster failures become
-misses with a rate-limited log line). Construction and registration errors do
-raise, so a misconfigured server fails at startup. The data calls are mixed in
-from ``reads.py`` (``ReadPath``) and ``writes.py`` (``WritePath``).
+The order in which sglang 0.5.23 constructs, registers and calls it, and why
+the worker-thread methods never raise while set-up does: docs/architecture.md,
+"How sglang 0.5.23 drives the backend". The data calls are mixed in from
+``reads.py`` (``ReadPath``) and ``writes.py`` (``WritePath``).
 """
 
 from __future__ import annotations
@@ -98,8 +78,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
                 "heterogeneous-TP head splitting (page_head layout with tp_lcm_size) is not "
                 "supported by mooncake-span; use one TP size for all nodes"
             )
-        # The built-in "mooncake" path passes the host pool as kwargs_or_host_pool;
-        # sglang calls register_mem_pool_host() with it right after, so it is not kept.
+        # The built-in "mooncake" path's host pool comes back in register_mem_pool_host().
         self.mem_pool_host = None
         self.client = MooncakeClient(self.settings, self.options, binding, shared_transfer_engine())
         self.client.connect()
@@ -263,7 +242,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
     def describe_l3_object_layout(self, **_sglang_kwargs: Any) -> dict[str, Any]:
         """Router-facing L3 layout: sglang MooncakeStore's fields plus span geometry."""
         self.registration.require_ready()
-        return describe_layout(self.registration.layout_facts(), self.options)
+        return describe_layout(self.registration, self.storage_config, self.options)
 
     def get_stats(self) -> SpanStorageMetrics:
         return self.recorder.storage_metrics(self.geometry)

@@ -1,11 +1,9 @@
-"""The Mooncake transfer engine this rank can reuse.
+"""The Mooncake transfer engine sglang already started in this process, if any.
 
-sglang's Mooncake PD disaggregation (and its other Mooncake users) start one
-shared ``MooncakeTransferEngine`` per process; 0.5.23's ``MooncakeStore`` hands
-it to ``setup`` when it serves the same NIC, so the process does not register
-its memory and open its RDMA connections twice. The client decides the match
-(``SharedEngine.serves``); this module only finds the engine, so that the
-store package never imports sglang.
+0.5.23's ``MooncakeStore`` reuses it when it serves the same NIC, so memory is
+not registered and RDMA connections not opened twice. The client decides the
+match (``SharedEngine.serves``); this module only finds it, so that the store
+package never imports sglang.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """sglang's storage page hash, made ready while the server starts.
 
-sglang 0.5.23 names every storage page by a hash its controller computes with
-a C++ extension that is JIT-loaded (``torch.utils.cpp_extension.load``, under a
-file lock, with a ninja check) at its first use in the process. Left alone,
-that first use is the first hit query of the first request that could restore
-from L3: 6 s when the extension is built, 13-27 s when it has to be built
-first. Under sglang's default ``timeout`` prefetch policy a prefetch that slow
-is dropped, so the first request after every start restores nothing.
-
-The backend is built inside the scheduler process, on the thread that sets up
-the cache controller, before the server answers its health check; hashing one
-page there moves the load to start-up, where the server is not serving yet.
+Why (a JIT-loaded extension whose first use would drop the first prefetch
+after every start): docs/architecture.md, "How sglang 0.5.23 drives the
+backend".
 """
 
 from __future__ import annotations

@@ -66,19 +66,6 @@ def rank_tags(storage_config: Any) -> RankTags:
     )
 
 
-@dataclass(frozen=True)
-class LayoutFacts:
-    """What the router-facing layout description needs from the namespace."""
-
-    record: GeometryRecord
-    pool_kinds: dict[str, PoolKind]
-    pool_scopes: dict[str, tuple[str, ...]]
-    schema: KeySchema
-    is_mla: bool
-    pp_rank: int
-    pp_size: int
-
-
 class Registration:
     """The registered pools of one backend and the namespace they are stored under."""
 
@@ -94,21 +81,16 @@ class Registration:
         self.pools: dict[str, StoredPool] = {}
         self.geometry: SpanGeometry | None = None
         self.key_schema: KeySchema | None = None
-        # Whether puts carry eviction group ids, decided here alone (the client
-        # sends what it is given). They cost Mooncake time per object and only
-        # matter when a key owns more than one object (set at each
-        # registration): MHA's k and v share one object, so only multi-pool
-        # stacks send them, and only while span_group_ids is on.
+        # Whether puts carry eviction group ids, decided here alone (at each
+        # registration): only while a key owns several objects and span_group_ids
+        # is on (their cost: docs/span-format.md, "Group ids").
         self.group_ids = False
         # Rebound, never mutated: worker threads read it without a lock.
         self.learned_kv_derived: frozenset[str] = frozenset()
-        # A prefix chain's window and stripe (domains.ChainSpot), set with the
-        # geometry: span_chain_window_tokens and span_chain_stripe_tokens in whole
-        # storage keys (a stripe of 0: one step per window); one value, so a reader
-        # never sees one of them new.
+        # The chain window and stripe in storage keys (domains.ChainSpot), set with
+        # the geometry; one value, so a reader never sees one of them new.
         self.chain_keys = (1, 0)
-        # The storage page may still change until the first data call
-        # (storage_page.py); the geometry, key schema and layout guard follow it.
+        # Open until the first data call; the geometry, schema and guard follow it.
         self.storage_page = StoragePage(declared_page(storage_config, options))
         self._anchor: Any = None
         self._guard_record: GeometryRecord | None = None  # what the guard last checked
@@ -303,21 +285,6 @@ class Registration:
             layout=self.key_schema.layout,
             kv_dtype=self.key_schema.kv_dtype,
             pools=shapes,
-        )
-
-    def layout_facts(self) -> LayoutFacts:
-        record = self.geometry_record()
-        return LayoutFacts(
-            record=record,
-            pool_kinds={name: self.pools[name].kind for name in record.pools},
-            pool_scopes={
-                name: tuple(c.scope.value for c in self.pools[name].components)
-                for name in record.pools
-            },
-            schema=self.key_schema,
-            is_mla=self.is_mla,
-            pp_rank=int(getattr(self._config, "pp_rank", 0) or 0),
-            pp_size=int(getattr(self._config, "pp_size", 1) or 1),
         )
 
     # ---- per call: sglang's arguments as batches ------------------------------------

@@ -1,22 +1,11 @@
-"""One registered host pool as it is stored in Mooncake.
+"""One registered host pool as it is stored in Mooncake, and one call's objects.
 
-A :class:`StoredPool` owns everything that depends on one pool's layout: the
-object keys of a call (key-major, component-minor: object ``i * C + c`` is
-component ``c`` of key ``i``), the buffer plans, what a get or a put moves
-and the fold from per-object flags to per-key results. The read and write
-paths only loop over pools, so the object order is written down here and
-nowhere else. A :class:`StagedPool` (no affine pointer model: the DSA indexer
-in layer_first) moves a flat key row per storage key through the staging arena
-(``stager.py``), as do the generic path's unregistered tensors.
-
-The functions after the pools own the layout of one call's objects, a flat list
-over its batches (so one existence query, put or get covers them all): slicing
-it per batch, folding it to keys, selecting what moves. They move nothing.
-
-Where a call's keys sit in their prefix chain comes from sglang's
-``extra_info`` (``chain_of``, ``prefix_keys_of``): what sglang hands and why
-``prefix_keys + keys`` is one chain is in docs/reliability.md, "The rule".
-``prefix_keys`` None: the knob is off, and placement stays per storage key.
+``StoredPool`` is the one place that writes down the object order: key-major,
+component-minor (object ``i * C + c`` is component ``c`` of key ``i``); the
+read and write paths only loop over pools. ``StagedPool`` moves flat key rows
+through the staging arena (``stager.py``). The functions after the pools slice,
+fold and select a call's flat object list over its batches, moving nothing.
+What ``extra_info``'s prefix keys are: docs/reliability.md, "The rule".
 """
 
 from __future__ import annotations
