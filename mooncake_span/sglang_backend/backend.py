@@ -32,7 +32,6 @@ from mooncake_span.sglang_backend.guard import (
 )
 from mooncake_span.sglang_backend.hit_query import HitProber
 from mooncake_span.sglang_backend.l3_layout import describe_layout
-from mooncake_span.sglang_backend.observability import CallObserver
 from mooncake_span.sglang_backend.page_hash import preload_page_hash
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
 from mooncake_span.sglang_backend.reads import ReadPath
@@ -47,7 +46,6 @@ from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.span.keys import KeySchema, check_page_keys
 from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient, NativeBinding
-from mooncake_span.store.layout_guard import GeometryRecord
 
 logger = logging.getLogger(__name__)
 
@@ -115,19 +113,6 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         return self.registration.key_schema
 
     @property
-    def is_mla(self) -> bool:
-        return self.registration.is_mla
-
-    @property
-    def observer(self) -> CallObserver:
-        """The Prometheus side of the recorder (replaceable, e.g. by a private registry)."""
-        return self.recorder.observer
-
-    @observer.setter
-    def observer(self, observer: CallObserver) -> None:
-        self.recorder.observer = observer
-
-    @property
     def storage_page_size(self) -> int:
         """Tokens one storage key covers (0 before registration when nothing named it)."""
         if self.registration.geometry is not None:
@@ -144,9 +129,6 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
     def layout_guard_result(self) -> str | None:
         """The layout guard's last outcome: "off", "published", "matched" or None."""
         return self.registration.layout_guard_result
-
-    def geometry_record(self) -> GeometryRecord:
-        return self.registration.geometry_record()
 
     # ---- registration (control path: errors raise) -------------------------------
 

@@ -389,21 +389,19 @@ def per_key_results(batches: Sequence[PoolBatch], object_flags: Sequence[bool]) 
     ]
 
 
-@dataclass
-class Selection:
-    """The objects a call moves, by how they move (``select``)."""
-
-    staged: list[tuple[PoolBatch, Transfer, list[int]]] = field(default_factory=list)
-    direct_keys: list[str] = field(default_factory=list)
-    direct_slots: list[int] = field(default_factory=list)
-    direct_todos: list[Transfer] = field(default_factory=list)
-
-
-def select(batches: Sequence[PoolBatch], todos: Sequence[Transfer]) -> Selection:
-    """The objects each ``todos[i]`` names, with their slots in the call's flat
-    object list: a staged batch's alone (it moves through the arena by itself),
-    the zero-copy ones together (they move in one native call)."""
-    chosen = Selection()
+def move_selected(
+    batches: Sequence[PoolBatch],
+    todos: Sequence[Transfer],
+    flags: list[bool],
+    staged: Callable[[PoolBatch, Transfer], list[bool]],
+    direct: Callable[[list[str], list[Transfer]], list[bool]],
+) -> list[bool]:
+    """Move the objects each ``todos[i]`` names: a staged batch's alone (through
+    the arena), the zero-copy ones together in one ``direct`` call; each answer
+    goes to its slot of ``flags`` (the call's flat object list, returned)."""
+    direct_keys: list[str] = []
+    direct_slots: list[int] = []
+    direct_todos: list[Transfer] = []
     offset = 0
     for batch, todo in zip(batches, todos, strict=True):
         count = len(batch.object_keys)
@@ -413,33 +411,16 @@ def select(batches: Sequence[PoolBatch], todos: Sequence[Transfer]) -> Selection
         if not slots:
             continue
         if batch.staged:
-            chosen.staged.append((batch, todo, slots))
+            _put_back(flags, slots, staged(batch, todo))
         else:
-            chosen.direct_keys += [batch.object_keys[i] for i in indices]
-            chosen.direct_slots += slots
-            chosen.direct_todos.append(todo)
-    return chosen
+            direct_keys += [batch.object_keys[i] for i in indices]
+            direct_slots += slots
+            direct_todos.append(todo)
+    if direct_keys:
+        _put_back(flags, direct_slots, direct(direct_keys, direct_todos))
+    return flags
 
 
-def put_back(out: list[bool], slots: Sequence[int], flags: Sequence[bool]) -> None:
-    """The flags of moved objects into their ``slots`` of the call's flat list."""
+def _put_back(out: list[bool], slots: Sequence[int], flags: Sequence[bool]) -> None:
     for slot, ok in zip(slots, flags, strict=True):
         out[slot] = ok
-
-
-def move_selected(
-    batches: Sequence[PoolBatch],
-    todos: Sequence[Transfer],
-    flags: list[bool],
-    staged: Callable[[PoolBatch, Transfer], list[bool]],
-    direct: Callable[[list[str], list[Transfer]], list[bool]],
-) -> list[bool]:
-    """What the read and write paths do with a selection (``select``): each staged
-    batch moved alone, the zero-copy objects in one ``direct`` call, every answer
-    put in its slot of ``flags`` (the call's flat object list, returned)."""
-    chosen = select(batches, todos)
-    for batch, todo, slots in chosen.staged:
-        put_back(flags, slots, staged(batch, todo))
-    if chosen.direct_keys:
-        put_back(flags, chosen.direct_slots, direct(chosen.direct_keys, chosen.direct_todos))
-    return flags
