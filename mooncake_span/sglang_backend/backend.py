@@ -93,7 +93,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.registration = Registration(storage_config, self.options, self.client, self.stager)
         self.prober = HitProber(self.client)
         self.stored_check = StoredCheck(
-            self.client, self.client.pressure, self.registration, self.options.skip_unreachable
+            self.client, self.registration, self.options.skip_unreachable
         )
         self.chain_records = ChainRecords(self.client, arena, self.options.chain_sample_every)
         self.per_key_notice = PerKeyNotice()
@@ -121,8 +121,6 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
 
     @storage_page_size.setter
     def storage_page_size(self, value: int) -> None:
-        # Span-aware builds hand the page this way (span fork: at startup, after
-        # the pools registered); refused with a clear error once data moved.
         self.registration.assign_storage_page(value)
 
     @property
@@ -153,9 +151,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.registration.check_layout()
 
     # ---- hits (the data calls: gets in reads.py, puts in writes.py) ------------------------
-    # sglang's extra_info (HiCacheStorageExtraInfo) matters for its prefix_keys
-    # only (hicache_storage_pass_prefix_keys): they place a conversation's keys
-    # by its chain (stored_pool.chain_of); everything else in it is ignored.
+    # Of sglang's extra_info only prefix_keys matter (stored_pool.chain_of).
 
     @never_raise(miss_count)
     def batch_exists(

@@ -38,10 +38,8 @@ class PoolShape:
     components: tuple[ComponentSpec, ...]
     layout: PageLayout | None
     buffers: tuple[tuple[int, int], ...]
-    # True when the pool has no zero-copy pointers for its layout (e.g. the DSA
-    # indexer in layer_first): pages are then copied through a staging buffer
-    # with get_data_page / set_from_flat_data_page, and ``layout`` describes
-    # one flat page.
+    # No zero-copy pointers (the DSA indexer in layer_first): pages are copied
+    # through the staging arena, and ``layout`` describes one flat page.
     staged: bool = False
 
 

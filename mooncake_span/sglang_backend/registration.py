@@ -287,9 +287,7 @@ class Registration:
             pools=shapes,
         )
 
-    # ---- per call: sglang's arguments as batches ------------------------------------
-    # A bad argument raises InvalidRequestError naming the pool and what is
-    # wrong; the guard turns that into a logged miss.
+    # ---- per call: sglang's arguments as batches (a bad one: InvalidRequestError) ----
 
     def require_ready(self) -> None:
         if self.key_schema is None or self.geometry is None:
@@ -366,26 +364,27 @@ class Registration:
             raise InvalidRequestError(
                 f"transfers must be a list of PoolTransfer, got {type(transfers).__name__}"
             ) from exc
-        strides = (
-            _stride(getattr(t, "keys", None), getattr(t, "host_indices", None))
+        # Per transfer: pool name, keys, host indices, indexed by KV slots?
+        parts = [
+            (
+                pool_name_str(getattr(t, "name", None)),
+                getattr(t, "keys", None),
+                getattr(t, "host_indices", None),
+                pool_name_str(getattr(t, "indices_from_pool", None)) == KV_POOL,
+            )
             for t in transfers
-            if classify_pool(pool_name_str(getattr(t, "name", None)), self.learned_kv_derived)
-            is not PoolKind.STATE
-            or pool_name_str(getattr(t, "indices_from_pool", None)) == KV_POOL
+        ]
+        learned = self.learned_kv_derived
+        strides = (
+            _stride(keys, host_indices)
+            for name, keys, host_indices, by_kv in parts
+            if by_kv or classify_pool(name, learned) is not PoolKind.STATE
         )
         self.begin_io(None if self._io_ready else next((s for s in strides if s is not None), None))
         out = TransferBatches(miss_per_transfer(transfers))
-        for transfer in transfers:
-            name = pool_name_str(getattr(transfer, "name", None))
-            hint = pool_name_str(getattr(transfer, "indices_from_pool", None)) == KV_POOL
+        for transfer, part in zip(transfers, parts, strict=True):
             try:
-                batch = self._pool_batch(
-                    name,
-                    getattr(transfer, "keys", None),
-                    getattr(transfer, "host_indices", None),
-                    hint,
-                    extra_info,
-                )
+                batch = self._pool_batch(*part, extra_info)
             except MooncakeSpanError as exc:
                 out.refused.append(exc)
                 continue

@@ -79,8 +79,7 @@ class CallCounters:
     dropped_records: int = 0
     # keyed by exception class name: bounded by the error classes that exist
     rejected_calls: dict[str, int] = field(default_factory=dict)
-    # hit queries since the last get_stats(), with their existence RPCs and the
-    # objects they named (each existing one is leased by Mooncake for ~10 s)
+    # since the last get_stats(); each probed object that exists is leased ~10 s
     hit_queries: int = 0
     hit_query_rpcs: int = 0
     hit_query_probed_objects: int = 0

@@ -124,9 +124,8 @@ class Transfer:
     object_indices: list[int] | None  # None: every object of the batch, in order
     plans: PlanBatch | None  # None: a staged batch (the stager plans each part)
     group_ids: list[str] | None
-    # A put's placement key per object (KeySchema.domains, or the chain root's),
-    # whether or not group ids are sent: all objects of a storage key share one
-    # failure domain. A read carries them only when it knows the chain.
+    # Per object, its placement key (KeySchema.domains, or the chain root's): a
+    # put's always, a read's only when it knows the chain.
     domains: list[str] | None = None
     # Per object, its key's chain step (ChainSpot); None: placed per key.
     steps: list[int] | None = None

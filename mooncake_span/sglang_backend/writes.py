@@ -47,7 +47,7 @@ from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domains import ChainSpot
 from mooncake_span.store.gate import Puts
-from mooncake_span.store.router import STORED, UNREACHABLE, PutPressure
+from mooncake_span.store.router import STORED, UNREACHABLE
 
 logger = logging.getLogger(__name__)
 
@@ -197,14 +197,10 @@ class StoredCheck:
     """
 
     def __init__(
-        self,
-        client: MooncakeClient,
-        pressure: PutPressure,
-        registration: Registration,
-        skip_unreachable: bool,
+        self, client: MooncakeClient, registration: Registration, skip_unreachable: bool
     ) -> None:
         self._client = client
-        self._pressure = pressure
+        self._pressure = client.pressure
         self._registration = registration
         self._skip_unreachable = skip_unreachable
         self._kv_ahead = KvAhead()  # a sidecar backup's answers for the KV call after it
@@ -258,16 +254,15 @@ class PerKeyNotice:
         if chain is not None or self._said:
             return
         with self._lock:
-            if self._said:
-                return
-            self._said = True
-        logger.info(
-            "mooncake-span: backups arrive without prefix keys, so each storage key is placed "
-            "on its own segment; set %s: true in the storage extra-config to keep a "
-            "conversation's keys on one node (losing 1 of N nodes then costs about 1/N of the "
-            "cached prefixes, not nearly all of them)",
-            PASS_PREFIX_KEYS,
-        )
+            said, self._said = self._said, True
+        if not said:
+            logger.info(
+                "mooncake-span: backups arrive without prefix keys, so each storage key is placed "
+                "on its own segment; set %s: true in the storage extra-config to keep a "
+                "conversation's keys on one node (losing 1 of N nodes then costs about 1/N of the "
+                "cached prefixes, not nearly all of them)",
+                PASS_PREFIX_KEYS,
+            )
 
 
 class ChainRecords:
