@@ -9,6 +9,8 @@ the worker-thread methods never raise while set-up does: docs/architecture.md,
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -21,9 +23,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from mooncake_span.config import SpanOptions, load_span_options
-from mooncake_span.errors import RegistrationError
+from mooncake_span.errors import ConfigError, RegistrationError
 from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo, load_mooncake_settings
-from mooncake_span.sglang_backend.connection import shared_transfer_engine
 from mooncake_span.sglang_backend.guard import (
     miss_count,
     miss_hit_result,
@@ -31,8 +32,6 @@ from mooncake_span.sglang_backend.guard import (
     never_raise,
 )
 from mooncake_span.sglang_backend.hit_query import HitProber
-from mooncake_span.sglang_backend.l3_layout import describe_layout
-from mooncake_span.sglang_backend.page_hash import preload_page_hash
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
 from mooncake_span.sglang_backend.reads import ReadPath
 from mooncake_span.sglang_backend.recording import CallRecorder
@@ -44,10 +43,16 @@ from mooncake_span.sglang_backend.writes import ChainRecords, PerKeyNotice, Stor
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
 from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.span.keys import KeySchema, check_page_keys
+from mooncake_span.span.object_layout import NamespaceFacts, describe_object_layout, pool_inputs
 from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient, NativeBinding
+from mooncake_span.store.layout_guard import namespace_key
+from mooncake_span.store.native import SharedEngine, checksum_setting
 
 logger = logging.getLogger(__name__)
+
+# A start-up cost this large is worth a line in the server's log.
+_REPORT_LOAD_S = 0.5
 
 
 class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
@@ -218,12 +223,94 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         )
 
     def describe_l3_object_layout(self, **_sglang_kwargs: Any) -> dict[str, Any]:
-        """Router-facing L3 layout: sglang MooncakeStore's fields plus span geometry."""
+        """Router-facing L3 layout: sglang MooncakeStore's fields plus the span geometry
+        (``span.object_layout``) and whether restores verify Mooncake's checksums."""
         self.registration.require_ready()
-        return describe_layout(self.registration, self.storage_config, self.options)
+        schema = self.key_schema
+        record = self.registration.geometry_record()
+        pools = [self.pools[name] for name in record.pools]
+        layout = describe_object_layout(
+            NamespaceFacts.from_schema(schema),
+            pool_inputs(
+                record.pools,
+                {pool.name: pool.kind for pool in pools},
+                {pool.name: tuple(c.scope.value for c in pool.components) for pool in pools},
+            ),
+            ranks=schema.ranks,
+            is_mla=self.registration.is_mla,
+            pp_rank=int(getattr(self.storage_config, "pp_rank", 0) or 0),
+            pp_size=int(getattr(self.storage_config, "pp_size", 1) or 1),
+            source="backend",
+            layout_guard_key=namespace_key(schema.model, schema.tag),
+        )
+        layout["integrity"] = _integrity(self.options)
+        return layout
 
     def get_stats(self) -> SpanStorageMetrics:
         return self.recorder.storage_metrics(self.geometry)
 
     def close(self) -> None:
         self.client.close()
+
+
+def _integrity(options: SpanOptions) -> dict[str, Any]:
+    """Whether restores are verified against Mooncake's per-object CRC-64, and why."""
+    try:
+        verify, source = checksum_setting(options, os.environ)
+    except ConfigError as exc:  # the environment changed after setup
+        return {"verify_checksums": None, "source": str(exc)}
+    return {
+        "verify_checksums": verify,
+        "checksum": "crc64-ecma182" if verify else None,
+        "source": source,
+    }
+
+
+def shared_transfer_engine() -> SharedEngine | None:
+    """The Mooncake transfer engine sglang started in this process (its PD
+    disaggregation does), or None. 0.5.23's ``MooncakeStore`` reuses it when it
+    serves the same NIC, so memory is not registered and connections not opened
+    twice; the client decides the match (``SharedEngine.serves``)."""
+    try:
+        from sglang.srt.distributed.parallel_state import get_mooncake_transfer_engine
+
+        engine = get_mooncake_transfer_engine()
+    except Exception:  # noqa: BLE001 - any failure means "no engine to reuse", as upstream
+        logger.debug("mooncake-span: no shared Mooncake transfer engine to reuse", exc_info=True)
+        return None
+    if engine is None:
+        return None
+    return SharedEngine(
+        session_id=str(engine.get_session_id()),
+        ib_device=str(engine.get_ib_device() or ""),
+        engine=engine.get_engine,
+    )
+
+
+def preload_page_hash(page_tokens: int) -> bool:
+    """Hash one page the way sglang's controller will, so that its JIT-loaded hash
+    extension loads at start-up (why: docs/architecture.md, "How sglang 0.5.23
+    drives the backend"); False (logged) if that failed.
+
+    A failure here is not fatal: the controller would hit the same error at its
+    first hit query and handle it there, as it does without this backend."""
+    started = time.monotonic()
+    try:
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        get_storage_hash_str(list(range(page_tokens)), None, page_size=page_tokens)
+    except Exception:  # noqa: BLE001 - any failure leaves the lazy load to sglang
+        logger.warning(
+            "mooncake-span: could not load sglang's page-hash function at start-up; the "
+            "first hit query will load it, and a timeout prefetch policy may drop that prefetch",
+            exc_info=True,
+        )
+        return False
+    elapsed_s = time.monotonic() - started
+    if elapsed_s >= _REPORT_LOAD_S:
+        logger.info(
+            "mooncake-span: loaded sglang's page-hash extension in %.1fs at start-up "
+            "(otherwise the first restore after a start would pay it)",
+            elapsed_s,
+        )
+    return True
