@@ -26,7 +26,6 @@ from mooncake_span.sglang_backend.storage_page import (
     StoragePage,
     check_assignable,
     declared_page,
-    kv_stride,
     warn_if_inconsistent,
 )
 from mooncake_span.sglang_backend.stored_pool import (
@@ -175,10 +174,6 @@ class Registration:
         )
         self._guard_record = None if result == "deferred" else record
         self.layout_guard_result = result
-        self._log_ready()
-        return result
-
-    def _log_ready(self) -> None:
         logger.info(
             "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages "
             "(from %s%s), pools %s",
@@ -190,6 +185,7 @@ class Registration:
             "" if self._io_ready else "; it may change until the first data call",
             {n: [c.name for c in pool.components] for n, pool in self.pools.items()},
         )
+        return result
 
     # ---- the storage page: settled at the first data call -----------------------------
 
@@ -456,7 +452,9 @@ def _stride(keys: Any, host_indices: Any) -> int | None:
         slots = int(host_indices.numel()) if hasattr(host_indices, "numel") else len(host_indices)
     except TypeError:
         return None
-    return kv_stride(slots, len(keys))
+    if not keys or slots < 1 or slots % len(keys):
+        return None
+    return slots // len(keys)
 
 
 def _flat_stride(tensors: Sequence[Any], page_bytes: int, page_tokens: int) -> int | None:

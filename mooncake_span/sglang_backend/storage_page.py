@@ -183,13 +183,6 @@ class StoragePage:
         )
 
 
-def kv_stride(num_slots: int, num_keys: int) -> int | None:
-    """Host slots per key of a transfer, None when it does not divide evenly."""
-    if num_keys < 1 or num_slots < 1 or num_slots % num_keys:
-        return None
-    return num_slots // num_keys
-
-
 def check_assignable(value: Any) -> int:
     """The whole number of tokens an assignment of ``storage_page_size`` carries."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
