@@ -397,13 +397,12 @@ class Registration:
         """A KV batch whose objects come from one flat span tensor per key (generic path)."""
         self.require_ready()
         kv = self.pools[KV_POOL]
-        if not kv.is_logical:
-            self.begin_io(_flat_stride(tensors, kv.layout.flat_page_bytes, kv.page_tokens))
         if kv.is_logical:
             raise InvalidRequestError(
                 "the generic path (batch_get / batch_set on flat pages) moves KV bytes, and "
                 "pool 'kv' is a logical anchor that holds none: serve with interface_v1"
             )
+        self.begin_io(_flat_stride(tensors, kv.layout.flat_page_bytes, kv.page_tokens))
         page_keys = check_page_keys(keys)
         if len(tensors) != len(page_keys):
             raise InvalidRequestError(f"{len(page_keys)} keys but {len(tensors)} tensors")
