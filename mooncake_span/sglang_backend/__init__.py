@@ -1,9 +1,7 @@
 """The SGLang side of mooncake-span: the only package that imports sglang.
 
-``MooncakeSpanStore`` is resolved lazily so that sglang's factory
-(``importlib.import_module("mooncake_span.sglang_backend")`` followed by
-``getattr(module, "MooncakeSpanStore")``) and the tooling modules in this
-package do not pay for each other's imports.
+``MooncakeSpanStore`` resolves lazily (sglang's factory imports this package,
+then getattr()s the class), so the tooling modules here do not pay for it.
 """
 
 from __future__ import annotations

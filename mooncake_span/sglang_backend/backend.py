@@ -1,34 +1,16 @@
 """``MooncakeSpanStore``: sglang HiCache L3 storage on Mooncake, K host pages per key.
 
-How sglang 0.5.23 drives a storage backend (``HiCacheController`` /
-``HybridCacheController``):
-
-1. construction: ``cls(storage_config, {})`` for ``--hicache-storage-backend
-   dynamic``, ``cls(storage_config, mem_pool_host)`` for the built-in
-   ``mooncake`` name (served by our plugin when opted in);
-2. ``register_mem_pool_host(anchor)``, then for hybrid stacks
-   ``register_mem_host_pool_v2(pool, name)`` per host pool (``kv`` included),
-   then ``on_host_pools_registered()`` once; sidecars added later arrive
-   through ``register_mem_host_pool_v2`` only; the span fork's startup then
-   assigns ``storage_page_size`` on the live backend (the property below),
-   before the first data call fixes it (``storage_page.py``);
-3. worker threads: backup = ``batch_set_v2`` (sidecars) then ``batch_set_v1``
-   (KV, writer ranks only); hit query = ``batch_exists_v2`` (or
-   ``batch_exists``); prefetch = ``batch_get_v1`` (+ ``batch_get_v2`` for
-   KV-derived sidecars, in 128-key batches) then ``batch_get_v2`` for state
-   pools once KV completed. Without ``interface_v1`` the generic
-   ``batch_get`` / ``batch_set`` on flat page tensors replace the v1 calls.
-
-Every method the worker threads call is wrapped in ``guard.never_raise``: it
-returns a result and never raises (bad input and cluster failures become
-misses with a rate-limited log line). Construction and registration errors do
-raise, so a misconfigured server fails at startup. The data calls are mixed in
-from ``reads.py`` (``ReadPath``) and ``writes.py`` (``WritePath``).
+The order in which sglang 0.5.23 constructs, registers and calls it, and why
+the worker-thread methods never raise while set-up does: docs/architecture.md,
+"How sglang 0.5.23 drives the backend". The data calls are mixed in from
+``reads.py`` (``ReadPath``) and ``writes.py`` (``WritePath``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import (
@@ -41,9 +23,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from mooncake_span.config import SpanOptions, load_span_options
-from mooncake_span.errors import RegistrationError
+from mooncake_span.errors import ConfigError, RegistrationError
 from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo, load_mooncake_settings
-from mooncake_span.sglang_backend.connection import shared_transfer_engine
 from mooncake_span.sglang_backend.guard import (
     miss_count,
     miss_hit_result,
@@ -51,9 +32,6 @@ from mooncake_span.sglang_backend.guard import (
     never_raise,
 )
 from mooncake_span.sglang_backend.hit_query import HitProber
-from mooncake_span.sglang_backend.l3_layout import describe_layout
-from mooncake_span.sglang_backend.observability import CallObserver
-from mooncake_span.sglang_backend.page_hash import preload_page_hash
 from mooncake_span.sglang_backend.pool_layout import pool_name_str
 from mooncake_span.sglang_backend.reads import ReadPath
 from mooncake_span.sglang_backend.recording import CallRecorder
@@ -65,11 +43,16 @@ from mooncake_span.sglang_backend.writes import ChainRecords, PerKeyNotice, Stor
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
 from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.span.keys import KeySchema, check_page_keys
+from mooncake_span.span.object_layout import NamespaceFacts, describe_object_layout, pool_inputs
 from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient, NativeBinding
-from mooncake_span.store.layout_guard import GeometryRecord
+from mooncake_span.store.layout_guard import namespace_key
+from mooncake_span.store.native import SharedEngine, checksum_setting
 
 logger = logging.getLogger(__name__)
+
+# A start-up cost this large is worth a line in the server's log.
+_REPORT_LOAD_S = 0.5
 
 
 class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
@@ -98,8 +81,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
                 "heterogeneous-TP head splitting (page_head layout with tp_lcm_size) is not "
                 "supported by mooncake-span; use one TP size for all nodes"
             )
-        # The built-in "mooncake" path passes the host pool as kwargs_or_host_pool;
-        # sglang calls register_mem_pool_host() with it right after, so it is not kept.
+        # The built-in "mooncake" path's host pool comes back in register_mem_pool_host().
         self.mem_pool_host = None
         self.client = MooncakeClient(self.settings, self.options, binding, shared_transfer_engine())
         self.client.connect()
@@ -116,7 +98,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.registration = Registration(storage_config, self.options, self.client, self.stager)
         self.prober = HitProber(self.client)
         self.stored_check = StoredCheck(
-            self.client, self.client.pressure, self.registration, self.options.skip_unreachable
+            self.client, self.registration, self.options.skip_unreachable
         )
         self.chain_records = ChainRecords(self.client, arena, self.options.chain_sample_every)
         self.per_key_notice = PerKeyNotice()
@@ -136,19 +118,6 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         return self.registration.key_schema
 
     @property
-    def is_mla(self) -> bool:
-        return self.registration.is_mla
-
-    @property
-    def observer(self) -> CallObserver:
-        """The Prometheus side of the recorder (replaceable, e.g. by a private registry)."""
-        return self.recorder.observer
-
-    @observer.setter
-    def observer(self, observer: CallObserver) -> None:
-        self.recorder.observer = observer
-
-    @property
     def storage_page_size(self) -> int:
         """Tokens one storage key covers (0 before registration when nothing named it)."""
         if self.registration.geometry is not None:
@@ -157,17 +126,12 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
 
     @storage_page_size.setter
     def storage_page_size(self, value: int) -> None:
-        # Span-aware builds hand the page this way (span fork: at startup, after
-        # the pools registered); refused with a clear error once data moved.
         self.registration.assign_storage_page(value)
 
     @property
     def layout_guard_result(self) -> str | None:
         """The layout guard's last outcome: "off", "published", "matched" or None."""
         return self.registration.layout_guard_result
-
-    def geometry_record(self) -> GeometryRecord:
-        return self.registration.geometry_record()
 
     # ---- registration (control path: errors raise) -------------------------------
 
@@ -192,9 +156,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         self.registration.check_layout()
 
     # ---- hits (the data calls: gets in reads.py, puts in writes.py) ------------------------
-    # sglang's extra_info (HiCacheStorageExtraInfo) matters for its prefix_keys
-    # only (hicache_storage_pass_prefix_keys): they place a conversation's keys
-    # by its chain (stored_pool.chain_of); everything else in it is ignored.
+    # Of sglang's extra_info only prefix_keys matter (stored_pool.chain_of).
 
     @never_raise(miss_count)
     def batch_exists(
@@ -261,12 +223,94 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         )
 
     def describe_l3_object_layout(self, **_sglang_kwargs: Any) -> dict[str, Any]:
-        """Router-facing L3 layout: sglang MooncakeStore's fields plus span geometry."""
+        """Router-facing L3 layout: sglang MooncakeStore's fields plus the span geometry
+        (``span.object_layout``) and whether restores verify Mooncake's checksums."""
         self.registration.require_ready()
-        return describe_layout(self.registration.layout_facts(), self.options)
+        schema = self.key_schema
+        record = self.registration.geometry_record()
+        pools = [self.pools[name] for name in record.pools]
+        layout = describe_object_layout(
+            NamespaceFacts.from_schema(schema),
+            pool_inputs(
+                record.pools,
+                {pool.name: pool.kind for pool in pools},
+                {pool.name: tuple(c.scope.value for c in pool.components) for pool in pools},
+            ),
+            ranks=schema.ranks,
+            is_mla=self.registration.is_mla,
+            pp_rank=int(getattr(self.storage_config, "pp_rank", 0) or 0),
+            pp_size=int(getattr(self.storage_config, "pp_size", 1) or 1),
+            source="backend",
+            layout_guard_key=namespace_key(schema.model, schema.tag),
+        )
+        layout["integrity"] = _integrity(self.options)
+        return layout
 
     def get_stats(self) -> SpanStorageMetrics:
         return self.recorder.storage_metrics(self.geometry)
 
     def close(self) -> None:
         self.client.close()
+
+
+def _integrity(options: SpanOptions) -> dict[str, Any]:
+    """Whether restores are verified against Mooncake's per-object CRC-64, and why."""
+    try:
+        verify, source = checksum_setting(options, os.environ)
+    except ConfigError as exc:  # the environment changed after setup
+        return {"verify_checksums": None, "source": str(exc)}
+    return {
+        "verify_checksums": verify,
+        "checksum": "crc64-ecma182" if verify else None,
+        "source": source,
+    }
+
+
+def shared_transfer_engine() -> SharedEngine | None:
+    """The Mooncake transfer engine sglang started in this process (its PD
+    disaggregation does), or None. 0.5.23's ``MooncakeStore`` reuses it when it
+    serves the same NIC, so memory is not registered and connections not opened
+    twice; the client decides the match (``SharedEngine.serves``)."""
+    try:
+        from sglang.srt.distributed.parallel_state import get_mooncake_transfer_engine
+
+        engine = get_mooncake_transfer_engine()
+    except Exception:  # noqa: BLE001 - any failure means "no engine to reuse", as upstream
+        logger.debug("mooncake-span: no shared Mooncake transfer engine to reuse", exc_info=True)
+        return None
+    if engine is None:
+        return None
+    return SharedEngine(
+        session_id=str(engine.get_session_id()),
+        ib_device=str(engine.get_ib_device() or ""),
+        engine=engine.get_engine,
+    )
+
+
+def preload_page_hash(page_tokens: int) -> bool:
+    """Hash one page the way sglang's controller will, so that its JIT-loaded hash
+    extension loads at start-up (why: docs/architecture.md, "How sglang 0.5.23
+    drives the backend"); False (logged) if that failed.
+
+    A failure here is not fatal: the controller would hit the same error at its
+    first hit query and handle it there, as it does without this backend."""
+    started = time.monotonic()
+    try:
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        get_storage_hash_str(list(range(page_tokens)), None, page_size=page_tokens)
+    except Exception:  # noqa: BLE001 - any failure leaves the lazy load to sglang
+        logger.warning(
+            "mooncake-span: could not load sglang's page-hash function at start-up; the "
+            "first hit query will load it, and a timeout prefetch policy may drop that prefetch",
+            exc_info=True,
+        )
+        return False
+    elapsed_s = time.monotonic() - started
+    if elapsed_s >= _REPORT_LOAD_S:
+        logger.info(
+            "mooncake-span: loaded sglang's page-hash extension in %.1fs at start-up "
+            "(otherwise the first restore after a start would pay it)",
+            elapsed_s,
+        )
+    return True

@@ -1,12 +1,8 @@
-"""The one place where sglang-facing calls are kept from raising.
+"""``never_raise``: sglang-facing calls answer a miss instead of raising.
 
-sglang runs storage calls on daemon threads (backup, prefetch, hit queries);
-an exception there kills the thread and silently stops the L3 tier. Every
-method those threads call is wrapped in :func:`never_raise` with the value it
-answers on a miss: bad caller input and cluster failures are logged (rate
-limited, naming what is wrong) and become misses; unexpected bugs are logged
-with a traceback and become misses too. What happened goes to the backend's
-``recorder`` (``recording.py``).
+Why (sglang's storage threads die on an exception): docs/architecture.md, "How
+sglang 0.5.23 drives the backend"; what a wrapped call does: "One
+``batch_get_v1``", step 1.
 """
 
 from __future__ import annotations
@@ -59,12 +55,21 @@ def _count(items: Any) -> int:
     return len(items) if isinstance(items, (list, tuple)) else 0
 
 
-def miss_per_key(keys: Any = None, *_args: Any, **_kwargs: Any) -> list[bool]:
-    return [False] * _count(keys)
+def _per_key(value: Any) -> Callable[..., list[Any]]:
+    """A miss answering ``value`` for every key of the call's first argument."""
+    return lambda keys=None, *_args, **_kwargs: [value] * _count(keys)
 
 
-def miss_none_per_key(keys: Any = None, *_args: Any, **_kwargs: Any) -> list[None]:
-    return [None] * _count(keys)
+def _answering(value: Any) -> Callable[..., Any]:
+    """A miss answering ``value`` whatever the call's arguments."""
+    return lambda *_args, **_kwargs: value
+
+
+miss_per_key = _per_key(False)
+miss_none_per_key = _per_key(None)
+miss_count = _answering(0)
+miss_flag = _answering(False)
+miss_nothing = _answering(None)
 
 
 def miss_per_transfer(transfers: Any = None, *_args: Any, **_kwargs: Any) -> dict[Any, list[bool]]:
@@ -81,17 +86,5 @@ def miss_per_transfer(transfers: Any = None, *_args: Any, **_kwargs: Any) -> dic
     return out
 
 
-def miss_count(*_args: Any, **_kwargs: Any) -> int:
-    return 0
-
-
-def miss_flag(*_args: Any, **_kwargs: Any) -> bool:
-    return False
-
-
 def miss_hit_result(*_args: Any, **_kwargs: Any) -> PoolTransferResult:
     return PoolTransferResult(0, {}, [])
-
-
-def miss_nothing(*_args: Any, **_kwargs: Any) -> None:
-    return None

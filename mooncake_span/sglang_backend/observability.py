@@ -1,14 +1,9 @@
-"""The backend's Prometheus metrics (``mooncake_span_*``).
+"""The backend's Prometheus metrics (``mooncake_span_*``): ``CallObserver``.
 
-``CallObserver`` is the backend recorder's ``observer``, fed only by the
-wrappers around the calls (``recording.py`` lists them). It also folds the
-store client's cumulative counters (failed objects by Mooncake code, breaker
-openings and state) into the metrics after each call. No method that observes
-a call raises: metrics must not turn a served request into a miss.
-
-Outcomes: ``ok`` (every key succeeded, or the call answered), ``partial``
-(some keys), ``miss`` (none), ``rejected`` (bad input or a cluster failure the
-guard turned into a miss), ``error`` (an unexpected bug, also a miss).
+Fed only by the wrappers around the calls (``recording.py``), it also folds
+the store client's cumulative counters in after each call. Nothing here
+raises: metrics must not turn a served request into a miss. The outcomes:
+docs/operating.md, "Prometheus metrics".
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """sglang plugin (entry point group ``sglang.srt.plugins``).
 
-sglang runs every installed general plugin from ``load_plugins()`` early in
-each process. This one changes nothing unless the operator opts in with
-``MOONCAKE_SPAN_SERVE_MOONCAKE=1``: then ``--hicache-storage-backend mooncake``
-is served by ``MooncakeSpanStore`` instead of sglang's built-in
-``MooncakeStore``. Only that path gives span-aware sglang builds a registry
-entry whose class declares ``supports_page_spans = True``
-(``StorageBackendFactory.backend_supports_page_spans("mooncake")``); the
-``dynamic`` backend name is not in the registry, so the capability gate cannot
-see it.
+With ``MOONCAKE_SPAN_SERVE_MOONCAKE=1``, ``--hicache-storage-backend mooncake``
+is served by ``MooncakeSpanStore``; otherwise nothing changes. Why this path
+matters for span-aware builds: docs/architecture.md, "How sglang 0.5.23 drives
+the backend".
 """
 
 from __future__ import annotations

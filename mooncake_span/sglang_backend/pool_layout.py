@@ -1,21 +1,12 @@
-"""Turn an sglang host pool into what the pure planner needs.
+"""Turn an sglang host pool into what the pure planner needs, once at registration.
 
-For each registered pool this works out, once at registration:
-
-* its stored components and their key suffixes (upstream MooncakeStore's
-  table: MLA ``k``; Mamba ``temporal`` + ``conv_i``; ``indexer``; ``swa`` ...),
-  with the rank scope of each. MHA-style pools (KV, SWA, drafts) are one
-  ``kv`` object holding the k bytes then the v bytes, not upstream's ``k`` +
-  ``v``: one call writes both, so a second object would only add an eviction
-  group id, which Mooncake charges for inside every put;
-* an affine address model ``ptr(page, slot) = base + page * stride`` fitted to
-  ``get_page_buffer_meta`` on sample pages and checked on others, so per-call
-  pointer planning needs no Python loop over sglang's per-page code;
-* the buffers to register with Mooncake.
-
-Zero-byte slots are left out of the pointers (Mooncake rejects 0-byte
-buffers); a component with no bytes at all is left out of the keys where sglang
-says so (Mamba's ``temporal_state_elem_size`` 0), else registration refuses the pool.
+Per pool: its stored components with their key suffixes and rank scopes (an
+MHA-style pool's k and v form one ``kv`` object: docs/span-format.md, "Group
+ids"), an affine address model ``ptr(page, slot) = base + page * stride``
+fitted to ``get_page_buffer_meta`` and checked on more pages (so per-call
+planning needs no Python loop over sglang's per-page code), and the buffers
+to register. Zero-byte slots are left out of the pointers (Mooncake rejects
+0-byte buffers).
 """
 
 from __future__ import annotations
@@ -47,10 +38,8 @@ class PoolShape:
     components: tuple[ComponentSpec, ...]
     layout: PageLayout | None
     buffers: tuple[tuple[int, int], ...]
-    # True when the pool has no zero-copy pointers for its layout (e.g. the DSA
-    # indexer in layer_first): pages are then copied through a staging buffer
-    # with get_data_page / set_from_flat_data_page, and ``layout`` describes
-    # one flat page.
+    # No zero-copy pointers (the DSA indexer in layer_first): pages are copied
+    # through the staging arena, and ``layout`` describes one flat page.
     staged: bool = False
 
 

@@ -1,25 +1,6 @@
 """The read path: sglang's gets, top-down from its call to the native get.
 
-A prefetch calls ``batch_get_v1`` (the KV pool), ``batch_get_v2`` (one
-``PoolTransfer`` per pool) or, without ``interface_v1``, the generic
-``batch_get`` (flat page tensors). Each method:
-
-1. is wrapped in ``guard.never_raise``: whatever happens below, sglang gets
-   per-key results (a refusal or a failure is a logged miss);
-2. turns its arguments into ``PoolBatch`` es (``Registration.pool_batch``,
-   ``transfer_batches``, ``flat_batch``: keys checked, host indices to host
-   pages by the stride rule, object keys named);
-3. runs ``_get``, wrapped in ``recording.recorded``, which records what moved:
-   every object of every batch, the zero-copy batches in one
-   ``MooncakeClient.get`` (which cuts it by the buffer budget and sends each
-   part through ``NativeGate.invoke``), each staged batch through the arena in
-   lease-sized parts, copied back into the host pool only for keys whose
-   objects all arrived;
-4. folds the per-object flags to per-key results, clamped after the first
-   missing key, as sglang reads a result list as a prefix.
-
-A call that names its prefix chain tells the client where its keys were
-placed, for reads while a segment is bad.
+Walked through step by step in docs/architecture.md, "One ``batch_get_v1``".
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Metrics and accounting of the backend's calls, kept in one place.
 
-Accounting wraps the calls rather than being threaded through them: the read
-and write paths know nothing of metrics. The counters themselves have one
-owner each, which takes its own lock on every write: ``CallCounters``
-(``stats.py``: what ``get_stats()`` reports) and ``CallObserver``
-(``observability.py``: the Prometheus metrics). ``guard.never_raise`` feeds
-them each sglang call's outcome, ``recorded`` what a path moved.
+Accounting wraps the calls (``guard.never_raise`` for each sglang call's
+outcome, ``recorded`` for what a path moved), so the read and write paths know
+nothing of metrics. Each counter has one owner that locks its own writes:
+``CallCounters`` (``get_stats()``) and ``CallObserver`` (Prometheus).
 """
 
 from __future__ import annotations

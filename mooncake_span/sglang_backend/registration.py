@@ -26,7 +26,6 @@ from mooncake_span.sglang_backend.storage_page import (
     StoragePage,
     check_assignable,
     declared_page,
-    kv_stride,
     warn_if_inconsistent,
 )
 from mooncake_span.sglang_backend.stored_pool import (
@@ -66,19 +65,6 @@ def rank_tags(storage_config: Any) -> RankTags:
     )
 
 
-@dataclass(frozen=True)
-class LayoutFacts:
-    """What the router-facing layout description needs from the namespace."""
-
-    record: GeometryRecord
-    pool_kinds: dict[str, PoolKind]
-    pool_scopes: dict[str, tuple[str, ...]]
-    schema: KeySchema
-    is_mla: bool
-    pp_rank: int
-    pp_size: int
-
-
 class Registration:
     """The registered pools of one backend and the namespace they are stored under."""
 
@@ -94,21 +80,16 @@ class Registration:
         self.pools: dict[str, StoredPool] = {}
         self.geometry: SpanGeometry | None = None
         self.key_schema: KeySchema | None = None
-        # Whether puts carry eviction group ids, decided here alone (the client
-        # sends what it is given). They cost Mooncake time per object and only
-        # matter when a key owns more than one object (set at each
-        # registration): MHA's k and v share one object, so only multi-pool
-        # stacks send them, and only while span_group_ids is on.
+        # Whether puts carry eviction group ids, decided here alone (at each
+        # registration): only while a key owns several objects and span_group_ids
+        # is on (their cost: docs/span-format.md, "Group ids").
         self.group_ids = False
         # Rebound, never mutated: worker threads read it without a lock.
         self.learned_kv_derived: frozenset[str] = frozenset()
-        # A prefix chain's window and stripe (domains.ChainSpot), set with the
-        # geometry: span_chain_window_tokens and span_chain_stripe_tokens in whole
-        # storage keys (a stripe of 0: one step per window); one value, so a reader
-        # never sees one of them new.
+        # The chain window and stripe in storage keys (domains.ChainSpot), set with
+        # the geometry; one value, so a reader never sees one of them new.
         self.chain_keys = (1, 0)
-        # The storage page may still change until the first data call
-        # (storage_page.py); the geometry, key schema and layout guard follow it.
+        # Open until the first data call; the geometry, schema and guard follow it.
         self.storage_page = StoragePage(declared_page(storage_config, options))
         self._anchor: Any = None
         self._guard_record: GeometryRecord | None = None  # what the guard last checked
@@ -193,10 +174,6 @@ class Registration:
         )
         self._guard_record = None if result == "deferred" else record
         self.layout_guard_result = result
-        self._log_ready()
-        return result
-
-    def _log_ready(self) -> None:
         logger.info(
             "mooncake-span ready: prefix %s, storage page %d tokens = %d x %d-token host pages "
             "(from %s%s), pools %s",
@@ -208,6 +185,7 @@ class Registration:
             "" if self._io_ready else "; it may change until the first data call",
             {n: [c.name for c in pool.components] for n, pool in self.pools.items()},
         )
+        return result
 
     # ---- the storage page: settled at the first data call -----------------------------
 
@@ -305,24 +283,7 @@ class Registration:
             pools=shapes,
         )
 
-    def layout_facts(self) -> LayoutFacts:
-        record = self.geometry_record()
-        return LayoutFacts(
-            record=record,
-            pool_kinds={name: self.pools[name].kind for name in record.pools},
-            pool_scopes={
-                name: tuple(c.scope.value for c in self.pools[name].components)
-                for name in record.pools
-            },
-            schema=self.key_schema,
-            is_mla=self.is_mla,
-            pp_rank=int(getattr(self._config, "pp_rank", 0) or 0),
-            pp_size=int(getattr(self._config, "pp_size", 1) or 1),
-        )
-
-    # ---- per call: sglang's arguments as batches ------------------------------------
-    # A bad argument raises InvalidRequestError naming the pool and what is
-    # wrong; the guard turns that into a logged miss.
+    # ---- per call: sglang's arguments as batches (a bad one: InvalidRequestError) ----
 
     def require_ready(self) -> None:
         if self.key_schema is None or self.geometry is None:
@@ -399,26 +360,27 @@ class Registration:
             raise InvalidRequestError(
                 f"transfers must be a list of PoolTransfer, got {type(transfers).__name__}"
             ) from exc
-        strides = (
-            _stride(getattr(t, "keys", None), getattr(t, "host_indices", None))
+        # Per transfer: pool name, keys, host indices, indexed by KV slots?
+        parts = [
+            (
+                pool_name_str(getattr(t, "name", None)),
+                getattr(t, "keys", None),
+                getattr(t, "host_indices", None),
+                pool_name_str(getattr(t, "indices_from_pool", None)) == KV_POOL,
+            )
             for t in transfers
-            if classify_pool(pool_name_str(getattr(t, "name", None)), self.learned_kv_derived)
-            is not PoolKind.STATE
-            or pool_name_str(getattr(t, "indices_from_pool", None)) == KV_POOL
+        ]
+        learned = self.learned_kv_derived
+        strides = (
+            _stride(keys, host_indices)
+            for name, keys, host_indices, by_kv in parts
+            if by_kv or classify_pool(name, learned) is not PoolKind.STATE
         )
         self.begin_io(None if self._io_ready else next((s for s in strides if s is not None), None))
         out = TransferBatches(miss_per_transfer(transfers))
-        for transfer in transfers:
-            name = pool_name_str(getattr(transfer, "name", None))
-            hint = pool_name_str(getattr(transfer, "indices_from_pool", None)) == KV_POOL
+        for transfer, part in zip(transfers, parts, strict=True):
             try:
-                batch = self._pool_batch(
-                    name,
-                    getattr(transfer, "keys", None),
-                    getattr(transfer, "host_indices", None),
-                    hint,
-                    extra_info,
-                )
+                batch = self._pool_batch(*part, extra_info)
             except MooncakeSpanError as exc:
                 out.refused.append(exc)
                 continue
@@ -435,13 +397,12 @@ class Registration:
         """A KV batch whose objects come from one flat span tensor per key (generic path)."""
         self.require_ready()
         kv = self.pools[KV_POOL]
-        if not kv.is_logical:
-            self.begin_io(_flat_stride(tensors, kv.layout.flat_page_bytes, kv.page_tokens))
         if kv.is_logical:
             raise InvalidRequestError(
                 "the generic path (batch_get / batch_set on flat pages) moves KV bytes, and "
                 "pool 'kv' is a logical anchor that holds none: serve with interface_v1"
             )
+        self.begin_io(_flat_stride(tensors, kv.layout.flat_page_bytes, kv.page_tokens))
         page_keys = check_page_keys(keys)
         if len(tensors) != len(page_keys):
             raise InvalidRequestError(f"{len(page_keys)} keys but {len(tensors)} tensors")
@@ -490,7 +451,9 @@ def _stride(keys: Any, host_indices: Any) -> int | None:
         slots = int(host_indices.numel()) if hasattr(host_indices, "numel") else len(host_indices)
     except TypeError:
         return None
-    return kv_stride(slots, len(keys))
+    if not keys or slots < 1 or slots % len(keys):
+        return None
+    return slots // len(keys)
 
 
 def _flat_stride(tensors: Sequence[Any], page_bytes: int, page_tokens: int) -> int | None:

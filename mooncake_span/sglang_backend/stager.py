@@ -1,12 +1,9 @@
 """Staged transfers: batches whose memory is not registered move through the arena.
 
-A staged batch (a ``StagedPool``'s host pages, or the generic path's flat
-tensors, which sglang allocates per call) is cut into parts of whole key rows
-that fit one lease of the registered ``StagingArena``; each part is one put
-(rows copied in first: ``stage``) or one get (rows whose objects all arrived
-copied out after: ``unstage``), and its lease ends with its native call, which
-the read and write paths make. ``span/byte_budget.py`` plans the parts; this
-module leases and copies.
+A staged batch (a ``StagedPool``'s host pages, or the generic path's per-call
+flat tensors) moves in parts of whole key rows, one lease of the
+``StagingArena`` and one native call each; ``span/byte_budget.py`` plans the
+parts, this module leases and copies.
 """
 
 from __future__ import annotations

@@ -15,20 +15,15 @@ from sglang.srt.observability.metrics_collector import StorageMetrics
 logger = logging.getLogger(__name__)
 
 _LOG_INTERVAL_S = 10.0
-# The limiter lives as long as the backend and keeps one entry per kind; kinds
-# are built from operation and error names, but a bound must not depend on
-# that. Past _MAX_LOG_KINDS, kinds quiet for a whole interval are forgotten
-# and, if none is, the new kind shares one overflow entry.
+# Kinds are built from operation and error names, but the bound must not rely
+# on that: past it, kinds quiet for an interval are forgotten, else one entry
+# takes the overflow.
 _MAX_LOG_KINDS = 256
 _OVERFLOW_KIND = "(other kinds)"
-# Per-call records (prefetch_pgs, backup_pgs, *_bandwidth: one entry per call)
-# are drained only by get_stats(), and sglang 0.5.23 calls get_stats() only
-# when storage metrics are enabled (UnifiedRadixCache checks
-# enable_storage_metrics before polling). Unbounded lists grew by ~2 MB per
-# 100k calls with metrics off. So records live in windows: METRIC_WINDOW
-# while metrics are on (sglang drains them every few seconds), UNPOLLED_WINDOW
-# while off (the latest calls, for a direct get_stats() caller). Token totals
-# are plain counters either way.
+# Per-call records live in windows because only get_stats() drains them, and
+# sglang 0.5.23 polls it only with enable_storage_metrics (unbounded, they grew
+# ~2 MB per 100k calls with metrics off). METRIC_WINDOW spans sglang's polls, a
+# few seconds apart; UNPOLLED_WINDOW keeps the latest calls for a direct caller.
 METRIC_WINDOW = 4096
 UNPOLLED_WINDOW = 64
 _RECORDS = ("prefetch_pgs", "backup_pgs", "prefetch_bandwidth", "backup_bandwidth")
@@ -68,11 +63,9 @@ class RateLimitedLog:
 
 @dataclass
 class CallCounters:
-    """Per-call metric records in windows of ``window`` entries, plus totals.
-
-    The one owner of what ``get_stats()`` reports of the backend's own calls:
-    every write goes through a method here, under ``_lock`` (sglang's backup
-    and prefetch threads call at once)."""
+    """Per-call metric records in windows of ``window`` entries, plus totals: the one
+    owner of what ``get_stats()`` reports of the backend's own calls. Every write
+    takes ``_lock`` (sglang's backup and prefetch threads call at once)."""
 
     window: int = UNPOLLED_WINDOW
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -86,8 +79,7 @@ class CallCounters:
     dropped_records: int = 0
     # keyed by exception class name: bounded by the error classes that exist
     rejected_calls: dict[str, int] = field(default_factory=dict)
-    # hit queries since the last get_stats(), with their existence RPCs and the
-    # objects they named (each existing one is leased by Mooncake for ~10 s)
+    # since the last get_stats(); each probed object that exists is leased ~10 s
     hit_queries: int = 0
     hit_query_rpcs: int = 0
     hit_query_probed_objects: int = 0

@@ -1,15 +1,8 @@
 """How many tokens one storage key covers, learned however the sglang build hands it.
 
-The builds differ: a ``HiCacheStorageConfig.storage_page_size`` field, an
-assignment on the live backend after the pools registered (the span fork), an
-operator's extra-config ``storage_page_size`` (stock 0.5.23 has no field), or
-nothing, where the first transfer's host slots per key are the only witness
-(docs/operating.md, "sglang builds, page sizes and K").
-
-The storage page may change until the first data call (hit query, get or
-put) and is fixed from then on, so K never changes under stored data: a later
-assignment that differs is refused, and a transfer that disagrees with the
-settled page is a miss, logged once with both values.
+The four ways builds hand it: docs/operating.md, "sglang builds, page sizes
+and K". The page may change until the first data call and is fixed from then
+on, so K never changes under stored data.
 """
 
 from __future__ import annotations
@@ -188,13 +181,6 @@ class StoragePage:
             storage_tokens // host_page_tokens,
             self.choice.source.value,
         )
-
-
-def kv_stride(num_slots: int, num_keys: int) -> int | None:
-    """Host slots per key of a transfer, None when it does not divide evenly."""
-    if num_keys < 1 or num_slots < 1 or num_slots % num_keys:
-        return None
-    return num_slots // num_keys
 
 
 def check_assignable(value: Any) -> int:

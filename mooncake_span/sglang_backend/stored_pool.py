@@ -1,22 +1,11 @@
-"""One registered host pool as it is stored in Mooncake.
+"""One registered host pool as it is stored in Mooncake, and one call's objects.
 
-A :class:`StoredPool` owns everything that depends on one pool's layout: the
-object keys of a call (key-major, component-minor: object ``i * C + c`` is
-component ``c`` of key ``i``), the buffer plans, what a get or a put moves
-and the fold from per-object flags to per-key results. The read and write
-paths only loop over pools, so the object order is written down here and
-nowhere else. A :class:`StagedPool` (no affine pointer model: the DSA indexer
-in layer_first) moves a flat key row per storage key through the staging arena
-(``stager.py``), as do the generic path's unregistered tensors.
-
-The functions after the pools own the layout of one call's objects, a flat list
-over its batches (so one existence query, put or get covers them all): slicing
-it per batch, folding it to keys, selecting what moves. They move nothing.
-
-Where a call's keys sit in their prefix chain comes from sglang's
-``extra_info`` (``chain_of``, ``prefix_keys_of``): what sglang hands and why
-``prefix_keys + keys`` is one chain is in docs/reliability.md, "The rule".
-``prefix_keys`` None: the knob is off, and placement stays per storage key.
+``StoredPool`` is the one place that writes down the object order: key-major,
+component-minor (object ``i * C + c`` is component ``c`` of key ``i``); the
+read and write paths only loop over pools. ``StagedPool`` moves flat key rows
+through the staging arena (``stager.py``). The functions after the pools slice,
+fold and select a call's flat object list over its batches, moving nothing.
+What ``extra_info``'s prefix keys are: docs/reliability.md, "The rule".
 """
 
 from __future__ import annotations
@@ -135,9 +124,8 @@ class Transfer:
     object_indices: list[int] | None  # None: every object of the batch, in order
     plans: PlanBatch | None  # None: a staged batch (the stager plans each part)
     group_ids: list[str] | None
-    # A put's placement key per object (KeySchema.domains, or the chain root's),
-    # whether or not group ids are sent: all objects of a storage key share one
-    # failure domain. A read carries them only when it knows the chain.
+    # Per object, its placement key (KeySchema.domains, or the chain root's): a
+    # put's always, a read's only when it knows the chain.
     domains: list[str] | None = None
     # Per object, its key's chain step (ChainSpot); None: placed per key.
     steps: list[int] | None = None
@@ -400,21 +388,19 @@ def per_key_results(batches: Sequence[PoolBatch], object_flags: Sequence[bool]) 
     ]
 
 
-@dataclass
-class Selection:
-    """The objects a call moves, by how they move (``select``)."""
-
-    staged: list[tuple[PoolBatch, Transfer, list[int]]] = field(default_factory=list)
-    direct_keys: list[str] = field(default_factory=list)
-    direct_slots: list[int] = field(default_factory=list)
-    direct_todos: list[Transfer] = field(default_factory=list)
-
-
-def select(batches: Sequence[PoolBatch], todos: Sequence[Transfer]) -> Selection:
-    """The objects each ``todos[i]`` names, with their slots in the call's flat
-    object list: a staged batch's alone (it moves through the arena by itself),
-    the zero-copy ones together (they move in one native call)."""
-    chosen = Selection()
+def move_selected(
+    batches: Sequence[PoolBatch],
+    todos: Sequence[Transfer],
+    flags: list[bool],
+    staged: Callable[[PoolBatch, Transfer], list[bool]],
+    direct: Callable[[list[str], list[Transfer]], list[bool]],
+) -> list[bool]:
+    """Move the objects each ``todos[i]`` names: a staged batch's alone (through
+    the arena), the zero-copy ones together in one ``direct`` call; each answer
+    goes to its slot of ``flags`` (the call's flat object list, returned)."""
+    direct_keys: list[str] = []
+    direct_slots: list[int] = []
+    direct_todos: list[Transfer] = []
     offset = 0
     for batch, todo in zip(batches, todos, strict=True):
         count = len(batch.object_keys)
@@ -424,33 +410,16 @@ def select(batches: Sequence[PoolBatch], todos: Sequence[Transfer]) -> Selection
         if not slots:
             continue
         if batch.staged:
-            chosen.staged.append((batch, todo, slots))
+            _put_back(flags, slots, staged(batch, todo))
         else:
-            chosen.direct_keys += [batch.object_keys[i] for i in indices]
-            chosen.direct_slots += slots
-            chosen.direct_todos.append(todo)
-    return chosen
+            direct_keys += [batch.object_keys[i] for i in indices]
+            direct_slots += slots
+            direct_todos.append(todo)
+    if direct_keys:
+        _put_back(flags, direct_slots, direct(direct_keys, direct_todos))
+    return flags
 
 
-def put_back(out: list[bool], slots: Sequence[int], flags: Sequence[bool]) -> None:
-    """The flags of moved objects into their ``slots`` of the call's flat list."""
+def _put_back(out: list[bool], slots: Sequence[int], flags: Sequence[bool]) -> None:
     for slot, ok in zip(slots, flags, strict=True):
         out[slot] = ok
-
-
-def move_selected(
-    batches: Sequence[PoolBatch],
-    todos: Sequence[Transfer],
-    flags: list[bool],
-    staged: Callable[[PoolBatch, Transfer], list[bool]],
-    direct: Callable[[list[str], list[Transfer]], list[bool]],
-) -> list[bool]:
-    """What the read and write paths do with a selection (``select``): each staged
-    batch moved alone, the zero-copy objects in one ``direct`` call, every answer
-    put in its slot of ``flags`` (the call's flat object list, returned)."""
-    chosen = select(batches, todos)
-    for batch, todo, slots in chosen.staged:
-        put_back(flags, slots, staged(batch, todo))
-    if chosen.direct_keys:
-        put_back(flags, chosen.direct_slots, direct(chosen.direct_keys, chosen.direct_todos))
-    return flags

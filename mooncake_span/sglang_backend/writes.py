@@ -1,11 +1,8 @@
 """The write path: sglang's puts, top-down from its call to the native put.
 
-A backup calls ``batch_set_v2`` (sidecar pools, one ``PoolTransfer`` each)
-and then ``batch_set_v1`` (the KV pool) or, without ``interface_v1``, the
-generic ``batch_set`` (flat page tensors). The steps of one put, from
-``never_raise`` to ``per_key_results``, are walked through in
-docs/architecture.md, "One ``batch_set_v1``". A put's own objects keep the
-chain's order (a call the cluster refuses part of keeps its reachable head).
+Walked through step by step in docs/architecture.md, "One ``batch_set_v1``". A
+put's own objects keep the chain's order (a call the cluster refuses part of
+keeps its reachable head).
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient
 from mooncake_span.store.domains import ChainSpot
 from mooncake_span.store.gate import Puts
-from mooncake_span.store.router import STORED, UNREACHABLE, PutPressure
+from mooncake_span.store.router import STORED, UNREACHABLE
 
 logger = logging.getLogger(__name__)
 
@@ -188,51 +185,22 @@ class KvAhead:
 class StoredCheck:
     """Before a put: which of its objects are stored already, and is the chain's prefix?
 
-    ``StoredCheck`` gives a put its one answer, a ``StoredAnswer``:
-
-    * ``stored``: per object of the call, whether it is in the cluster already
-      (another rank or node wrote it). It is asked in a put cool-down too, so a
-      stored key reads True at every moment, and those objects are not written;
-    * ``prefix_head_stored``: whether the chain prefix's objects that the query
-      carried are all stored. With prefix keys, the same query names the objects
-      of the chain's prefix (``PoolBatch.prefix_keys``); Mooncake renews the lease
-      of every object it finds, so the prefix is stamped newer than the tail about
-      to be put and eviction takes the tail first. The query carries only as many
-      prefix objects as fit in its last RPC (``Existence.touched_head``), and none
-      while a segment is bad or a key lost: the answer speaks for that head only.
-      When it is False (and ``span_skip_unreachable``), nothing is written: the
-      new keys could never be reached.
-
-    Why the prefix's leases: Mooncake evicts the objects with the oldest lease
-    timestamp first; a put stamps an object with the time it lands, and a lookup
-    stamps what it finds with now + the lease TTL. Renewed just before the tail
-    is put, a conversation's prefix is newer than its tail by about the TTL, so
-    eviction takes the tail first and a stored key stays reachable from the
-    chain's root (docs/operating.md, "Eviction").
-
-    One query serves two sglang calls where it can: a sidecar backup
-    (``batch_set_v2`` with a KV-derived pool) asks about the KV objects of its
-    keys too and keeps the answer (``KvAhead``) for the KV call that follows,
-    which then sends no query: one master RPC less per backup. sglang backs up a
-    hybrid model's batch as ``batch_set_v2`` (the sidecars, DSA's indexer among
-    them, whose keys are the KV keys) then ``batch_set_v1`` (the KV pool) on its
-    one backup thread. A kept answer is used at most once, by the thread that
-    asked, for exactly the same objects and within ``FRESH_S``; otherwise the KV
-    call asks as always. It is as old as the answer a put right after a query
-    relies on: milliseconds. The look-ahead is this check's cache, so it lives
-    here. Why each object is not written is counted in the
-    client's ``PutPressure`` (``STORED``, ``UNREACHABLE``).
+    What ``StoredAnswer``'s two fields mean, and why the query renews the
+    prefix's leases: docs/architecture.md, "One ``batch_set_v1``", step 3, and
+    docs/operating.md, "Eviction". A sidecar backup (``batch_set_v2`` with a
+    KV-derived pool, DSA's indexer among them, whose keys are the KV keys) also
+    asks about the KV objects of its keys and keeps the answer (``KvAhead``)
+    for the ``batch_set_v1`` sglang sends next on the same backup thread: one
+    master RPC less per backup. A kept answer serves once, the thread that
+    asked, exactly the same objects, within ``FRESH_S``; otherwise the KV call
+    asks as always.
     """
 
     def __init__(
-        self,
-        client: MooncakeClient,
-        pressure: PutPressure,
-        registration: Registration,
-        skip_unreachable: bool,
+        self, client: MooncakeClient, registration: Registration, skip_unreachable: bool
     ) -> None:
         self._client = client
-        self._pressure = pressure
+        self._pressure = client.pressure
         self._registration = registration
         self._skip_unreachable = skip_unreachable
         self._kv_ahead = KvAhead()  # a sidecar backup's answers for the KV call after it
@@ -286,16 +254,15 @@ class PerKeyNotice:
         if chain is not None or self._said:
             return
         with self._lock:
-            if self._said:
-                return
-            self._said = True
-        logger.info(
-            "mooncake-span: backups arrive without prefix keys, so each storage key is placed "
-            "on its own segment; set %s: true in the storage extra-config to keep a "
-            "conversation's keys on one node (losing 1 of N nodes then costs about 1/N of the "
-            "cached prefixes, not nearly all of them)",
-            PASS_PREFIX_KEYS,
-        )
+            said, self._said = self._said, True
+        if not said:
+            logger.info(
+                "mooncake-span: backups arrive without prefix keys, so each storage key is placed "
+                "on its own segment; set %s: true in the storage extra-config to keep a "
+                "conversation's keys on one node (losing 1 of N nodes then costs about 1/N of the "
+                "cached prefixes, not nearly all of them)",
+                PASS_PREFIX_KEYS,
+            )
 
 
 class ChainRecords:

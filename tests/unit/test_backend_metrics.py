@@ -22,7 +22,7 @@ def metered(request):
     a private registry; the backend's own observer uses the global one."""
     store, cluster = request.getfixturevalue("rig")
     registry = prom.CollectorRegistry()
-    store.observer = CallObserver(store.client, M.SpanMetrics(registry))
+    store.recorder.observer = CallObserver(store.client, M.SpanMetrics(registry))
     return store, cluster, registry
 
 

@@ -345,13 +345,17 @@ def test_prometheus_counts_queries_rpcs_and_probed_objects(stocked):
 
     store, cluster, asked, keys = stocked
     registry = prom.CollectorRegistry()
-    observer, store.observer = store.observer, CallObserver(store.client, M.SpanMetrics(registry))
+    recorder = store.recorder
+    observer, recorder.observer = (
+        recorder.observer,
+        CallObserver(store.client, M.SpanMetrics(registry)),
+    )
     try:
         asked.clear()
         store.batch_exists_v2([*keys[:10], "absent"], _transfers())
         store.batch_exists(["absent"])
     finally:
-        store.observer = observer
+        recorder.observer = observer
 
     def value(name):
         return registry.get_sample_value(name, {}) or 0.0

@@ -80,7 +80,7 @@ def test_the_adapter_finds_the_engine_sglang_started(monkeypatch):
     # takes that slot here.
     from sglang.srt.distributed.device_communicators import mooncake_transfer_engine as te
 
-    from mooncake_span.sglang_backend.connection import shared_transfer_engine
+    from mooncake_span.sglang_backend.backend import shared_transfer_engine
 
     handle = object()
 

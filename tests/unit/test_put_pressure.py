@@ -316,7 +316,7 @@ def test_stored_keys_read_true_in_a_pause_and_new_ones_are_skipped(backend, monk
     # calls on a loaded box (seen under the parallel suite), letting a put through.
     monkeypatch.setattr(store.client.pressure, "_now_s", FakeClock())
     registry = prom.CollectorRegistry()
-    store.observer = CallObserver(store.client, M.SpanMetrics(registry))
+    store.recorder.observer = CallObserver(store.client, M.SpanMetrics(registry))
     slots = slots_of([0, 1, 2, 3, 4, 5], PAGE)
     assert store.batch_set_v1(["a", "b", "c"], slots) == [True, True, False]
     for _ in range(STREAK_TO_PAUSE):

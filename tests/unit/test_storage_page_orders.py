@@ -209,7 +209,7 @@ def test_layout_guard_follows_the_assigned_page(make_backend, seals):
     b.storage_page_size = SPAN
     a.storage_page_size = SPAN
     assert b.layout_guard_result == "published" and a.layout_guard_result == "matched"
-    assert a.geometry_record().storage_page_tokens == SPAN
+    assert a.registration.geometry_record().storage_page_tokens == SPAN
     # A node that then runs another page is refused when its page is fixed
     # (its first data call: every call a miss), ...
     other = make_backend(_config(field=SPAN * 2, **sealed), _pools(), cluster=cluster)
