@@ -8,7 +8,6 @@ Standard library only: this module never imports ``mooncake``.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import json
 import logging
 import os
@@ -567,9 +566,9 @@ def pick_free_ports(host: str, count: int) -> list[int]:
     # Hold all sockets open until every port is chosen so they are distinct.
     sockets: list[socket.socket] = []
     try:
-        for attempt in itertools.count():
+        for attempt in range(_PICK_ATTEMPTS + count):
             if len(sockets) == count:
-                return [sock.getsockname()[1] for sock in sockets]
+                break
             port = random.choice(candidates) if candidates and attempt < _PICK_ATTEMPTS else 0
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
@@ -580,6 +579,7 @@ def pick_free_ports(host: str, count: int) -> list[int]:
                     raise
                 continue
             sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
