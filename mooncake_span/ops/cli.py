@@ -28,10 +28,6 @@ from mooncake_span.ops.cluster_spec import (
 from mooncake_span.store.ssd_tier import CHECK_MODES
 from mooncake_span.units import parse_size_bytes
 
-logger = logging.getLogger(__name__)
-
-_WATCH_INTERVAL_S = 1.0
-
 # The entry-point group through which another distribution adds subcommands:
 # each entry point is named after its command and loads to a register(subparsers).
 COMMANDS_GROUP = "mooncake_span.commands"
@@ -162,13 +158,6 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(func=cluster_up)
 
 
-_MASTER_DEFAULTS = {
-    "lease_ttl_ms": CLUSTER_UP_LEASE_TTL_MS,
-    "eviction_high_watermark_ratio": CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,
-    "eviction_ratio": CLUSTER_UP_EVICTION_RATIO,
-}
-
-
 class _StopRequested(Exception):
     pass
 
@@ -185,14 +174,18 @@ def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     fields = {field.name for field in dataclasses.fields(ClusterSpec)}
     given = {name: value for name, value in vars(args).items() if name in fields}
     # Master tunables not given: CLUSTER_UP_*, or ClusterSpec's SSD_* values with --ssd-dir.
-    for name, default in _MASTER_DEFAULTS.items():
-        if given[name] is None and not args.ssd_dir:
-            given[name] = default
+    if not args.ssd_dir:
+        for name, default in (
+            ("lease_ttl_ms", CLUSTER_UP_LEASE_TTL_MS),
+            ("eviction_high_watermark_ratio", CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO),
+            ("eviction_ratio", CLUSTER_UP_EVICTION_RATIO),
+        ):
+            if given[name] is None:
+                given[name] = default
     return ClusterSpec(**given)
 
 
 def cluster_up(args: argparse.Namespace) -> int:
-    """``mooncake-span cluster up``: run a LocalCluster until SIGINT/SIGTERM."""
     try:
         spec = cluster_spec_from_args(args)
     except ValueError as exc:
@@ -233,7 +226,7 @@ def _watch_until_signal(cluster: LocalCluster) -> None:
     idle = threading.Event()
     while True:
         # The signal handler raises out of this wait.
-        idle.wait(_WATCH_INTERVAL_S)
+        idle.wait(1.0)
         for name in sorted(expected - reported - set(cluster.pids())):
             reported.add(name)
             print(

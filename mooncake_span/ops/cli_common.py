@@ -15,10 +15,6 @@ from typing import Any
 from mooncake_span.errors import ConfigError
 from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo, load_mooncake_settings
 
-# Commands pointed at a cluster by flags alone talk TCP unless told otherwise
-# (sglang's own default, rdma, needs a device a flag-only caller did not name).
-FLAG_ONLY_PROTOCOL = "tcp"
-
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", metavar="HOST:PORT", help="master RPC address (or etcd://...)")
@@ -90,7 +86,6 @@ def resolve_settings(
     ranks: RankInfo | None = None,
 ) -> tuple[MooncakeSettings, dict[str, Any]]:
     """Settings the backend of rank ``ranks`` would use, with the command-line flags on top."""
-    environ = os.environ if environ is None else environ
     extra = parse_extra_config(args.extra_config)
     overlay = {
         key: value
@@ -106,8 +101,9 @@ def resolve_settings(
     except ConfigError:
         if not args.master:
             raise
-        # No config source at all: the flags are the whole configuration.
-        overlay.setdefault("protocol", FLAG_ONLY_PROTOCOL)
+        # No config source at all: the flags are the whole configuration, over TCP unless
+        # told otherwise (sglang's default, rdma, needs a device the flags did not name).
+        overlay.setdefault("protocol", "tcp")
         settings = load_mooncake_settings({**extra, **overlay}, environ, ranks)
         return dataclasses.replace(settings, source="command line"), extra
     if not overlay:

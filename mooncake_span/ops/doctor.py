@@ -8,7 +8,6 @@ import argparse
 import dataclasses
 import ipaddress
 import json
-import logging
 import os
 import socket
 import subprocess
@@ -53,14 +52,10 @@ from mooncake_span.store.native import (
 )
 from mooncake_span.units import parse_size_bytes
 
-logger = logging.getLogger(__name__)
-
 DEADLINE_S = 18.0
 _NET_TIMEOUT_S = 2.0
 # A Mooncake build that takes longer than this to import is reported as failing.
 _IMPORT_TIMEOUT_S = 10.0
-_ROUNDTRIP_OBJECTS = 4
-_ROUNDTRIP_OBJECT_BYTES = 1 << 20
 _SYN_RETRIES_PATH = "/proc/sys/net/ipv4/tcp_syn_retries"
 
 
@@ -97,7 +92,6 @@ def check_master(ctx: Context) -> list[Check]:
 
 
 def _admin(ctx: Context) -> list[Check]:
-    """The admin server's /health: role and HA state (the version is not published)."""
     if ctx.admin_url is None:
         return []
     try:
@@ -190,10 +184,8 @@ def check_metadata(ctx: Context) -> list[Check]:
 
 def _etcd_endpoints(ctx: Context) -> list[str]:
     endpoints = ctx.settings.etcd_endpoints()
-    try:
-        options = load_span_options(ctx.extra)
-    except MooncakeSpanError:
-        return endpoints
+    # run_checks loaded these options already: the checks run only if that worked.
+    options = load_span_options(ctx.extra)
     if options.layout_guard == "etcd" and options.layout_guard_etcd:
         endpoints.append(options.layout_guard_etcd)
     return list(dict.fromkeys(endpoints))
@@ -389,30 +381,13 @@ def check_store(ctx: Context) -> list[Check]:
             ctx.settings,
             timeout_s=budget,
             native_log=ctx.native_log,
-            roundtrip_objects=_ROUNDTRIP_OBJECTS,
-            roundtrip_object_bytes=_ROUNDTRIP_OBJECT_BYTES,
+            roundtrip=True,
             read_keys=[key] if key else [],
             # With an SSD tier asked for, the probe sets up as one: the master must accept it.
             offload_dir=scratch if ssd_requested(ctx) else None,
         )
     checks = [_roundtrip_check(reply, ctx), _guard_check(reply, key)]
     return checks + ([master_check(reply)] if ssd_requested(ctx) else [])
-
-
-CHECKS = (
-    check_mooncake_build,
-    check_master,
-    check_metadata,
-    check_etcd,
-    check_bind,
-    check_device,
-    check_memlock,
-    check_syn_retries,
-    check_memory,
-    check_checksums,
-    check_ssd,
-    check_store,
-)
 
 
 def _local_rank_devices(args: argparse.Namespace, ctx: Context) -> dict[int, str]:
@@ -457,7 +432,20 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
             data={"settings": asdict(s)},
         )
     ]
-    for check in CHECKS:
+    for check in (
+        check_mooncake_build,
+        check_master,
+        check_metadata,
+        check_etcd,
+        check_bind,
+        check_device,
+        check_memlock,
+        check_syn_retries,
+        check_memory,
+        check_checksums,
+        check_ssd,
+        check_store,
+    ):
         checks += check(ctx)
     return checks, ctx
 

@@ -20,8 +20,7 @@ from typing import Any
 _KEEP_UNTIL_EXIT: list[Any] = []
 
 
-def _roundtrip(store: Any, count: int, size_bytes: int) -> dict[str, Any]:
-    """Put, get and remove ``count`` objects; byte-exact check and timings."""
+def _roundtrip(store: Any, count: int = 4, size_bytes: int = 1 << 20) -> dict[str, Any]:
     from mooncake.store import ReplicateConfig
 
     prefix = f"mooncake-span-doctor-{uuid.uuid4().hex[:12]}"
@@ -86,10 +85,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         reply["error"] = f"setup returned {rc}"
         return reply
     try:
-        if request.get("roundtrip_objects"):
-            reply["roundtrip"] = _roundtrip(
-                store, int(request["roundtrip_objects"]), int(request["roundtrip_object_bytes"])
-            )
+        if request["roundtrip"]:
+            reply["roundtrip"] = _roundtrip(store)
         blobs: dict[str, str | None] = {}
         for key in request.get("read_keys", []):
             # get() copies through the client's own registered buffer.
@@ -130,8 +127,7 @@ def probe(
     *,
     timeout_s: float,
     native_log: str | None,
-    roundtrip_objects: int = 0,
-    roundtrip_object_bytes: int = 1 << 20,
+    roundtrip: bool = False,
     read_keys: list[str] | None = None,
     offload_dir: str | None = None,
 ) -> dict[str, Any]:
@@ -140,8 +136,7 @@ def probe(
     one with ``"error"``; the child's stderr (the native log) goes to ``native_log``."""
     request = {
         "settings": dataclasses.asdict(settings),
-        "roundtrip_objects": roundtrip_objects,
-        "roundtrip_object_bytes": roundtrip_object_bytes,
+        "roundtrip": roundtrip,
         "read_keys": list(read_keys or []),
         "offload_dir": offload_dir,
     }
