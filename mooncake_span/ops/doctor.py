@@ -303,14 +303,6 @@ def check_checksums(ctx: Context) -> list[Check]:
     return [Check("checksums", PASS, detail, data={"verify_checksums": verify, "source": why})]
 
 
-def _guard_key(ctx: Context) -> str | None:
-    from mooncake_span.store.layout_guard import namespace_key
-
-    if ctx.model is None:
-        return None
-    return namespace_key(ctx.model, ctx.tag or ctx.extra.get("extra_backend_tag"))
-
-
 def _roundtrip_check(reply: dict[str, Any], ctx: Context) -> Check:
     where = f" (native log: {ctx.native_log})" if ctx.native_log else ""
     rt = reply.get("roundtrip")
@@ -366,7 +358,7 @@ def _guard_check(reply: dict[str, Any], key: str | None) -> Check:
 def check_store(ctx: Context) -> list[Check]:
     """A real round trip, and the layout-guard record, through one probe child."""
     blocked = sorted(ctx.failed & {"mooncake", "master", "metadata", "etcd"})
-    key = _guard_key(ctx)
+    key = ctx.guard_key
     if blocked:
         why = f"skipped: {', '.join(blocked)} failed above"
         return [
@@ -402,9 +394,7 @@ def _local_rank_devices(args: argparse.Namespace, ctx: Context) -> dict[int, str
 
 
 def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
-    ctx = Context(
-        deadline=time.monotonic() + DEADLINE_S, model=args.model, tag=args.tag, ssd_dir=args.ssd_dir
-    )
+    ctx = Context(deadline=time.monotonic() + DEADLINE_S, ssd_dir=args.ssd_dir)
     ctx.native_log = resolve_native_log(args.native_log, "doctor")
     try:
         ctx.ranks = RankInfo(tp_rank=args.tp_rank, tp_size=args.tp_size, pp_size=args.pp_size)
@@ -419,6 +409,11 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
         return [Check("config", FAIL, str(exc), "fix the configuration source named above")], ctx
     s = ctx.settings
     ctx.admin_url = admin_url(args, s, ctx.extra)
+    if args.model is not None:
+        # Imported here: the store's modules load numpy, which the CLI does not need to start.
+        from mooncake_span.store.layout_guard import namespace_key
+
+        ctx.guard_key = namespace_key(args.model, args.tag or ctx.extra.get("extra_backend_tag"))
     checks = [
         Check(
             "config",

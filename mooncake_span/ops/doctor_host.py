@@ -32,8 +32,8 @@ class Context:
     admin_url: str | None = None
     native_log: str | None = None
     deadline: float = 0.0
-    model: str | None = None
-    tag: str | None = None
+    # The layout-guard key of doctor --model (and --tag); None without --model.
+    guard_key: str | None = None
     failed: set[str] = field(default_factory=set)
     # The rank whose settings were resolved, and how many ranks of the server share this host.
     ranks: RankInfo = field(default_factory=RankInfo)
@@ -125,15 +125,16 @@ def check_device(ctx: Context) -> list[Check]:
 
 
 def _registered(ctx: Context) -> tuple[int, str]:
-    """What one rank registers, and its terms but the host pools (each check words those)."""
+    """What one rank registers, and its terms."""
     s = ctx.settings
     terms = {
         "segment": s.global_segment_size_bytes,
         "buffer": s.local_buffer_size_bytes,
         "staging": ctx.staging_bytes,
     }
-    said = " + ".join(f"{name} {size}" for name, size in terms.items())
-    return sum(terms.values()) + ctx.host_pool_bytes, said
+    if ctx.host_pool_bytes:
+        terms["host pools"] = ctx.host_pool_bytes
+    return sum(terms.values()), " + ".join(f"{name} {size}" for name, size in terms.items())
 
 
 def check_memlock(ctx: Context) -> list[Check]:
@@ -142,10 +143,8 @@ def check_memlock(ctx: Context) -> list[Check]:
         return [Check("memlock", PASS, f"protocol {ctx.settings.protocol}: nothing is pinned")]
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     need, terms = _registered(ctx)
-    pools = (
-        f" + host pools {ctx.host_pool_bytes}" if ctx.host_pool_bytes else " (host pools unknown)"
-    )
-    what = f"{terms}{pools} = {need} bytes per rank"
+    unknown = "" if ctx.host_pool_bytes else " (host pools unknown)"
+    what = f"{terms}{unknown} = {need} bytes per rank"
     limited = soft != resource.RLIM_INFINITY
     data = {"limit_bytes": soft if limited else None, "need_bytes": need}
     if limited and soft < need:
@@ -163,9 +162,7 @@ def check_memory(ctx: Context) -> list[Check]:
     if available is None:
         return [Check("memory", SKIP, "MemAvailable unknown")]
     detail = (
-        terms
-        + (f" + host pools {ctx.host_pool_bytes}" if ctx.host_pool_bytes else "")
-        + f" bytes per rank x {ctx.local_ranks} local ranks = {need} bytes vs {available} "
+        f"{terms} bytes per rank x {ctx.local_ranks} local ranks = {need} bytes vs {available} "
         "bytes available"
     )
     data = {"need_bytes": need, "per_rank_bytes": per_rank, "available_bytes": available}
