@@ -278,11 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tools for mooncake-span, the SGLang HiCache backend on Mooncake.",
     )
     parser.add_argument(
-        "-v",
-        "--verbose",
-        action="count",
-        default=0,
-        help="log more (-v: info, -vv: debug)",
+        "-v", "--verbose", action="count", default=0, help="log more (-v: info, -vv: debug)"
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _register_cluster(subparsers)

@@ -358,7 +358,6 @@ def _guard_check(reply: dict[str, Any], key: str | None) -> Check:
 def check_store(ctx: Context) -> list[Check]:
     """A real round trip, and the layout-guard record, through one probe child."""
     blocked = sorted(ctx.failed & {"mooncake", "master", "metadata", "etcd"})
-    key = ctx.guard_key
     if blocked:
         why = f"skipped: {', '.join(blocked)} failed above"
         return [
@@ -374,11 +373,11 @@ def check_store(ctx: Context) -> list[Check]:
             timeout_s=budget,
             native_log=ctx.native_log,
             roundtrip=True,
-            read_keys=[key] if key else [],
+            read_keys=[ctx.guard_key] if ctx.guard_key else [],
             # With an SSD tier asked for, the probe sets up as one: the master must accept it.
             offload_dir=scratch if ssd_requested(ctx) else None,
         )
-    checks = [_roundtrip_check(reply, ctx), _guard_check(reply, key)]
+    checks = [_roundtrip_check(reply, ctx), _guard_check(reply, ctx.guard_key)]
     return checks + ([master_check(reply)] if ssd_requested(ctx) else [])
 
 

@@ -78,7 +78,7 @@ def _known_namespace(
 
 
 def scan_keys(
-    base_url: str, sample_per_namespace: int, timeout_s: float = _HTTP_TIMEOUT_S
+    base_url: str, sample_per_namespace: int
 ) -> tuple[dict[str, _Namespace], list[str], int]:
     """Stream ``/get_all_keys`` once: namespaces, guard keys, total key count."""
     rng = random.Random(0)
@@ -86,7 +86,7 @@ def scan_keys(
     guard_keys: list[str] = []
     chains: dict[str, dict[str, int]] = {}
     total = 0
-    for key in master_http.iter_lines(base_url + "/get_all_keys", timeout_s):
+    for key in master_http.iter_lines(base_url + "/get_all_keys", _HTTP_TIMEOUT_S):
         total += 1
         if parse_guard_key(key) is not None:
             guard_keys.append(key)
@@ -142,8 +142,8 @@ def _reachable(ns: _Namespace, prefix: str, records: dict[str, str | None]) -> d
     }
 
 
-def _bytes(base_url: str, ns: _Namespace, keys: list[str], exact: bool) -> dict[str, Any]:
-    sizes = [master_http.object_size_bytes(base_url, k, _HTTP_TIMEOUT_S) for k in keys]
+def _bytes(base_url: str, ns: _Namespace, exact: bool) -> dict[str, Any]:
+    sizes = [master_http.object_size_bytes(base_url, k, _HTTP_TIMEOUT_S) for k in ns.sample]
     known = [s for s in sizes if s is not None]
     if ns.objects == 0:
         return {"bytes": 0, "bytes_estimated": False, "sampled_objects": 0}
@@ -285,7 +285,7 @@ def collect(
         if facts is not None and facts.key_prefix not in namespaces:
             namespaces[facts.key_prefix] = _Namespace(facts)
     docs = [
-        _namespace_doc(name, ns, _bytes(base_url, ns, ns.sample, exact_bytes), blobs)
+        _namespace_doc(name, ns, _bytes(base_url, ns, exact_bytes), blobs)
         for name, ns in sorted(namespaces.items(), key=lambda item: -item[1].objects)
     ]
     return {

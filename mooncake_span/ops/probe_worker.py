@@ -1,9 +1,7 @@
-"""Native-client probes for ``doctor`` and ``inspect``, run in a child process.
-
-``MooncakeDistributedStore.setup`` can block for minutes (a dead etcd) and a bad
-client config can abort the process, so :func:`probe` runs this module as a child
-with a timeout: the request as JSON on its stdin, one JSON reply on its stdout.
-"""
+"""Native-client probes for ``doctor`` and ``inspect``, in a child process: ``setup`` can
+block for minutes (a dead etcd) and a bad client config can abort the process, so
+:func:`probe` runs this module with a timeout, the request as JSON on its stdin and one
+JSON reply on its stdout."""
 
 from __future__ import annotations
 
