@@ -100,19 +100,15 @@ def _admin(ctx: Context) -> list[Check]:
         detail = f"admin server not reachable ({exc}); the master's version and role are unknown"
         fix = "pass --admin-url http://HOST:METRICS_PORT (mooncake_master --metrics_port)"
         return [Check("master admin", WARN, detail, fix)]
-    role, state = health.get("role"), health.get("ha_state")
     status = PASS if health.get("status") == "ok" and health.get("service_ready", True) else WARN
+    detail = (
+        f"{ctx.admin_url}/health: status={health.get('status')} role={health.get('role')} "
+        f"state={health.get('ha_state')} (the master does not publish its version over HTTP)"
+    )
+    fix = None if status == PASS else "the master is not serving yet; wait or check its log"
     client_version = ", ".join(b.describe() for b in installed_mooncake()) or None
-    return [
-        Check(
-            "master admin",
-            status,
-            f"{ctx.admin_url}/health: status={health.get('status')} role={role} state={state} "
-            "(the master does not publish its version over HTTP)",
-            None if status == PASS else "the master is not serving yet; wait or check its log",
-            data={"health": health, "client_version": client_version},
-        )
-    ]
+    data = {"health": health, "client_version": client_version}
+    return [Check("master admin", status, detail, fix, data)]
 
 
 def _import_failure(ctx: Context) -> ImportError | None:

@@ -55,15 +55,6 @@ class _Namespace:
     chains: dict[str, int] = field(default_factory=dict)
 
 
-def _reservoir_add(ns: _Namespace, key: str, limit: int, rng: random.Random) -> None:
-    if len(ns.sample) < limit:
-        ns.sample.append(key)
-        return
-    slot = rng.randrange(ns.objects)
-    if slot < limit:
-        ns.sample[slot] = key
-
-
 def _known_namespace(
     namespaces: dict[str, _Namespace], key: str
 ) -> tuple[_Namespace | None, str | None]:
@@ -109,7 +100,13 @@ def scan_keys(
             page_key, _, suffix = rest.partition("_")
             ns.page_keys.add(page_key)
             ns.suffixes["_" + suffix] = ns.suffixes.get("_" + suffix, 0) + 1
-        _reservoir_add(ns, key, sample_per_namespace, rng)
+        # A uniform sample of the namespace's keys in one pass (reservoir sampling).
+        if len(ns.sample) < sample_per_namespace:
+            ns.sample.append(key)
+        else:
+            slot = rng.randrange(ns.objects)
+            if slot < sample_per_namespace:
+                ns.sample[slot] = key
     for prefix, roots in chains.items():
         if prefix in namespaces:
             namespaces[prefix].chains = roots
