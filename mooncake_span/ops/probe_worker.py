@@ -156,7 +156,7 @@ def probe(
             [sys.executable, "-m", "mooncake_span.ops.probe_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=log if log is not None else None,
+            stderr=log,
             env=env,
             start_new_session=True,
         )
