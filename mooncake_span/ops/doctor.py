@@ -16,7 +16,6 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict
 from typing import Any
 
 from mooncake_span.config import load_span_options
@@ -133,7 +132,7 @@ def check_mooncake_build(ctx: Context) -> list[Check]:
     """Which Mooncake distribution provides ``mooncake``: exactly one, one this
     package knows (CPU, CUDA 12, CUDA 13, EFA), and it imports."""
     builds, name = installed_mooncake(), "mooncake build"
-    data = {"builds": [asdict(b) for b in builds]}
+    data = {"builds": [dataclasses.asdict(b) for b in builds]}
     if not builds:
         ctx.failed.add("mooncake")
         return [Check(name, FAIL, "no distribution provides `mooncake`", mooncake_install_hint())]
@@ -241,7 +240,7 @@ def check_bind(ctx: Context) -> list[Check]:
     elif not _is_local_address(bind):
         status, detail = FAIL, f"MC_TCP_BIND_ADDRESS={bind} is not an address of this host"
         fix = "set it to one of this host's addresses (ip -brief addr)"
-    elif hostname_ip is None or hostname_ip != bind:
+    elif hostname_ip != bind:
         status = FAIL
         detail = (
             f"local_hostname {s.local_hostname!r} resolves to {hostname_ip} but "
@@ -419,7 +418,7 @@ def run_checks(args: argparse.Namespace) -> tuple[list[Check], Context]:
             f"tp {ctx.ranks.tp_size} x pp {ctx.ranks.pp_size}), admin {ctx.admin_url} "
             f"(master_metrics_port {s.master_metrics_port or 'not set, 9003 tried'}) "
             f"(from {s.source})",
-            data={"settings": asdict(s)},
+            data={"settings": dataclasses.asdict(s)},
         )
     ]
     for check in (
@@ -459,7 +458,7 @@ def run_doctor_command(args: argparse.Namespace) -> int:
             "ok": failed == 0,
             "elapsed_s": round(time.monotonic() - started, 3),
             "native_log": ctx.native_log,
-            "checks": [asdict(c) for c in checks],
+            "checks": [dataclasses.asdict(c) for c in checks],
         }
         print(json.dumps(doc, indent=1, default=str), flush=True)
     else:
