@@ -177,21 +177,16 @@ def check_metadata(ctx: Context) -> list[Check]:
     return [Check("metadata", FAIL, why, fix)]
 
 
-def _etcd_endpoints(ctx: Context) -> list[str]:
+def check_etcd(ctx: Context) -> list[Check]:
     endpoints = ctx.settings.etcd_endpoints()
     # run_checks loaded these options already: the checks run only if that worked.
     options = load_span_options(ctx.extra)
     if options.layout_guard == "etcd" and options.layout_guard_etcd:
         endpoints.append(options.layout_guard_etcd)
-    return list(dict.fromkeys(endpoints))
-
-
-def check_etcd(ctx: Context) -> list[Check]:
-    endpoints = _etcd_endpoints(ctx)
     if not endpoints:
         return [Check("etcd", SKIP, "not used (no etcd:// master, metadata or layout guard)")]
     checks = []
-    for endpoint in endpoints:
+    for endpoint in dict.fromkeys(endpoints):
         status, body = _http_status(f"http://{endpoint}/version")
         if status == 200 and "etcdserver" in body:
             version = json.loads(body).get("etcdserver")
