@@ -158,15 +158,12 @@ def _register_cluster(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(func=cluster_up)
 
 
-class _StopRequested(Exception):
-    pass
-
-
 def _raise_stop(signum: int, frame: object) -> None:
-    # One-shot: a second Ctrl-C must not interrupt the teardown half-way.
+    # SIGTERM stops as Ctrl-C does. One-shot: a second signal must not interrupt the
+    # teardown half-way.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    raise _StopRequested(signal.Signals(signum).name)
+    raise KeyboardInterrupt
 
 
 def cluster_spec_from_args(args: argparse.Namespace) -> ClusterSpec:
@@ -207,7 +204,7 @@ def cluster_up(args: argparse.Namespace) -> int:
             if cluster.started:
                 print("stopping the cluster...", flush=True)
             cluster.stop()
-    except _StopRequested:
+    except KeyboardInterrupt:
         print("cluster stopped", flush=True)
         return 0
     except (ClusterStartError, FileNotFoundError) as exc:
