@@ -125,7 +125,7 @@ def check_device(ctx: Context) -> list[Check]:
 
 
 def _registered(ctx: Context) -> tuple[int, str]:
-    """What one rank registers, and its terms."""
+    """The bytes one rank registers, and their terms as both checks word them."""
     s = ctx.settings
     terms = {
         "segment": s.global_segment_size_bytes,
