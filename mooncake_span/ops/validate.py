@@ -471,7 +471,17 @@ class ProbeResult:
     page_tokens: int
     # Tokens every probe shares (a template's opening): memory may hold them.
     shared_tokens: int
-    verdict: oracle.Verdict
+    tolerance: float
+
+    @property
+    def verdict(self) -> oracle.Verdict:
+        return oracle.compare(
+            self.l3.output_ids,
+            self.l3.top_logprobs,
+            self.cold.output_ids,
+            self.cold.top_logprobs,
+            tolerance=self.tolerance,
+        )
 
     @property
     def restorable_tokens(self) -> int:
@@ -529,20 +539,6 @@ class ProbeResult:
                 f"{self.restorable_tokens} tokens from storage"
             )
         return None
-
-
-def judge_probe(
-    probe: Probe,
-    cold: Answer,
-    l3: Answer,
-    page_tokens: int,
-    shared_tokens: int,
-    tolerance: float,
-) -> ProbeResult:
-    verdict = oracle.compare(
-        l3.output_ids, l3.top_logprobs, cold.output_ids, cold.top_logprobs, tolerance=tolerance
-    )
-    return ProbeResult(probe, cold, l3, page_tokens, shared_tokens, verdict)
 
 
 def cold_problem(probe: Probe, cold: Answer, shared_tokens: int) -> str | None:

@@ -258,7 +258,7 @@ def _l3_pass(
     before = server.http.metrics()
     answers = _ask(server, "L3", probes, [len(c.output_ids) or 1 for c in cold], args, notes)
     results = [
-        V.judge_probe(probe, reference, answer, server.facts.page_tokens, shared, tolerance)
+        V.ProbeResult(probe, reference, answer, server.facts.page_tokens, shared, tolerance)
         for probe, reference, answer in zip(probes, cold, answers, strict=True)
     ]
     deltas = V.counter_deltas(before, server.http.metrics())
