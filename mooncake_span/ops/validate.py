@@ -1,4 +1,4 @@
-"""``mooncake-span validate``'s pure half: probes, what a server reports, the verdict.
+"""``mooncake-span validate``'s pure half: what a server reports, probes, the verdict, ``--save``.
 
 The method: docs/operating.md, "Validating a deployment". No I/O here:
 :mod:`mooncake_span.ops.validate_http` talks to the servers and
@@ -55,10 +55,6 @@ COUNTER_PREFIXES = (
 BACKUP_COUNTER = "sglang:backuped_tokens_total"
 UNFULFILLED_COUNTER = "sglang:storage_prefetch_unfulfilled_tokens_total"
 SAVE_FORMAT = "mooncake-span-validate/1"
-
-
-# ---------------------------------------------------------------------------
-# what a server reports
 
 
 @dataclass(frozen=True)
@@ -241,10 +237,6 @@ def churn_plan(
     return ChurnPlan(prompts, prompt_tokens, sent, pools, why)
 
 
-# ---------------------------------------------------------------------------
-# probes
-
-
 @dataclass(frozen=True)
 class TokenPool:
     """Token ids a probe draws its filler and code from, all valid for the server's model."""
@@ -404,10 +396,6 @@ def parse_depths(text: str) -> tuple[float, ...]:
 
 def depth_label(depth: float) -> str:
     return f"{depth * 100:g}%"
-
-
-# ---------------------------------------------------------------------------
-# answers and the verdict
 
 
 @dataclass(frozen=True)
@@ -731,10 +719,6 @@ def report_json(report: Report) -> dict[str, Any]:
 
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
-
-
-# ---------------------------------------------------------------------------
-# --save / --against
 
 
 def saved_run(

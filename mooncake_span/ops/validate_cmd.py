@@ -67,10 +67,6 @@ def connect(url: str) -> Server:
     return Server(http, V.server_facts(http.url, info, model, http.metrics()))
 
 
-# ---------------------------------------------------------------------------
-# probes as token ids
-
-
 def _proposed_pool(server: Server) -> V.TokenPool:
     """Ids the model proposes: top candidates over greedy answers, each seeding the next."""
     seen: dict[int, None] = {}
@@ -132,10 +128,6 @@ def warm_up(server: Server, pool: V.TokenPool, rng: random.Random) -> None:
     sglang's page-hash code, and under the ``timeout`` policy its prefetch is dropped."""
     length = V.min_context_tokens(server.facts.page_tokens)
     server.http.generate(rng.choices(pool.ids, k=length), 1, 0)
-
-
-# ---------------------------------------------------------------------------
-# waits and eviction
 
 
 def wait_for_backups(server: Server, before: dict[str, float], tokens: int, limit_s: float) -> str:
@@ -204,10 +196,6 @@ def evict(
         server.http.generate(rng.choices(pool.ids, k=plan.prompt_tokens), 1, 0)
     notes["churn"]["seconds"] = round(time.monotonic() - started, 2)
     return f"churn: {plan.why}"
-
-
-# ---------------------------------------------------------------------------
-# the run
 
 
 def _check_same_model(servers: Sequence[Server]) -> None:
@@ -341,10 +329,6 @@ def run(args: argparse.Namespace) -> tuple[V.Report, dict[str, Any]]:
         notes["eviction"] = f"none: {l3_server.facts.url} never saw the probes"
         _progress(notes["eviction"])
     return _l3_pass(l3_server, probes, cold, args, notes, setup_problems), notes
-
-
-# ---------------------------------------------------------------------------
-# command line
 
 
 def _depths_arg(text: str) -> tuple[float, ...]:
