@@ -47,10 +47,6 @@ SERVER_NOTES = (
 )
 
 
-class ValidateError(RuntimeError):
-    """The run could not be set up (bad input, servers that do not match)."""
-
-
 def _progress(message: str) -> None:
     print(f"validate: {message}", file=sys.stderr, flush=True)
 
@@ -82,7 +78,7 @@ def _proposed_pool(server: Server) -> V.TokenPool:
     try:
         return V.pool_from_candidates(seen)
     except ValueError as exc:
-        raise ValidateError(f"{server.facts.url}: {exc}") from None
+        raise ValueError(f"{server.facts.url}: {exc}") from None
 
 
 def token_pool(server: Server) -> V.TokenPool:
@@ -177,7 +173,7 @@ def evict(
         try:
             server.http.flush_cache(FLUSH_TIMEOUT_S)
         except ServerRefused as exc:
-            raise ValidateError(
+            raise ValueError(
                 f"{server.facts.url}: /flush_cache refused ({exc}); where flushing is not allowed, "
                 "use --evict churn"
             ) from None
@@ -202,7 +198,7 @@ def _check_same_model(servers: Sequence[Server]) -> None:
     models = {s.facts.model for s in servers}
     pages = {s.facts.page_tokens for s in servers}
     if len(models) > 1 or len(pages) > 1:
-        raise ValidateError(
+        raise ValueError(
             "the servers differ: "
             + "; ".join(
                 f"{s.facts.url} serves {s.facts.model} on {s.facts.page_tokens}-token pages"
@@ -255,7 +251,7 @@ def _l3_pass(
 
 def run(args: argparse.Namespace) -> tuple[V.Report, dict[str, Any]]:
     """The report and what the run did (``--json`` prints both). A run that cannot be
-    set up raises ValidateError, or the pure half's ValueError naming the bad input."""
+    set up raises ValueError naming what is wrong (a flag, a server, a saved file)."""
     _check_args(args)
     servers = [connect(url) for url in args.server]
     _check_same_model(servers)
@@ -280,14 +276,14 @@ def run(args: argparse.Namespace) -> tuple[V.Report, dict[str, Any]]:
         try:
             probes, cold, saved = V.load_saved_run(json.loads(args.against.read_text()))
         except ValueError as exc:
-            raise ValidateError(f"{args.against}: {exc}") from None
+            raise ValueError(f"{args.against}: {exc}") from None
         if saved.get("model") != l3_server.facts.model:
-            raise ValidateError(
+            raise ValueError(
                 f"{args.against} was saved against model {saved.get('model')!r}; "
                 f"{l3_server.facts.url} serves {l3_server.facts.model!r}"
             )
         if saved.get("page_tokens") != l3_server.facts.page_tokens:
-            raise ValidateError(
+            raise ValueError(
                 f"{args.against} was saved on {saved.get('page_tokens')}-token pages; "
                 f"{l3_server.facts.url} uses {l3_server.facts.page_tokens}"
             )
@@ -428,19 +424,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _check_args(args: argparse.Namespace) -> None:
     if len(args.server) > 2:
-        raise ValidateError("give one --server, or two (cold pass on the first, L3 on the second)")
+        raise ValueError("give one --server, or two (cold pass on the first, L3 on the second)")
     if args.against is not None and (len(args.server) != 1 or args.save is not None):
-        raise ValidateError("--against runs only the L3 pass: give one --server and no --save")
+        raise ValueError("--against runs only the L3 pass: give one --server and no --save")
     if args.churn_tokens is not None and args.evict != "churn":
-        raise ValidateError("--churn-tokens sizes --evict churn; add --evict churn")
+        raise ValueError("--churn-tokens sizes --evict churn; add --evict churn")
     if args.logprob_tolerance is not None and args.logprob_tolerance < 0:
-        raise ValidateError("--logprob-tolerance must be >= 0")
+        raise ValueError("--logprob-tolerance must be >= 0")
 
 
 def run_validate_command(args: argparse.Namespace) -> int:
     try:
         report, notes = run(args)
-    except (ValidateError, ValueError, ServerUnreachable, OSError) as exc:
+    except (ValueError, ServerUnreachable, OSError) as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": str(exc)}, indent=1))
         print(f"mooncake-span validate: {exc}", file=sys.stderr)
