@@ -16,7 +16,6 @@ from dataclasses import dataclass
 # shapes as a recompute; 1e-4 leaves room for summation-order noise, which is
 # orders of magnitude below what a wrong page moves.
 LOGPROB_TOLERANCE = 1e-4
-COMPARED_TOKENS = 4
 
 TopLogprobs = Sequence[Sequence[tuple[int, float]]]
 
@@ -49,7 +48,7 @@ def compare(
     restored_top: TopLogprobs,
     reference_ids: Sequence[int],
     reference_top: TopLogprobs,
-    tokens: int = COMPARED_TOKENS,
+    tokens: int = 4,
     tolerance: float = LOGPROB_TOLERANCE,
 ) -> Verdict:
     """The greedy tokens, and the top candidates of the first ``tokens`` answer tokens."""

@@ -30,7 +30,6 @@ TOP_LOGPROBS = 5
 # Half precision recomputes the last page with other batch shapes than the cold
 # pass did; this bound is a choice, not a measurement (--logprob-tolerance).
 HALF_PRECISION_LOGPROB_TOLERANCE = 0.1
-FULL_PRECISION_DTYPES = ("float32", "fp32")
 MIN_POOL_TOKENS = 64
 MAX_WORD_CHARS = 12
 CODE_TOKENS = 3
@@ -79,7 +78,7 @@ class ServerFacts:
     @property
     def default_logprob_tolerance(self) -> float:
         """fp32 servers restore to float rounding; half precision gets a looser bound."""
-        full = self.dtype in FULL_PRECISION_DTYPES
+        full = self.dtype in ("float32", "fp32")
         return oracle.LOGPROB_TOLERANCE if full else HALF_PRECISION_LOGPROB_TOLERANCE
 
 
@@ -550,18 +549,14 @@ def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> d
     }
 
 
-# Labels that tell storage counters apart; the rest (ranks, model) only repeat totals.
-_TELLING_LABELS = ("reason", "cache_source")
-
-
 def headline_deltas(deltas: Mapping[str, float]) -> dict[str, float]:
     """Family totals, their split by reason or cache source, and this backend's reads per
-    pool: the deltas worth a line each."""
+    pool: the deltas worth a line each (other labels, ranks and model, only repeat totals)."""
     return {
         name: value
         for name, value in deltas.items()
         if "{" not in name
-        or name[name.index("{") + 1 :].startswith(_TELLING_LABELS)
+        or name[name.index("{") + 1 :].startswith(("reason", "cache_source"))
         or (name.startswith("mooncake_span_") and '{operation="get",pool=' in name)
     }
 
@@ -644,21 +639,20 @@ class Report:
         return line
 
 
-TABLE_HEADER = (
-    "depth",
-    "prompt",
-    "from L3",
-    "restorable",
-    "memory",
-    "greedy",
-    "max dlogprob",
-    "code cold/L3",
-    "result",
-)
-
-
 def format_table(report: Report) -> str:
-    rows = [TABLE_HEADER]
+    rows = [
+        (
+            "depth",
+            "prompt",
+            "from L3",
+            "restorable",
+            "memory",
+            "greedy",
+            "max dlogprob",
+            "code cold/L3",
+            "result",
+        )
+    ]
     for r in report.results:
         delta = r.verdict.max_logprob_delta
         rows.append(
@@ -674,7 +668,7 @@ def format_table(report: Report) -> str:
                 "ok" if r.ok else "FAIL",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
     )
