@@ -82,11 +82,11 @@ class ServerFacts:
         return oracle.LOGPROB_TOLERANCE if full else HALF_PRECISION_LOGPROB_TOLERANCE
 
 
-def _int(value: Any, default: int = 0) -> int:
+def _int(value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        return default
+        return 0
 
 
 def server_facts(
@@ -101,7 +101,7 @@ def server_facts(
     )
     if device <= 0:
         raise ValueError(f"{url}: /server_info reports no KV pool size (max_total_num_tokens)")
-    page = _int(server_info.get("page_size"), 1) or 1
+    page = _int(server_info.get("page_size")) or 1
     context = _int(server_info.get("context_length")) or _int(model_info.get("context_length"))
     hierarchical = bool(server_info.get("enable_hierarchical_cache"))
     host, host_source = _host_pool(server_info, counters, device) if hierarchical else (0, "")
@@ -304,7 +304,6 @@ class Frame:
 
 
 def _common_prefix(sequences: Sequence[Sequence[int]]) -> int:
-    """How many leading ids all ``sequences`` share."""
     return sum(1 for _ in takewhile(lambda ids: len(set(ids)) == 1, zip(*sequences, strict=False)))
 
 
@@ -325,9 +324,7 @@ def make_probe(
     depth: float, pool: TokenPool, frame: Frame, context_tokens: int, rng: random.Random
 ) -> Probe:
     """A probe of exactly ``context_tokens`` ids: filler drawn from the pool with a code
-    of ``CODE_TOKENS`` pool ids at ``depth`` of it, inside the frame."""
-    if not 0.0 < depth < 1.0:
-        raise ValueError(f"a depth is a fraction in (0, 1), got {depth}")
+    of ``CODE_TOKENS`` pool ids at ``depth`` (in (0, 1): parse_depths) of it, in the frame."""
     filler_tokens = context_tokens - frame.tokens - CODE_TOKENS
     if filler_tokens < 2:
         raise ValueError(
@@ -414,7 +411,6 @@ class Answer:
 
     @property
     def memory_tokens(self) -> int:
-        """Cached tokens that came from device or host memory, not storage."""
         return max(self.cached_tokens - self.storage_tokens, 0)
 
 
@@ -541,7 +537,6 @@ def cold_problem(probe: Probe, cold: Answer, shared_tokens: int) -> str | None:
 
 
 def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    """Changes of the storage-related counters between two scrapes."""
     return {
         name: after[name] - before.get(name, 0.0)
         for name in sorted(after)

@@ -93,12 +93,6 @@ def test_probe_code_text_comes_from_the_pool():
     assert probe.code == "".join(f" w{i}" for i in probe.code_ids)
 
 
-@pytest.mark.parametrize("depth", [0.0, 1.0, -0.1, 1.5])
-def test_probe_depth_must_lie_inside_the_context(depth):
-    with pytest.raises(ValueError, match="depth"):
-        V.make_probe(depth, POOL, FRAME, 100, random.Random(0))
-
-
 def test_probe_needs_room_for_filler():
     with pytest.raises(ValueError, match="no room for filler"):
         V.make_probe(0.5, POOL, FRAME, FRAME.tokens + V.CODE_TOKENS + 1, random.Random(0))
