@@ -1,9 +1,8 @@
 """The content oracle: is a restored answer the answer a server that recomputes gives?
 
-Equal greedy tokens are weak evidence (a tiny random model often picks the same
-token from a slightly wrong context), so the first answer tokens' top candidates
-must match too, each logprob within a tolerance. Why that separates a right restore
-from a wrong one: docs/operating.md, "Validating a deployment". Pure.
+Equal greedy tokens, and the first answer tokens' top candidates with each logprob within a
+tolerance (equal tokens alone are weak evidence; why: docs/operating.md, "Validating a
+deployment"). Pure.
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ def churn_plan(
         sized = f"--churn-tokens {override_tokens}; the server holds {pools_said}"
         if override_tokens <= pools:
             sized += ": too little to be sure the probes leave memory"
-    prompts = max(math.ceil(total / prompt_tokens), 1)
+    prompts = math.ceil(total / prompt_tokens)
     sent = prompts * prompt_tokens
     why = f"{prompts} unique {prompt_tokens}-token prompts ({sent} tokens): {sized}"
     return ChurnPlan(prompts, prompt_tokens, sent, pools, why)
@@ -343,8 +343,7 @@ def make_probe(
         *filler[at:],
         *frame.tail,
     )
-    text = "".join(pool.texts.get(t, "") for t in code) if pool.texts else ""
-    return Probe(depth, text, ids, code)
+    return Probe(depth, "".join(pool.texts.get(t, "") for t in code), ids, code)
 
 
 def _squashed(text: str) -> str:
