@@ -34,17 +34,6 @@ BACKUP_SETTLE_S = 2.0
 BACKUP_POLL_S = 0.5
 UNMEASURED_BACKUP_WAIT_S = 5.0
 FLUSH_TIMEOUT_S = 60.0
-# What ``--json`` says of each server, in this order.
-SERVER_NOTES = (
-    "url",
-    "model",
-    "page_tokens",
-    "storage_backend",
-    "prefetch_policy",
-    "device_pool_tokens",
-    "host_pool_tokens",
-    "host_pool_source",
-)
 
 
 def _progress(message: str) -> None:
@@ -255,9 +244,7 @@ def run(args: argparse.Namespace) -> tuple[V.Report, dict[str, Any]]:
     _check_args(args)
     servers = [connect(url) for url in args.server]
     _check_same_model(servers)
-    notes: dict[str, Any] = {
-        "servers": [{k: getattr(s.facts, k) for k in SERVER_NOTES} for s in servers]
-    }
+    notes: dict[str, Any] = {"servers": [asdict(s.facts) for s in servers]}
     for s in servers:
         _progress(
             f"{s.facts.url}: {s.facts.model}, {s.facts.page_tokens}-token pages, storage backend "
