@@ -5,15 +5,12 @@ line by line, so 100k keys never sit in memory as one string."""
 from __future__ import annotations
 
 import json
-import logging
 import re
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')

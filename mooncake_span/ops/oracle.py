@@ -1,9 +1,8 @@
 """The content oracle: is a restored answer the answer a server that recomputes gives?
 
-Equal greedy tokens are weak evidence (a tiny random model often picks the same
-token from a slightly wrong context), so the first answer tokens' top candidates
-must match too, each logprob within a tolerance. Why that separates a right restore
-from a wrong one: docs/operating.md, "Validating a deployment". Pure.
+Equal greedy tokens, and the first answer tokens' top candidates with each logprob within a
+tolerance (equal tokens alone are weak evidence; why: docs/operating.md, "Validating a
+deployment"). Pure.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from dataclasses import dataclass
 # shapes as a recompute; 1e-4 leaves room for summation-order noise, which is
 # orders of magnitude below what a wrong page moves.
 LOGPROB_TOLERANCE = 1e-4
-COMPARED_TOKENS = 4
 
 TopLogprobs = Sequence[Sequence[tuple[int, float]]]
 
@@ -49,7 +47,7 @@ def compare(
     restored_top: TopLogprobs,
     reference_ids: Sequence[int],
     reference_top: TopLogprobs,
-    tokens: int = COMPARED_TOKENS,
+    tokens: int = 4,
     tolerance: float = LOGPROB_TOLERANCE,
 ) -> Verdict:
     """The greedy tokens, and the top candidates of the first ``tokens`` answer tokens."""

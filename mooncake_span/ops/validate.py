@@ -1,4 +1,4 @@
-"""``mooncake-span validate``'s pure half: probes, what a server reports, the verdict.
+"""``mooncake-span validate``'s pure half: what a server reports, probes, the verdict, ``--save``.
 
 The method: docs/operating.md, "Validating a deployment". No I/O here:
 :mod:`mooncake_span.ops.validate_http` talks to the servers and
@@ -30,7 +30,6 @@ TOP_LOGPROBS = 5
 # Half precision recomputes the last page with other batch shapes than the cold
 # pass did; this bound is a choice, not a measurement (--logprob-tolerance).
 HALF_PRECISION_LOGPROB_TOLERANCE = 0.1
-FULL_PRECISION_DTYPES = ("float32", "fp32")
 MIN_POOL_TOKENS = 64
 MAX_WORD_CHARS = 12
 CODE_TOKENS = 3
@@ -57,10 +56,6 @@ UNFULFILLED_COUNTER = "sglang:storage_prefetch_unfulfilled_tokens_total"
 SAVE_FORMAT = "mooncake-span-validate/1"
 
 
-# ---------------------------------------------------------------------------
-# what a server reports
-
-
 @dataclass(frozen=True)
 class ServerFacts:
     """What ``/server_info``, ``/model_info`` and ``/metrics`` say about one server."""
@@ -83,15 +78,15 @@ class ServerFacts:
     @property
     def default_logprob_tolerance(self) -> float:
         """fp32 servers restore to float rounding; half precision gets a looser bound."""
-        full = self.dtype in FULL_PRECISION_DTYPES
+        full = self.dtype in ("float32", "fp32")
         return oracle.LOGPROB_TOLERANCE if full else HALF_PRECISION_LOGPROB_TOLERANCE
 
 
-def _int(value: Any, default: int = 0) -> int:
+def _int(value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        return default
+        return 0
 
 
 def server_facts(
@@ -106,7 +101,7 @@ def server_facts(
     )
     if device <= 0:
         raise ValueError(f"{url}: /server_info reports no KV pool size (max_total_num_tokens)")
-    page = _int(server_info.get("page_size"), 1) or 1
+    page = _int(server_info.get("page_size")) or 1
     context = _int(server_info.get("context_length")) or _int(model_info.get("context_length"))
     hierarchical = bool(server_info.get("enable_hierarchical_cache"))
     host, host_source = _host_pool(server_info, counters, device) if hierarchical else (0, "")
@@ -235,14 +230,10 @@ def churn_plan(
         sized = f"--churn-tokens {override_tokens}; the server holds {pools_said}"
         if override_tokens <= pools:
             sized += ": too little to be sure the probes leave memory"
-    prompts = max(math.ceil(total / prompt_tokens), 1)
+    prompts = math.ceil(total / prompt_tokens)
     sent = prompts * prompt_tokens
     why = f"{prompts} unique {prompt_tokens}-token prompts ({sent} tokens): {sized}"
     return ChurnPlan(prompts, prompt_tokens, sent, pools, why)
-
-
-# ---------------------------------------------------------------------------
-# probes
 
 
 @dataclass(frozen=True)
@@ -313,7 +304,6 @@ class Frame:
 
 
 def _common_prefix(sequences: Sequence[Sequence[int]]) -> int:
-    """How many leading ids all ``sequences`` share."""
     return sum(1 for _ in takewhile(lambda ids: len(set(ids)) == 1, zip(*sequences, strict=False)))
 
 
@@ -334,9 +324,7 @@ def make_probe(
     depth: float, pool: TokenPool, frame: Frame, context_tokens: int, rng: random.Random
 ) -> Probe:
     """A probe of exactly ``context_tokens`` ids: filler drawn from the pool with a code
-    of ``CODE_TOKENS`` pool ids at ``depth`` of it, inside the frame."""
-    if not 0.0 < depth < 1.0:
-        raise ValueError(f"a depth is a fraction in (0, 1), got {depth}")
+    of ``CODE_TOKENS`` pool ids at ``depth`` (in (0, 1): parse_depths) of it, in the frame."""
     filler_tokens = context_tokens - frame.tokens - CODE_TOKENS
     if filler_tokens < 2:
         raise ValueError(
@@ -355,8 +343,7 @@ def make_probe(
         *filler[at:],
         *frame.tail,
     )
-    text = "".join(pool.texts.get(t, "") for t in code) if pool.texts else ""
-    return Probe(depth, text, ids, code)
+    return Probe(depth, "".join(pool.texts.get(t, "") for t in code), ids, code)
 
 
 def _squashed(text: str) -> str:
@@ -406,10 +393,6 @@ def depth_label(depth: float) -> str:
     return f"{depth * 100:g}%"
 
 
-# ---------------------------------------------------------------------------
-# answers and the verdict
-
-
 @dataclass(frozen=True)
 class Answer:
     """One greedy answer and where the server says its prompt came from."""
@@ -427,7 +410,6 @@ class Answer:
 
     @property
     def memory_tokens(self) -> int:
-        """Cached tokens that came from device or host memory, not storage."""
         return max(self.cached_tokens - self.storage_tokens, 0)
 
 
@@ -471,7 +453,17 @@ class ProbeResult:
     page_tokens: int
     # Tokens every probe shares (a template's opening): memory may hold them.
     shared_tokens: int
-    verdict: oracle.Verdict
+    tolerance: float
+
+    @property
+    def verdict(self) -> oracle.Verdict:
+        return oracle.compare(
+            self.l3.output_ids,
+            self.l3.top_logprobs,
+            self.cold.output_ids,
+            self.cold.top_logprobs,
+            tolerance=self.tolerance,
+        )
 
     @property
     def restorable_tokens(self) -> int:
@@ -531,20 +523,6 @@ class ProbeResult:
         return None
 
 
-def judge_probe(
-    probe: Probe,
-    cold: Answer,
-    l3: Answer,
-    page_tokens: int,
-    shared_tokens: int,
-    tolerance: float,
-) -> ProbeResult:
-    verdict = oracle.compare(
-        l3.output_ids, l3.top_logprobs, cold.output_ids, cold.top_logprobs, tolerance=tolerance
-    )
-    return ProbeResult(probe, cold, l3, page_tokens, shared_tokens, verdict)
-
-
 def cold_problem(probe: Probe, cold: Answer, shared_tokens: int) -> str | None:
     """Why a cold answer cannot serve as the reference (None when it can): it must be
     computed, not taken from any cache beyond the shared opening."""
@@ -558,7 +536,6 @@ def cold_problem(probe: Probe, cold: Answer, shared_tokens: int) -> str | None:
 
 
 def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    """Changes of the storage-related counters between two scrapes."""
     return {
         name: after[name] - before.get(name, 0.0)
         for name in sorted(after)
@@ -566,18 +543,14 @@ def counter_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> d
     }
 
 
-# Labels that tell storage counters apart; the rest (ranks, model) only repeat totals.
-_TELLING_LABELS = ("reason", "cache_source")
-
-
 def headline_deltas(deltas: Mapping[str, float]) -> dict[str, float]:
     """Family totals, their split by reason or cache source, and this backend's reads per
-    pool: the deltas worth a line each."""
+    pool: the deltas worth a line each (other labels, ranks and model, only repeat totals)."""
     return {
         name: value
         for name, value in deltas.items()
         if "{" not in name
-        or name[name.index("{") + 1 :].startswith(_TELLING_LABELS)
+        or name[name.index("{") + 1 :].startswith(("reason", "cache_source"))
         or (name.startswith("mooncake_span_") and '{operation="get",pool=' in name)
     }
 
@@ -660,21 +633,20 @@ class Report:
         return line
 
 
-TABLE_HEADER = (
-    "depth",
-    "prompt",
-    "from L3",
-    "restorable",
-    "memory",
-    "greedy",
-    "max dlogprob",
-    "code cold/L3",
-    "result",
-)
-
-
 def format_table(report: Report) -> str:
-    rows = [TABLE_HEADER]
+    rows = [
+        (
+            "depth",
+            "prompt",
+            "from L3",
+            "restorable",
+            "memory",
+            "greedy",
+            "max dlogprob",
+            "code cold/L3",
+            "result",
+        )
+    ]
     for r in report.results:
         delta = r.verdict.max_logprob_delta
         rows.append(
@@ -690,7 +662,7 @@ def format_table(report: Report) -> str:
                 "ok" if r.ok else "FAIL",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
     )
@@ -735,10 +707,6 @@ def report_json(report: Report) -> dict[str, Any]:
 
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
-
-
-# ---------------------------------------------------------------------------
-# --save / --against
 
 
 def saved_run(

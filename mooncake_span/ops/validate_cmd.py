@@ -12,7 +12,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +34,6 @@ BACKUP_SETTLE_S = 2.0
 BACKUP_POLL_S = 0.5
 UNMEASURED_BACKUP_WAIT_S = 5.0
 FLUSH_TIMEOUT_S = 60.0
-# What ``--json`` says of each server, in this order.
-SERVER_NOTES = (
-    "url",
-    "model",
-    "page_tokens",
-    "storage_backend",
-    "prefetch_policy",
-    "device_pool_tokens",
-    "host_pool_tokens",
-    "host_pool_source",
-)
-
-
-class ValidateError(RuntimeError):
-    """The run could not be set up (bad input, servers that do not match)."""
 
 
 def _progress(message: str) -> None:
@@ -60,19 +45,11 @@ class Server:
     http: SglangHttp
     facts: V.ServerFacts
 
-    @property
-    def url(self) -> str:
-        return self.http.url
-
 
 def connect(url: str) -> Server:
     http = SglangHttp(url)
     info, model = http.server_info(), http.model_info()
     return Server(http, V.server_facts(http.url, info, model, http.metrics()))
-
-
-# ---------------------------------------------------------------------------
-# probes as token ids
 
 
 def _proposed_pool(server: Server) -> V.TokenPool:
@@ -90,7 +67,7 @@ def _proposed_pool(server: Server) -> V.TokenPool:
     try:
         return V.pool_from_candidates(seen)
     except ValueError as exc:
-        raise ValidateError(f"{server.url}: {exc}") from None
+        raise ValueError(f"{server.facts.url}: {exc}") from None
 
 
 def token_pool(server: Server) -> V.TokenPool:
@@ -138,10 +115,6 @@ def warm_up(server: Server, pool: V.TokenPool, rng: random.Random) -> None:
     server.http.generate(rng.choices(pool.ids, k=length), 1, 0)
 
 
-# ---------------------------------------------------------------------------
-# waits and eviction
-
-
 def wait_for_backups(server: Server, before: dict[str, float], tokens: int, limit_s: float) -> str:
     """Wait until the backup counter grew by ``tokens`` and settled; say how it ended."""
     if server.facts.storage_backend is None:
@@ -178,19 +151,19 @@ def wait_for_backups(server: Server, before: dict[str, float], tokens: int, limi
 
 def evict(
     server: Server,
-    options: Options,
+    args: argparse.Namespace,
     pool: V.TokenPool,
     context_tokens: int,
     notes: dict[str, Any],
 ) -> str:
     """Push the probes out of ``server``'s device and host memory; say how (a churn's
     plan also goes to ``notes['churn']``)."""
-    if options.evict == "flush":
+    if args.evict == "flush":
         try:
             server.http.flush_cache(FLUSH_TIMEOUT_S)
         except ServerRefused as exc:
-            raise ValidateError(
-                f"{server.url}: /flush_cache refused ({exc}); where flushing is not allowed, "
+            raise ValueError(
+                f"{server.facts.url}: /flush_cache refused ({exc}); where flushing is not allowed, "
                 "use --evict churn"
             ) from None
         said = "flushed the device and host caches (/flush_cache)"
@@ -198,7 +171,7 @@ def evict(
         return said
     # Read the pools again: sglang sets its host pool gauge at its first
     # prefill, which came after connect().
-    plan = V.churn_plan(connect(server.url).facts, context_tokens, options.churn_tokens)
+    plan = V.churn_plan(connect(server.facts.url).facts, context_tokens, args.churn_tokens)
     notes["churn"] = {k: v for k, v in asdict(plan).items() if k != "why"}
     _progress(f"churn: {plan.why}")
     rng = random.Random()
@@ -210,35 +183,14 @@ def evict(
     return f"churn: {plan.why}"
 
 
-# ---------------------------------------------------------------------------
-# the run
-
-
-@dataclass(frozen=True)
-class Options:
-    # The flags as named on the command line (``urls``: ``--server``).
-    urls: tuple[str, ...]
-    depths: tuple[float, ...]
-    context_tokens: int | None
-    answer_tokens: int
-    top_logprobs: int
-    logprob_tolerance: float | None
-    evict: str
-    churn_tokens: int | None
-    backup_wait_s: float
-    save: Path | None
-    against: Path | None
-    seed: int | None
-
-
 def _check_same_model(servers: Sequence[Server]) -> None:
     models = {s.facts.model for s in servers}
     pages = {s.facts.page_tokens for s in servers}
     if len(models) > 1 or len(pages) > 1:
-        raise ValidateError(
+        raise ValueError(
             "the servers differ: "
             + "; ".join(
-                f"{s.url} serves {s.facts.model} on {s.facts.page_tokens}-token pages"
+                f"{s.facts.url} serves {s.facts.model} on {s.facts.page_tokens}-token pages"
                 for s in servers
             )
         )
@@ -249,7 +201,7 @@ def _ask(
     phase: str,
     probes: Sequence[V.Probe],
     answer_tokens: Sequence[int],
-    options: Options,
+    args: argparse.Namespace,
     notes: dict[str, Any],
 ) -> list[V.Answer]:
     """Each probe's answer of its length from ``server``; the pass's time into ``notes``."""
@@ -257,7 +209,7 @@ def _ask(
     started = time.monotonic()
     for i, (probe, tokens) in enumerate(zip(probes, answer_tokens, strict=True)):
         _progress(f"{phase} pass {i + 1}/{len(probes)} (depth {V.depth_label(probe.depth)})")
-        body = server.http.generate(probe.input_ids, tokens, options.top_logprobs)
+        body = server.http.generate(probe.input_ids, tokens, args.top_logprobs)
         answers.append(V.parse_answer(body))
     notes[f"{phase.lower()}_pass_s"] = round(time.monotonic() - started, 2)
     return answers
@@ -267,40 +219,39 @@ def _l3_pass(
     server: Server,
     probes: Sequence[V.Probe],
     cold: Sequence[V.Answer],
-    options: Options,
+    args: argparse.Namespace,
     notes: dict[str, Any],
     setup_problems: Sequence[str] = (),
 ) -> V.Report:
     shared = V.shared_prefix_tokens([p.input_ids for p in probes])
-    tolerance = options.logprob_tolerance
+    tolerance = args.logprob_tolerance
     if tolerance is None:
         tolerance = server.facts.default_logprob_tolerance
     notes["tolerance"] = tolerance
     before = server.http.metrics()
-    answers = _ask(server, "L3", probes, [len(c.output_ids) or 1 for c in cold], options, notes)
+    answers = _ask(server, "L3", probes, [len(c.output_ids) or 1 for c in cold], args, notes)
     results = [
-        V.judge_probe(probe, reference, answer, server.facts.page_tokens, shared, tolerance)
+        V.ProbeResult(probe, reference, answer, server.facts.page_tokens, shared, tolerance)
         for probe, reference, answer in zip(probes, cold, answers, strict=True)
     ]
     deltas = V.counter_deltas(before, server.http.metrics())
     return V.Report(tuple(results), deltas, tuple(setup_problems))
 
 
-def run(options: Options) -> tuple[V.Report, dict[str, Any]]:
+def run(args: argparse.Namespace) -> tuple[V.Report, dict[str, Any]]:
     """The report and what the run did (``--json`` prints both). A run that cannot be
-    set up raises ValidateError, or the pure half's ValueError naming the bad input."""
-    servers = [connect(url) for url in options.urls]
+    set up raises ValueError naming what is wrong (a flag, a server, a saved file)."""
+    _check_args(args)
+    servers = [connect(url) for url in args.server]
     _check_same_model(servers)
-    notes: dict[str, Any] = {
-        "servers": [{k: getattr(s.facts, k) for k in SERVER_NOTES} for s in servers]
-    }
+    notes: dict[str, Any] = {"servers": [asdict(s.facts) for s in servers]}
     for s in servers:
         _progress(
-            f"{s.url}: {s.facts.model}, {s.facts.page_tokens}-token pages, storage backend "
+            f"{s.facts.url}: {s.facts.model}, {s.facts.page_tokens}-token pages, storage backend "
             f"{s.facts.storage_backend or 'none'}"
             + (f" (prefetch policy {s.facts.prefetch_policy})" if s.facts.storage_backend else "")
         )
-    seed = options.seed if options.seed is not None else random.SystemRandom().randrange(1 << 31)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     rng = random.Random(seed)
     notes["seed"] = seed
     l3_server = servers[-1]
@@ -308,32 +259,32 @@ def run(options: Options) -> tuple[V.Report, dict[str, Any]]:
     notes["token_pool"] = pool.source
     _progress(f"token pool: {pool.source}")
 
-    if options.against is not None:
+    if args.against is not None:
         try:
-            probes, cold, saved = V.load_saved_run(json.loads(options.against.read_text()))
+            probes, cold, saved = V.load_saved_run(json.loads(args.against.read_text()))
         except ValueError as exc:
-            raise ValidateError(f"{options.against}: {exc}") from None
+            raise ValueError(f"{args.against}: {exc}") from None
         if saved.get("model") != l3_server.facts.model:
-            raise ValidateError(
-                f"{options.against} was saved against model {saved.get('model')!r}; "
-                f"{l3_server.url} serves {l3_server.facts.model!r}"
+            raise ValueError(
+                f"{args.against} was saved against model {saved.get('model')!r}; "
+                f"{l3_server.facts.url} serves {l3_server.facts.model!r}"
             )
         if saved.get("page_tokens") != l3_server.facts.page_tokens:
-            raise ValidateError(
-                f"{options.against} was saved on {saved.get('page_tokens')}-token pages; "
-                f"{l3_server.url} uses {l3_server.facts.page_tokens}"
+            raise ValueError(
+                f"{args.against} was saved on {saved.get('page_tokens')}-token pages; "
+                f"{l3_server.facts.url} uses {l3_server.facts.page_tokens}"
             )
-        notes["against"] = str(options.against)
-        _progress(f"{len(probes)} saved probes from {options.against}; L3 pass only")
+        notes["against"] = str(args.against)
+        _progress(f"{len(probes)} saved probes from {args.against}; L3 pass only")
         warm_up(l3_server, pool, rng)
-        notes["eviction"] = evict(l3_server, options, pool, len(probes[0].input_ids), notes)
-        return _l3_pass(l3_server, probes, cold, options, notes), notes
+        notes["eviction"] = evict(l3_server, args, pool, len(probes[0].input_ids), notes)
+        return _l3_pass(l3_server, probes, cold, args, notes), notes
 
     facts = [s.facts for s in servers]
-    context, why = V.choose_context_tokens(facts, options.context_tokens, options.answer_tokens)
+    context, why = V.choose_context_tokens(facts, args.context_tokens, args.answer_tokens)
     _progress(f"probes of {context} tokens: {why}")
     frame = probe_frame(servers[0])
-    probes = [V.make_probe(depth, pool, frame, context, rng) for depth in options.depths]
+    probes = [V.make_probe(depth, pool, frame, context, rng) for depth in args.depths]
     notes.update(context_tokens=context, context_choice=why, framed_with=frame.source)
     _progress(f"{len(probes)} probes, framed with {frame.source}")
     for s in servers:
@@ -342,29 +293,25 @@ def run(options: Options) -> tuple[V.Report, dict[str, Any]]:
     cold_server = servers[0]
     before = cold_server.http.metrics()
     shared = V.shared_prefix_tokens([p.input_ids for p in probes])
-    cold = _ask(cold_server, "cold", probes, [options.answer_tokens] * len(probes), options, notes)
+    cold = _ask(cold_server, "cold", probes, [args.answer_tokens] * len(probes), args, notes)
     problems = [V.cold_problem(p, answer, shared) for p, answer in zip(probes, cold, strict=True)]
     setup_problems = [problem for problem in problems if problem is not None]
     expected = sum(
         V.restorable_tokens(len(p.input_ids), cold_server.facts.page_tokens) for p in probes
     )
-    notes["backup_wait"] = wait_for_backups(cold_server, before, expected, options.backup_wait_s)
+    notes["backup_wait"] = wait_for_backups(cold_server, before, expected, args.backup_wait_s)
     _progress(notes["backup_wait"])
-    if options.save is not None:
-        meta = {"seed": seed, "context_tokens": context, "servers": list(options.urls)}
-        options.save.write_text(json.dumps(V.saved_run(cold_server.facts, probes, cold, meta)))
-        notes["saved"] = str(options.save)
-        _progress(f"saved the probes and cold answers to {options.save}")
+    if args.save is not None:
+        meta = {"seed": seed, "context_tokens": context, "servers": list(args.server)}
+        args.save.write_text(json.dumps(V.saved_run(cold_server.facts, probes, cold, meta)))
+        notes["saved"] = str(args.save)
+        _progress(f"saved the probes and cold answers to {args.save}")
     if l3_server is cold_server:
-        notes["eviction"] = evict(l3_server, options, pool, context, notes)
+        notes["eviction"] = evict(l3_server, args, pool, context, notes)
     else:
-        notes["eviction"] = f"none: {l3_server.url} never saw the probes"
+        notes["eviction"] = f"none: {l3_server.facts.url} never saw the probes"
         _progress(notes["eviction"])
-    return _l3_pass(l3_server, probes, cold, options, notes, setup_problems), notes
-
-
-# ---------------------------------------------------------------------------
-# command line
+    return _l3_pass(l3_server, probes, cold, args, notes, setup_problems), notes
 
 
 def _depths_arg(text: str) -> tuple[float, ...]:
@@ -462,31 +409,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_validate_command)
 
 
-def options_from_args(args: argparse.Namespace) -> Options:
+def _check_args(args: argparse.Namespace) -> None:
     if len(args.server) > 2:
-        raise ValidateError("give one --server, or two (cold pass on the first, L3 on the second)")
+        raise ValueError("give one --server, or two (cold pass on the first, L3 on the second)")
     if args.against is not None and (len(args.server) != 1 or args.save is not None):
-        raise ValidateError("--against runs only the L3 pass: give one --server and no --save")
+        raise ValueError("--against runs only the L3 pass: give one --server and no --save")
     if args.churn_tokens is not None and args.evict != "churn":
-        raise ValidateError("--churn-tokens sizes --evict churn; add --evict churn")
+        raise ValueError("--churn-tokens sizes --evict churn; add --evict churn")
     if args.logprob_tolerance is not None and args.logprob_tolerance < 0:
-        raise ValidateError("--logprob-tolerance must be >= 0")
-    named_alike = {f.name: getattr(args, f.name) for f in fields(Options) if f.name != "urls"}
-    return Options(urls=tuple(args.server), **named_alike)
-
-
-def _fail(args: argparse.Namespace, message: str) -> int:
-    if args.json:
-        print(json.dumps({"ok": False, "error": message}, indent=1))
-    print(f"mooncake-span validate: {message}", file=sys.stderr)
-    return 1
+        raise ValueError("--logprob-tolerance must be >= 0")
 
 
 def run_validate_command(args: argparse.Namespace) -> int:
     try:
-        report, notes = run(options_from_args(args))
-    except (ValidateError, ValueError, ServerUnreachable, OSError) as exc:
-        return _fail(args, str(exc))
+        report, notes = run(args)
+    except (ValueError, ServerUnreachable, OSError) as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(exc)}, indent=1))
+        print(f"mooncake-span validate: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({**V.report_json(report), **notes}, indent=1))
     else:

@@ -32,8 +32,6 @@ class ServerRefused(ServerUnreachable):
 
 
 class SglangHttp:
-    """One sglang server's HTTP API."""
-
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
@@ -97,7 +95,6 @@ class SglangHttp:
         return [int(t) for t in answer["tokens"]]
 
     def tokenize_text(self, text: str, special_tokens: bool) -> list[int]:
-        """Token ids of ``text``, with the tokenizer's own start tokens or without."""
         answer = self._json("/tokenize", {"prompt": text, "add_special_tokens": special_tokens})
         return [int(t) for t in answer["tokens"]]
 
