@@ -193,7 +193,6 @@ class ClusterSpec:
 
     @property
     def ha(self) -> bool:
-        """Whether the masters run in etcd-backed HA mode (``ha_masters > 1``)."""
         return self.ha_masters > 1
 
     @property
@@ -243,7 +242,6 @@ def sglang_client_config(
     admin_url: str | None = None,
 ) -> dict[str, object]:
     size_bytes = parse_size_bytes(global_segment_size_bytes)
-    # Key names are the ones SGLang's Mooncake extra-config understands.
     config: dict[str, object] = {
         "master_server_address": master_address,
         "metadata_server": metadata_server,

@@ -388,7 +388,3 @@ def _stop(store: object, ssd: NodeSsd | None, finish_offloads: bool = True) -> N
     if ssd is not None:
         ssd.lock.release(state)
     logger.info("closed")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
