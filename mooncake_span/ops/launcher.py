@@ -531,7 +531,6 @@ class LocalSite:
 # take a port between our probe and the server's bind (docs/development.md); above
 # Mooncake's own random ports (12000-17000).
 _LISTEN_PORTS_LOW = 20000
-_EPHEMERAL_RANGE_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
 _PICK_ATTEMPTS = 500
 
 
@@ -539,7 +538,7 @@ def pick_free_ports(host: str, count: int) -> list[int]:
     """``count`` distinct ports that were free on ``host`` a moment ago, below the
     ephemeral range where there is room (else any the kernel hands out)."""
     try:
-        with open(_EPHEMERAL_RANGE_PATH, encoding="ascii") as fh:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
             candidates = range(_LISTEN_PORTS_LOW, int(fh.read().split()[0]))
     except (OSError, ValueError, IndexError):
         candidates = range(0)

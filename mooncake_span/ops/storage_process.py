@@ -36,8 +36,6 @@ from mooncake_span.units import parse_size_bytes
 logger = logging.getLogger(__name__)
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-# Mooncake's default --client_ttl: how long the master keeps a silent client's segments.
-MOONCAKE_CLIENT_TTL_S = 10
 # Each overrides one field of the node's settings (settings_from_args).
 _CONNECTION_FLAGS = (
     ("--master", "master address, HOST:PORT or etcd://HOST:PORT for HA masters"),
@@ -111,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--client-ttl-s",
         type=int,
-        default=MOONCAKE_CLIENT_TTL_S,
+        default=10,  # Mooncake's default --client_ttl
         metavar="S",
         help="the master's --client_ttl, the longest wait after a crash (default: %(default)s)",
     )
