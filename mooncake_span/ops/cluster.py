@@ -330,8 +330,6 @@ class LocalCluster:
         )
 
     def _restart(self, process: L.LocalProcess, wait: Callable[[float], None]) -> None:
-        """Stop ``process`` if it runs, start it again and ``wait(deadline)`` for it;
-        killed again if the wait fails."""
         if process.running():
             L.terminate([process], signal.SIGTERM, self.spec.stop_timeout_s)
         process.start()
@@ -396,7 +394,6 @@ class LocalCluster:
         site = self._site()
         host = spec.host
         if etcd_bin is not None:
-            # A fresh data dir per attempt: a stale master_view key blocks elections.
             data_dir = self.log_dir / f"etcd-data-{attempt}"
             shutil.rmtree(data_dir, ignore_errors=True)
             argv = L.etcd_argv(

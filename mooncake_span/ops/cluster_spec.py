@@ -164,7 +164,6 @@ class ClusterSpec:
             )
 
     def _parse_sizes(self, *names: str) -> None:
-        """Store each size field as its bytes; a bad one names its field."""
         for name in names:
             try:
                 object.__setattr__(self, name, parse_size_bytes(getattr(self, name)))
@@ -173,7 +172,6 @@ class ClusterSpec:
 
     @property
     def master_lease_ttl_ms(self) -> int | None:
-        """The master's lease: ``lease_ttl_ms``, else SSD_LEASE_TTL_MS with an SSD tier."""
         return self._ssd_default(self.lease_ttl_ms, SSD_LEASE_TTL_MS)
 
     @property

@@ -377,9 +377,7 @@ def _fork_loop() -> None:
 
 
 def popen_tied(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-    """``subprocess.Popen(argv, **kwargs)`` for a child that dies with this process
-    (see ``die_with_parent``): forked by the main thread directly, or for any
-    other thread by the forker thread."""
+    """``subprocess.Popen(argv, **kwargs)`` for a child that dies with this process."""
     global _forker
 
     def start() -> subprocess.Popen[bytes]:
