@@ -1,10 +1,8 @@
 """``python -m mooncake_span.storage_node``: a storage-only Mooncake process.
 
-It mounts its global segment, prints one ``READY`` line to stdout and holds it
-until SIGTERM or SIGINT, then closes the store once and exits 0; setup failures
-exit 1, bad arguments 2 (docs/operating.md, "A storage node"). Its SSD tier
-(``--ssd-dir``) is checked before the native client starts, and a refusal deletes
-or rewrites nothing in the directory (docs/operating.md, "The SSD tier").
+Its contract (the ``READY`` line, signals, exit codes) and its SSD tier's checks, all
+made before anything in the directory is touched: docs/operating.md, "A storage node"
+and "The SSD tier".
 """
 
 from __future__ import annotations
@@ -233,20 +231,6 @@ def wait_after_crash(node: NodeSsd, args: argparse.Namespace, settings: Mooncake
     logger.info("waited %.1f s for the master to drop the crashed node", waited_s)
 
 
-def publish_marker(store: Any) -> None:
-    """Tell the cluster's clients it has an SSD tier (``store/ssd_marker.py``): a
-    marker hard-pinned on this node's own segment, so it lives as long as the node.
-
-    Raises:
-        ConfigError: the master refused it.
-    """
-    from mooncake.store import ReplicateConfig
-
-    segment = store.get_hostname()
-    config = replicate_config(ReplicateConfig, 1, None, True, segment)
-    ssd_marker.publish(lambda key, data: store.put(key, data, config), segment)
-
-
 def settings_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> MooncakeSettings:
@@ -317,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     # mask: a SIGTERM during setup waits for sigwait() below.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
 
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     store = MooncakeDistributedStore()
     started_s = time.monotonic()
@@ -330,9 +314,13 @@ def main(argv: list[str] | None = None) -> int:
             ssd.lock.release()
         return 1
     if ssd is not None:
-        ssd.lock.update(state="running", segment=store.get_hostname())
+        segment = store.get_hostname()
+        ssd.lock.update(state="running", segment=segment)
+        # Tells the cluster's clients it has an SSD tier (store/ssd_marker.py); hard-pinned
+        # on this node's own segment, so it lives as long as the node.
+        config = replicate_config(ReplicateConfig, 1, None, True, segment)
         try:
-            publish_marker(store)
+            ssd_marker.publish(lambda key, data: store.put(key, data, config), segment)
         except ConfigError as exc:
             logger.error("%s", exc)
             _stop(store, ssd, finish_offloads=False)
