@@ -1,7 +1,6 @@
 """What a ``LocalCluster`` starts (``ClusterSpec``), and ``ExternalCluster`` for a running one.
 
-Pure validation, no processes: a spec is checked completely on construction,
-with messages that name the field and say what to set instead.
+Pure validation, no processes.
 """
 
 from __future__ import annotations
@@ -185,9 +184,7 @@ class ClusterSpec:
         return self._ssd_default(self.eviction_ratio, SSD_EVICTION_RATIO)
 
     def _ssd_default(self, given: float | None, with_ssd: float) -> float | None:
-        if given is None and self.ssd_dir is not None:
-            return with_ssd
-        return given
+        return with_ssd if given is None and self.ssd_dir is not None else given
 
     @property
     def ha(self) -> bool:
