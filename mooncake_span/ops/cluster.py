@@ -90,8 +90,6 @@ class LocalCluster:
         self._nodes: list[L.LocalProcess] = []
         self._started = False
 
-    # -- lifecycle ---------------------------------------------------------
-
     def start(self) -> LocalCluster:
         """Start everything; return once masters serve and storage nodes are READY.
 
@@ -111,7 +109,6 @@ class LocalCluster:
             find_executable("mooncake_http_metadata_server") if spec.standalone_metadata else None
         )
         if spec.ssd_dir is not None:
-            # Refused before anything starts, with the fix in the message.
             try:
                 root = check_root(str(spec.ssd_dir), "--ssd-dir")
                 self._check_disk_room(root)
@@ -200,8 +197,6 @@ class LocalCluster:
     def started(self) -> bool:
         return self._started
 
-    # -- addresses -----------------------------------------------------------
-
     @property
     def master_address(self) -> str:
         """``HOST:PORT`` of the master, or ``etcd://HOST:PORT`` in HA mode."""
@@ -256,7 +251,6 @@ class LocalCluster:
         )
 
     def client_env(self) -> dict[str, str]:
-        """Environment variables a client process needs to talk to this cluster."""
         return {"MC_TCP_BIND_ADDRESS": self.spec.host, **self.spec.env_overrides}
 
     def pids(self) -> dict[str, int]:
@@ -267,8 +261,6 @@ class LocalCluster:
             for child in children
             if child is not None and child.popen is not None and child.running()
         }
-
-    # -- observation ---------------------------------------------------------
 
     def summary(self, i: int = 0) -> str:
         """Master i's ``/metrics/summary`` text (role, state, memory, keys, clients).
@@ -312,8 +304,6 @@ class LocalCluster:
 
         return L.wait_for_leader(healths, timeout_s)
 
-    # -- fault injection -----------------------------------------------------
-
     def kill_storage_node(self, i: int, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to storage node i's process group and wait for it to exit."""
         node = self._nodes[self._node_index(i)]
@@ -340,8 +330,6 @@ class LocalCluster:
         )
 
     def _restart(self, process: L.LocalProcess, wait: Callable[[float], None]) -> None:
-        """Stop ``process`` if it runs, start it again and ``wait(deadline)`` for it;
-        killed again if the wait fails."""
         if process.running():
             L.terminate([process], signal.SIGTERM, self.spec.stop_timeout_s)
         process.start()
@@ -350,8 +338,6 @@ class LocalCluster:
         except BaseException:
             L.terminate([process], signal.SIGKILL, self.spec.stop_timeout_s)
             raise
-
-    # -- internals -----------------------------------------------------------
 
     def _require_ports(self) -> _Ports:
         if self._ports is None or not self._started:
@@ -408,7 +394,6 @@ class LocalCluster:
         site = self._site()
         host = spec.host
         if etcd_bin is not None:
-            # A fresh data dir per attempt: a stale master_view key blocks elections.
             data_dir = self.log_dir / f"etcd-data-{attempt}"
             shutil.rmtree(data_dir, ignore_errors=True)
             argv = L.etcd_argv(
@@ -427,13 +412,12 @@ class LocalCluster:
             self._metadata = site.start("metadata", argv)
             url = f"http://{host}:{ports.metadata_http}/metadata?key=mooncake-span-probe"
             L.wait_http(self._metadata, site, url, deadline, lambda status, body: True)
-        args = [self._master_args(i) for i in range(spec.ha_masters)]
         self._masters = []
         L.start_masters(
             lambda i: site,
             [f"master{i}" for i in range(spec.ha_masters)],
-            [a.argv(master_bin) for a in args],
-            [a.metrics_url for a in args],
+            [self._master_args(i).argv(master_bin) for i in range(spec.ha_masters)],
+            [self.master_metrics_url(i) for i in range(spec.ha_masters)],
             deadline,
             lambda i, process: self._masters.append(process),
         )

@@ -1,7 +1,6 @@
 """What a ``LocalCluster`` starts (``ClusterSpec``), and ``ExternalCluster`` for a running one.
 
-Pure validation, no processes: a spec is checked completely on construction,
-with messages that name the field and say what to set instead.
+Pure validation, no processes.
 """
 
 from __future__ import annotations
@@ -164,7 +163,6 @@ class ClusterSpec:
             )
 
     def _parse_sizes(self, *names: str) -> None:
-        """Store each size field as its bytes; a bad one names its field."""
         for name in names:
             try:
                 object.__setattr__(self, name, parse_size_bytes(getattr(self, name)))
@@ -173,7 +171,6 @@ class ClusterSpec:
 
     @property
     def master_lease_ttl_ms(self) -> int | None:
-        """The master's lease: ``lease_ttl_ms``, else SSD_LEASE_TTL_MS with an SSD tier."""
         return self._ssd_default(self.lease_ttl_ms, SSD_LEASE_TTL_MS)
 
     @property
@@ -187,13 +184,10 @@ class ClusterSpec:
         return self._ssd_default(self.eviction_ratio, SSD_EVICTION_RATIO)
 
     def _ssd_default(self, given: float | None, with_ssd: float) -> float | None:
-        if given is None and self.ssd_dir is not None:
-            return with_ssd
-        return given
+        return with_ssd if given is None and self.ssd_dir is not None else given
 
     @property
     def ha(self) -> bool:
-        """Whether the masters run in etcd-backed HA mode (``ha_masters > 1``)."""
         return self.ha_masters > 1
 
     @property
@@ -243,7 +237,6 @@ def sglang_client_config(
     admin_url: str | None = None,
 ) -> dict[str, object]:
     size_bytes = parse_size_bytes(global_segment_size_bytes)
-    # Key names are the ones SGLang's Mooncake extra-config understands.
     config: dict[str, object] = {
         "master_server_address": master_address,
         "metadata_server": metadata_server,

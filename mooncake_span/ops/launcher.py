@@ -106,10 +106,6 @@ def parse_health(answer: HttpAnswer | None) -> dict[str, object] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
-# ---------------------------------------------------------------------------
-# command lines
-
-
 @dataclass(frozen=True)
 class MasterArgs:
     """The ``mooncake_master`` flags both cluster kinds use; ``None`` for a tunable keeps
@@ -161,10 +157,6 @@ class MasterArgs:
         argv += [f"--{flag}={value}" for flag, value in tunables.items() if value is not None]
         return argv + list(self.extra_args)
 
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}"
-
 
 def etcd_argv(
     etcd_bin: str, *, member: str, data_dir: Path, host: str, client_port: int, peer_port: int
@@ -188,8 +180,6 @@ def etcd_argv(
 
 @dataclass(frozen=True)
 class NodeSsdArgs:
-    """A storage node's SSD tier: ``--ssd-dir`` and what goes with it."""
-
     root: Path
     node_name: str
     cap_bytes: int | None = None
@@ -231,10 +221,6 @@ def storage_node_argv(
         f"--host={host}",
         *(ssd.argv() if ssd is not None else ()),
     ]
-
-
-# ---------------------------------------------------------------------------
-# readiness
 
 
 def _early_exit(process: Process, what: str) -> EarlyExitError:
@@ -292,7 +278,6 @@ def wait_master(
 
 
 def wait_ready_line(process: Process, deadline: float) -> None:
-    """Wait for a storage node's ``READY`` line."""
     while True:
         if any(line.startswith(READY_PREFIX) for line in process.output_text().splitlines()):
             return
@@ -347,10 +332,6 @@ def start_masters(
         wait_master(process, site_of(i), metrics_urls[i], deadline, serving=False)
 
 
-# ---------------------------------------------------------------------------
-# processes on this host
-
-
 def read_text_from(path: Path, offset: int) -> str:
     """The text of ``path`` after byte ``offset`` (a restart appends to the same log)."""
     try:
@@ -361,7 +342,6 @@ def read_text_from(path: Path, offset: int) -> str:
         return ""
 
 
-_LOG_TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
 
 
@@ -397,9 +377,7 @@ def _fork_loop() -> None:
 
 
 def popen_tied(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-    """``subprocess.Popen(argv, **kwargs)`` for a child that dies with this process
-    (see ``die_with_parent``): forked by the main thread directly, or for any
-    other thread by the forker thread."""
+    """``subprocess.Popen(argv, **kwargs)`` for a child that dies with this process."""
     global _forker
 
     def start() -> subprocess.Popen[bytes]:
@@ -480,7 +458,7 @@ class LocalProcess:
         """What the current run wrote (stdout and stderr)."""
         return read_text_from(self.log_path, self.log_offset)
 
-    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+    def log_tail(self, lines: int = 40) -> str:
         text = self.output_text().splitlines()[-lines:]
         return "\n".join(f"    {line[:400]}" for line in text) or "    (empty)"
 
@@ -551,7 +529,6 @@ class LocalSite:
 # take a port between our probe and the server's bind (docs/development.md); above
 # Mooncake's own random ports (12000-17000).
 _LISTEN_PORTS_LOW = 20000
-_EPHEMERAL_RANGE_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
 _PICK_ATTEMPTS = 500
 
 
@@ -559,7 +536,7 @@ def pick_free_ports(host: str, count: int) -> list[int]:
     """``count`` distinct ports that were free on ``host`` a moment ago, below the
     ephemeral range where there is room (else any the kernel hands out)."""
     try:
-        with open(_EPHEMERAL_RANGE_PATH, encoding="ascii") as fh:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
             candidates = range(_LISTEN_PORTS_LOW, int(fh.read().split()[0]))
     except (OSError, ValueError, IndexError):
         candidates = range(0)

@@ -1,10 +1,8 @@
 """``python -m mooncake_span.storage_node``: a storage-only Mooncake process.
 
-It mounts its global segment, prints one ``READY`` line to stdout and holds it
-until SIGTERM or SIGINT, then closes the store once and exits 0; setup failures
-exit 1, bad arguments 2 (docs/operating.md, "A storage node"). Its SSD tier
-(``--ssd-dir``) is checked before the native client starts, and a refusal deletes
-or rewrites nothing in the directory (docs/operating.md, "The SSD tier").
+Its contract (the ``READY`` line, signals, exit codes) and its SSD tier's checks, all
+made before anything in the directory is touched: docs/operating.md, "A storage node"
+and "The SSD tier".
 """
 
 from __future__ import annotations
@@ -36,8 +34,6 @@ from mooncake_span.units import parse_size_bytes
 logger = logging.getLogger(__name__)
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-# Mooncake's default --client_ttl: how long the master keeps a silent client's segments.
-MOONCAKE_CLIENT_TTL_S = 10
 # Each overrides one field of the node's settings (settings_from_args).
 _CONNECTION_FLAGS = (
     ("--master", "master address, HOST:PORT or etcd://HOST:PORT for HA masters"),
@@ -111,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--client-ttl-s",
         type=int,
-        default=MOONCAKE_CLIENT_TTL_S,
+        default=10,  # Mooncake's default --client_ttl
         metavar="S",
         help="the master's --client_ttl, the longest wait after a crash (default: %(default)s)",
     )
@@ -235,20 +231,6 @@ def wait_after_crash(node: NodeSsd, args: argparse.Namespace, settings: Mooncake
     logger.info("waited %.1f s for the master to drop the crashed node", waited_s)
 
 
-def publish_marker(store: Any) -> None:
-    """Tell the cluster's clients it has an SSD tier (``store/ssd_marker.py``): a
-    marker hard-pinned on this node's own segment, so it lives as long as the node.
-
-    Raises:
-        ConfigError: the master refused it.
-    """
-    from mooncake.store import ReplicateConfig
-
-    segment = store.get_hostname()
-    config = replicate_config(ReplicateConfig, 1, None, True, segment)
-    ssd_marker.publish(lambda key, data: store.put(key, data, config), segment)
-
-
 def settings_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> MooncakeSettings:
@@ -319,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     # mask: a SIGTERM during setup waits for sigwait() below.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
 
-    from mooncake.store import MooncakeDistributedStore
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
     store = MooncakeDistributedStore()
     started_s = time.monotonic()
@@ -332,9 +314,13 @@ def main(argv: list[str] | None = None) -> int:
             ssd.lock.release()
         return 1
     if ssd is not None:
-        ssd.lock.update(state="running", segment=store.get_hostname())
+        segment = store.get_hostname()
+        ssd.lock.update(state="running", segment=segment)
+        # Tells the cluster's clients it has an SSD tier (store/ssd_marker.py); hard-pinned
+        # on this node's own segment, so it lives as long as the node.
+        config = replicate_config(ReplicateConfig, 1, None, True, segment)
         try:
-            publish_marker(store)
+            ssd_marker.publish(lambda key, data: store.put(key, data, config), segment)
         except ConfigError as exc:
             logger.error("%s", exc)
             _stop(store, ssd, finish_offloads=False)
@@ -388,7 +374,3 @@ def _stop(store: object, ssd: NodeSsd | None, finish_offloads: bool = True) -> N
     if ssd is not None:
         ssd.lock.release(state)
     logger.info("closed")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

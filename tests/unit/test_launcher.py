@@ -47,7 +47,6 @@ def test_master_argv_embedded_metadata_and_tunables():
     assert "--eviction_high_watermark_ratio=0.5" in argv and "--eviction_ratio=0.1" in argv
     assert argv[-1] == "--foo=1"
     assert not any(a.startswith("--enable_ha") for a in argv)
-    assert args.metrics_url == "http://10.1.2.3:9001"
 
 
 def test_master_argv_ha_has_no_embedded_metadata():
