@@ -15,7 +15,7 @@ import sys
 import threading
 
 from mooncake_span.ops import doctor, inspect_cmd, validate_cmd
-from mooncake_span.ops.arg_types import non_negative_int_arg, positive_int_arg, size_arg
+from mooncake_span.ops.cli_common import non_negative_int_arg, positive_int_arg, size_arg
 from mooncake_span.ops.cluster import ClusterSpec, ClusterStartError, LocalCluster
 from mooncake_span.ops.cluster_spec import (
     CLUSTER_UP_EVICTION_HIGH_WATERMARK_RATIO,

@@ -1,11 +1,13 @@
-"""Arguments the commands share: where the cluster is, resolved by the backend's own
-loader with the flags laid over it (docs/operating.md, "Where the cluster is"), and
-where Mooncake's native log lines go (docs/operating.md, "Native logs")."""
+"""Arguments the commands share: value types whose error names what was wrong;
+where the cluster is, resolved by the backend's own loader with the flags laid over it
+(docs/operating.md, "Where the cluster is"); where Mooncake's native log lines go
+(docs/operating.md, "Native logs")."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -14,6 +16,28 @@ from typing import Any
 
 from mooncake_span.errors import ConfigError
 from mooncake_span.mooncake_settings import MooncakeSettings, RankInfo, load_mooncake_settings
+from mooncake_span.units import parse_size_bytes
+
+
+def size_arg(text: str) -> int:
+    try:
+        return parse_size_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _int_at_least(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
+    return value
+
+
+positive_int_arg = functools.partial(_int_at_least, least=1)
+non_negative_int_arg = functools.partial(_int_at_least, least=0)
 
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from mooncake_span.ops import oracle
 from mooncake_span.ops import validate as V
-from mooncake_span.ops.arg_types import positive_int_arg
+from mooncake_span.ops.cli_common import positive_int_arg
 from mooncake_span.ops.validate_http import ServerRefused, ServerUnreachable, SglangHttp
 
 # Token ids whose text is read for the token pool; smaller spans are tried when

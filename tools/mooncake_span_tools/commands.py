@@ -17,9 +17,9 @@ import sys
 import warnings
 from dataclasses import dataclass
 
-from mooncake_span.ops.arg_types import positive_int_arg as _positive_int_arg
-from mooncake_span.ops.arg_types import size_arg as _size_arg
 from mooncake_span.ops.cli_common import add_native_log_arg, resolve_native_log
+from mooncake_span.ops.cli_common import positive_int_arg as _positive_int_arg
+from mooncake_span.ops.cli_common import size_arg as _size_arg
 from mooncake_span_tools.native_stderr import native_stderr_to
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_span.ops.arg_types import size_arg
+from mooncake_span.ops.cli_common import size_arg
 from mooncake_span_tools.lab.soak_report import OPS, analyse, format_table, write_outputs
 
 logger = logging.getLogger(__name__)
