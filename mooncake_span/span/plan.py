@@ -42,18 +42,19 @@ class PageLayout:
                 if not 0 <= slot < n or self.slot_bytes[slot] <= 0:
                     raise GeometryError(f"PageLayout slot {slot} is out of range or empty")
 
-    def page_bytes(self, component: int) -> int:
-        return sum(self.slot_bytes[b] for b in self.components[component])
-
     @cached_property
     def flat_page_bytes(self) -> int:
         """Bytes of one host page over all stored components (sglang's flat page)."""
-        return sum(self.page_bytes(c) for c in range(len(self.components)))
+        return sum(self.slot_bytes[b] for slots in self.components for b in slots)
 
     @cached_property
     def tables(self) -> tuple[_ComponentTable, ...]:
         """Per component, the numpy address model of its slots, built once."""
-        return tuple(_ComponentTable.of(self, slots) for slots in self.components)
+        base = np.asarray(self.base_ptrs, dtype=np.int64)[:, None]
+        stride = np.asarray(self.page_stride_bytes, dtype=np.int64)[:, None]
+        sizes = np.asarray(self.slot_bytes, dtype=np.int64)
+        picks = [list(slots) for slots in self.components]
+        return tuple(_ComponentTable(base[p], stride[p], sizes[p]) for p in picks)
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,6 @@ class _ComponentTable:
     base: np.ndarray  # (Bc, 1) int64
     stride: np.ndarray  # (Bc, 1) int64
     slot_sizes: np.ndarray  # (Bc,) int64
-
-    @classmethod
-    def of(cls, layout: PageLayout, slots: tuple[int, ...]) -> _ComponentTable:
-        pick = list(slots)
-        return cls(
-            np.asarray(layout.base_ptrs, dtype=np.int64)[pick, None],
-            np.asarray(layout.page_stride_bytes, dtype=np.int64)[pick, None],
-            np.asarray(layout.slot_bytes, dtype=np.int64)[pick],
-        )
 
     def rows(self, key_pages: np.ndarray) -> np.ndarray:
         """(n_keys, Bc*K) pointers in canonical slot-major, page-minor order."""
@@ -117,13 +109,6 @@ class PlanBatch:
 
     def __len__(self) -> int:
         return len(self.ptrs)
-
-    def __getitem__(self, index: int) -> ObjectPlan:
-        """Object ``index`` as an ``ObjectPlan``: a PlanBatch is also a sequence of them."""
-        plans = self.__dict__.get("_plans")
-        if plans is None:
-            plans = self.__dict__["_plans"] = self.plans()
-        return plans[index]
 
     @classmethod
     def from_plans(cls, plans: Sequence[ObjectPlan]) -> PlanBatch:
