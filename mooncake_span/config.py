@@ -19,8 +19,6 @@ from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
-SPAN_ENV_PREFIX = "MOONCAKE_SPAN_"
-
 # MOONCAKE_* variable -> key, as sglang 0.5.23's MooncakeStore reads them (load_from_env).
 ENV_KEYS = {
     "MOONCAKE_MASTER": "master_server_address",
@@ -246,7 +244,6 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_object_checksums": ("object_checksums", parse_bool),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
-assert set(_LIMITS) <= set(_SPAN_KEYS)
 
 
 def _is_our_key(key: str) -> bool:
@@ -265,7 +262,7 @@ def load_span_options(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key, (field_name, parse) in _SPAN_KEYS.items():
-        env_name = SPAN_ENV_PREFIX + key.removeprefix("span_").upper()
+        env_name = "MOONCAKE_SPAN_" + key.removeprefix("span_").upper()
         if key in extra and extra[key] is not None:
             raw, origin = extra[key], "extra_config"
         elif environ.get(env_name):

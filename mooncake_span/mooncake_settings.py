@@ -28,7 +28,6 @@ _DEFAULT_GLOBAL_SEGMENT = "4gb"
 _DEFAULT_PROTOCOL = "rdma"
 _DEFAULT_LOCAL_BUFFER_BYTES = 16 * 1024 * 1024
 DEFAULT_TENANT_ID = "default"
-DEFAULT_MASTER_METRICS_PORT = 9003
 
 KNOWN_PROTOCOLS = ("tcp", "rdma", "efa", "nvlink", "nvlink_intra", "cxl", "ascend", "hip", "barex")
 
@@ -199,7 +198,7 @@ class MooncakeSettings:
         if self.master_server_address.startswith("etcd://"):
             return None
         host = self.master_server_address.rpartition(":")[0]
-        return f"http://{host}:{self.master_metrics_port or DEFAULT_MASTER_METRICS_PORT}"
+        return f"http://{host}:{self.master_metrics_port or 9003}"
 
     def configured_admin_url(self) -> str | None:
         """``admin_url`` only when master_metrics_port was configured: never a guess."""

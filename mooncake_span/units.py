@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-__all__ = ["parse_size_bytes"]
-
 # Binary, "k", "kb" and "kib" alike: Mooncake's own config treats "1GB" as 1 << 30.
 _UNIT_BYTES = {"": 1, "b": 1} | {
     prefix + suffix: 1 << 10 * power

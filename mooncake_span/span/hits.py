@@ -17,7 +17,6 @@ from mooncake_span.span.geometry import KV_POOL
 ALL_PAGES = "all_pages"
 TRAILING_PAGES = "trailing_pages"
 BLOCK_GROUPS = "block_groups"
-HIT_POLICIES = (ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS)
 
 
 def leading_run(flags: Sequence[bool]) -> int:
@@ -39,7 +38,7 @@ class PoolHitQuery:
     group_pages: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in HIT_POLICIES:
+        if self.policy not in (ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS):
             raise InvalidRequestError(f"pool {self.name!r}: unsupported hit policy {self.policy!r}")
 
 

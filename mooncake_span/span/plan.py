@@ -42,10 +42,13 @@ class PageLayout:
                 if not 0 <= slot < n or self.slot_bytes[slot] <= 0:
                     raise GeometryError(f"PageLayout slot {slot} is out of range or empty")
 
+    def page_bytes(self, component: int) -> int:
+        return sum(self.slot_bytes[b] for b in self.components[component])
+
     @cached_property
     def flat_page_bytes(self) -> int:
         """Bytes of one host page over all stored components (sglang's flat page)."""
-        return sum(self.slot_bytes[b] for slots in self.components for b in slots)
+        return sum(self.page_bytes(c) for c in range(len(self.components)))
 
     @cached_property
     def tables(self) -> tuple[_ComponentTable, ...]:

@@ -301,6 +301,7 @@ def test_coalescing_invariants(case):
         slots = layout.components[index % n_comp]
         # Coalescing never changes how many bytes an object holds ...
         assert sum(plan.sizes) == k * sum(layout.slot_bytes[b] for b in slots)
+        assert sum(plan.sizes) == k * layout.page_bytes(index % n_comp)
         # ... never adds pointers, and never leaves an empty buffer.
         assert 1 <= len(plan.ptrs) <= k * len(slots)
         assert all(size > 0 for size in plan.sizes)
@@ -477,7 +478,7 @@ def test_zero_byte_slot_outside_components_is_allowed():
         components=((0,),),
         num_pages=1,
     )
-    assert layout.flat_page_bytes == 8
+    assert layout.page_bytes(0) == 8
 
 
 # ---------------------------------------------------------------------------
@@ -502,7 +503,7 @@ def test_from_flat_reads_the_same_object_bytes_as_the_host_pool(case):
     pool, key_pages = case
     k = len(key_pages[0])
     flat = naive_flat_tensor(pool, key_pages)
-    flat_page = pool.layout.flat_page_bytes
+    flat_page = sum(pool.layout.page_bytes(c) for c in range(len(pool.layout.components)))
     assert flat.nbytes == len(key_pages) * k * flat_page
     bases = [flat.ctypes.data + i * k * flat_page for i in range(len(key_pages))]
     plans = plan_objects_from_flat(pool.layout, bases, k)
