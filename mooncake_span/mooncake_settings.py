@@ -326,17 +326,6 @@ def _settings_from_mapping(
     )
 
 
-def _read_config_file(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            values = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {CONFIG_PATH_ENV}={path!r}: {exc}") from exc
-    if not isinstance(values, dict):
-        raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} must hold a JSON object")
-    return values
-
-
 def load_mooncake_settings(
     extra_config: Mapping[str, Any] | None,
     environ: Mapping[str, str] | None = None,
@@ -356,7 +345,14 @@ def load_mooncake_settings(
         return _settings_from_mapping(extra, environ, "extra_config", ranks)
     if CONFIG_PATH_ENV in environ:
         path = environ[CONFIG_PATH_ENV]
-        return _settings_from_mapping(_read_config_file(path), environ, f"file {path}", ranks)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                values = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {CONFIG_PATH_ENV}={path!r}: {exc}") from exc
+        if not isinstance(values, dict):
+            raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} must hold a JSON object")
+        return _settings_from_mapping(values, environ, f"file {path}", ranks)
     if not environ.get("MOONCAKE_MASTER") and not environ.get("MOONCAKE_CLIENT"):
         raise ConfigError(
             "no Mooncake master configured: set master_server_address in "

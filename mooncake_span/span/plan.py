@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import numpy as np
 
@@ -52,7 +52,6 @@ class PageLayout:
 
     @cached_property
     def tables(self) -> tuple[_ComponentTable, ...]:
-        """Per component, the numpy address model of its slots, built once."""
         base = np.asarray(self.base_ptrs, dtype=np.int64)[:, None]
         stride = np.asarray(self.page_stride_bytes, dtype=np.int64)[:, None]
         sizes = np.asarray(self.slot_bytes, dtype=np.int64)
@@ -62,8 +61,6 @@ class PageLayout:
 
 @dataclass(frozen=True)
 class _ComponentTable:
-    """One component's slots as arrays: ``ptr = base[b] + page * stride[b]``."""
-
     base: np.ndarray  # (Bc, 1) int64
     stride: np.ndarray  # (Bc, 1) int64
     slot_sizes: np.ndarray  # (Bc,) int64
@@ -216,14 +213,9 @@ def pages_of_slots(slots: np.ndarray, page_tokens: int) -> np.ndarray:
     return pages
 
 
-_ARANGES: dict[int, np.ndarray] = {}
-
-
+@cache
 def _arange(n: int) -> np.ndarray:
-    ramp = _ARANGES.get(n)
-    if ramp is None:
-        ramp = _ARANGES[n] = np.arange(n)
-    return ramp
+    return np.arange(n)
 
 
 def check_key_pages(layout: PageLayout, key_pages: np.ndarray) -> None:
