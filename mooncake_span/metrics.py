@@ -115,10 +115,10 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 class SpanMetrics:
     """The ``mooncake_span_*`` collectors of one registry. Use ``get_metrics()``."""
 
-    def __init__(self, registry: Any = None) -> None:
+    def __init__(self, registry: Any) -> None:
         import prometheus_client as prom
 
-        self.registry = registry if registry is not None else prom.REGISTRY
+        self.registry = registry
         self._collectors = {name: self._make(prom, name, *spec) for name, spec in FAMILIES.items()}
         # prometheus_client's labels() takes a lock and builds keys on every
         # call; the backend's hot path asks for the same few children again.

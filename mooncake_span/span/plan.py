@@ -271,14 +271,11 @@ def plan_objects_from_flat(
     offsets = flat_page_offsets(layout)
     flat_page = layout.flat_page_bytes
     plans = []
-    for base in base_ptrs:
+    for base in map(int, base_ptrs):
         for c, slots in enumerate(layout.components):
             ptrs = [base + j * flat_page + off for off in offsets[c] for j in range(pages_per_key)]
             sizes = [layout.slot_bytes[b] for b in slots for _ in range(pages_per_key)]
-            array = np.asarray(sizes, dtype=np.int64)
-            row_sizes = _RowSizes(array, sizes, int(array.sum()))
-            batch = _coalesce(np.asarray([ptrs], dtype=np.int64), row_sizes)
-            plans.append(ObjectPlan(batch.ptrs[0], batch.sizes[0]))
+            plans.append(ObjectPlan(*_merge(ptrs, sizes)))
     return plans
 
 
