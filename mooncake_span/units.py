@@ -33,8 +33,7 @@ def parse_size_bytes(value: str | int) -> int:
             f"got {type(value).__name__}"
         )
 
-    text = value.strip().lower()
-    match = _SIZE_RE.match(text)
+    match = _SIZE_RE.match(value.strip().lower())
     if match is None:
         raise ValueError(
             f"invalid size {value!r}: expected a non-negative number with an optional unit "
