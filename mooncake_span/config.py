@@ -274,29 +274,22 @@ def load_span_options(
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{key} ({origin}) is invalid: {raw!r} ({exc})") from exc
         sources[field_name] = origin
-    _apply_group_semantics(extra, values, sources)
+    # sglang's enable_group_semantics (eviction group ids), when set, sets
+    # span_group_ids; contradicting it is refused.
+    if extra.get("enable_group_semantics") is not None:
+        wanted = parse_sglang_flag(
+            extra["enable_group_semantics"], "enable_group_semantics", "extra_config"
+        )
+        if "group_ids" in values and values["group_ids"] != wanted:
+            raise ConfigError(
+                f"enable_group_semantics={wanted} contradicts span_group_ids={values['group_ids']} "
+                f"({sources['group_ids']}); set only one of them"
+            )
+        values["group_ids"] = wanted
+        sources["group_ids"] = "extra_config (enable_group_semantics)"
     strays = sorted(
         k for k in extra if not _is_our_key(k) and k not in FOREIGN_KEYS | MOONCAKE_KEYS
     )
     if strays:
         logger.warning("ignoring extra-config keys no component reads: %s", strays)
     return SpanOptions(**values, sources=sources)
-
-
-def _apply_group_semantics(
-    extra: Mapping[str, Any], values: dict[str, Any], sources: dict[str, str]
-) -> None:
-    """sglang's ``enable_group_semantics`` (eviction group ids), when set, sets
-    ``span_group_ids``; contradicting it is refused."""
-    if extra.get("enable_group_semantics") is None:
-        return
-    wanted = parse_sglang_flag(
-        extra["enable_group_semantics"], "enable_group_semantics", "extra_config"
-    )
-    if "group_ids" in values and values["group_ids"] != wanted:
-        raise ConfigError(
-            f"enable_group_semantics={wanted} contradicts span_group_ids={values['group_ids']} "
-            f"({sources['group_ids']}); set only one of them"
-        )
-    values["group_ids"] = wanted
-    sources["group_ids"] = "extra_config (enable_group_semantics)"
