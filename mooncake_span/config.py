@@ -19,8 +19,6 @@ from mooncake_span.units import parse_size_bytes
 
 logger = logging.getLogger(__name__)
 
-SPAN_ENV_PREFIX = "MOONCAKE_SPAN_"
-
 # MOONCAKE_* variable -> key, as sglang 0.5.23's MooncakeStore reads them (load_from_env).
 ENV_KEYS = {
     "MOONCAKE_MASTER": "master_server_address",
@@ -246,7 +244,6 @@ _SPAN_KEYS: dict[str, tuple[str, Any]] = {
     "span_object_checksums": ("object_checksums", parse_bool),
 }
 assert {f for f, _ in _SPAN_KEYS.values()} <= {f.name for f in fields(SpanOptions)}
-assert set(_LIMITS) <= set(_SPAN_KEYS)
 
 
 def _is_our_key(key: str) -> bool:
@@ -265,7 +262,7 @@ def load_span_options(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key, (field_name, parse) in _SPAN_KEYS.items():
-        env_name = SPAN_ENV_PREFIX + key.removeprefix("span_").upper()
+        env_name = "MOONCAKE_SPAN_" + key.removeprefix("span_").upper()
         if key in extra and extra[key] is not None:
             raw, origin = extra[key], "extra_config"
         elif environ.get(env_name):
@@ -277,29 +274,22 @@ def load_span_options(
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{key} ({origin}) is invalid: {raw!r} ({exc})") from exc
         sources[field_name] = origin
-    _apply_group_semantics(extra, values, sources)
+    # sglang's enable_group_semantics (eviction group ids), when set, sets
+    # span_group_ids; contradicting it is refused.
+    if extra.get("enable_group_semantics") is not None:
+        wanted = parse_sglang_flag(
+            extra["enable_group_semantics"], "enable_group_semantics", "extra_config"
+        )
+        if "group_ids" in values and values["group_ids"] != wanted:
+            raise ConfigError(
+                f"enable_group_semantics={wanted} contradicts span_group_ids={values['group_ids']} "
+                f"({sources['group_ids']}); set only one of them"
+            )
+        values["group_ids"] = wanted
+        sources["group_ids"] = "extra_config (enable_group_semantics)"
     strays = sorted(
         k for k in extra if not _is_our_key(k) and k not in FOREIGN_KEYS | MOONCAKE_KEYS
     )
     if strays:
         logger.warning("ignoring extra-config keys no component reads: %s", strays)
     return SpanOptions(**values, sources=sources)
-
-
-def _apply_group_semantics(
-    extra: Mapping[str, Any], values: dict[str, Any], sources: dict[str, str]
-) -> None:
-    """sglang's ``enable_group_semantics`` (eviction group ids), when set, sets
-    ``span_group_ids``; contradicting it is refused."""
-    if extra.get("enable_group_semantics") is None:
-        return
-    wanted = parse_sglang_flag(
-        extra["enable_group_semantics"], "enable_group_semantics", "extra_config"
-    )
-    if "group_ids" in values and values["group_ids"] != wanted:
-        raise ConfigError(
-            f"enable_group_semantics={wanted} contradicts span_group_ids={values['group_ids']} "
-            f"({sources['group_ids']}); set only one of them"
-        )
-    values["group_ids"] = wanted
-    sources["group_ids"] = "extra_config (enable_group_semantics)"

@@ -92,8 +92,6 @@ class ErrorCode(enum.IntEnum):
     SEAL_MISMATCH = -30801
 
 
-# Every classification of a native return code lives below, once.
-
 # Codes that mean "the cluster (master, network, a peer) did not answer", as
 # opposed to "this object is missing" or "this request was wrong".
 TRANSPORT_CODES = frozenset(

@@ -13,8 +13,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-PREFIX = "mooncake_span"
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # 0.5 ms .. 60 s: a local memcpy-speed hit up to a call stuck behind a partition.
 DURATION_BUCKETS_S = (
     0.0005,
@@ -34,7 +32,6 @@ DURATION_BUCKETS_S = (
     30.0,
     60.0,
 )
-BREAKER_STATE_VALUES = {"closed": 0, "open": 1}
 
 # name (without prefix) -> (kind, help, labels)
 FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -118,17 +115,17 @@ FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 class SpanMetrics:
     """The ``mooncake_span_*`` collectors of one registry. Use ``get_metrics()``."""
 
-    def __init__(self, registry: Any = None) -> None:
+    def __init__(self, registry: Any) -> None:
         import prometheus_client as prom
 
-        self.registry = registry if registry is not None else prom.REGISTRY
+        self.registry = registry
         self._collectors = {name: self._make(prom, name, *spec) for name, spec in FAMILIES.items()}
         # prometheus_client's labels() takes a lock and builds keys on every
         # call; the backend's hot path asks for the same few children again.
         self._children: dict[tuple[str, ...], Any] = {}
 
     def _make(self, prom: Any, name: str, kind: str, help_text: str, labels: tuple[str, ...]):
-        full = f"{PREFIX}_{name}"
+        full = f"mooncake_span_{name}"
         existing = getattr(self.registry, "_names_to_collectors", {}).get(full)
         if existing is not None:
             # Created before by another SpanMetrics (or a reloaded module).
@@ -162,7 +159,6 @@ class SpanMetrics:
         pages: int,
         moved_bytes: int,
     ) -> None:
-        """What one pool's part of a get or set moved."""
         # Explicit, not through add(): this runs on every call (add() costs 1 us more).
         if ok_keys:
             self._child("keys_total", operation, pool, "ok").inc(ok_keys)
@@ -193,7 +189,7 @@ class SpanMetrics:
             (self._child(family, *labels) if labels else self._collectors[family]).inc(count)
 
     def set_breaker_state(self, state: str) -> None:
-        self._collectors["breaker_state"].set(BREAKER_STATE_VALUES.get(state, 1))
+        self._collectors["breaker_state"].set(0 if state == "closed" else 1)
 
 
 _lock = threading.Lock()
@@ -221,7 +217,7 @@ def exposition_registry() -> Any:
     ``PROMETHEUS_MULTIPROC_DIR`` is set, the process' own registry otherwise."""
     import prometheus_client as prom
 
-    directory = os.environ.get(MULTIPROC_ENV)
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not directory:
         return prom.REGISTRY
     from prometheus_client import multiprocess
@@ -279,6 +275,5 @@ class ClientStatsSync:
                 else:
                     self._metrics.add(_BY_LABEL[key], delta, label)
         self._metrics.set_breaker_state(state)
-        # A storage node (segment) the client marked bad after a failed transfer.
         for segment in newly_bad:
             self._metrics.add("node_failures_total", 1, segment)

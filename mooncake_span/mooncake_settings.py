@@ -28,14 +28,8 @@ _DEFAULT_GLOBAL_SEGMENT = "4gb"
 _DEFAULT_PROTOCOL = "rdma"
 _DEFAULT_LOCAL_BUFFER_BYTES = 16 * 1024 * 1024
 DEFAULT_TENANT_ID = "default"
-DEFAULT_MASTER_METRICS_PORT = 9003
 
 KNOWN_PROTOCOLS = ("tcp", "rdma", "efa", "nvlink", "nvlink_intra", "cxl", "ascend", "hip", "barex")
-
-
-# Mooncake separates several etcd endpoints with ';' (etcd://h1:p1;h2:p2).
-def _etcd_endpoints(text: str) -> list[str]:
-    return text.split(";")
 
 
 def validate_master_address(value: str) -> str:
@@ -45,7 +39,8 @@ def validate_master_address(value: str) -> str:
             f"invalid master address (master_server_address) {value!r}: expected HOST:PORT"
         )
     if value.startswith("etcd://"):
-        for endpoint in _etcd_endpoints(value[len("etcd://") :]):
+        # Mooncake separates several etcd endpoints with ';' (etcd://h1:p1;h2:p2).
+        for endpoint in value[len("etcd://") :].split(";"):
             check_host_port(endpoint, "master address (etcd endpoint)")
         return value
     if "://" in value:
@@ -70,14 +65,14 @@ def validate_metadata_server(value: str) -> str:
     scheme, sep, rest = value.partition("://")
     if not sep:
         # No scheme means etcd to Mooncake.
-        for endpoint in _etcd_endpoints(value):
+        for endpoint in value.split(";"):
             check_host_port(endpoint, "metadata server (bare etcd endpoint)")
         return value
     if scheme in ("http", "https"):
         check_host_port(rest.split("/", 1)[0], "metadata server (metadata_server)")
         return value
     if scheme == "etcd":
-        for endpoint in _etcd_endpoints(rest.split("/", 1)[0]):
+        for endpoint in rest.split("/", 1)[0].split(";"):
             check_host_port(endpoint, "metadata server (etcd endpoint)")
         return value
     raise ConfigError(
@@ -189,12 +184,12 @@ class MooncakeSettings:
         """host:port of every etcd endpoint setup would contact (master and metadata)."""
         endpoints: list[str] = []
         if self.master_server_address.startswith("etcd://"):
-            endpoints += _etcd_endpoints(self.master_server_address[len("etcd://") :])
+            endpoints += self.master_server_address[len("etcd://") :].split(";")
         md = self.metadata_server
         if md.startswith("etcd://"):
-            endpoints += _etcd_endpoints(md[len("etcd://") :].split("/", 1)[0])
+            endpoints += md[len("etcd://") :].split("/", 1)[0].split(";")
         elif md != "P2PHANDSHAKE" and "://" not in md:
-            endpoints += _etcd_endpoints(md)
+            endpoints += md.split(";")
         return endpoints
 
     def admin_url(self) -> str | None:
@@ -203,7 +198,7 @@ class MooncakeSettings:
         if self.master_server_address.startswith("etcd://"):
             return None
         host = self.master_server_address.rpartition(":")[0]
-        return f"http://{host}:{self.master_metrics_port or DEFAULT_MASTER_METRICS_PORT}"
+        return f"http://{host}:{self.master_metrics_port or 9003}"
 
     def configured_admin_url(self) -> str | None:
         """``admin_url`` only when master_metrics_port was configured: never a guess."""
@@ -215,15 +210,6 @@ def _size(value: Any, key: str) -> int:
         return parse_size_bytes(value)
     except ValueError as exc:
         raise ConfigError(f"{key}: {exc}") from exc
-
-
-def _resolve_local_hostname(environ: Mapping[str, str], source: Mapping[str, Any]) -> str:
-    # Process environment first: a shared extra-config must not pin every host
-    # to the same name (same rule as upstream MooncakeStore).
-    for name in ("MOONCAKE_LOCAL_HOSTNAME", "LOCAL_HOSTNAME"):
-        if environ.get(name):
-            return environ[name]
-    return str(source.get("local_hostname") or _DEFAULT_LOCAL_HOSTNAME)
 
 
 def _port(value: Any, source: str) -> int | None:
@@ -316,10 +302,13 @@ def _settings_from_mapping(
             "reaches Mooncake as with sglang's MooncakeStore, and nothing is offloaded",
             source,
         )
+    # Process environment first: a shared extra-config must not pin every host
+    # to the same name (same rule as upstream MooncakeStore).
+    hostname = environ.get("MOONCAKE_LOCAL_HOSTNAME") or environ.get("LOCAL_HOSTNAME")
     return MooncakeSettings(
         master_server_address=text("master_server_address"),
         metadata_server=text("metadata_server", _DEFAULT_METADATA_SERVER),
-        local_hostname=_resolve_local_hostname(environ, values),
+        local_hostname=hostname or str(values.get("local_hostname") or _DEFAULT_LOCAL_HOSTNAME),
         # Per server: every rank of a tp x pp server contributes its share.
         global_segment_size_bytes=segment_bytes // (ranks.ranks_per_server if ranks else 1),
         local_buffer_size_bytes=_size(
@@ -335,17 +324,6 @@ def _settings_from_mapping(
         master_metrics_port=_port(values.get("master_metrics_port"), source),
         source=source,
     )
-
-
-def _read_config_file(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            values = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {CONFIG_PATH_ENV}={path!r}: {exc}") from exc
-    if not isinstance(values, dict):
-        raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} must hold a JSON object")
-    return values
 
 
 def load_mooncake_settings(
@@ -367,7 +345,14 @@ def load_mooncake_settings(
         return _settings_from_mapping(extra, environ, "extra_config", ranks)
     if CONFIG_PATH_ENV in environ:
         path = environ[CONFIG_PATH_ENV]
-        return _settings_from_mapping(_read_config_file(path), environ, f"file {path}", ranks)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                values = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read {CONFIG_PATH_ENV}={path!r}: {exc}") from exc
+        if not isinstance(values, dict):
+            raise ConfigError(f"{CONFIG_PATH_ENV}={path!r} must hold a JSON object")
+        return _settings_from_mapping(values, environ, f"file {path}", ranks)
     if not environ.get("MOONCAKE_MASTER") and not environ.get("MOONCAKE_CLIENT"):
         raise ConfigError(
             "no Mooncake master configured: set master_server_address in "

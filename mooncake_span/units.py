@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-__all__ = ["parse_size_bytes"]
-
 # Binary, "k", "kb" and "kib" alike: Mooncake's own config treats "1GB" as 1 << 30.
 _UNIT_BYTES = {"": 1, "b": 1} | {
     prefix + suffix: 1 << 10 * power
@@ -35,8 +33,7 @@ def parse_size_bytes(value: str | int) -> int:
             f"got {type(value).__name__}"
         )
 
-    text = value.strip().lower()
-    match = _SIZE_RE.match(text)
+    match = _SIZE_RE.match(value.strip().lower())
     if match is None:
         raise ValueError(
             f"invalid size {value!r}: expected a non-negative number with an optional unit "

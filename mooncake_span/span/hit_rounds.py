@@ -37,13 +37,6 @@ class ProbePolicy:
         if self.growth < 0:
             raise ValueError(f"probe growth must be >= 0 (0: equal chunks), got {self.growth}")
 
-    def _size(self, index: int, start: int, total_keys: int, rounds_left: int) -> int:
-        if index == 0:
-            return self.first_chunk_keys
-        if self.growth:
-            return self.first_chunk_keys * self.growth**index
-        return -(-(total_keys - start) // rounds_left)  # ceil: the rest, evenly
-
     def chunks(self, total_keys: int, max_rounds: int) -> list[tuple[int, int]]:
         """``[start, end)`` key ranges of the KV rounds, covering ``0..total_keys``."""
         if max_rounds < 1:
@@ -52,7 +45,12 @@ class ProbePolicy:
         start = 0
         while start < total_keys:
             rounds_left = max_rounds - len(out)
-            size = self._size(len(out), start, total_keys, rounds_left)
+            if not out:
+                size = self.first_chunk_keys
+            elif self.growth:
+                size = self.first_chunk_keys * self.growth ** len(out)
+            else:
+                size = -(-(total_keys - start) // rounds_left)  # ceil: the rest, evenly
             end = total_keys if rounds_left == 1 else min(total_keys, start + size)
             out.append((start, end))
             start = end
@@ -75,9 +73,8 @@ class ProbeTally:
     objects: int = 0
 
     def add(self, objects: int, rpcs: int = 1) -> None:
-        """A round naming ``objects`` objects, sent in ``rpcs`` native RPCs (the
-        store client splits long queries and may ask where suspect copies are).
-        A round naming none sends nothing."""
+        """A round sent in ``rpcs`` native RPCs (the store client splits long queries
+        and may ask where suspect copies are); a round naming no objects sends nothing."""
         if objects:
             self.rpcs += rpcs
             self.objects += objects

@@ -8,15 +8,15 @@ docs/architecture.md, "Hit queries".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 
 from mooncake_span.errors import InvalidRequestError
+from mooncake_span.span.geometry import KV_POOL
 
 ALL_PAGES = "all_pages"
 TRAILING_PAGES = "trailing_pages"
 BLOCK_GROUPS = "block_groups"
-HIT_POLICIES = (ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS)
 
 
 def leading_run(flags: Sequence[bool]) -> int:
@@ -38,15 +38,15 @@ class PoolHitQuery:
     group_pages: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in HIT_POLICIES:
+        if self.policy not in (ALL_PAGES, TRAILING_PAGES, BLOCK_GROUPS):
             raise InvalidRequestError(f"pool {self.name!r}: unsupported hit policy {self.policy!r}")
 
 
 @dataclass(frozen=True)
 class HitResult:
     kv_hit_pages: int
-    pool_hit_pages: dict[str, int] = field(default_factory=dict)
-    restorable_prefix_pages: list[int] = field(default_factory=list)
+    pool_hit_pages: dict[str, int]
+    restorable_prefix_pages: list[int]
 
 
 def trailing_restorable(page_exists: Sequence[bool], window_pages: int) -> list[int]:
@@ -83,8 +83,8 @@ def block_group_pages(page_exists: Sequence[bool], block_pages: int, group_pages
     return covered
 
 
-def compute_hits(kv_pages: int, pools: Sequence[PoolHitQuery], kv_name: str = "kv") -> HitResult:
-    hits: dict[str, int] = {kv_name: kv_pages} if kv_pages else {}
+def compute_hits(kv_pages: int, pools: Sequence[PoolHitQuery]) -> HitResult:
+    hits: dict[str, int] = {KV_POOL: kv_pages} if kv_pages else {}
     restorable = list(range(1, kv_pages + 1))
     for pool in pools:
         if not restorable:

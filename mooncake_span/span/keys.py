@@ -83,9 +83,6 @@ class RankTags:
         cp = f"_cp{attn_cp_rank}" if attn_cp_size > 1 else ""
         return cls(replicated=replicated, sharded=f"{tp_rank}{pp}{cp}")
 
-    def for_scope(self, scope: RankScope) -> str:
-        return self.replicated if scope is RankScope.REPLICATED else self.sharded
-
 
 @dataclass(frozen=True)
 class ComponentSpec:
@@ -124,7 +121,9 @@ class KeySchema:
         return "_".join(parts)
 
     def suffix(self, component: ComponentSpec) -> str:
-        return f"_{self.ranks.for_scope(component.scope)}_{component.name}"
+        ranks = self.ranks
+        rank = ranks.replicated if component.scope is RankScope.REPLICATED else ranks.sharded
+        return f"_{rank}_{component.name}"
 
     def object_keys(self, page_keys: list[str], components: tuple[ComponentSpec, ...]) -> list[str]:
         """Key-major, component-minor: ``[k0c0, k0c1, k1c0, ...]``."""

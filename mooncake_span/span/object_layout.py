@@ -18,9 +18,7 @@ from mooncake_span.span.geometry import PoolKind
 from mooncake_span.span.keys import _LAYOUT_CODES as LAYOUT_CODES
 from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, RankTags, sanitize_token
 
-KEY_GRAMMAR = "{key_prefix}_{page_key}_{rank}_{component}"
 PREFIX_GRAMMAR = f"{KEY_SCHEMA_VERSION}[_{{tag}}]_{{model}}_h{{host_page_tokens}}x{{pages_per_span}}_{{layout_code}}_{{kv_dtype}}"  # noqa: E501
-LAYOUT_VERSION = 1
 # Pools whose hit is decided by their last pages only (sglang's default windows).
 _TRAILING_PAGES = {"mamba": 1}
 _GEOMETRY_TOKEN = re.compile(r"h([0-9]+)x([0-9]+)")
@@ -158,7 +156,7 @@ def describe_object_layout(
             "pp_size": pp_size,
         },
         "span": {
-            "layout_version": LAYOUT_VERSION,
+            "layout_version": 1,
             "source": source,
             "namespace": facts.key_prefix,
             "model": facts.model,
@@ -169,7 +167,7 @@ def describe_object_layout(
             "host_layout": facts.layout,
             "kv_dtype": facts.kv_dtype,
             "key_schema_version": KEY_SCHEMA_VERSION,
-            "key_grammar": KEY_GRAMMAR,
+            "key_grammar": "{key_prefix}_{page_key}_{rank}_{component}",
             "key_prefix_grammar": PREFIX_GRAMMAR,
             "rank_suffixes": (
                 None

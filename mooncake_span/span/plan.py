@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import numpy as np
 
@@ -52,26 +52,18 @@ class PageLayout:
 
     @cached_property
     def tables(self) -> tuple[_ComponentTable, ...]:
-        """Per component, the numpy address model of its slots, built once."""
-        return tuple(_ComponentTable.of(self, slots) for slots in self.components)
+        base = np.asarray(self.base_ptrs, dtype=np.int64)[:, None]
+        stride = np.asarray(self.page_stride_bytes, dtype=np.int64)[:, None]
+        sizes = np.asarray(self.slot_bytes, dtype=np.int64)
+        picks = [list(slots) for slots in self.components]
+        return tuple(_ComponentTable(base[p], stride[p], sizes[p]) for p in picks)
 
 
 @dataclass(frozen=True)
 class _ComponentTable:
-    """One component's slots as arrays: ``ptr = base[b] + page * stride[b]``."""
-
     base: np.ndarray  # (Bc, 1) int64
     stride: np.ndarray  # (Bc, 1) int64
     slot_sizes: np.ndarray  # (Bc,) int64
-
-    @classmethod
-    def of(cls, layout: PageLayout, slots: tuple[int, ...]) -> _ComponentTable:
-        pick = list(slots)
-        return cls(
-            np.asarray(layout.base_ptrs, dtype=np.int64)[pick, None],
-            np.asarray(layout.page_stride_bytes, dtype=np.int64)[pick, None],
-            np.asarray(layout.slot_bytes, dtype=np.int64)[pick],
-        )
 
     def rows(self, key_pages: np.ndarray) -> np.ndarray:
         """(n_keys, Bc*K) pointers in canonical slot-major, page-minor order."""
@@ -117,13 +109,6 @@ class PlanBatch:
 
     def __len__(self) -> int:
         return len(self.ptrs)
-
-    def __getitem__(self, index: int) -> ObjectPlan:
-        """Object ``index`` as an ``ObjectPlan``: a PlanBatch is also a sequence of them."""
-        plans = self.__dict__.get("_plans")
-        if plans is None:
-            plans = self.__dict__["_plans"] = self.plans()
-        return plans[index]
 
     @classmethod
     def from_plans(cls, plans: Sequence[ObjectPlan]) -> PlanBatch:
@@ -228,14 +213,9 @@ def pages_of_slots(slots: np.ndarray, page_tokens: int) -> np.ndarray:
     return pages
 
 
-_ARANGES: dict[int, np.ndarray] = {}
-
-
+@cache
 def _arange(n: int) -> np.ndarray:
-    ramp = _ARANGES.get(n)
-    if ramp is None:
-        ramp = _ARANGES[n] = np.arange(n)
-    return ramp
+    return np.arange(n)
 
 
 def check_key_pages(layout: PageLayout, key_pages: np.ndarray) -> None:
@@ -291,14 +271,11 @@ def plan_objects_from_flat(
     offsets = flat_page_offsets(layout)
     flat_page = layout.flat_page_bytes
     plans = []
-    for base in base_ptrs:
+    for base in map(int, base_ptrs):
         for c, slots in enumerate(layout.components):
             ptrs = [base + j * flat_page + off for off in offsets[c] for j in range(pages_per_key)]
             sizes = [layout.slot_bytes[b] for b in slots for _ in range(pages_per_key)]
-            array = np.asarray(sizes, dtype=np.int64)
-            row_sizes = _RowSizes(array, sizes, int(array.sum()))
-            batch = _coalesce(np.asarray([ptrs], dtype=np.int64), row_sizes)
-            plans.append(ObjectPlan(batch.ptrs[0], batch.sizes[0]))
+            plans.append(ObjectPlan(*_merge(ptrs, sizes)))
     return plans
 
 

@@ -156,11 +156,6 @@ def test_pools_after_an_empty_restorable_set_get_no_verdict():
     )
 
 
-def test_custom_kv_name():
-    result = compute_hits(2, [], kv_name="anchor")
-    assert result.pool_hit_pages == {"anchor": 2}
-
-
 def test_unknown_policy_is_rejected_with_the_pool_name():
     with pytest.raises(InvalidRequestError, match="'mamba'.*'sometimes'"):
         PoolHitQuery("mamba", "sometimes", [True])
