@@ -113,11 +113,10 @@ def check_or_publish(
             raise LayoutConflictError(f"layout guard: {key} exists but cannot be read back")
     theirs = GeometryRecord.from_json(published)
     diffs = record.differences(theirs)
-    if (
-        diffs
-        and page_open
-        and replace(theirs, storage_page_tokens=record.storage_page_tokens) == (record)
-    ):
+    if not diffs:
+        logger.info("mooncake-span layout guard: geometry matches the published record %s", key)
+        return "matched"
+    if page_open and replace(theirs, storage_page_tokens=record.storage_page_tokens) == record:
         logger.info(
             "mooncake-span layout guard: %s holds a %d-token storage page; this node's page "
             "(%d tokens so far) is checked again once the build hands it",
@@ -126,17 +125,14 @@ def check_or_publish(
             record.storage_page_tokens,
         )
         return "deferred"
-    if diffs:
-        raise LayoutConflictError(
-            f"layout guard: this node's span geometry conflicts with the one published for "
-            f"namespace {key}:\n  "
-            + "\n  ".join(diffs)
-            + "\nUse another model name or extra_backend_tag for this deployment, or make the "
-            "nodes agree (same host page, storage_page_size, layout, dtype, model shape and "
-            "span_object_checksums)."
-        )
-    logger.info("mooncake-span layout guard: geometry matches the published record %s", key)
-    return "matched"
+    raise LayoutConflictError(
+        f"layout guard: this node's span geometry conflicts with the one published for "
+        f"namespace {key}:\n  "
+        + "\n  ".join(diffs)
+        + "\nUse another model name or extra_backend_tag for this deployment, or make the "
+        "nodes agree (same host page, storage_page_size, layout, dtype, model shape and "
+        "span_object_checksums)."
+    )
 
 
 def check_layout_guard(
@@ -188,10 +184,23 @@ def recheck_layout_guard(
 def _registry(
     mode: str, options: SpanOptions, client: MooncakeClient, arena: StagingArena
 ) -> tuple[Callable[[str], str | None], Callable[[str, str], bool], Callable[[str], object]]:
-    """read, create-if-absent and remove for the guard's record store."""
+    """read, create-if-absent and remove for the guard's record store (etcd through
+    ``etcd3gw``, its HTTP gateway)."""
     if mode == "etcd":
-        registry = EtcdRegistry(options.layout_guard_etcd)
-        return registry.read, registry.create, registry.delete
+        try:
+            import etcd3gw
+        except ImportError as exc:
+            raise LayoutConflictError(
+                "span_layout_guard='etcd' needs etcd3gw: pip install 'mooncake-span[etcd]'"
+            ) from exc
+        host, _, port = options.layout_guard_etcd.rpartition(":")
+        etcd: Any = etcd3gw.client(host=host, port=int(port), timeout=5.0)
+
+        def read_etcd(k: str) -> str | None:
+            values = etcd.get(k)
+            return values[0].decode() if values else None
+
+        return read_etcd, lambda k, v: bool(etcd.create(k, v)), etcd.delete
 
     def read(k: str) -> str | None:
         blob = read_blob(client, arena, k)
@@ -202,27 +211,3 @@ def _registry(
         lambda k, v: create_blob(client, arena, k, v.encode()),
         lambda k: client.remove([k]),
     )
-
-
-class EtcdRegistry:
-    """create-if-absent and read on etcd through ``etcd3gw`` (HTTP gateway)."""
-
-    def __init__(self, endpoint: str, timeout_s: float = 5.0) -> None:
-        try:
-            import etcd3gw
-        except ImportError as exc:
-            raise LayoutConflictError(
-                "span_layout_guard='etcd' needs etcd3gw: pip install 'mooncake-span[etcd]'"
-            ) from exc
-        host, _, port = endpoint.rpartition(":")
-        self._client: Any = etcd3gw.client(host=host, port=int(port), timeout=timeout_s)
-
-    def read(self, key: str) -> str | None:
-        values = self._client.get(key)
-        return values[0].decode() if values else None
-
-    def create(self, key: str, value: str) -> bool:
-        return bool(self._client.create(key, value))
-
-    def delete(self, key: str) -> bool:
-        return bool(self._client.delete(key))
