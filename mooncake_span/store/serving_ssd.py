@@ -50,9 +50,6 @@ OWNER_DOWN_LABEL = "SSD_OWNER_DOWN"
 ListDiskOwners = Callable[[str, Sequence[str]], dict[str, set[str]] | None]
 # A call's native codes, given its object keys and their buffers.
 GetCall = Callable[[list[str], PlanBatch], list[int]]
-# The master's replica descriptions of objects (None: no answer), even while the
-# breaker is open with past_breaker=True (``MooncakeClient.replica_desc``).
-ReplicaDesc = Callable[..., Any]
 
 
 def disk_only(found: Mapping[str, Sequence[Any]] | None) -> set[str]:
@@ -222,7 +219,7 @@ class ServingSsd:
         self.read_rpcs = max(self.read_rpcs, cumulative)
 
     def owners_down(
-        self, object_keys: Sequence[str], codes: Sequence[int], replica_desc: ReplicaDesc
+        self, object_keys: Sequence[str], codes: Sequence[int], replica_desc: Callable[..., Any]
     ) -> list[str]:
         """Reads that failed at the RPC layer (a dead master, or a dead owner): if the
         master answers and the objects had only disk replicas, their owner is down; the
