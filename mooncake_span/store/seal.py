@@ -83,20 +83,15 @@ def _with_trailers(batch: PlanBatch, base_ptr: int) -> PlanBatch:
 class TrailerArena:
     """Registered slots for the trailers of the calls in flight, and the seal itself."""
 
-    def __init__(
-        self,
-        register: Callable[[int, int], None],
-        timeout_s: float,
-        size_bytes: int = DEFAULT_ARENA_BYTES,
-    ) -> None:
+    def __init__(self, register: Callable[[int, int], None], timeout_s: float) -> None:
         if xxhash is None:
             raise InvalidRequestError(
                 "span_object_checksums needs the xxhash package: pip install xxhash "
                 "(or mooncake-span[cpu] / [cuda], which include it)"
             )
-        self._arena = StagingArena(size_bytes, register, timeout_s)
+        self._arena = StagingArena(DEFAULT_ARENA_BYTES, register, timeout_s)
         self._base = self._arena.base_ptr
-        self._end = self._base + size_bytes
+        self._end = self._base + DEFAULT_ARENA_BYTES
 
     @contextmanager
     def _with_slots(self, keys: Sequence[str], batch: PlanBatch, put: bool) -> Iterator[PlanBatch]:

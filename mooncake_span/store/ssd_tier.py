@@ -328,7 +328,7 @@ def wait_offloads_written(
     *,
     stamp: Callable[[], int] | None = None,
     clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> bool:
     """Before a graceful stop unmounts the disk segment (the master refuses a disk replica
     registered after it): wait until what this process holds unwritten is on disk and
@@ -340,14 +340,13 @@ def wait_offloads_written(
     left. Why: docs/reliability.md, "What a graceful restart keeps".
     """
     stamp = stamp or (lambda: os.stat(directory).st_mtime_ns)
-    sleep = sleep or (lambda: time.sleep(_QUIET_POLL_S))
     started_s = quiet_since_s = clock()
     try:
         last = stamp()
         while clock() - quiet_since_s < quiet_s:
             if clock() - started_s >= limit_s:
                 return False
-            sleep()
+            sleep(_QUIET_POLL_S)
             current = stamp()
             if current != last:
                 last, quiet_since_s = current, clock()
