@@ -16,14 +16,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from mooncake_span.errors import InvalidRequestError, MooncakeSpanError
 from mooncake_span.span.byte_budget import align_up, largest_gap
-from mooncake_span.span.plan import ObjectPlan
-
-if TYPE_CHECKING:  # the client's seals (seal.py) live in an arena: a runtime import is a cycle
-    from mooncake_span.store.client import MooncakeClient
 
 logger = logging.getLogger(__name__)
 
@@ -90,25 +85,3 @@ class StagingArena:
             with self._cond:
                 del self._leased[granted.offset]
                 self._cond.notify_all()
-
-
-def create_blob(client: MooncakeClient, arena: StagingArena, key: str, data: bytes) -> bool:
-    """Store ``data`` under ``key`` unless the key exists; True if this call wrote it."""
-    if client.exists([key])[0]:
-        return False
-    with arena.lease(len(data), len(data)) as lease:
-        ctypes.memmove(lease.ptr, data, len(data))
-        plan = ObjectPlan([lease.ptr], [len(data)])
-        # Unsealed: a blob is read by its size, by any node whatever its options.
-        return client.put([key], [plan], hard_pin=True, sealed=False)[0]
-
-
-def read_blob(client: MooncakeClient, arena: StagingArena, key: str) -> bytes | None:
-    """The bytes stored under ``key``, or None when it cannot be read."""
-    size = client.size_of(key)
-    if size <= 0:
-        return None
-    with arena.lease(size, size) as lease:
-        if not client.get([key], [ObjectPlan([lease.ptr], [size])], sealed=False)[0]:
-            return None
-        return ctypes.string_at(lease.ptr, size)

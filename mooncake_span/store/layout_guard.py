@@ -7,6 +7,8 @@ printing both sides. Why and the record: docs/span-format.md, "The layout guard'
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -15,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from mooncake_span.errors import LayoutConflictError
 from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, sanitize_token
-from mooncake_span.store.arena import StagingArena, create_blob, read_blob
+from mooncake_span.span.plan import ObjectPlan
+from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.seal import PLAIN_FORMAT, SEAL_FORMAT
 
 if TYPE_CHECKING:
@@ -181,6 +184,30 @@ def recheck_layout_guard(
     return check_layout_guard(options, schema, record, client, arena, previous=previous)
 
 
+def create_text(client: MooncakeClient, arena: StagingArena, key: str, text: str) -> bool:
+    """Store ``text`` under ``key`` through the staging ``arena`` unless the key exists;
+    True if this call wrote it."""
+    data = text.encode()
+    if client.exists([key])[0]:
+        return False
+    with arena.lease(len(data), len(data)) as lease:
+        ctypes.memmove(lease.ptr, data, len(data))
+        plan = ObjectPlan([lease.ptr], [len(data)])
+        # Unsealed: a record is read by its size, by any node whatever its options.
+        return client.put([key], [plan], hard_pin=True, sealed=False)[0]
+
+
+def read_text(client: MooncakeClient, arena: StagingArena, key: str) -> str | None:
+    """The text stored under ``key``, or None when it cannot be read."""
+    size = client.size_of(key)
+    if size <= 0:
+        return None
+    with arena.lease(size, size) as lease:
+        if not client.get([key], [ObjectPlan([lease.ptr], [size])], sealed=False)[0]:
+            return None
+        return ctypes.string_at(lease.ptr, size).decode()
+
+
 def _registry(
     mode: str, options: SpanOptions, client: MooncakeClient, arena: StagingArena
 ) -> tuple[Callable[[str], str | None], Callable[[str, str], bool], Callable[[str], object]]:
@@ -201,13 +228,8 @@ def _registry(
             return values[0].decode() if values else None
 
         return read_etcd, lambda k, v: bool(etcd.create(k, v)), etcd.delete
-
-    def read(k: str) -> str | None:
-        blob = read_blob(client, arena, k)
-        return None if blob is None else blob.decode()
-
     return (
-        read,
-        lambda k, v: create_blob(client, arena, k, v.encode()),
+        functools.partial(read_text, client, arena),
+        functools.partial(create_text, client, arena),
         lambda k: client.remove([k]),
     )
