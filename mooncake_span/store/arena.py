@@ -40,8 +40,6 @@ class StagingArena:
     def __init__(
         self, size_bytes: int, register: Callable[[int, int], None], timeout_s: float
     ) -> None:
-        if size_bytes <= 0:
-            raise InvalidRequestError(f"staging arena must be > 0 bytes, got {size_bytes}")
         # mmap: page-aligned (what NIC registration pins) and committed on first touch.
         self.memory = memoryview(mmap.mmap(-1, size_bytes))
         self.base_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
