@@ -105,15 +105,13 @@ def check_or_publish(
     record that differs only there is "deferred" (checked again once it is fixed).
     """
     ours = record.to_json()
-    if create(key, ours):
-        published = read(key)
-        if published is None or published == ours:
-            logger.info("mooncake-span layout guard: published geometry under %s", key)
-            return "published"
-    else:
-        published = read(key)
-        if published is None:
-            raise LayoutConflictError(f"layout guard: {key} exists but cannot be read back")
+    created = create(key, ours)
+    published = read(key)
+    if created and published in (None, ours):
+        logger.info("mooncake-span layout guard: published geometry under %s", key)
+        return "published"
+    if published is None:
+        raise LayoutConflictError(f"layout guard: {key} exists but cannot be read back")
     theirs = GeometryRecord.from_json(published)
     diffs = record.differences(theirs)
     if not diffs:
