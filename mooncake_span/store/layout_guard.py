@@ -183,8 +183,7 @@ def recheck_layout_guard(
 
 
 def create_text(client: MooncakeClient, arena: StagingArena, key: str, text: str) -> bool:
-    """Store ``text`` under ``key`` through the staging ``arena`` unless the key exists;
-    True if this call wrote it."""
+    """Store ``text`` under ``key`` unless the key exists; True if this call wrote it."""
     data = text.encode()
     if client.exists([key])[0]:
         return False

@@ -179,7 +179,6 @@ class ServingSsd:
         return "stopped" if store.unmount_local_disk_segment(0) == 0 else "unmount-failed"
 
     def release(self, state: str = "stopped") -> None:
-        """Unlock the directory, recording how this process stopped."""
         if self._lock is not None:
             self._lock.release(state)
 

@@ -141,7 +141,6 @@ def _sealed_ok(key: str, stored: memoryview) -> bool | None:
 
 
 def _check_bucket(path: str, entries: list[_Entry]) -> ScanReport:
-    """The seals of ``path``'s objects: those that fail (``corrupt``), match, carry none."""
     found = ScanReport(buckets=1)
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)
