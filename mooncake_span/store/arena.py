@@ -13,14 +13,12 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 from mooncake_span.errors import InvalidRequestError, MooncakeSpanError
 from mooncake_span.span.byte_budget import align_up, largest_gap
-from mooncake_span.span.plan import ObjectPlan
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +40,14 @@ class StagingArena:
     def __init__(
         self, size_bytes: int, register: Callable[[int, int], None], timeout_s: float
     ) -> None:
-        if size_bytes <= 0:
-            raise InvalidRequestError(f"staging arena must be > 0 bytes, got {size_bytes}")
         # mmap: page-aligned (what NIC registration pins) and committed on first touch.
-        self._memory = mmap.mmap(-1, size_bytes)
-        self.base_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
+        self.memory = memoryview(mmap.mmap(-1, size_bytes))
+        self.base_ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
         self.size_bytes = size_bytes
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
         self._leased: dict[int, int] = {}  # offset -> bytes
-        self.waits = 0
         register(self.base_ptr, size_bytes)
-
-    @property
-    def memory(self) -> memoryview:
-        return memoryview(self._memory)
 
     def _grant(self, want_bytes: int, min_bytes: int) -> Lease | None:
         offset, free = largest_gap(self._leased.items(), self.size_bytes)
@@ -84,7 +75,6 @@ class StagingArena:
                         f"no {min_bytes}-byte lease of the {self.size_bytes}-byte staging arena "
                         f"freed within {self.timeout_s}s ({len(self._leased)} leases held)"
                     )
-                self.waits += 1
                 self._cond.wait(timeout=left_s)
                 granted = self._grant(want_bytes, min_bytes)
         try:
@@ -93,39 +83,3 @@ class StagingArena:
             with self._cond:
                 del self._leased[granted.offset]
                 self._cond.notify_all()
-
-
-class BlobClient(Protocol):
-    """The calls of ``MooncakeClient`` a blob makes. Named here, not imported: the
-    client's seals (``seal.py``) live in an arena, so an import would be a cycle."""
-
-    def exists(self, keys: Sequence[str]) -> list[bool]: ...
-    def size_of(self, key: str) -> int: ...
-    def put(
-        self, keys: Sequence[str], plans: Sequence[ObjectPlan], *, hard_pin: bool, sealed: bool
-    ) -> list[bool]: ...
-    def get(
-        self, keys: Sequence[str], plans: Sequence[ObjectPlan], *, sealed: bool
-    ) -> list[bool]: ...
-
-
-def create_blob(client: BlobClient, arena: StagingArena, key: str, data: bytes) -> bool:
-    """Store ``data`` under ``key`` unless the key exists; True if this call wrote it."""
-    if client.exists([key])[0]:
-        return False
-    with arena.lease(len(data), len(data)) as lease:
-        ctypes.memmove(lease.ptr, data, len(data))
-        plan = ObjectPlan([lease.ptr], [len(data)])
-        # Unsealed: a blob is read by its size, by any node whatever its options.
-        return client.put([key], [plan], hard_pin=True, sealed=False)[0]
-
-
-def read_blob(client: BlobClient, arena: StagingArena, key: str) -> bytes | None:
-    """The bytes stored under ``key``, or None when it cannot be read."""
-    size = client.size_of(key)
-    if size <= 0:
-        return None
-    with arena.lease(size, size) as lease:
-        if not client.get([key], [ObjectPlan([lease.ptr], [size])], sealed=False)[0]:
-            return None
-        return ctypes.string_at(lease.ptr, size)

@@ -7,6 +7,8 @@ printing both sides. Why and the record: docs/span-format.md, "The layout guard'
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -15,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from mooncake_span.errors import LayoutConflictError
 from mooncake_span.span.keys import KEY_SCHEMA_VERSION, KeySchema, sanitize_token
-from mooncake_span.store.arena import StagingArena, create_blob, read_blob
+from mooncake_span.span.plan import ObjectPlan
+from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.seal import PLAIN_FORMAT, SEAL_FORMAT
 
 if TYPE_CHECKING:
@@ -102,22 +105,19 @@ def check_or_publish(
     record that differs only there is "deferred" (checked again once it is fixed).
     """
     ours = record.to_json()
-    if create(key, ours):
-        published = read(key)
-        if published is None or published == ours:
-            logger.info("mooncake-span layout guard: published geometry under %s", key)
-            return "published"
-    else:
-        published = read(key)
-        if published is None:
-            raise LayoutConflictError(f"layout guard: {key} exists but cannot be read back")
+    created = create(key, ours)
+    published = read(key)
+    if created and published in (None, ours):
+        logger.info("mooncake-span layout guard: published geometry under %s", key)
+        return "published"
+    if published is None:
+        raise LayoutConflictError(f"layout guard: {key} exists but cannot be read back")
     theirs = GeometryRecord.from_json(published)
     diffs = record.differences(theirs)
-    if (
-        diffs
-        and page_open
-        and replace(theirs, storage_page_tokens=record.storage_page_tokens) == (record)
-    ):
+    if not diffs:
+        logger.info("mooncake-span layout guard: geometry matches the published record %s", key)
+        return "matched"
+    if page_open and replace(theirs, storage_page_tokens=record.storage_page_tokens) == record:
         logger.info(
             "mooncake-span layout guard: %s holds a %d-token storage page; this node's page "
             "(%d tokens so far) is checked again once the build hands it",
@@ -126,17 +126,14 @@ def check_or_publish(
             record.storage_page_tokens,
         )
         return "deferred"
-    if diffs:
-        raise LayoutConflictError(
-            f"layout guard: this node's span geometry conflicts with the one published for "
-            f"namespace {key}:\n  "
-            + "\n  ".join(diffs)
-            + "\nUse another model name or extra_backend_tag for this deployment, or make the "
-            "nodes agree (same host page, storage_page_size, layout, dtype, model shape and "
-            "span_object_checksums)."
-        )
-    logger.info("mooncake-span layout guard: geometry matches the published record %s", key)
-    return "matched"
+    raise LayoutConflictError(
+        f"layout guard: this node's span geometry conflicts with the one published for "
+        f"namespace {key}:\n  "
+        + "\n  ".join(diffs)
+        + "\nUse another model name or extra_backend_tag for this deployment, or make the "
+        "nodes agree (same host page, storage_page_size, layout, dtype, model shape and "
+        "span_object_checksums)."
+    )
 
 
 def check_layout_guard(
@@ -185,44 +182,51 @@ def recheck_layout_guard(
     return check_layout_guard(options, schema, record, client, arena, previous=previous)
 
 
+def create_text(client: MooncakeClient, arena: StagingArena, key: str, text: str) -> bool:
+    """Store ``text`` under ``key`` unless the key exists; True if this call wrote it."""
+    data = text.encode()
+    if client.exists([key])[0]:
+        return False
+    with arena.lease(len(data), len(data)) as lease:
+        ctypes.memmove(lease.ptr, data, len(data))
+        plan = ObjectPlan([lease.ptr], [len(data)])
+        # Unsealed: a record is read by its size, by any node whatever its options.
+        return client.put([key], [plan], hard_pin=True, sealed=False)[0]
+
+
+def read_text(client: MooncakeClient, arena: StagingArena, key: str) -> str | None:
+    """The text stored under ``key``, or None when it cannot be read."""
+    size = client.size_of(key)
+    if size <= 0:
+        return None
+    with arena.lease(size, size) as lease:
+        if not client.get([key], [ObjectPlan([lease.ptr], [size])], sealed=False)[0]:
+            return None
+        return ctypes.string_at(lease.ptr, size).decode()
+
+
 def _registry(
     mode: str, options: SpanOptions, client: MooncakeClient, arena: StagingArena
 ) -> tuple[Callable[[str], str | None], Callable[[str, str], bool], Callable[[str], object]]:
-    """read, create-if-absent and remove for the guard's record store."""
+    """read, create-if-absent and remove for the guard's record store (etcd through
+    ``etcd3gw``, its HTTP gateway)."""
     if mode == "etcd":
-        registry = EtcdRegistry(options.layout_guard_etcd)
-        return registry.read, registry.create, registry.delete
-
-    def read(k: str) -> str | None:
-        blob = read_blob(client, arena, k)
-        return None if blob is None else blob.decode()
-
-    return (
-        read,
-        lambda k, v: create_blob(client, arena, k, v.encode()),
-        lambda k: client.remove([k]),
-    )
-
-
-class EtcdRegistry:
-    """create-if-absent and read on etcd through ``etcd3gw`` (HTTP gateway)."""
-
-    def __init__(self, endpoint: str, timeout_s: float = 5.0) -> None:
         try:
             import etcd3gw
         except ImportError as exc:
             raise LayoutConflictError(
                 "span_layout_guard='etcd' needs etcd3gw: pip install 'mooncake-span[etcd]'"
             ) from exc
-        host, _, port = endpoint.rpartition(":")
-        self._client: Any = etcd3gw.client(host=host, port=int(port), timeout=timeout_s)
+        host, _, port = options.layout_guard_etcd.rpartition(":")
+        etcd: Any = etcd3gw.client(host=host, port=int(port), timeout=5.0)
 
-    def read(self, key: str) -> str | None:
-        values = self._client.get(key)
-        return values[0].decode() if values else None
+        def read_etcd(k: str) -> str | None:
+            values = etcd.get(k)
+            return values[0].decode() if values else None
 
-    def create(self, key: str, value: str) -> bool:
-        return bool(self._client.create(key, value))
-
-    def delete(self, key: str) -> bool:
-        return bool(self._client.delete(key))
+        return read_etcd, lambda k, v: bool(etcd.create(k, v)), etcd.delete
+    return (
+        functools.partial(read_text, client, arena),
+        functools.partial(create_text, client, arena),
+        lambda k: client.remove([k]),
+    )

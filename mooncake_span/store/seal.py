@@ -11,7 +11,8 @@ from __future__ import annotations
 import ctypes
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
+from functools import partialmethod
 
 from mooncake_span.errors import ErrorCode, InvalidRequestError
 from mooncake_span.span.plan import PlanBatch
@@ -29,8 +30,8 @@ TRAILER_MAGIC = b"msSEAL01"
 TRAILER_BYTES = 16
 # Per object in the arena: the trailer (or receiving slot), then the key seed.
 _SLOT_BYTES = 32
-_SEED = struct.Struct("<Q")
 _TRAILER = struct.Struct("<8sQ")
+_READ_SLOT = struct.Struct("<8sQQ")
 # A put's slot (the trailer, padding) and a get's (a zeroed trailer, since Mooncake can
 # report success for a buffer it never wrote; the key seed; padding).
 _PUT_SLOT = struct.Struct("<8sQ16x")
@@ -52,16 +53,6 @@ def payload_digest(seed: int, ptrs: Sequence[int], sizes: Sequence[int]) -> int:
     for ptr, size in zip(ptrs, sizes, strict=True):
         state.update((ctypes.c_char * size).from_address(ptr))
     return state.intdigest()
-
-
-def _slots(batch: PlanBatch, keys: Sequence[str], put: bool) -> bytes:
-    """The arena bytes of one call's slots, built in one pass (writing each object's
-    slot into the arena on its own cost more than hashing its 64 KiB)."""
-    seeds = map(key_seed, keys)
-    if put:
-        digests = map(payload_digest, seeds, batch.ptrs, batch.sizes)
-        return b"".join(_PUT_SLOT.pack(TRAILER_MAGIC, d) for d in digests)
-    return b"".join(map(_GET_SLOT.pack, seeds))
 
 
 def trailer_bytes(key: str, payload: bytes) -> bytes:
@@ -92,38 +83,38 @@ def _with_trailers(batch: PlanBatch, base_ptr: int) -> PlanBatch:
 class TrailerArena:
     """Registered slots for the trailers of the calls in flight, and the seal itself."""
 
-    def __init__(
-        self,
-        register: Callable[[int, int], None],
-        timeout_s: float,
-        size_bytes: int = DEFAULT_ARENA_BYTES,
-    ) -> None:
+    def __init__(self, register: Callable[[int, int], None], timeout_s: float) -> None:
         if xxhash is None:
             raise InvalidRequestError(
                 "span_object_checksums needs the xxhash package: pip install xxhash "
                 "(or mooncake-span[cpu] / [cuda], which include it)"
             )
-        self._arena = StagingArena(size_bytes, register, timeout_s)
+        self._arena = StagingArena(DEFAULT_ARENA_BYTES, register, timeout_s)
         self._base = self._arena.base_ptr
-        self._end = self._base + size_bytes
-
-    def writing(self, keys: Sequence[str], batch: PlanBatch) -> AbstractContextManager[PlanBatch]:
-        """``batch`` with each object's trailer appended, for one put."""
-        return self._with_slots(keys, batch, put=True)
-
-    def reading(self, keys: Sequence[str], batch: PlanBatch) -> AbstractContextManager[PlanBatch]:
-        """``batch`` with a receiving slot per object, for one get; ``verify`` checks it."""
-        return self._with_slots(keys, batch, put=False)
+        self._end = self._base + DEFAULT_ARENA_BYTES
 
     @contextmanager
     def _with_slots(self, keys: Sequence[str], batch: PlanBatch, put: bool) -> Iterator[PlanBatch]:
+        """``batch`` with each object's trailer appended, for one put (``writing``), or
+        with a receiving slot per object, for one get that ``verify`` checks (``reading``)."""
         need = len(batch) * _SLOT_BYTES
         if not need:
             yield batch
             return
+        # The slots built in one pass: writing each into the arena on its own cost more
+        # than hashing its 64 KiB.
+        seeds = map(key_seed, keys)
+        if put:
+            digests = map(payload_digest, seeds, batch.ptrs, batch.sizes)
+            slots = b"".join(_PUT_SLOT.pack(TRAILER_MAGIC, d) for d in digests)
+        else:
+            slots = b"".join(map(_GET_SLOT.pack, seeds))
         with self._arena.lease(need, need) as lease:
-            ctypes.memmove(lease.ptr, _slots(batch, keys, put), need)
+            ctypes.memmove(lease.ptr, slots, need)
             yield _with_trailers(batch, lease.ptr)
+
+    writing = partialmethod(_with_slots, put=True)
+    reading = partialmethod(_with_slots, put=False)
 
     def verify(self, batch: PlanBatch, codes: list[int]) -> list[int]:
         """``codes`` of one native get of ``batch``, with every complete read whose
@@ -137,9 +128,7 @@ class TrailerArena:
             slot = ptrs[-1]
             if codes[i] != nbytes or not self._base <= slot < self._end:
                 continue
-            at = slot - self._base
-            magic, stored = _TRAILER.unpack_from(memory, at)
-            (seed,) = _SEED.unpack_from(memory, at + TRAILER_BYTES)
+            magic, stored, seed = _READ_SLOT.unpack_from(memory, slot - self._base)
             if magic != TRAILER_MAGIC or stored != payload_digest(seed, ptrs[:-1], sizes[:-1]):
                 if out is codes:
                     out = list(codes)

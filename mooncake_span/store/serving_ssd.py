@@ -17,26 +17,10 @@ from typing import Any
 from mooncake_span.errors import ConfigError, ErrorCode, SetupError
 from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.span.plan import PlanBatch
+from mooncake_span.store import ssd_tier
 from mooncake_span.store.gate import NativeGate
 from mooncake_span.store.router import FailureLedger
 from mooncake_span.store.ssd_scan import check_directory, resolve_check
-from mooncake_span.store.ssd_tier import (
-    CAP_ENV,
-    EXPIRY_MARGIN_S,
-    STOP_WAIT_ENV,
-    DirLock,
-    SsdTier,
-    check_root,
-    crashed,
-    default_cap_bytes,
-    int_setting,
-    layout_problems,
-    offload_quiet_s,
-    process_dir,
-    resolve_stop_wait_s,
-    wait_for_owner_expiry,
-    wait_offloads_written,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +34,6 @@ OWNER_DOWN_LABEL = "SSD_OWNER_DOWN"
 ListDiskOwners = Callable[[str, Sequence[str]], dict[str, set[str]] | None]
 # A call's native codes, given its object keys and their buffers.
 GetCall = Callable[[list[str], PlanBatch], list[int]]
-# The master's replica descriptions of objects (None: no answer), even while the
-# breaker is open with past_breaker=True (``MooncakeClient.replica_desc``).
-ReplicaDesc = Callable[..., Any]
 
 
 def disk_only(found: Mapping[str, Sequence[Any]] | None) -> set[str]:
@@ -70,7 +51,7 @@ def open_serving_tier(
     environ: MutableMapping[str, str],
     list_segments: Callable[[], list[str] | None] | None,
     client_ttl_s: float = 10.0,
-) -> DirLock:
+) -> ssd_tier.DirLock:
     """A serving rank's own tier: a storage node's checks, lock, wait after a crash and
     settings (those the operator exported win unless they would keep objects off the
     disk). Returns the held lock; ConfigError for a bad or busy directory, or settings
@@ -78,35 +59,36 @@ def open_serving_tier(
     """
     parent, name = os.path.split(os.path.abspath(directory))
     os.makedirs(parent, exist_ok=True)  # as sglang's MooncakeStore does
-    check_root(parent, "ssd_offload_path")
-    process_dir(parent, name, "ssd_offload_path")
+    ssd_tier.check_root(parent, "ssd_offload_path")
+    ssd_tier.process_dir(parent, name, "ssd_offload_path")
     largest = largest_object_bytes or 256 << 20  # a pure reader offloads nothing of its own
-    tier = SsdTier(
+    tier = ssd_tier.SsdTier(
         directory=os.path.join(parent, name),
-        cap_bytes=int_setting(environ.get(CAP_ENV), 0) or default_cap_bytes(parent),
+        cap_bytes=ssd_tier.int_setting(environ.get(ssd_tier.CAP_ENV), 0)
+        or ssd_tier.default_cap_bytes(parent),
         largest_object_bytes=largest,
     )
     for env_name, value in tier.native_env().items():
         environ.setdefault(env_name, value)
-    problems = layout_problems(environ, largest)
+    problems = ssd_tier.layout_problems(environ, largest)
     if problems:
         raise ConfigError("enable_ssd_offload would persist nothing: " + "; ".join(problems))
-    lock = DirLock(parent, name)
+    lock = ssd_tier.DirLock(parent, name)
     previous = lock.acquire(tier.directory)
     try:
         check_directory(tier.directory, resolve_check(None, environ)[0])
     except BaseException:
         lock.release()
         raise
-    if crashed(previous):
+    if ssd_tier.crashed(previous):
         logger.warning(
             "mooncake-span: the previous owner of %s (pid %s) did not stop cleanly; waiting for "
             "the master to drop it (at most %.0f s)",
             tier.directory,
             previous.get("pid"),
-            client_ttl_s + EXPIRY_MARGIN_S,
+            client_ttl_s + ssd_tier.EXPIRY_MARGIN_S,
         )
-        wait_for_owner_expiry(previous, client_ttl_s, list_segments)
+        ssd_tier.wait_for_owner_expiry(previous, client_ttl_s, list_segments)
     return lock
 
 
@@ -117,7 +99,7 @@ class ServingSsd:
     def __init__(self, gate: NativeGate, ledger: FailureLedger) -> None:
         self._gate = gate  # its counters and its "the cluster answered"
         self._ledger = ledger
-        self._lock: DirLock | None = None  # this rank's SSD directory, if it has one
+        self._lock: ssd_tier.DirLock | None = None  # this rank's SSD directory, if it has one
         self._stop_wait_s = 0.0
         self._admin_url: str | None = None
         self._list_disk_owners: ListDiskOwners | None = None
@@ -160,7 +142,7 @@ class ServingSsd:
             # A rank without a segment of its own (a pure reader) offloads nothing.
             if self._lock is not None and settings.global_segment_size_bytes > 0:
                 try:
-                    self._stop_wait_s = resolve_stop_wait_s(None, os.environ)
+                    self._stop_wait_s = ssd_tier.resolve_stop_wait_s(None, os.environ)
                 except ConfigError as exc:
                     raise SetupError(f"SSD tier: {exc}") from exc
             yield
@@ -183,8 +165,8 @@ class ServingSsd:
         restart right after registers every key again. Returns the state ``release`` records."""
         if self._lock is None:
             return "stopped"
-        quiet_s = offload_quiet_s(os.environ)
-        if self._stop_wait_s and not wait_offloads_written(
+        quiet_s = ssd_tier.offload_quiet_s(os.environ)
+        if self._stop_wait_s and not ssd_tier.wait_offloads_written(
             self._lock.directory, self._stop_wait_s, quiet_s
         ):
             logger.warning(
@@ -192,12 +174,11 @@ class ServingSsd:
                 "objects put in the last heartbeat may be lost",
                 self._lock.directory,
                 self._stop_wait_s,
-                STOP_WAIT_ENV,
+                ssd_tier.STOP_WAIT_ENV,
             )
         return "stopped" if store.unmount_local_disk_segment(0) == 0 else "unmount-failed"
 
     def release(self, state: str = "stopped") -> None:
-        """Unlock the directory, recording how this process stopped."""
         if self._lock is not None:
             self._lock.release(state)
 
@@ -222,7 +203,7 @@ class ServingSsd:
         self.read_rpcs = max(self.read_rpcs, cumulative)
 
     def owners_down(
-        self, object_keys: Sequence[str], codes: Sequence[int], replica_desc: ReplicaDesc
+        self, object_keys: Sequence[str], codes: Sequence[int], replica_desc: Callable[..., Any]
     ) -> list[str]:
         """Reads that failed at the RPC layer (a dead master, or a dead owner): if the
         master answers and the objects had only disk replicas, their owner is down; the

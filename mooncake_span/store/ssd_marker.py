@@ -21,7 +21,6 @@ MARKER_KEY = f"{KEY_SCHEMA_VERSION}__ssd_tier"
 
 
 def ask_stored(store: Any) -> list[int]:
-    """The native existence query of the marker (``batch_is_exist``'s codes)."""
     return store.batch_is_exist([MARKER_KEY])
 
 

@@ -141,7 +141,6 @@ def _sealed_ok(key: str, stored: memoryview) -> bool | None:
 
 
 def _check_bucket(path: str, entries: list[_Entry]) -> ScanReport:
-    """The seals of ``path``'s objects: those that fail (``corrupt``), match, carry none."""
     found = ScanReport(buckets=1)
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         view = memoryview(mm)
@@ -159,9 +158,6 @@ def _check_bucket(path: str, entries: list[_Entry]) -> ScanReport:
         finally:
             view.release()
     return found
-
-
-_META_TOTAL_TAG = 0x08  # field 1, a varint: the bucket's data bytes, first in every .meta
 
 
 def _read(path: str) -> bytes:
@@ -193,7 +189,8 @@ def _inspect(meta_path: str, mode: str) -> ScanReport:
         data = _read(meta_path)
     except OSError:
         return ScanReport(unreadable_meta=1)
-    if mode != "full" and data[:1] == bytes([_META_TOTAL_TAG]):
+    # Field 1, a varint (tag 0x08): the bucket's data bytes, first in every .meta.
+    if mode != "full" and data[:1] == b"\x08":
         try:
             size = _bucket_bytes(bucket_path)
             if size >= _varint(data, 1)[0]:

@@ -29,8 +29,6 @@ CHECK_MODES = ("size", "full", "off")
 # Mooncake's defaults where ours differ: heartbeat 10 s, read buffer 1.25 GiB.
 HEARTBEAT_S = 1
 DEFAULT_READ_BUFFER_BYTES = 256 << 20
-# Mooncake's own default cap of the bucket layout: 90% of the disk.
-DEFAULT_CAP_SHARE = 0.9
 # Mooncake keeps this much of the disk free, evicting its own objects first: a
 # directory's usable capacity is its free space (plus what it holds) less this.
 DISK_RESERVE_BYTES = 256 << 20
@@ -50,8 +48,6 @@ CAP_ENV = "MOONCAKE_OFFLOAD_BUCKET_MAX_TOTAL_SIZE"
 EVICTION_ENV = "MOONCAKE_OFFLOAD_BUCKET_EVICTION_POLICY"
 HEARTBEAT_ENV = "MOONCAKE_OFFLOAD_HEARTBEAT_INTERVAL_SECONDS"
 READ_BUFFER_ENV = "MOONCAKE_OFFLOAD_LOCAL_BUFFER_SIZE_BYTES"
-# Mooncake's bucket defaults, for reading what an operator's environment leaves unset.
-_MOONCAKE_KEYS_PER_BUCKET = 500
 
 
 @dataclass(frozen=True)
@@ -101,7 +97,7 @@ class SsdTier:
 def default_cap_bytes(directory: str) -> int:
     """Mooncake's own default for the bucket layout: 90% of the disk holding ``directory``."""
     stats = os.statvfs(directory)
-    return int(stats.f_blocks * stats.f_frsize * DEFAULT_CAP_SHARE)
+    return int(stats.f_blocks * stats.f_frsize * 0.9)
 
 
 def free_bytes(directory: str) -> int:
@@ -214,7 +210,8 @@ def layout_problems(environ: Mapping[str, str], largest_object_bytes: int | None
     if layout != BUCKET_LAYOUT:
         return [f"{LAYOUT_ENV}={layout} is not a layout mooncake-span has measured; unset it"]
     problems = []
-    keys = int_setting(environ.get(KEYS_PER_BUCKET_ENV), _MOONCAKE_KEYS_PER_BUCKET)
+    # Mooncake's own defaults where the environment leaves a setting unset.
+    keys = int_setting(environ.get(KEYS_PER_BUCKET_ENV), 500)
     if keys != 1:
         problems.append(
             f"{KEYS_PER_BUCKET_ENV}={keys}: a bucket that is not full at a heartbeat is reported "
@@ -331,7 +328,7 @@ def wait_offloads_written(
     *,
     stamp: Callable[[], int] | None = None,
     clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> bool:
     """Before a graceful stop unmounts the disk segment (the master refuses a disk replica
     registered after it): wait until what this process holds unwritten is on disk and
@@ -343,14 +340,13 @@ def wait_offloads_written(
     left. Why: docs/reliability.md, "What a graceful restart keeps".
     """
     stamp = stamp or (lambda: os.stat(directory).st_mtime_ns)
-    sleep = sleep or (lambda: time.sleep(_QUIET_POLL_S))
     started_s = quiet_since_s = clock()
     try:
         last = stamp()
         while clock() - quiet_since_s < quiet_s:
             if clock() - started_s >= limit_s:
                 return False
-            sleep()
+            sleep(_QUIET_POLL_S)
             current = stamp()
             if current != last:
                 last, quiet_since_s = current, clock()

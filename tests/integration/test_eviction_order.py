@@ -255,7 +255,7 @@ def test_a_chain_loses_its_last_turn_before_its_prefix(cluster, backend):
 
 def test_inspect_estimates_the_reachable_share_from_chain_records(cluster, backend):
     from mooncake_span.ops.inspect_cmd import collect
-    from mooncake_span.store.arena import read_blob
+    from mooncake_span.store.layout_guard import read_text
 
     store, _ = backend("evict-inspect", span_chain_sample_every=1)
     store.client.remove_all()
@@ -268,8 +268,7 @@ def test_inspect_estimates_the_reachable_share_from_chain_records(cluster, backe
     assert store.client.remove([hole]) == 1
 
     def read(keys):
-        blobs = {k: read_blob(store.client, store.stager.arena, k) for k in keys}
-        return {k: None if v is None else v.decode() for k, v in blobs.items()}
+        return {k: read_text(store.client, store.stager.arena, k) for k in keys}
 
     doc = collect(cluster.metrics_url, read_records=read, chain_sample=8)
     (ns,) = [n for n in doc["namespaces"] if n["name"] == store.key_schema.prefix]

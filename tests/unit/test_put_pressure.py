@@ -16,8 +16,9 @@ import pytest
 from mooncake_span.config import load_span_options
 from mooncake_span.errors import ConfigError, ErrorCode
 from mooncake_span.span.plan import PlanBatch
-from mooncake_span.store.arena import StagingArena, create_blob, read_blob
+from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient
+from mooncake_span.store.layout_guard import create_text, read_text
 from mooncake_span.store.router import (
     COOLDOWN,
     FIRST_PAUSE_S,
@@ -283,8 +284,8 @@ def test_metadata_puts_are_not_held_back(rig):
     _refuse(client.pressure, STREAK_TO_PAUSE)
     assert client.pressure.cooling
     arena = StagingArena(4096, client.register_buffer, 1.0)
-    assert create_blob(client, arena, "guard-record", b"geometry")
-    assert read_blob(client, arena, "guard-record") == b"geometry"
+    assert create_text(client, arena, "guard-record", "geometry")
+    assert read_text(client, arena, "guard-record") == "geometry"
 
 
 # ---- the backend on the fake --------------------------------------------------------------

@@ -17,8 +17,13 @@ from mooncake_span.config import load_span_options
 from mooncake_span.errors import ErrorCode
 from mooncake_span.span.plan import ObjectPlan
 from mooncake_span.store import seal
-from mooncake_span.store.arena import StagingArena, create_blob, read_blob
-from mooncake_span.store.layout_guard import GeometryRecord, check_layout_guard
+from mooncake_span.store.arena import StagingArena
+from mooncake_span.store.layout_guard import (
+    GeometryRecord,
+    check_layout_guard,
+    create_text,
+    read_text,
+)
 from mooncake_span_tools.testing.fake_store import FakeCluster
 from tests.span_helpers import fake_client, listening_port
 
@@ -170,12 +175,12 @@ def test_a_corrupt_copy_falls_back_to_the_good_one():
             client.close()
 
 
-def test_blobs_stay_unsealed_so_any_node_reads_them(sealed):
+def test_guard_records_stay_unsealed_so_any_node_reads_them(sealed):
     client, cluster = sealed
     arena = StagingArena(1 << 16, client.register_buffer, 1.0)
-    assert create_blob(client, arena, "blob", b"hello")
+    assert create_text(client, arena, "blob", "hello")
     assert cluster.objects["blob"] == b"hello"
-    assert read_blob(client, arena, "blob") == b"hello"
+    assert read_text(client, arena, "blob") == "hello"
 
 
 def test_the_layout_guard_refuses_a_node_of_the_other_format(sealed):

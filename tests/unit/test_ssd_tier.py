@@ -352,16 +352,15 @@ def test_doctor_names_the_master_flag_when_the_master_refuses_offload():
 
 
 class _Clock:
-    """A clock that one sleep moves by ``step_s``; ``changes`` are the times at which the
+    """A clock that a sleep moves by what it sleeps; ``changes`` are the times at which the
     directory's stamp changes."""
 
-    def __init__(self, changes: list[float], step_s: float = 0.05) -> None:
+    def __init__(self, changes: list[float]) -> None:
         self.now_s = 0.0
         self.changes = changes
-        self.step_s = step_s
 
-    def sleep(self) -> None:
-        self.now_s += self.step_s
+    def sleep(self, seconds: float) -> None:
+        self.now_s += seconds
 
     def stamp(self) -> int:
         return sum(1 for at in self.changes if at <= self.now_s)
