@@ -198,7 +198,7 @@ class MooncakeSettings:
         if self.master_server_address.startswith("etcd://"):
             return None
         host = self.master_server_address.rpartition(":")[0]
-        return f"http://{host}:{self.master_metrics_port or 9003}"
+        return f"http://{host}:{self.master_metrics_port or 9003}"  # mooncake_master's default
 
     def configured_admin_url(self) -> str | None:
         """``admin_url`` only when master_metrics_port was configured: never a guess."""
