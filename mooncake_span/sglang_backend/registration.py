@@ -43,7 +43,6 @@ from mooncake_span.store.layout_guard import (
     GeometryRecord,
     PoolGeometry,
     check_layout_guard,
-    recheck_layout_guard,
 )
 
 logger = logging.getLogger(__name__)
@@ -219,13 +218,13 @@ class Registration:
         )
         if self._guard_record is not None:
             record = self.geometry_record()
-            self.layout_guard_result = recheck_layout_guard(
+            self.layout_guard_result = check_layout_guard(
                 self._options,
                 self.key_schema,
                 record,
-                self._guard_record,
                 self._client,
                 self._stager.arena,
+                previous=self._guard_record,
             )
             self._guard_record = record
         elif self.layout_guard_result == "deferred":

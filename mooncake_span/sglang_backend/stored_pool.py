@@ -253,7 +253,7 @@ class StoredPool:
         component-minor, in the host pool's own (registered) memory."""
         pages = batch.key_pages if rows is None else batch.key_pages[rows]
         # host_pages() already checked the page range.
-        return plan_batch(self.layout, pages, checked=True)
+        return plan_batch(self.layout, pages)
 
     def per_key_results(self, batch: PoolBatch, object_flags: Sequence[bool]) -> list[bool]:
         """Fold object results to keys; sglang reads a result list as a prefix."""

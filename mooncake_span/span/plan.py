@@ -218,23 +218,10 @@ def _arange(n: int) -> np.ndarray:
     return np.arange(n)
 
 
-def check_key_pages(layout: PageLayout, key_pages: np.ndarray) -> None:
-    """GeometryError unless ``key_pages`` is (n_keys, K>=1) of pages inside the pool."""
-    if key_pages.ndim != 2 or key_pages.shape[1] < 1:
-        raise GeometryError(f"key_pages must be (n_keys, K>=1), got shape {key_pages.shape}")
-    if key_pages.size and (key_pages.min() < 0 or key_pages.max() >= layout.num_pages):
-        raise GeometryError(
-            f"host page index out of range: got [{int(key_pages.min())}, "
-            f"{int(key_pages.max())}], pool has {layout.num_pages} pages"
-        )
-
-
-def plan_batch(layout: PageLayout, key_pages: np.ndarray, *, checked: bool = False) -> PlanBatch:
-    """Object buffers for keys whose host pages are ``key_pages`` (shape (n_keys, K)),
-    key-major, component-minor like ``KeySchema.object_keys``, one broadcast per
-    component. ``checked``: the caller already ran ``check_key_pages``."""
-    if not checked:
-        check_key_pages(layout, key_pages)
+def plan_batch(layout: PageLayout, key_pages: np.ndarray) -> PlanBatch:
+    """Object buffers for keys whose host pages are ``key_pages`` (shape (n_keys, K),
+    every page inside the pool: the caller checks), key-major, component-minor like
+    ``KeySchema.object_keys``, one broadcast per component."""
     n_keys, pages_per_key = key_pages.shape
     if n_keys == 0:
         return PlanBatch([], [], [])

@@ -148,7 +148,8 @@ def check_layout_guard(
 ) -> str:
     """Run the guard ``span_layout_guard`` selects: "off", or ``check_or_publish``'s
     answer for ``record`` with this node's ``object_format``. The ``store`` record moves
-    through the registered staging ``arena``. ``previous``: see ``recheck_layout_guard``."""
+    through the registered staging ``arena``. ``previous``, a record published before the
+    storage page was known, is withdrawn if still published."""
     mode = options.layout_guard
     if mode == "off":
         return "off"
@@ -166,20 +167,6 @@ def check_layout_guard(
             record.storage_page_tokens,
         )
     return check_or_publish(record, key, read, create, page_open=page_open)
-
-
-def recheck_layout_guard(
-    options: SpanOptions,
-    schema: KeySchema,
-    record: GeometryRecord,
-    previous: GeometryRecord,
-    client: MooncakeClient,
-    arena: StagingArena,
-) -> str:
-    """The guard again once the build assigned the storage page (after registration,
-    before any data call). ``previous``, the record checked at registration, is
-    withdrawn if still published: it was published before the page was known."""
-    return check_layout_guard(options, schema, record, client, arena, previous=previous)
 
 
 def create_text(client: MooncakeClient, arena: StagingArena, key: str, text: str) -> bool:

@@ -8,7 +8,7 @@ prom = pytest.importorskip("prometheus_client")
 
 from mooncake_span import metrics as M  # noqa: E402
 from mooncake_span.errors import ErrorCode  # noqa: E402
-from mooncake_span.sglang_backend.observability import CallObserver, outcome_of  # noqa: E402
+from mooncake_span.sglang_backend.recording import CallObserver, outcome_of  # noqa: E402
 from tests.span_helpers import slots_of  # noqa: E402
 from tests.unit.test_backend_faults import rig  # noqa: E402, F401 -- the fixture
 

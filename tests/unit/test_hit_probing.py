@@ -341,7 +341,7 @@ def test_logical_anchor_lets_the_sidecars_decide_in_one_round(stocked):
 def test_prometheus_counts_queries_rpcs_and_probed_objects(stocked):
     prom = pytest.importorskip("prometheus_client")
     from mooncake_span import metrics as M
-    from mooncake_span.sglang_backend.observability import CallObserver
+    from mooncake_span.sglang_backend.recording import CallObserver
 
     store, cluster, asked, keys = stocked
     registry = prom.CollectorRegistry()

@@ -398,26 +398,6 @@ def test_from_flat_outputs_are_python_ints_even_for_numpy_bases():
     assert_python_ints(plans)
 
 
-@pytest.mark.parametrize(
-    "pages",
-    [[[0, 8]], [[-1, 0]], [[3, 4], [5, 100]], [[8]]],
-    ids=["one-past-end", "negative", "second-key", "single"],
-)
-def test_out_of_range_pages_raise_geometry_error(pages):
-    pool = layer_first_pool(2, num_pages=8, slot_size=16)
-    with pytest.raises(GeometryError, match="out of range") as excinfo:
-        plan_objects(pool.layout, np.asarray(pages))
-    # The message states the pool size so the operator can see the mismatch.
-    assert "8 pages" in str(excinfo.value)
-
-
-@pytest.mark.parametrize("shape", [(4,), (2, 0), (1, 2, 2)])
-def test_bad_key_pages_shape_raises(shape):
-    pool = layer_first_pool(2, num_pages=8, slot_size=16)
-    with pytest.raises(GeometryError, match="key_pages"):
-        plan_objects(pool.layout, np.zeros(shape, dtype=np.int64))
-
-
 def test_no_keys_no_plans():
     pool = layer_first_pool(2, num_pages=8, slot_size=16)
     assert plan_objects(pool.layout, np.zeros((0, 4), dtype=np.int64)) == []

@@ -310,7 +310,7 @@ def test_stored_keys_read_true_in_a_pause_and_new_ones_are_skipped(backend, monk
     import prometheus_client as prom
 
     from mooncake_span import metrics as M
-    from mooncake_span.sglang_backend.observability import CallObserver
+    from mooncake_span.sglang_backend.recording import CallObserver
 
     store, cluster = backend
     # A frozen clock: on the real one the 10 ms first pause could end between two
