@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ from mooncake_span.store.segments import SegmentDirectory, start_directory
 from mooncake_span.store.serving_ssd import ServingSsd
 
 logger = logging.getLogger(__name__)
+_ask_marker = operator.methodcaller("batch_is_exist", [ssd_marker.MARKER_KEY])
 
 # NativeBinding and native_env_defaults are imported from here by callers.
 __all__ = ["MooncakeClient", "NativeBinding", "load_native_binding", "native_env_defaults"]
@@ -146,7 +148,7 @@ class MooncakeClient:
         sealed, why = ssd_marker.resolve_object_checksums(
             self.options.object_checksums,
             self._ssd.owns_directory,
-            lambda: self._gate.invoke("batch_is_exist", ssd_marker.ask_stored, 1)[0] > 0,
+            lambda: self._gate.invoke("batch_is_exist", _ask_marker, 1)[0] > 0,
             self.options.layout_guard,
         )
         sources = {**self.options.sources, "object_checksums": why}

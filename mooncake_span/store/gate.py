@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from mooncake_span.config import SpanOptions
 from mooncake_span.errors import (
@@ -38,6 +38,7 @@ from mooncake_span.store.segments import replica_segments
 
 if TYPE_CHECKING:
     from mooncake_span.store.seal import TrailerArena
+    from mooncake_span.store.serving_ssd import ServingSsd
 
 logger = logging.getLogger(__name__)
 
@@ -367,19 +368,6 @@ class Puts:
         return Puts(keys, self.batch.take(rows), groups, self.hard_pin)
 
 
-class SsdReads(Protocol):
-    """What a get asks of the SSD tier (``ServingSsd``, which makes its calls here)."""
-
-    def read(
-        self,
-        get_call: Callable[[list[str], PlanBatch], list[int]],
-        keys: list[str],
-        batch: PlanBatch,
-    ) -> list[int]: ...
-    def saw_owner_reads(self, cumulative: int) -> None: ...
-    def add_disk_owners(self, found: Any, located: dict[str, set[str]]) -> dict[str, set[str]]: ...
-
-
 def _before_connect(*_: Any) -> Any:
     """A put's ``ReplicateConfig`` before ``connect``: refused, as the gate refuses
     every native call then."""
@@ -392,7 +380,7 @@ class NativeCalls:
     set by the client: the put's config factory (``connected``) and, with
     ``span_object_checksums``, the seal arena each get is verified against."""
 
-    def __init__(self, gate: NativeGate, ssd: SsdReads) -> None:
+    def __init__(self, gate: NativeGate, ssd: ServingSsd) -> None:
         self.gate = gate
         self._ssd = ssd
         self.seal: TrailerArena | None = None

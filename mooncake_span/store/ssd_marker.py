@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from mooncake_span.errors import ConfigError, ErrorCode
 from mooncake_span.span.keys import KEY_SCHEMA_VERSION
@@ -18,10 +17,6 @@ from mooncake_span.span.keys import KEY_SCHEMA_VERSION
 logger = logging.getLogger(__name__)
 
 MARKER_KEY = f"{KEY_SCHEMA_VERSION}__ssd_tier"
-
-
-def ask_stored(store: Any) -> list[int]:
-    return store.batch_is_exist([MARKER_KEY])
 
 
 def publish(put: Callable[[str, bytes], int], segment: str) -> None:
