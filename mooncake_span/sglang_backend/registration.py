@@ -163,14 +163,7 @@ class Registration:
         if self.key_schema is None:
             raise RegistrationError("on_host_pools_registered() before register_mem_pool_host()")
         record = self.geometry_record()
-        result = check_layout_guard(
-            self._options,
-            self.key_schema,
-            record,
-            self._client,
-            self._stager.arena,
-            page_open=self.storage_page.open,
-        )
+        result = self._guard(record, page_open=self.storage_page.open)
         self._guard_record = None if result == "deferred" else record
         self.layout_guard_result = result
         logger.info(
@@ -185,6 +178,11 @@ class Registration:
             {n: [c.name for c in pool.components] for n, pool in self.pools.items()},
         )
         return result
+
+    def _guard(self, record: GeometryRecord, **where: Any) -> str:
+        return check_layout_guard(
+            self._options, self.key_schema, record, self._client, self._stager.arena, **where
+        )
 
     # ---- the storage page: settled at the first data call -----------------------------
 
@@ -218,14 +216,7 @@ class Registration:
         )
         if self._guard_record is not None:
             record = self.geometry_record()
-            self.layout_guard_result = check_layout_guard(
-                self._options,
-                self.key_schema,
-                record,
-                self._client,
-                self._stager.arena,
-                previous=self._guard_record,
-            )
+            self.layout_guard_result = self._guard(record, previous=self._guard_record)
             self._guard_record = record
         elif self.layout_guard_result == "deferred":
             self.check_layout()
@@ -304,16 +295,13 @@ class Registration:
         keys: Any,
         host_indices: Any,
         *,
-        kv_derived_hint: bool = False,
         extra_info: Any = None,
     ) -> PoolBatch:
         """One pool's part of a zero-copy call: its keys, host pages and, when
-        ``extra_info`` carries prefix keys, where the keys sit in their chain.
-        ``kv_derived_hint``: sglang indexes this (state) pool by KV slots, so it
-        is learned as KV-derived."""
+        ``extra_info`` carries prefix keys, where the keys sit in their chain."""
         # Only the first data call's stride can fix the storage page.
         self.begin_io(None if self._io_ready else _stride(keys, host_indices))
-        return self._pool_batch(name, keys, host_indices, kv_derived_hint, extra_info)
+        return self._pool_batch(name, keys, host_indices, False, extra_info)
 
     def _pool_batch(
         self, name: str, keys: Any, host_indices: Any, kv_derived_hint: bool, extra_info: Any
