@@ -44,18 +44,6 @@ class PutTarget(enum.Enum):
     UNKNOWN = "unknown"  # no dial, part of the call stored: nothing is marked
 
 
-def judge_put_target(answers: bool | None, whole_call: bool, others_bad: bool) -> PutTarget:
-    """The rule for a preferred segment a put failed on. ``answers``: whether its
-    transfer endpoint accepted a dial (None: it cannot be dialled, e.g. etcd
-    metadata); ``whole_call``: every object of the call failed; ``others_bad``:
-    another segment is marked bad, which explains a failure on its own."""
-    if answers is False or (answers is None and whole_call and not others_bad):
-        return PutTarget.BAD
-    if answers or others_bad:
-        return PutTarget.FULL
-    return PutTarget.UNKNOWN
-
-
 class FailureLedger:
     """Bad, full and owner-down segment marks and lost keys, on one clock. Thread-safe.
     Bounds: ``span_domain_bad_ttl_s``, ``span_lost_key_ttl_s``, ``span_lost_keys_max``."""
@@ -84,11 +72,17 @@ class FailureLedger:
         return fresh
 
     def put_target_failed(self, segment: str, answers: bool | None, whole_call: bool) -> PutTarget:
-        """Marks the preferred segment of a failed put as ``judge_put_target`` decides."""
-        verdict = judge_put_target(answers, whole_call, bool(self.bad_segments()))
-        if verdict is PutTarget.BAD:
+        """The rule for the preferred segment a put failed on, and its mark. ``answers``:
+        whether its transfer endpoint accepted a dial (None: it cannot be dialled, e.g.
+        etcd metadata); ``whole_call``: every object of the call failed. Another
+        segment marked bad explains a failure on its own."""
+        others_bad = bool(self.bad_segments())
+        if answers is False or (answers is None and whole_call and not others_bad):
             self.transfer_failed([segment], "batch_put_from_multi_buffers")
-        elif verdict is PutTarget.FULL and self._full.mark([segment], self._clock()):
+            return PutTarget.BAD
+        if not answers and not others_bad:
+            return PutTarget.UNKNOWN
+        if self._full.mark([segment], self._clock()):
             logger.info(
                 "mooncake-span: segment %s took only part of a put (Mooncake moved the "
                 "rest elsewhere, where the transfer failed); new puts go to the next "
@@ -96,7 +90,7 @@ class FailureLedger:
                 segment,
                 self._bad_ttl_s,
             )
-        return verdict
+        return PutTarget.FULL
 
     def owners_down(self, segments: Iterable[str]) -> list[str]:
         """Segments whose SSD tier failed a read: bad as after a failed transfer, and

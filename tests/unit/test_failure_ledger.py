@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_span.config import SpanOptions
-from mooncake_span.store.router import FailureLedger, PutTarget, judge_put_target
+from mooncake_span.store.router import FailureLedger, PutTarget
 from tests.span_helpers import FakeClock
 
 TTL_S = 10.0
@@ -30,7 +30,10 @@ def _ledger(clock: FakeClock) -> FailureLedger:
     ],
 )
 def test_the_put_target_rule(answers, whole_call, others_bad, verdict):
-    assert judge_put_target(answers, whole_call, others_bad) is verdict
+    ledger = _ledger(FakeClock())
+    if others_bad:
+        ledger.transfer_failed(["other"], "batch_get_into_multi_buffers")
+    assert ledger.put_target_failed("s", answers, whole_call) is verdict
 
 
 def test_a_put_target_is_marked_as_judged():
