@@ -320,12 +320,9 @@ class MooncakeClient:
         )
 
     def stats(self) -> dict[str, Any]:
-        breaker = self._gate.breaker()
         return {
             "error_counts": self._gate.counts(),
-            "breaker_state": breaker.state.value,
-            "breaker_consecutive_failures": breaker.consecutive_failures,
-            "breaker_times_opened": breaker.times_opened,
+            **self._gate.breaker_stats(),
             "segments": list(self.router.segments()),
             "bad_segments": sorted(self.ledger.bad_segments()),
             "full_segments": sorted(self.ledger.full_segments()),

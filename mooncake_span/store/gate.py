@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import functools
 import logging
 import operator
@@ -48,18 +47,6 @@ _MAX_ERROR_LABELS = 64
 _OTHER_CODES_LABEL = "CODE_OTHER"
 
 
-class BreakerState(enum.Enum):
-    CLOSED = "closed"
-    OPEN = "open"
-
-
-@dataclass(frozen=True)
-class BreakerSnapshot:
-    state: BreakerState
-    consecutive_failures: int
-    times_opened: int
-
-
 class CircuitBreaker:
     """Opens after ``failure_threshold`` whole-call failures in a row. Pure."""
 
@@ -68,19 +55,19 @@ class CircuitBreaker:
             raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
         self._threshold = failure_threshold
         self._lock = threading.Lock()
-        self._state = BreakerState.CLOSED
+        self._open = False
         self._failures = 0
         self._times_opened = 0
 
     @property
     def is_open(self) -> bool:
-        return self._state is BreakerState.OPEN
+        return self._open
 
     def record_success(self) -> bool:
         """Returns True when this success closed an open breaker."""
         with self._lock:
-            was_open = self._state is BreakerState.OPEN
-            self._state = BreakerState.CLOSED
+            was_open = self._open
+            self._open = False
             self._failures = 0
             return was_open
 
@@ -88,15 +75,20 @@ class CircuitBreaker:
         """Returns True when this failure opened the breaker."""
         with self._lock:
             self._failures += 1
-            if self._state is BreakerState.CLOSED and self._failures >= self._threshold:
-                self._state = BreakerState.OPEN
+            if not self._open and self._failures >= self._threshold:
+                self._open = True
                 self._times_opened += 1
                 return True
             return False
 
-    def snapshot(self) -> BreakerSnapshot:
+    def stats(self) -> dict[str, Any]:
+        """Its entries of the client's ``stats()``."""
         with self._lock:
-            return BreakerSnapshot(self._state, self._failures, self._times_opened)
+            return {
+                "breaker_state": "open" if self._open else "closed",
+                "breaker_consecutive_failures": self._failures,
+                "breaker_times_opened": self._times_opened,
+            }
 
 
 class RecoveryProbe:
@@ -310,8 +302,8 @@ class NativeGate:
             total = sum(self._counters.values())
         return total, self._breaker.is_open
 
-    def breaker(self) -> BreakerSnapshot:
-        return self._breaker.snapshot()
+    def breaker_stats(self) -> dict[str, Any]:
+        return self._breaker.stats()
 
 
 # ---- the data calls ----------------------------------------------------------------

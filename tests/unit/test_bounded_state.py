@@ -70,8 +70,8 @@ def test_breaker_state_is_the_same_three_scalars_after_many_open_close_cycles():
         breaker.record_failure()
         breaker.record_success()
     assert set(vars(breaker)) == fields
-    snapshot = breaker.snapshot()
-    assert (snapshot.times_opened, snapshot.consecutive_failures) == (20_000, 0)
+    stats = breaker.stats()
+    assert (stats["breaker_times_opened"], stats["breaker_consecutive_failures"]) == (20_000, 0)
 
 
 def test_layout_guard_keeps_one_record_per_namespace_however_many_checks():

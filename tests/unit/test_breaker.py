@@ -8,13 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_span.store.gate import BreakerSnapshot, BreakerState, CircuitBreaker
+from mooncake_span.store.gate import CircuitBreaker
+
+
+def _stats(state: str, failures: int, times_opened: int) -> dict[str, object]:
+    return {
+        "breaker_state": state,
+        "breaker_consecutive_failures": failures,
+        "breaker_times_opened": times_opened,
+    }
 
 
 def test_starts_closed():
     breaker = CircuitBreaker(3)
     assert not breaker.is_open
-    assert breaker.snapshot() == BreakerSnapshot(BreakerState.CLOSED, 0, 0)
+    assert breaker.stats() == _stats("closed", 0, 0)
 
 
 @pytest.mark.parametrize("threshold", [1, 2, 3, 7])
@@ -25,7 +33,7 @@ def test_opens_after_exactly_n_consecutive_failures(threshold):
         assert not breaker.is_open
     assert breaker.record_failure() is True
     assert breaker.is_open
-    assert breaker.snapshot() == BreakerSnapshot(BreakerState.OPEN, threshold, 1)
+    assert breaker.stats() == _stats("open", threshold, 1)
 
 
 def test_failures_while_open_do_not_reopen_it():
@@ -34,8 +42,7 @@ def test_failures_while_open_do_not_reopen_it():
     assert breaker.record_failure() is True
     assert breaker.record_failure() is False
     assert breaker.record_failure() is False
-    snap = breaker.snapshot()
-    assert snap == BreakerSnapshot(BreakerState.OPEN, 4, 1)
+    assert breaker.stats() == _stats("open", 4, 1)
 
 
 def test_success_resets_the_failure_count():
@@ -43,7 +50,7 @@ def test_success_resets_the_failure_count():
     breaker.record_failure()
     breaker.record_failure()
     assert breaker.record_success() is False  # it was closed
-    assert breaker.snapshot().consecutive_failures == 0
+    assert breaker.stats()["breaker_consecutive_failures"] == 0
     # Two more failures are not enough: the count started over.
     breaker.record_failure()
     breaker.record_failure()
@@ -56,7 +63,7 @@ def test_success_closes_an_open_breaker_once():
     assert breaker.record_failure() is True
     assert breaker.record_success() is True
     assert breaker.record_success() is False
-    assert breaker.snapshot() == BreakerSnapshot(BreakerState.CLOSED, 0, 1)
+    assert breaker.stats() == _stats("closed", 0, 1)
 
 
 def test_times_opened_counts_every_opening():
@@ -64,9 +71,9 @@ def test_times_opened_counts_every_opening():
     for cycle in range(1, 4):
         breaker.record_failure()
         breaker.record_failure()
-        assert breaker.snapshot().times_opened == cycle
+        assert breaker.stats()["breaker_times_opened"] == cycle
         breaker.record_success()
-    assert breaker.snapshot().times_opened == 3
+    assert breaker.stats()["breaker_times_opened"] == 3
 
 
 @pytest.mark.parametrize("threshold", [0, -1])
@@ -80,26 +87,22 @@ def test_threshold_must_be_positive(threshold):
 def test_matches_a_reference_model(threshold, outcomes):
     # True = success, False = failure; the model is the docstring's rule.
     breaker = CircuitBreaker(threshold)
-    failures, opened, state = 0, 0, BreakerState.CLOSED
+    failures, opened, is_open = 0, 0, False
     for ok in outcomes:
         if ok:
             closed_now = breaker.record_success()
-            assert closed_now == (state is BreakerState.OPEN)
-            failures, state = 0, BreakerState.CLOSED
+            assert closed_now == is_open
+            failures, is_open = 0, False
         else:
             opened_now = breaker.record_failure()
             failures += 1
-            expect_open = state is BreakerState.CLOSED and failures >= threshold
+            expect_open = not is_open and failures >= threshold
             assert opened_now == expect_open
             if expect_open:
-                state, opened = BreakerState.OPEN, opened + 1
-        snap = breaker.snapshot()
-        assert (snap.state, snap.consecutive_failures, snap.times_opened) == (
-            state,
-            failures,
-            opened,
-        )
-        assert breaker.is_open == (state is BreakerState.OPEN)
+                is_open, opened = True, opened + 1
+        state = "open" if is_open else "closed"
+        assert breaker.stats() == _stats(state, failures, opened)
+        assert breaker.is_open == is_open
 
 
 def test_concurrent_failures_open_it_exactly_once():
@@ -119,5 +122,5 @@ def test_concurrent_failures_open_it_exactly_once():
     for t in threads:
         t.join()
     assert len(opened) == 1
-    assert breaker.snapshot().consecutive_failures == 800
-    assert breaker.snapshot().times_opened == 1
+    assert breaker.stats()["breaker_consecutive_failures"] == 800
+    assert breaker.stats()["breaker_times_opened"] == 1
