@@ -112,7 +112,7 @@ class MooncakeClient:
             setup_store(store, s, **setup_arguments(s, self._shared_engine))
         if self._ssd.owns_directory:
             self._ssd.running(segment=store.get_hostname())
-        self._gate.open(store)
+        self._gate.store = store
         try:
             self._choose_seals(store)
         except BaseException:

@@ -131,7 +131,7 @@ class RecoveryProbe:
 
 class NativeGate:
     def __init__(self, options: SpanOptions) -> None:
-        self.store: Any = None  # set by open() once setup succeeded
+        self.store: Any = None  # set by the client once setup succeeded
         self._cond = threading.Condition()
         self._closed = False
         self._inflight = 0
@@ -144,9 +144,6 @@ class NativeGate:
         self._probe_key = f"mooncake-span-probe-{uuid.uuid4().hex}"
 
     # ---- lifecycle -------------------------------------------------------
-
-    def open(self, store: Any) -> None:
-        self.store = store
 
     @property
     def closed(self) -> bool:

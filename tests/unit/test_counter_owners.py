@@ -62,7 +62,7 @@ def _race(event: Callable[[], object], per_thread: int = EVENTS_PER_THREAD) -> N
 
 def _open_gate() -> NativeGate:
     gate = NativeGate(SpanOptions())
-    gate.open(object())  # the calls below never touch the native store
+    gate.store = object()  # the calls below never touch the native store
     return gate
 
 
