@@ -131,7 +131,6 @@ class SegmentDirectory:
         self._segments: tuple[str, ...] = ()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._warned = False
 
     @property
@@ -160,10 +159,7 @@ class SegmentDirectory:
 
     def start(self) -> None:
         self.refresh()
-        self._thread = threading.Thread(
-            target=self._loop, name="mooncake-span-segments", daemon=True
-        )
-        self._thread.start()
+        threading.Thread(target=self._loop, name="mooncake-span-segments", daemon=True).start()
 
     def wake(self) -> None:
         self._wake.set()
