@@ -59,8 +59,6 @@ _CLOSE_DRAIN_TIMEOUT_S = 60.0
 
 @dataclasses.dataclass(frozen=True)
 class Existence:
-    """An existence query's answer."""
-
     found: list[bool]  # per key asked
     # Per touched object asked: a head of them, as many as fit in the query's last
     # RPC, and none while the router is troubled (touching never adds an RPC).

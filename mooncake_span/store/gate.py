@@ -287,7 +287,6 @@ class NativeGate:
                     self._counters[label] += 1
 
     def counts(self) -> dict[str, int]:
-        """A copy of the error counters."""
         with self._counts_lock:
             return dict(self._counters)
 

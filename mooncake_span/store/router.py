@@ -144,7 +144,6 @@ class FailureLedger:
         self._lost.discard(keys)
 
     def lost_mask(self, keys: Sequence[str]) -> list[bool]:
-        """Per key, True while it is known lost."""
         return self._lost.mask(keys, self._clock())
 
     @property
@@ -201,13 +200,11 @@ class TimedMarks:
                 self._until.pop(name, None)
 
     def marked(self, now_s: float) -> frozenset[str]:
-        """The names marked at ``now_s``."""
         with self._lock:
             self._expire(now_s)
             return frozenset(self._until)
 
     def mask(self, names: Sequence[str], now_s: float) -> list[bool]:
-        """Per name, True while it is marked."""
         if not self._until:
             return [False] * len(names)
         with self._lock:
@@ -361,11 +358,9 @@ class DomainRouter:
         return self.directory.segments if self.directory is not None else ()
 
     def copy_keys(self, key: str) -> list[str]:
-        """The object keys of every copy of ``key``."""
         return [copy_key(key, r) for r in range(self.copies)]
 
     def place_by(self, domain_of: Callable[[str], str] | None) -> None:
-        """Place objects by ``domain_of(object key)`` (None: by the key itself)."""
         self._domain_of = domain_of
 
     @property
