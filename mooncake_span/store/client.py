@@ -232,7 +232,6 @@ class MooncakeClient:
         sizes: dict[str, int] | None = None,
         on_rpc: Callable[[], None] = uncounted,
     ) -> dict[str, set[str]]:
-        """Where the master says objects are (``NativeCalls.locate``)."""
         return self._native.locate(object_keys, sizes, on_rpc)
 
     # ---- existence ---------------------------------------------------------------
@@ -296,7 +295,6 @@ class MooncakeClient:
             return int(store.remove_all(True))
 
     def remove_prefix(self, prefix: str) -> int:
-        """Force-remove every object whose key starts with ``prefix``."""
         pattern = "^" + re.escape(prefix)
         with self._gate.native("remove_by_regex") as store:
             return int(store.remove_by_regex(pattern, True))

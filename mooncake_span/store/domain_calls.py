@@ -197,8 +197,6 @@ class DomainCalls:
     def exists(
         self, keys: Sequence[str], domains: Domains, steps: Steps, on_rpc: Callable[[], None]
     ) -> list[bool]:
-        """Per key, whether a live copy is stored; lost keys and keys with every copy
-        in a bad failure domain are absent without asking."""
         lost = self.ledger.lost_mask(keys)
         locate = functools.partial(self.native.locate, on_rpc=on_rpc)
         rows = self.router.read_rows(keys, locate, domains, steps)

@@ -106,7 +106,6 @@ class RecoveryProbe:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start probing unless a probe thread is already running."""
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
@@ -277,7 +276,6 @@ class NativeGate:
             self._counters[label] += n
 
     def _count_codes(self, codes: Sequence[int]) -> None:
-        """Count each negative code by name, within the label bound."""
         with self._counts_lock:
             for code in codes:
                 if code < 0:
