@@ -330,10 +330,6 @@ class PutPressure:
         )
 
 
-# Object key -> the segments the master reports holding it.
-Locate = Callable[[list[str]], dict[str, set[str]]]
-
-
 class DomainRouter:
     def __init__(self, options: SpanOptions, ledger: FailureLedger) -> None:
         # With placement, replicas are copies under their own keys (one per
@@ -442,7 +438,7 @@ class DomainRouter:
     def read_rows(
         self,
         keys: Sequence[str],
-        locate: Locate,
+        locate: Callable[[list[str]], dict[str, set[str]]],
         domains: Sequence[str] | None = None,
         steps: Sequence[int] | None = None,
     ) -> list[list[str]]:
