@@ -34,7 +34,6 @@ from mooncake_span.span.object_layout import (
     describe_object_layout,
     parse_guard_key,
     parse_object_key,
-    pool_inputs,
 )
 
 logger = logging.getLogger(__name__)
@@ -220,8 +219,9 @@ def _namespace_doc(
         record, doc["object_layout"] = _guard_record(blobs[key]), None
         if record is not None:
             kinds = {name: classify_pool(name) for name in record.pools}
-            pools = pool_inputs(record.pools, kinds)
-            layout = describe_object_layout(facts, pools, source="inspect", layout_guard_key=key)
+            layout = describe_object_layout(
+                facts, record.pools, kinds, source="inspect", layout_guard_key=key
+            )
             _fill_observed_suffixes(layout, ns.suffixes)
             doc["object_layout"] = layout
     return doc
