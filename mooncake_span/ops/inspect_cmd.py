@@ -88,12 +88,11 @@ def scan_keys(
             continue
         ns, rest = _known_namespace(namespaces, key)
         if ns is None:
-            parsed = parse_object_key(key)
-            name = parsed.facts.key_prefix if parsed else OTHER_NAMESPACE
+            facts, rest = parse_object_key(key) or (None, None)
+            name = facts.key_prefix if facts else OTHER_NAMESPACE
             ns = namespaces.get(name)
             if ns is None:
-                ns = namespaces[name] = _Namespace(parsed.facts if parsed else None)
-            rest = parsed.rest if parsed else None
+                ns = namespaces[name] = _Namespace(facts)
         ns.objects += 1
         if rest is not None:
             page_key, _, suffix = rest.partition("_")

@@ -164,16 +164,9 @@ _LAYOUT_NAMES = {code: name for name, code in LAYOUT_CODES.items()}
 GEOMETRY_SUFFIX = "__geometry"
 
 
-@dataclass(frozen=True)
-class ParsedKey:
-    """An object key split along the grammar; ``rest`` is ``{page_key}_{rank}_{component}``."""
-
-    facts: NamespaceFacts
-    rest: str
-
-
-def parse_object_key(key: str) -> ParsedKey | None:
-    """Split a mooncake-span object key; None for any other key (foreign, guard record).
+def parse_object_key(key: str) -> tuple[NamespaceFacts, str] | None:
+    """A mooncake-span object key split along the grammar: its namespace and the rest,
+    ``{page_key}_{rank}_{component}``; None for any other key (foreign, guard record).
     Prefix fields are sanitized tokens without ``_``, so the split is exact."""
     parts = key.split("_")
     if parts[0] != KEY_SCHEMA_VERSION:
@@ -196,8 +189,7 @@ def parse_object_key(key: str) -> ParsedKey | None:
         layout=_LAYOUT_NAMES.get(parts[geometry_at + 1], parts[geometry_at + 1]),
         kv_dtype=parts[geometry_at + 2],
     )
-    rest = key[len(prefix) + 1 :]
-    return ParsedKey(facts, rest)
+    return facts, key[len(prefix) + 1 :]
 
 
 def parse_guard_key(key: str) -> tuple[str | None, str] | None:

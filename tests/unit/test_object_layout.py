@@ -100,12 +100,13 @@ def test_parse_object_key_inverts_the_key_schema(tag, layout):
     for key in schema.object_keys(["ab12" * 16], comps):
         parsed = parse_object_key(key)
         assert parsed is not None, key
-        assert parsed.facts.key_prefix == schema.prefix
-        assert parsed.facts.tag == (tag if tag is None else "prod-a")
-        assert parsed.facts.model == "DeepSeek-V3.2"
-        assert (parsed.facts.host_page_tokens, parsed.facts.pages_per_span) == (64, 4)
-        assert parsed.facts.layout == layout
-        assert parsed.rest.startswith("ab12" * 16 + "_")
+        facts, rest = parsed
+        assert facts.key_prefix == schema.prefix
+        assert facts.tag == (tag if tag is None else "prod-a")
+        assert facts.model == "DeepSeek-V3.2"
+        assert (facts.host_page_tokens, facts.pages_per_span) == (64, 4)
+        assert facts.layout == layout
+        assert rest.startswith("ab12" * 16 + "_")
 
 
 @pytest.mark.parametrize(
