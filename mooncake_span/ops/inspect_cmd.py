@@ -127,14 +127,7 @@ def _reachable(ns: _Namespace, prefix: str, records: dict[str, str | None]) -> d
     """How much of the sampled chains a hit query from the root still reaches."""
     texts = [records.get(chain_record_key(prefix, root, n)) for root, n in ns.chains.items()]
     read = [record_keys(text) for text in texts if text]
-    estimate = reachable_estimate(read, ns.page_keys)
-    return {
-        "chain_records": len(ns.chains),
-        "chains_sampled": estimate.chains,
-        "stored_keys": estimate.stored_keys,
-        "reachable_keys": estimate.reachable_keys,
-        "share": None if estimate.share is None else round(estimate.share, 4),
-    }
+    return {"chain_records": len(ns.chains), **reachable_estimate(read, ns.page_keys)}
 
 
 def _bytes(base_url: str, ns: _Namespace, exact: bool) -> dict[str, Any]:
