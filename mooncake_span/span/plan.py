@@ -111,13 +111,11 @@ class PlanBatch:
         return len(self.ptrs)
 
     @classmethod
-    def from_plans(cls, plans: Sequence[ObjectPlan]) -> PlanBatch:
-        return cls([p.ptrs for p in plans], [p.sizes for p in plans], [sum(p.sizes) for p in plans])
-
-    @classmethod
     def of(cls, plans: Sequence[ObjectPlan] | PlanBatch) -> PlanBatch:
         """The columns of ``plans``, without a copy when they already are a PlanBatch."""
-        return plans if isinstance(plans, PlanBatch) else cls.from_plans(plans)
+        if isinstance(plans, PlanBatch):
+            return plans
+        return cls([p.ptrs for p in plans], [p.sizes for p in plans], [sum(p.sizes) for p in plans])
 
     @classmethod
     def concat(cls, batches: Sequence[PlanBatch]) -> PlanBatch:

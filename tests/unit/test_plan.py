@@ -273,7 +273,7 @@ def test_plan_batch_columns_match_the_naive_reference(case):
     assert all(type(v) is int for v in batch.nbytes)
 
 
-def test_plan_batch_take_concat_and_from_plans_round_trip():
+def test_plan_batch_take_concat_and_of_plans_round_trip():
     pool = page_first_pool((64, 32), 16, components=((0,), (1,)))
     batch = plan_batch(pool.layout, np.asarray([[3, 4], [9, 1], [0, 15]]))
     assert len(batch) == 6  # 3 keys x 2 components
@@ -283,7 +283,7 @@ def test_plan_batch_take_concat_and_from_plans_round_trip():
     joined = PlanBatch.concat([picked, batch])
     assert joined.ptrs == picked.ptrs + batch.ptrs
     assert joined.sizes == picked.sizes + batch.sizes
-    again = PlanBatch.from_plans(batch.plans())
+    again = PlanBatch.of(batch.plans())
     assert (again.ptrs, again.sizes, again.nbytes) == (batch.ptrs, batch.sizes, batch.nbytes)
 
 
