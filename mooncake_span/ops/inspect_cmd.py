@@ -34,7 +34,6 @@ from mooncake_span.span.object_layout import (
     describe_object_layout,
     parse_guard_key,
     parse_object_key,
-    pool_inputs,
 )
 
 logger = logging.getLogger(__name__)
@@ -89,12 +88,11 @@ def scan_keys(
             continue
         ns, rest = _known_namespace(namespaces, key)
         if ns is None:
-            parsed = parse_object_key(key)
-            name = parsed.facts.key_prefix if parsed else OTHER_NAMESPACE
+            facts, rest = parse_object_key(key) or (None, None)
+            name = facts.key_prefix if facts else OTHER_NAMESPACE
             ns = namespaces.get(name)
             if ns is None:
-                ns = namespaces[name] = _Namespace(parsed.facts if parsed else None)
-            rest = parsed.rest if parsed else None
+                ns = namespaces[name] = _Namespace(facts)
         ns.objects += 1
         if rest is not None:
             page_key, _, suffix = rest.partition("_")
@@ -129,14 +127,7 @@ def _reachable(ns: _Namespace, prefix: str, records: dict[str, str | None]) -> d
     """How much of the sampled chains a hit query from the root still reaches."""
     texts = [records.get(chain_record_key(prefix, root, n)) for root, n in ns.chains.items()]
     read = [record_keys(text) for text in texts if text]
-    estimate = reachable_estimate(read, ns.page_keys)
-    return {
-        "chain_records": len(ns.chains),
-        "chains_sampled": estimate.chains,
-        "stored_keys": estimate.stored_keys,
-        "reachable_keys": estimate.reachable_keys,
-        "share": None if estimate.share is None else round(estimate.share, 4),
-    }
+    return {"chain_records": len(ns.chains), **reachable_estimate(read, ns.page_keys)}
 
 
 def _bytes(base_url: str, ns: _Namespace, exact: bool) -> dict[str, Any]:
@@ -220,8 +211,9 @@ def _namespace_doc(
         record, doc["object_layout"] = _guard_record(blobs[key]), None
         if record is not None:
             kinds = {name: classify_pool(name) for name in record.pools}
-            pools = pool_inputs(record.pools, kinds)
-            layout = describe_object_layout(facts, pools, source="inspect", layout_guard_key=key)
+            layout = describe_object_layout(
+                facts, record.pools, kinds, source="inspect", layout_guard_key=key
+            )
             _fill_observed_suffixes(layout, ns.suffixes)
             doc["object_layout"] = layout
     return doc

@@ -43,7 +43,7 @@ from mooncake_span.sglang_backend.writes import ChainRecords, PerKeyNotice, Stor
 from mooncake_span.span.geometry import KV_POOL, SpanGeometry
 from mooncake_span.span.hit_rounds import KV_ROUNDS_ALONE, ProbeTally
 from mooncake_span.span.keys import KeySchema, check_page_keys
-from mooncake_span.span.object_layout import NamespaceFacts, describe_object_layout, pool_inputs
+from mooncake_span.span.object_layout import NamespaceFacts, describe_object_layout
 from mooncake_span.store.arena import StagingArena
 from mooncake_span.store.client import MooncakeClient, NativeBinding
 from mooncake_span.store.layout_guard import namespace_key
@@ -231,11 +231,9 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
         pools = [self.pools[name] for name in record.pools]
         layout = describe_object_layout(
             NamespaceFacts.from_schema(schema),
-            pool_inputs(
-                record.pools,
-                {pool.name: pool.kind for pool in pools},
-                {pool.name: tuple(c.scope.value for c in pool.components) for pool in pools},
-            ),
+            record.pools,
+            {pool.name: pool.kind for pool in pools},
+            scopes={pool.name: tuple(c.scope.value for c in pool.components) for pool in pools},
             ranks=schema.ranks,
             is_mla=self.registration.is_mla,
             pp_rank=int(getattr(self.storage_config, "pp_rank", 0) or 0),

@@ -112,7 +112,7 @@ class StagedRows:
         batch = self.batch
         row_bytes = batch.row_bytes
         bases = [self.base_ptr + k * row_bytes for k in range(len(self.rows))]
-        row_plans = PlanBatch.from_plans(
+        row_plans = PlanBatch.of(
             plan_objects_from_flat(batch.pool.layout, bases, batch.pages_per_key)
         )
         ncomp = batch.pool.num_components

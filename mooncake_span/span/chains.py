@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 CHAIN_RECORD_MARK = "__chain_"
 
@@ -48,26 +48,21 @@ def record_keys(text: str) -> list[str]:
     return [line for line in text.split("\n") if line]
 
 
-@dataclass(frozen=True)
-class ReachableEstimate:
-    chains: int
-    stored_keys: int  # keys of the sampled chains that are stored
-    reachable_keys: int  # of those, the ones a hit query from the root reaches
-
-    @property
-    def share(self) -> float | None:
-        return self.reachable_keys / self.stored_keys if self.stored_keys else None
-
-
 def reachable_estimate(
     chains: Iterable[Sequence[str]], stored: set[str] | frozenset[str]
-) -> ReachableEstimate:
+) -> dict[str, Any]:
     """Over ``chains`` (each a list of page keys from its root), how many keys are
-    stored and how many of those lead back to the root unbroken."""
+    stored and how many of those lead back to the root unbroken (``share``: None
+    when no key is stored)."""
     count = held = reached = 0
     for chain in chains:
         count += 1
         flags = [key in stored for key in chain]
         held += sum(flags)
         reached += flags.index(False) if False in flags else len(flags)
-    return ReachableEstimate(count, held, reached)
+    return {
+        "chains_sampled": count,
+        "stored_keys": held,
+        "reachable_keys": reached,
+        "share": round(reached / held, 4) if held else None,
+    }

@@ -8,7 +8,7 @@ scopes), unknown facts ``None``: docs/operating.md, "L3 object-layout descriptio
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,20 +22,6 @@ PREFIX_GRAMMAR = f"{KEY_SCHEMA_VERSION}[_{{tag}}]_{{model}}_h{{host_page_tokens}
 # Pools whose hit is decided by their last pages only (sglang's default windows).
 _TRAILING_PAGES = {"mamba": 1}
 _GEOMETRY_TOKEN = re.compile(r"h([0-9]+)x([0-9]+)")
-
-
-@dataclass(frozen=True)
-class PoolLayoutInput:
-    """One pool as the description needs it: ``bytes_per_page`` per pool page and
-    component; ``scopes`` each component's rank scope, None when unknown (a
-    layout-guard record does not carry it)."""
-
-    name: str
-    kind: PoolKind
-    components: tuple[str, ...]
-    bytes_per_page: tuple[int, ...]
-    page_tokens: int
-    scopes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,44 +49,30 @@ class NamespaceFacts:
         )
 
 
-def pool_inputs(
-    shapes: Mapping[str, Any],
-    kinds: Mapping[str, PoolKind],
-    scopes: Mapping[str, tuple[str, ...]] | None = None,
-) -> list[PoolLayoutInput]:
-    """Inputs from layout-guard pool shapes (``components``, ``bytes_per_page``,
-    ``page_tokens`` attributes), with each pool's kind and, when known, scopes."""
-    return [
-        PoolLayoutInput(
-            name=name,
-            kind=kinds[name],
-            components=tuple(shape.components),
-            bytes_per_page=tuple(shape.bytes_per_page),
-            page_tokens=int(shape.page_tokens),
-            scopes=None if scopes is None else scopes.get(name),
-        )
-        for name, shape in shapes.items()
-    ]
-
-
 def _describe_pool(
-    pool: PoolLayoutInput, ranks: RankTags | None, storage_page_tokens: int
+    name: str,
+    shape: Any,
+    kind: PoolKind,
+    scopes: Mapping[str, tuple[str, ...]] | None,
+    ranks: RankTags | None,
+    storage_page_tokens: int,
 ) -> dict[str, object]:
     pages_per_key = None  # state pools store a window that sglang picks per transfer
-    if pool.kind is not PoolKind.STATE and pool.page_tokens > 0:
-        pages_per_key = max(1, storage_page_tokens // pool.page_tokens)
+    if kind is not PoolKind.STATE and shape.page_tokens > 0:
+        pages_per_key = max(1, storage_page_tokens // shape.page_tokens)
+    pool_scopes = None if scopes is None else scopes.get(name)
     components = []
-    for i, name in enumerate(pool.components):
-        scope = pool.scopes[i] if pool.scopes is not None else None
+    for i, component in enumerate(shape.components):
+        scope = pool_scopes[i] if pool_scopes is not None else None
         rank = None
         if ranks is not None and scope is not None:
             rank = ranks.replicated if scope == "replicated" else ranks.sharded
-        page_bytes = pool.bytes_per_page[i] if i < len(pool.bytes_per_page) else None
+        page_bytes = shape.bytes_per_page[i] if i < len(shape.bytes_per_page) else None
         components.append(
             {
-                "name": name,
+                "name": component,
                 "rank_scope": scope,
-                "suffix": None if rank is None else f"_{rank}_{name}",
+                "suffix": None if rank is None else f"_{rank}_{component}",
                 "bytes_per_pool_page": page_bytes,
                 "bytes_per_object": (
                     None
@@ -110,13 +82,13 @@ def _describe_pool(
             }
         )
     sizes = [c["bytes_per_object"] for c in components]
-    trailing = _TRAILING_PAGES.get(pool.name)
+    trailing = _TRAILING_PAGES.get(name)
     entry: dict[str, object] = {
-        "pool": pool.name,
-        "kind": pool.kind.value,
+        "pool": name,
+        "kind": kind.value,
         "suffixes": [c["suffix"] for c in components],
         "hit_policy": "trailing_pages" if trailing else "all_pages",
-        "pool_page_tokens": pool.page_tokens,
+        "pool_page_tokens": shape.page_tokens,
         "pool_pages_per_key": pages_per_key,
         "components": components,
         "bytes_per_key": None if None in sizes else sum(sizes),  # type: ignore[arg-type]
@@ -128,8 +100,10 @@ def _describe_pool(
 
 def describe_object_layout(
     facts: NamespaceFacts,
-    pools: Sequence[PoolLayoutInput],
+    pools: Mapping[str, Any],
+    kinds: Mapping[str, PoolKind],
     *,
+    scopes: Mapping[str, tuple[str, ...]] | None = None,
     ranks: RankTags | None = None,
     is_mla: bool | None = None,
     pp_rank: int | None = None,
@@ -137,9 +111,15 @@ def describe_object_layout(
     source: str = "backend",
     layout_guard_key: str | None = None,
 ) -> dict[str, object]:
-    """The layout document (JSON-ready). ``source`` says who built it."""
+    """The layout document (JSON-ready) of ``pools``, layout-guard pool shapes by name
+    (``components``, ``bytes_per_page`` per pool page and component, ``page_tokens``);
+    ``scopes``: each component's rank scope, unknown (None) to a guard record.
+    ``source`` says who built it."""
     storage_page_tokens = facts.host_page_tokens * facts.pages_per_span
-    described = [_describe_pool(p, ranks, storage_page_tokens) for p in pools]
+    described = [
+        _describe_pool(name, shape, kinds[name], scopes, ranks, storage_page_tokens)
+        for name, shape in pools.items()
+    ]
     # The KV anchor first, as upstream lists it.
     described.sort(key=lambda p: (p["kind"] != PoolKind.KV_ANCHOR.value, p["pool"]))
     key_sizes = [p["bytes_per_key"] for p in described]
@@ -184,16 +164,9 @@ _LAYOUT_NAMES = {code: name for name, code in LAYOUT_CODES.items()}
 GEOMETRY_SUFFIX = "__geometry"
 
 
-@dataclass(frozen=True)
-class ParsedKey:
-    """An object key split along the grammar; ``rest`` is ``{page_key}_{rank}_{component}``."""
-
-    facts: NamespaceFacts
-    rest: str
-
-
-def parse_object_key(key: str) -> ParsedKey | None:
-    """Split a mooncake-span object key; None for any other key (foreign, guard record).
+def parse_object_key(key: str) -> tuple[NamespaceFacts, str] | None:
+    """A mooncake-span object key split along the grammar: its namespace and the rest,
+    ``{page_key}_{rank}_{component}``; None for any other key (foreign, guard record).
     Prefix fields are sanitized tokens without ``_``, so the split is exact."""
     parts = key.split("_")
     if parts[0] != KEY_SCHEMA_VERSION:
@@ -216,8 +189,7 @@ def parse_object_key(key: str) -> ParsedKey | None:
         layout=_LAYOUT_NAMES.get(parts[geometry_at + 1], parts[geometry_at + 1]),
         kv_dtype=parts[geometry_at + 2],
     )
-    rest = key[len(prefix) + 1 :]
-    return ParsedKey(facts, rest)
+    return facts, key[len(prefix) + 1 :]
 
 
 def parse_guard_key(key: str) -> tuple[str | None, str] | None:

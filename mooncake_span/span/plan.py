@@ -111,13 +111,11 @@ class PlanBatch:
         return len(self.ptrs)
 
     @classmethod
-    def from_plans(cls, plans: Sequence[ObjectPlan]) -> PlanBatch:
-        return cls([p.ptrs for p in plans], [p.sizes for p in plans], [sum(p.sizes) for p in plans])
-
-    @classmethod
     def of(cls, plans: Sequence[ObjectPlan] | PlanBatch) -> PlanBatch:
         """The columns of ``plans``, without a copy when they already are a PlanBatch."""
-        return plans if isinstance(plans, PlanBatch) else cls.from_plans(plans)
+        if isinstance(plans, PlanBatch):
+            return plans
+        return cls([p.ptrs for p in plans], [p.sizes for p in plans], [sum(p.sizes) for p in plans])
 
     @classmethod
     def concat(cls, batches: Sequence[PlanBatch]) -> PlanBatch:
@@ -237,31 +235,23 @@ def plan_batch(layout: PageLayout, key_pages: np.ndarray) -> PlanBatch:
     )
 
 
-def flat_page_offsets(layout: PageLayout) -> list[list[int]]:
-    """Byte offset of every component slot inside sglang's flat page, which
-    (``get_data_page(flat=True)``) concatenates the components' slot bytes in order."""
-    offsets = []
-    cursor = 0
-    for slots in layout.components:
-        comp = []
-        for b in slots:
-            comp.append(cursor)
-            cursor += layout.slot_bytes[b]
-        offsets.append(comp)
-    return offsets
-
-
 def plan_objects_from_flat(
     layout: PageLayout, base_ptrs: Sequence[int], pages_per_key: int
 ) -> list[ObjectPlan]:
-    """Object buffers inside flat tensors holding K consecutive flat pages per key."""
-    offsets = flat_page_offsets(layout)
+    """Object buffers inside flat tensors holding K consecutive flat pages per key. A flat
+    page (sglang's ``get_data_page(flat=True)``) concatenates the components' slot bytes
+    in order."""
     flat_page = layout.flat_page_bytes
     plans = []
     for base in map(int, base_ptrs):
-        for c, slots in enumerate(layout.components):
-            ptrs = [base + j * flat_page + off for off in offsets[c] for j in range(pages_per_key)]
-            sizes = [layout.slot_bytes[b] for b in slots for _ in range(pages_per_key)]
+        ptr = base  # where the next slot's bytes start in the key's first flat page
+        for slots in layout.components:
+            ptrs: list[int] = []
+            sizes: list[int] = []
+            for b in slots:
+                ptrs += [ptr + j * flat_page for j in range(pages_per_key)]
+                sizes += [layout.slot_bytes[b]] * pages_per_key
+                ptr += layout.slot_bytes[b]
             plans.append(ObjectPlan(*_merge(ptrs, sizes)))
     return plans
 

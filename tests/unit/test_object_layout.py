@@ -10,12 +10,11 @@ from mooncake_span.span.geometry import PoolKind
 from mooncake_span.span.keys import ComponentSpec, KeySchema, RankScope, RankTags
 from mooncake_span.span.object_layout import (
     NamespaceFacts,
-    PoolLayoutInput,
     describe_object_layout,
     parse_guard_key,
     parse_object_key,
 )
-from mooncake_span.store.layout_guard import namespace_key
+from mooncake_span.store.layout_guard import PoolGeometry, namespace_key
 
 R, S = RankScope.REPLICATED, RankScope.SHARDED
 
@@ -34,8 +33,13 @@ def _facts(**over) -> NamespaceFacts:
 
 
 def test_mla_span_example_from_the_docstring():
-    kv = PoolLayoutInput("kv", PoolKind.KV_ANCHOR, ("k",), (4096,), 64, ("replicated",))
-    doc = describe_object_layout(_facts(), [kv], ranks=RankTags.from_ranks(tp_rank=3))
+    doc = describe_object_layout(
+        _facts(),
+        {"kv": PoolGeometry(("k",), (4096,), 64)},
+        {"kv": PoolKind.KV_ANCHOR},
+        scopes={"kv": ("replicated",)},
+        ranks=RankTags.from_ranks(tp_rank=3),
+    )
     assert doc["page_size"] == 256
     (pool,) = doc["hicache_object_layout"]["pools"]
     assert pool["suffixes"] == ["__k"]
@@ -45,7 +49,7 @@ def test_mla_span_example_from_the_docstring():
 
 
 def test_upstream_fields_are_all_present():
-    doc = describe_object_layout(_facts(), [])
+    doc = describe_object_layout(_facts(), {}, {})
     assert {"enabled", "backend", "page_size", "hicache_object_layout"} <= set(doc)
     assert {"pools", "key_prefix", "is_mla_backend", "pp_rank", "pp_size"} <= set(
         doc["hicache_object_layout"]
@@ -54,12 +58,14 @@ def test_upstream_fields_are_all_present():
 
 def test_sharded_components_carry_the_tp_rank_and_state_sizes_stay_unknown():
     ranks = RankTags.from_ranks(tp_rank=2, pp_rank=1, pp_size=2)
-    pools = [
-        PoolLayoutInput("kv", PoolKind.KV_ANCHOR, ("kv",), (200,), 64, ("sharded",)),
-        PoolLayoutInput("mamba", PoolKind.STATE, ("temporal",), (4096,), 1, ("sharded",)),
-        PoolLayoutInput("indexer", PoolKind.KV_DERIVED, ("indexer",), (10,), 64, ("replicated",)),
-    ]
-    doc = describe_object_layout(_facts(), pools, ranks=ranks)
+    pools = {
+        "kv": PoolGeometry(("kv",), (200,), 64),
+        "mamba": PoolGeometry(("temporal",), (4096,), 1),
+        "indexer": PoolGeometry(("indexer",), (10,), 64),
+    }
+    kinds = {"kv": PoolKind.KV_ANCHOR, "mamba": PoolKind.STATE, "indexer": PoolKind.KV_DERIVED}
+    scopes = {"kv": ("sharded",), "mamba": ("sharded",), "indexer": ("replicated",)}
+    doc = describe_object_layout(_facts(), pools, kinds, scopes=scopes, ranks=ranks)
     by_name = {p["pool"]: p for p in doc["hicache_object_layout"]["pools"]}
     assert [p["pool"] for p in doc["hicache_object_layout"]["pools"]][0] == "kv"
     assert by_name["kv"]["suffixes"] == ["_2_1_kv"]
@@ -72,8 +78,9 @@ def test_sharded_components_carry_the_tp_rank_and_state_sizes_stay_unknown():
 
 
 def test_unknown_scopes_give_no_suffix_rather_than_a_guess():
-    pool = PoolLayoutInput("kv", PoolKind.KV_ANCHOR, ("k",), (64,), 64)
-    doc = describe_object_layout(_facts(), [pool], ranks=RankTags.from_ranks(tp_rank=0))
+    pools = {"kv": PoolGeometry(("k",), (64,), 64)}
+    kinds = {"kv": PoolKind.KV_ANCHOR}
+    doc = describe_object_layout(_facts(), pools, kinds, ranks=RankTags.from_ranks(tp_rank=0))
     assert doc["hicache_object_layout"]["pools"][0]["suffixes"] == [None]
 
 
@@ -93,12 +100,13 @@ def test_parse_object_key_inverts_the_key_schema(tag, layout):
     for key in schema.object_keys(["ab12" * 16], comps):
         parsed = parse_object_key(key)
         assert parsed is not None, key
-        assert parsed.facts.key_prefix == schema.prefix
-        assert parsed.facts.tag == (tag if tag is None else "prod-a")
-        assert parsed.facts.model == "DeepSeek-V3.2"
-        assert (parsed.facts.host_page_tokens, parsed.facts.pages_per_span) == (64, 4)
-        assert parsed.facts.layout == layout
-        assert parsed.rest.startswith("ab12" * 16 + "_")
+        facts, rest = parsed
+        assert facts.key_prefix == schema.prefix
+        assert facts.tag == (tag if tag is None else "prod-a")
+        assert facts.model == "DeepSeek-V3.2"
+        assert (facts.host_page_tokens, facts.pages_per_span) == (64, 4)
+        assert facts.layout == layout
+        assert rest.startswith("ab12" * 16 + "_")
 
 
 @pytest.mark.parametrize(

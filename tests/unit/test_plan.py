@@ -23,7 +23,6 @@ from mooncake_span.span.plan import (
     PageLayout,
     PlanBatch,
     dedup_rounds,
-    flat_page_offsets,
     pages_of_slots,
     plan_batch,
     plan_objects_from_flat,
@@ -274,7 +273,7 @@ def test_plan_batch_columns_match_the_naive_reference(case):
     assert all(type(v) is int for v in batch.nbytes)
 
 
-def test_plan_batch_take_concat_and_from_plans_round_trip():
+def test_plan_batch_take_concat_and_of_plans_round_trip():
     pool = page_first_pool((64, 32), 16, components=((0,), (1,)))
     batch = plan_batch(pool.layout, np.asarray([[3, 4], [9, 1], [0, 15]]))
     assert len(batch) == 6  # 3 keys x 2 components
@@ -284,7 +283,7 @@ def test_plan_batch_take_concat_and_from_plans_round_trip():
     joined = PlanBatch.concat([picked, batch])
     assert joined.ptrs == picked.ptrs + batch.ptrs
     assert joined.sizes == picked.sizes + batch.sizes
-    again = PlanBatch.from_plans(batch.plans())
+    again = PlanBatch.of(batch.plans())
     assert (again.ptrs, again.sizes, again.nbytes) == (batch.ptrs, batch.sizes, batch.nbytes)
 
 
@@ -500,7 +499,7 @@ def test_from_flat_reads_the_same_object_bytes_as_the_host_pool(case):
                 assert lo <= p and p + s <= hi
 
 
-def test_flat_page_offsets_by_hand():
+def test_from_flat_page_offsets_by_hand():
     layout = PageLayout(
         base_ptrs=(0, 0, 0, 0),
         page_stride_bytes=(1, 1, 1, 1),
@@ -508,8 +507,13 @@ def test_flat_page_offsets_by_hand():
         components=((1, 0), (3,)),
         num_pages=1,
     )
-    # component 0: slot 1 (20 bytes) then slot 0 (10); component 1: slot 3.
-    assert flat_page_offsets(layout) == [[0, 20], [30]]
+    # component 0: slot 1 (20 bytes) then slot 0 (10); component 1: slot 3. Their
+    # offsets in the 35-byte flat page, 0, 20 and 30, lead each slot's 2 pages.
+    plans = plan_objects_from_flat(layout, [0], pages_per_key=2)
+    assert [as_pairs(p) for p in plans] == [
+        [(0, 20), (35, 20), (20, 10), (55, 10)],
+        [(30, 5), (65, 5)],
+    ]
 
 
 def test_from_flat_single_slot_is_one_buffer_per_key():

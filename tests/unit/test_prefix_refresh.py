@@ -237,9 +237,13 @@ def test_the_reachable_estimate_counts_stored_keys_before_the_first_hole():
 
     chains = [["a", "b", "c", "d"], ["e", "f"], ["g"]]
     estimate = reachable_estimate(chains, {"a", "b", "d", "f"})
-    assert (estimate.chains, estimate.stored_keys, estimate.reachable_keys) == (3, 4, 2)
-    assert estimate.share == 0.5
-    assert reachable_estimate([], set()).share is None
+    assert (
+        estimate["chains_sampled"],
+        estimate["stored_keys"],
+        estimate["reachable_keys"],
+    ) == (3, 4, 2)
+    assert estimate["share"] == 0.5
+    assert reachable_estimate([], set())["share"] is None
 
 
 def test_sampled_chains_keep_a_record_of_their_keys(rig):
