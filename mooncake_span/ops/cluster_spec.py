@@ -15,16 +15,6 @@ from mooncake_span.mooncake_settings import validate_master_address, validate_me
 from mooncake_span.store.ssd_tier import CHECK_MODES
 from mooncake_span.units import parse_size_bytes
 
-__all__ = [
-    "SSD_EVICTION_HIGH_WATERMARK_RATIO",
-    "SSD_EVICTION_RATIO",
-    "SSD_LEASE_TTL_MS",
-    "ClusterSpec",
-    "ExternalCluster",
-    "sglang_client_config",
-]
-
-
 # The master flags ``mooncake-span cluster up`` starts with (ClusterSpec itself keeps
 # Mooncake's defaults); why these values: docs/operating.md, "A local cluster".
 CLUSTER_UP_LEASE_TTL_MS = 2000
