@@ -5,6 +5,7 @@ exact, sampled or estimated: docs/operating.md, "mooncake-span inspect"."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import random
@@ -13,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mooncake_span.mooncake_settings import MooncakeSettings
 from mooncake_span.ops import master_http
 from mooncake_span.ops.cli_common import (
     add_connection_args,
@@ -290,23 +292,13 @@ def collect(
     }
 
 
-def _record_reader(args: argparse.Namespace, native_log: str | None) -> Any:
-    """Reads guard records through a probe child, or None when that cannot work."""
-    if args.no_records:
-        return None
-    try:
-        settings, _ = resolve_settings(args)
-    except ValueError as exc:
-        logger.warning("inspect: not reading layout-guard records: %s", exc)
-        return None
-
-    def read(keys: list[str]) -> dict[str, str | None]:
-        reply = probe(settings, timeout_s=_RECORD_TIMEOUT_S, native_log=native_log, read_keys=keys)
-        if "error" in reply:
-            logger.warning("inspect: layout-guard records unreadable: %s", reply["error"])
-        return reply.get("blobs") or {}
-
-    return read
+def _read_records(
+    settings: MooncakeSettings, native_log: str | None, keys: list[str]
+) -> dict[str, str | None]:
+    reply = probe(settings, timeout_s=_RECORD_TIMEOUT_S, native_log=native_log, read_keys=keys)
+    if "error" in reply:
+        logger.warning("inspect: layout-guard records unreadable: %s", reply["error"])
+    return reply.get("blobs") or {}
 
 
 def _human_bytes(value: float | None) -> str:
@@ -356,14 +348,17 @@ def format_text(doc: dict[str, Any]) -> str:
 
 
 def run_inspect_command(args: argparse.Namespace) -> int:
-    base = args.admin_url.rstrip("/") if args.admin_url else None
-    if base is None:
-        try:
-            settings, extra = resolve_settings(args)
-        except ValueError as exc:
+    settings = None
+    try:
+        settings, extra = resolve_settings(args)
+        base = admin_url(args, settings, extra)
+    except ValueError as exc:
+        if not args.admin_url:
             print(f"mooncake-span inspect: {exc}", file=sys.stderr)
             return 2
-        base = admin_url(args, settings, extra)
+        if not args.no_records:
+            logger.warning("inspect: not reading layout-guard records: %s", exc)
+        base = args.admin_url.rstrip("/")
     if base is None:
         print(
             "mooncake-span inspect: an etcd:// master has no single admin server; pass "
@@ -371,13 +366,16 @@ def run_inspect_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    native_log = resolve_native_log(args.native_log, "inspect")
+    read_records = None
+    if settings is not None and not args.no_records:
+        native_log = resolve_native_log(args.native_log, "inspect")
+        read_records = functools.partial(_read_records, settings, native_log)
     try:
         doc = collect(
             base,
             sample_per_namespace=args.sample,
             exact_bytes=args.exact_bytes,
-            read_records=_record_reader(args, native_log),
+            read_records=read_records,
             chain_sample=args.chains,
         )
     except master_http.AdminError as exc:
