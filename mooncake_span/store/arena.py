@@ -59,7 +59,6 @@ class StagingArena:
 
     @contextmanager
     def lease(self, want_bytes: int, min_bytes: int) -> Iterator[Lease]:
-        """A lease of ``min_bytes`` to ``want_bytes``, waiting at most ``timeout_s``."""
         if min_bytes > self.size_bytes:
             raise InvalidRequestError(
                 f"{min_bytes} bytes cannot be staged: the staging arena holds {self.size_bytes} "
