@@ -112,6 +112,7 @@ def mooncake_import_failure(exc: ImportError, builds: Sequence[MooncakeBuild] | 
 
 
 def probe_tcp(endpoint: str, timeout_s: float) -> None:
+    """Connect to ``host:port`` once; SetupError if it does not answer within ``timeout_s``."""
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")
     try:
@@ -226,6 +227,7 @@ def wait_for_segments(
 
 
 def setup_store(store: Any, settings: MooncakeSettings, **arguments: Any) -> None:
+    """Call ``setup`` by keyword; SetupError says why it failed."""
     if settings.ssd_offload_path is not None and not settings.enable_ssd_offload:
         try:  # sglang's MooncakeStore creates it whether offload is on or not
             os.makedirs(settings.ssd_offload_path, exist_ok=True)

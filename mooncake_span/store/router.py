@@ -350,6 +350,7 @@ class DomainRouter:
         self.chained = False
 
     def segments(self) -> tuple[str, ...]:
+        """The live segments placement chooses from (empty: Mooncake places objects)."""
         return self.directory.segments if self.directory is not None else ()
 
     def copy_keys(self, key: str) -> list[str]:
