@@ -327,7 +327,7 @@ class Registration:
                 if kind is not PoolKind.STATE and stride is not None:
                     self.storage_page.contradiction(name, stride, self.geometry.host_page_tokens)
                 raise
-        batch = pool.batch(self.key_schema, page_keys, pages)
+        batch = PoolBatch(pool, page_keys, pages, pool.object_keys(self.key_schema, page_keys))
         batch.chain = chain
         if chain is not None and kind is not PoolKind.STATE and self._options.refresh_prefix:
             # A state pool's hit needs only the state at the prefix's end.
@@ -394,7 +394,7 @@ class Registration:
         if len(tensors) != len(page_keys):
             raise InvalidRequestError(f"{len(page_keys)} keys but {len(tensors)} tensors")
         pages = np.zeros((len(page_keys), self.geometry.pages_per_span), dtype=np.int64)
-        batch = kv.batch(self.key_schema, page_keys, pages)
+        batch = PoolBatch(kv, page_keys, pages, kv.object_keys(self.key_schema, page_keys))
         size = self.span_bytes
         batch.flat_bases = [_flat_base(i, t, size) for i, t in enumerate(tensors)]
         return batch

@@ -190,12 +190,6 @@ class StoredPool:
             )
         return pages
 
-    def batch(self, schema: KeySchema, page_keys: list[str], key_pages: np.ndarray) -> PoolBatch:
-        batch = PoolBatch(self, page_keys, key_pages)
-        if not self.is_logical:
-            batch.object_keys = schema.object_keys(page_keys, self.components)
-        return batch
-
     def object_keys(self, schema: KeySchema, page_keys: list[str]) -> list[str]:
         return [] if self.is_logical else schema.object_keys(page_keys, self.components)
 
