@@ -91,8 +91,7 @@ class CallObserver:
         except Exception:
             logger.debug("mooncake-span: metrics update failed", exc_info=True)
 
-    def hit_query(self, queried_keys: int, hit_keys: int, tally: Any) -> None:
-        """``tally``: a ``span.hit_rounds.ProbeTally`` (existence RPCs, objects probed)."""
+    def hit_query(self, queried_keys: int, hit_keys: int, tally: ProbeTally) -> None:
         if self._metrics is None:
             return
         try:
@@ -164,7 +163,6 @@ class CallRecorder:
         self.observer.hit_query(queried_keys, hit_keys, tally)
 
     def storage_metrics(self, geometry: SpanGeometry | None) -> SpanStorageMetrics:
-        """sglang's StorageMetrics since the last call, with the client's fault counters."""
         client_stats = self._client.stats()
         return self.counters.drain(
             pages_per_span=geometry.pages_per_span if geometry else 1,

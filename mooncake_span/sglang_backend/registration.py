@@ -143,7 +143,6 @@ class Registration:
             self._stager.check_row(name, pool.layout.flat_page_bytes * pages_per_key, pool.staged)
 
     def register_pool(self, name: str, host_pool: Any) -> None:
-        """Describe ``host_pool``, check it against the geometry, register its buffers."""
         kind = classify_pool(name)
         shape = describe_pool(name, host_pool, is_mla=self.is_mla)
         pool_class = StagedPool if shape.staged else StoredPool
@@ -410,7 +409,6 @@ class TransferBatches:
     refused: list[MooncakeSpanError] = field(default_factory=list)
 
     def answer(self, moved: list[list[bool]]) -> None:
-        """The per-key results of the batches, in their transfers' slots."""
         self.results.update(zip(self.names, moved, strict=True))
 
 

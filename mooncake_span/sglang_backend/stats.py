@@ -112,7 +112,6 @@ class CallCounters:
             self.hit_query_probed_objects += probed_objects
 
     def count_rejected(self, label: str) -> None:
-        """One call refused, keyed by its exception class name."""
         with self._lock:
             self.rejected_calls[label] = self.rejected_calls.get(label, 0) + 1
 

@@ -108,7 +108,6 @@ class PoolBatch:
 
     @property
     def staged(self) -> bool:
-        """Do this batch's bytes move through the staging arena?"""
         return self.flat_bases is not None or self.pool.staged
 
     @property
