@@ -287,10 +287,10 @@ def shared_transfer_engine() -> SharedEngine | None:
     )
 
 
-def preload_page_hash(page_tokens: int) -> bool:
+def preload_page_hash(page_tokens: int) -> None:
     """Hash one page the way sglang's controller will, so that its JIT-loaded hash
     extension loads at start-up (why: docs/architecture.md, "How sglang 0.5.23
-    drives the backend"); False (logged) if that failed.
+    drives the backend").
 
     A failure here is not fatal: the controller would hit the same error at its
     first hit query and handle it there, as it does without this backend."""
@@ -305,7 +305,7 @@ def preload_page_hash(page_tokens: int) -> bool:
             "first hit query will load it, and a timeout prefetch policy may drop that prefetch",
             exc_info=True,
         )
-        return False
+        return
     elapsed_s = time.monotonic() - started
     if elapsed_s >= _REPORT_LOAD_S:
         logger.info(
@@ -313,4 +313,3 @@ def preload_page_hash(page_tokens: int) -> bool:
             "(otherwise the first restore after a start would pay it)",
             elapsed_s,
         )
-    return True

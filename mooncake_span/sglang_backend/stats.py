@@ -85,8 +85,6 @@ class CallCounters:
     hit_query_probed_objects: int = 0
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"metric window must be >= 1 record, got {self.window}")
         for name in _RECORDS:
             setattr(self, name, deque(maxlen=self.window))
 
