@@ -130,7 +130,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
 
     @property
     def layout_guard_result(self) -> str | None:
-        """The layout guard's last outcome: "off", "published", "matched" or None."""
+        """The layout guard's last outcome: "off", "published", "matched", "deferred" or None."""
         return self.registration.layout_guard_result
 
     # ---- registration (control path: errors raise) -------------------------------
