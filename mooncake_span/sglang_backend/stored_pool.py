@@ -263,9 +263,7 @@ class StoredPool:
         ctypes.memmove(batch.flat_bases[row], arena.data_ptr() + offset, batch.row_bytes)
 
     def moved_bytes(self, batch: PoolBatch, per_key: Sequence[bool]) -> int:
-        if self.is_logical:
-            return 0
-        return self.layout.flat_page_bytes * batch.pages_per_key * per_key.count(True)
+        return 0 if self.is_logical else batch.row_bytes * per_key.count(True)
 
 
 class StagedPool(StoredPool):
