@@ -130,7 +130,7 @@ class MooncakeSpanStore(ReadPath, WritePath, HiCacheStorage):
 
     @property
     def layout_guard_result(self) -> str | None:
-        """The layout guard's last outcome: "off", "published", "matched" or None."""
+        """The layout guard's last outcome: "off", "published", "matched", "deferred" or None."""
         return self.registration.layout_guard_result
 
     # ---- registration (control path: errors raise) -------------------------------
@@ -285,10 +285,10 @@ def shared_transfer_engine() -> SharedEngine | None:
     )
 
 
-def preload_page_hash(page_tokens: int) -> bool:
+def preload_page_hash(page_tokens: int) -> None:
     """Hash one page the way sglang's controller will, so that its JIT-loaded hash
     extension loads at start-up (why: docs/architecture.md, "How sglang 0.5.23
-    drives the backend"); False (logged) if that failed.
+    drives the backend").
 
     A failure here is not fatal: the controller would hit the same error at its
     first hit query and handle it there, as it does without this backend."""
@@ -303,7 +303,7 @@ def preload_page_hash(page_tokens: int) -> bool:
             "first hit query will load it, and a timeout prefetch policy may drop that prefetch",
             exc_info=True,
         )
-        return False
+        return
     elapsed_s = time.monotonic() - started
     if elapsed_s >= _REPORT_LOAD_S:
         logger.info(
@@ -311,4 +311,3 @@ def preload_page_hash(page_tokens: int) -> bool:
             "(otherwise the first restore after a start would pay it)",
             elapsed_s,
         )
-    return True

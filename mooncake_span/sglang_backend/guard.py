@@ -61,7 +61,6 @@ def _per_key(value: Any) -> Callable[..., list[Any]]:
 
 
 def _answering(value: Any) -> Callable[..., Any]:
-    """A miss answering ``value`` whatever the call's arguments."""
     return lambda *_args, **_kwargs: value
 
 

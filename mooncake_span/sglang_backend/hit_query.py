@@ -45,9 +45,9 @@ def _pool_query(transfer: Any, page_exists: Sequence[bool]) -> PoolHitQuery:
 class HitProber:
     """Existence rounds of one backend's hit queries, counted in a ``ProbeTally``."""
 
-    def __init__(self, client: MooncakeClient, policy: ProbePolicy | None = None) -> None:
+    def __init__(self, client: MooncakeClient) -> None:
         self._client = client
-        self.policy = policy or ProbePolicy()
+        self.policy = ProbePolicy()
 
     def _round(
         self,

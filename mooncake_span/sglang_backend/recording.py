@@ -25,23 +25,18 @@ from mooncake_span.store.client import MooncakeClient
 logger = logging.getLogger(__name__)
 
 
-def _flags(result: Any) -> list[bool] | None:
-    """Per-key booleans of a call's result, None when the result is not per key."""
-    if isinstance(result, dict):
-        flat = [flag for flags in result.values() if isinstance(flags, list) for flag in flags]
-        return [bool(flag) for flag in flat]
-    if isinstance(result, list):
-        return [flag is not None and flag is not False for flag in result]
-    if isinstance(result, bool):
-        return [result]
-    return None
-
-
 def outcome_of(result: Any) -> str:
     if type(result) is list and result and set(map(type, result)) == {bool}:
         flags = result  # per-key results of a data call: C-level passes only
+    elif isinstance(result, dict):
+        flat = [flag for flags in result.values() if isinstance(flags, list) for flag in flags]
+        flags = [bool(flag) for flag in flat]
+    elif isinstance(result, list):
+        flags = [flag is not None and flag is not False for flag in result]
+    elif isinstance(result, bool):
+        flags = [result]
     else:
-        flags = _flags(result)
+        flags = []  # not per key
     if not flags:
         return "ok"
     done = flags.count(True)
@@ -91,8 +86,7 @@ class CallObserver:
         except Exception:
             logger.debug("mooncake-span: metrics update failed", exc_info=True)
 
-    def hit_query(self, queried_keys: int, hit_keys: int, tally: Any) -> None:
-        """``tally``: a ``span.hit_rounds.ProbeTally`` (existence RPCs, objects probed)."""
+    def hit_query(self, queried_keys: int, hit_keys: int, tally: ProbeTally) -> None:
         if self._metrics is None:
             return
         try:
@@ -164,7 +158,6 @@ class CallRecorder:
         self.observer.hit_query(queried_keys, hit_keys, tally)
 
     def storage_metrics(self, geometry: SpanGeometry | None) -> SpanStorageMetrics:
-        """sglang's StorageMetrics since the last call, with the client's fault counters."""
         client_stats = self._client.stats()
         return self.counters.drain(
             pages_per_span=geometry.pages_per_span if geometry else 1,

@@ -143,7 +143,6 @@ class Registration:
             self._stager.check_row(name, pool.layout.flat_page_bytes * pages_per_key, pool.staged)
 
     def register_pool(self, name: str, host_pool: Any) -> None:
-        """Describe ``host_pool``, check it against the geometry, register its buffers."""
         kind = classify_pool(name)
         shape = describe_pool(name, host_pool, is_mla=self.is_mla)
         pool_class = StagedPool if shape.staged else StoredPool
@@ -327,7 +326,7 @@ class Registration:
                 if kind is not PoolKind.STATE and stride is not None:
                     self.storage_page.contradiction(name, stride, self.geometry.host_page_tokens)
                 raise
-        batch = pool.batch(self.key_schema, page_keys, pages)
+        batch = PoolBatch(pool, page_keys, pages, pool.object_keys(self.key_schema, page_keys))
         batch.chain = chain
         if chain is not None and kind is not PoolKind.STATE and self._options.refresh_prefix:
             # A state pool's hit needs only the state at the prefix's end.
@@ -394,7 +393,7 @@ class Registration:
         if len(tensors) != len(page_keys):
             raise InvalidRequestError(f"{len(page_keys)} keys but {len(tensors)} tensors")
         pages = np.zeros((len(page_keys), self.geometry.pages_per_span), dtype=np.int64)
-        batch = kv.batch(self.key_schema, page_keys, pages)
+        batch = PoolBatch(kv, page_keys, pages, kv.object_keys(self.key_schema, page_keys))
         size = self.span_bytes
         batch.flat_bases = [_flat_base(i, t, size) for i, t in enumerate(tensors)]
         return batch
@@ -410,7 +409,6 @@ class TransferBatches:
     refused: list[MooncakeSpanError] = field(default_factory=list)
 
     def answer(self, moved: list[list[bool]]) -> None:
-        """The per-key results of the batches, in their transfers' slots."""
         self.results.update(zip(self.names, moved, strict=True))
 
 

@@ -81,7 +81,6 @@ class Stager:
                 batch.pool.unstage_row(batch, row, self._view, self._offset(part, k))
 
     def _offset(self, part: StagedRows, k: int) -> int:
-        """Arena offset of the part's ``k``-th row."""
         return part.base_ptr - self.arena.base_ptr + k * part.batch.row_bytes
 
 

@@ -85,8 +85,6 @@ class CallCounters:
     hit_query_probed_objects: int = 0
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"metric window must be >= 1 record, got {self.window}")
         for name in _RECORDS:
             setattr(self, name, deque(maxlen=self.window))
 
@@ -112,7 +110,6 @@ class CallCounters:
             self.hit_query_probed_objects += probed_objects
 
     def count_rejected(self, label: str) -> None:
-        """One call refused, keyed by its exception class name."""
         with self._lock:
             self.rejected_calls[label] = self.rejected_calls.get(label, 0) + 1
 

@@ -184,7 +184,6 @@ class StoragePage:
 
 
 def check_assignable(value: Any) -> int:
-    """The whole number of tokens an assignment of ``storage_page_size`` carries."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise RegistrationError(
             f"{STORAGE_PAGE_KEY} must be a whole number of tokens, got {value!r}"

@@ -108,7 +108,6 @@ class PoolBatch:
 
     @property
     def staged(self) -> bool:
-        """Do this batch's bytes move through the staging arena?"""
         return self.flat_bases is not None or self.pool.staged
 
     @property
@@ -190,12 +189,6 @@ class StoredPool:
             )
         return pages
 
-    def batch(self, schema: KeySchema, page_keys: list[str], key_pages: np.ndarray) -> PoolBatch:
-        batch = PoolBatch(self, page_keys, key_pages)
-        if not self.is_logical:
-            batch.object_keys = schema.object_keys(page_keys, self.components)
-        return batch
-
     def object_keys(self, schema: KeySchema, page_keys: list[str]) -> list[str]:
         return [] if self.is_logical else schema.object_keys(page_keys, self.components)
 
@@ -270,9 +263,7 @@ class StoredPool:
         ctypes.memmove(batch.flat_bases[row], arena.data_ptr() + offset, batch.row_bytes)
 
     def moved_bytes(self, batch: PoolBatch, per_key: Sequence[bool]) -> int:
-        if self.is_logical:
-            return 0
-        return self.layout.flat_page_bytes * batch.pages_per_key * per_key.count(True)
+        return 0 if self.is_logical else batch.row_bytes * per_key.count(True)
 
 
 class StagedPool(StoredPool):

@@ -156,14 +156,6 @@ class StoredAnswer:
 FRESH_S = 1.0
 
 
-@dataclass(frozen=True)
-class KvAnswer:
-    objects: list[str]
-    stored: list[bool]
-    reachable: bool  # the chain's prefix was wholly stored (or not checked)
-    at_s: float
-
-
 class KvAhead:
     """One answer per thread, taken by the next KV call of that thread."""
 
@@ -171,15 +163,14 @@ class KvAhead:
         self._local = threading.local()
         self._clock = clock
 
-    def keep(self, objects: list[str], stored: list[bool], reachable: bool) -> None:
-        self._local.answer = KvAnswer(objects, stored, reachable, self._clock())
+    def keep(self, objects: list[str], answer: StoredAnswer) -> None:
+        self._local.kept = (objects, answer, self._clock())
 
-    def take(self, objects: list[str]) -> KvAnswer | None:
+    def take(self, objects: list[str]) -> StoredAnswer | None:
         """The kept answer if about exactly ``objects`` and fresh (used up either way)."""
-        answer = getattr(self._local, "answer", None)
-        self._local.answer = None
-        fresh = answer is not None and self._clock() - answer.at_s <= FRESH_S
-        return answer if fresh and answer.objects == objects else None
+        kept_objects, answer, at_s = getattr(self._local, "kept", None) or ((), None, 0.0)
+        self._local.kept = None
+        return answer if self._clock() - at_s <= FRESH_S and kept_objects == objects else None
 
 
 class StoredCheck:
@@ -209,8 +200,7 @@ class StoredCheck:
         """For ``keys``, the object keys of ``physical`` (its stored pools) in order."""
         if not keys:
             return StoredAnswer([], True)
-        kept = self._kv_ahead.take(keys)
-        answer = StoredAnswer(kept.stored, kept.reachable) if kept else self._query(physical, keys)
+        answer = self._kv_ahead.take(keys) or self._query(physical, keys)
         if True in answer.stored:
             self._pressure.count(STORED, answer.stored.count(True))
         if not answer.prefix_head_stored:
@@ -229,7 +219,7 @@ class StoredCheck:
         existence = self._client.exists_and_touch([*keys, *ahead], touch, *placed)
         head_stored = not self._skip_unreachable or all(existence.touched_head)
         if ahead:
-            self._kv_ahead.keep(ahead, existence.found[len(keys) :], head_stored)
+            self._kv_ahead.keep(ahead, StoredAnswer(existence.found[len(keys) :], head_stored))
         return StoredAnswer(existence.found[: len(keys)], head_stored)
 
     def _kv_of_sidecars(self, physical: list[PoolBatch]) -> tuple[list[str], list[str]]:

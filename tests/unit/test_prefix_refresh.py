@@ -108,20 +108,20 @@ def test_a_kv_call_asks_itself_unless_its_sidecar_call_just_asked_for_the_same_k
 def test_a_kept_answer_is_used_once_by_its_thread_while_fresh():
     import threading
 
-    from mooncake_span.sglang_backend.writes import FRESH_S, KvAhead
+    from mooncake_span.sglang_backend.writes import FRESH_S, KvAhead, StoredAnswer
 
     now = [100.0]
     ahead = KvAhead(clock=lambda: now[0])
-    ahead.keep(["x", "y"], [False, True], True)
+    ahead.keep(["x", "y"], StoredAnswer([False, True], True))
     elsewhere = []
     thread = threading.Thread(target=lambda: elsewhere.append(ahead.take(["x", "y"])))
     thread.start()
     thread.join()
     assert elsewhere == [None]
     kept = ahead.take(["x", "y"])
-    assert (kept.stored, kept.reachable) == ([False, True], True)
+    assert (kept.stored, kept.prefix_head_stored) == ([False, True], True)
     assert ahead.take(["x", "y"]) is None
-    ahead.keep(["x"], [False], False)
+    ahead.keep(["x"], StoredAnswer([False], False))
     now[0] += FRESH_S + 0.01
     assert ahead.take(["x"]) is None
 
