@@ -22,7 +22,7 @@ RUN_TIMEOUT_S = 60
 # The wheel's Python today, in lines; issue #48's target is 13,000, missed by the
 # difference (docs/architecture.md says what fills it). A change that grows the
 # wheel past this says so here.
-WHEEL_PYTHON_LINES_BOUND = 14_016
+WHEEL_PYTHON_LINES_BOUND = 13_873
 
 
 @pytest.fixture(scope="module")
